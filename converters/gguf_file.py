@@ -1,0 +1,194 @@
+"""GGUF files: header -> HF-style config, tensors -> dequantized HF-named arrays, tokenizer.
+
+The `gguf` package (llama.cpp's own reader) parses the file and dequantizes every block format
+it knows (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, ...). llama.cpp permutes the
+q/k projections of `llama`-architecture files for its interleaved rope; that is undone here so
+the model sees HF's layout, and Gemma's norm weights are stored as (1 + w), so 1 is subtracted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from converters.errors import ModelLoadError
+
+_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+
+_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+class GGUFModel:
+    """An opened GGUF file. Raises `ModelLoadError` if it is missing, truncated or corrupt."""
+
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # the reader raises ValueError/IndexError/... on a bad file
+            raise ModelLoadError(f"corrupt or truncated GGUF file {self.path}: {e}") from e
+        self.meta = {
+            k: f.contents() for k, f in self.reader.fields.items() if not k.startswith("GGUF.")
+        }
+        self.arch = self.meta.get("general.architecture")
+        if self.arch not in _ARCH_TO_MODEL_TYPE:
+            raise ModelLoadError(
+                f"unsupported architecture {self.arch!r} in {self.path.name}; jengine supports "
+                f"{sorted(_ARCH_TO_MODEL_TYPE)}"
+            )
+
+    def _get(self, key: str, default: Any = None) -> Any:
+        return self.meta.get(f"{self.arch}.{key}", default)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The header as an HF `config.json` dict."""
+        names = {t.name for t in self.reader.tensors}
+        heads = int(self._get("attention.head_count"))
+        hidden = int(self._get("embedding_length"))
+        vocab = self._get("vocab_size") or len(self.meta.get("tokenizer.ggml.tokens", []))
+        cfg: dict[str, Any] = {
+            "model_type": _ARCH_TO_MODEL_TYPE[self.arch],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self._get("feed_forward_length")),
+            "num_hidden_layers": int(self._get("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._get("attention.head_count_kv", heads)),
+            "head_dim": int(self._get("attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(self._get("context_length", 2048)),
+            "rms_norm_eps": float(self._get("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._get("rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "output.weight" not in names,
+            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
+        }
+        scaling = self._get("rope.scaling.type")
+        if scaling and scaling != "none":
+            cfg["rope_scaling"] = {
+                "rope_type": scaling,
+                "factor": float(self._get("rope.scaling.factor", 1.0)),
+                "original_max_position_embeddings": int(
+                    self._get("rope.scaling.original_context_length", 8192)
+                ),
+            }
+        if self.arch in ("llama", "mistral") and self._get("attention.sliding_window"):
+            cfg["sliding_window"] = int(self._get("attention.sliding_window"))
+        if self.arch == "gemma3":
+            cfg["sliding_window"] = int(self._get("attention.sliding_window", 4096))
+            cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+            cfg["rope_local_base_freq"] = 10000.0
+            cfg["sliding_window_pattern"] = 6
+        if self.arch == "qwen2":
+            cfg["use_sliding_window"] = False
+        return cfg
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Yields (HF key, float32 array in HF's [out, in] layout), one tensor at a time."""
+        import gguf
+
+        cfg = self.hf_config()
+        for t in self.reader.tensors:
+            key = self._hf_name(t.name)
+            try:
+                w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            except NotImplementedError as e:
+                raise ModelLoadError(
+                    f"unsupported quantization type {t.tensor_type.name} for tensor {t.name} "
+                    f"in {self.path.name}"
+                ) from e
+            expected = tuple(int(n) for n in reversed(t.shape))
+            if w.size != int(np.prod(expected)):
+                raise ModelLoadError(f"corrupt tensor {t.name} in {self.path.name}")
+            w = w.reshape(expected)
+            if self.arch in ("llama", "mistral") and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                n = cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"]
+                w = _unpermute_rope(w, n)
+            if self.arch == "gemma3" and t.name.endswith("norm.weight"):
+                w = w - 1.0
+            yield key, w
+
+    def _hf_name(self, name: str) -> str:
+        if name in _TENSOR_NAMES:
+            return _TENSOR_NAMES[name]
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES | {
+            "ffn_norm": None, "post_attention_norm": None
+        }:
+            layer, base, kind = parts[1], parts[2], parts[3]
+            if base == "ffn_norm":
+                hf = "pre_feedforward_layernorm" if self.arch == "gemma3" else "post_attention_layernorm"
+            elif base == "post_attention_norm":
+                hf = "post_attention_layernorm"
+            else:
+                hf = _BLOCK_NAMES[base]
+            return f"model.layers.{layer}.{hf}.{kind}"
+        raise ModelLoadError(f"unsupported tensor {name!r} in {self.path.name} ({self.arch})")
+
+    def tokenizer(self):
+        """A `PreTrainedTokenizerFast` rebuilt from the file's vocabulary, merges, special tokens
+        and chat template (transformers' GGUF converters; no torch needed)."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as gtm
+
+        groups = {
+            group: {
+                name: self.meta[f"tokenizer.{key}"]
+                for key, name in renames.items()
+                if f"tokenizer.{key}" in self.meta
+            }
+            for group, renames in gtm.GGUF_TOKENIZER_MAPPING.items()
+        }
+        tok_dict, tok_cfg = groups["tokenizer"], groups["tokenizer_config"]
+        if "tokens" not in tok_dict:
+            raise ModelLoadError(f"{self.path.name} has no tokenizer vocabulary")
+        backend, _ = gtm.convert_gguf_tokenizer(self.arch, tok_dict)
+        special = {}
+        for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                          ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+            token_id = self.meta.get(f"tokenizer.ggml.{key}")
+            if token_id is not None:
+                special[name] = tok_dict["tokens"][int(token_id)]
+        add_bos = tok_cfg.get("add_bos_token", tok_dict.get("tokenizer_type") == "llama")
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            add_bos_token=bool(add_bos),
+            add_eos_token=bool(tok_cfg.get("add_eos_token", False)),
+            **special,
+        )
+        if tok_cfg.get("chat_template"):
+            tok.chat_template = tok_cfg["chat_template"]
+        return tok
+
+
+def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation (interleaved rope pairs -> HF's halves)."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )

