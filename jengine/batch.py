@@ -29,6 +29,7 @@ class ScheduledBatch:
         reserved scratch page and never holds real data).
       sample: [S] bool True when the sequence's last query token yields a sampled token
         (False for a prefill chunk that does not reach the end of the prompt).
+      seqs: [S] the scheduler's `Sequence` objects (host bookkeeping; never sent to the device).
     """
 
     seq_ids: list[int]
@@ -39,6 +40,7 @@ class ScheduledBatch:
     kv_lens: np.ndarray
     page_table: np.ndarray
     sample: np.ndarray
+    seqs: list = dataclasses.field(default_factory=list, repr=False)  # the Sequence objects
 
     @property
     def num_tokens(self) -> int:

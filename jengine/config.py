@@ -1,0 +1,121 @@
+"""Engine configuration: frozen, keyword-only dataclasses split by concern, and the one function
+that reads them from a YAML preset (`configs/*.yaml`, sections named like the dataclasses)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import configs as _configs
+
+CONFIG_DIR = Path(_configs.__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    model: str | None = None  # path, GGUF file, converted checkpoint or cached hub id; None = SmolLM2
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU/TPU
+    max_model_len: int | None = None  # None = min(model context, 2048)
+    attention_backend: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    page_size: int = 16
+    kv_cache_memory: str = "2GiB"
+    enable_prefix_caching: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    # Step shapes compiled at start-up. None = powers of two up to the maxima above.
+    token_buckets: tuple[int, ...] | None = None
+    seq_buckets: tuple[int, ...] | None = None
+    page_buckets: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    mesh: str = "tp=1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    grpc_port: int | None = None
+    max_queue: int = 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    model: ModelSection = ModelSection()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    server: ServerConfig = ServerConfig()
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+_SECTION_TYPES = {
+    "model": ModelSection, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig, "server": ServerConfig,
+}
+
+
+def load_config(name_or_path: str | None, **overrides: Any) -> EngineConfig:
+    """Reads a preset by name (`configs/<name>.yaml`) or path, then applies keyword overrides
+    (each a field name of any section; None values are ignored)."""
+    data: dict[str, dict[str, Any]] = {}
+    if name_or_path:
+        path = Path(name_or_path)
+        if not path.exists():
+            path = CONFIG_DIR / f"{name_or_path.removesuffix('.yaml')}.yaml"
+        if not path.exists():
+            raise ValueError(f"config {name_or_path!r} not found (a path, or one of {presets()})")
+        data = yaml.safe_load(path.read_text()) or {}
+        unknown = set(data) - set(_SECTION_TYPES)
+        if unknown:
+            raise ValueError(f"unknown config sections {sorted(unknown)} in {path}")
+    sections = {}
+    for section, cls in _SECTION_TYPES.items():
+        values = dict(data.get(section) or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = set(values) - names
+        if bad:
+            raise ValueError(f"unknown keys {sorted(bad)} in config section {section!r}")
+        for key, value in overrides.items():
+            if key in names and value is not None:
+                values[key] = value
+        for key in ("token_buckets", "seq_buckets", "page_buckets"):
+            if values.get(key) is not None:
+                values[key] = tuple(int(v) for v in values[key])
+        sections[section] = cls(**values)
+    known = {f.name for cls in _SECTION_TYPES.values() for f in dataclasses.fields(cls)}
+    stray = {k for k, v in overrides.items() if v is not None and k not in known}
+    if stray:
+        raise ValueError(f"unknown engine options {sorted(stray)}")
+    return EngineConfig(**sections)
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def parse_memory(text: str) -> int:
+    """'2GiB' / '512MiB' / '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([KMGT]i?B?)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse memory size {text!r} (e.g. '2GiB', '512MiB')")
+    value = float(m.group(1))
+    unit = (m.group(2) or "").upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(value * scale)

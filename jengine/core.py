@@ -1,0 +1,326 @@
+"""`EngineCore`: one model, its scheduler and runner, stepped by whoever owns it.
+
+`Engine` steps it in the caller's thread; `AsyncEngine` steps it in its own engine thread. It is
+not thread-safe by itself: exactly one thread calls `add_request`, `abort` and `step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from converters import LoadedModel, load_source
+from jengine.compilation import compile_count, enable_persistent_cache
+from jengine.config import EngineConfig, parse_memory
+from jengine.detokenizer import IncrementalDetokenizer
+from jengine.models import KVCache
+from jengine.outputs import Logprob, RequestOutput
+from jengine.page_allocator import PageAllocator
+from jengine.request import RequestState, SampleState
+from jengine.runner import Buckets, Runner, SamplingRows, StepResult, to_device_params
+from jengine.sampling_params import SamplingParams
+from jengine.scheduler import Scheduler
+from jengine.sequence import Sequence
+
+log = logging.getLogger("jengine")
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def resolve_dtype(dtype: str) -> str:
+    """auto -> float32 on CPU (XLA:CPU bfloat16 is several times slower), bfloat16 elsewhere."""
+    if dtype == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return dtype
+
+
+class EngineCore:
+    """Owns the model on device, the scheduler, and every in-flight request."""
+
+    def __init__(self, cfg: EngineConfig, *, progress: bool = True):
+        enable_persistent_cache()
+        self.cfg = cfg
+        self.dtype = resolve_dtype(cfg.model.dtype)
+        if cfg.model.attention_backend not in ("auto", "reference"):
+            raise ValueError(
+                f"attention backend {cfg.model.attention_backend!r} is not available here; "
+                "use auto or reference"
+            )
+        loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress)
+        self.loaded_source = loaded.source
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = self._max_model_len(loaded)
+        self.eos_token_ids = self._eos_ids(loaded)
+        page_size = cfg.cache.page_size
+        budget = parse_memory(cfg.cache.kv_cache_memory)
+        num_pages = budget // KVCache.bytes_per_page(self.model_config, page_size, self.dtype)
+        max_pages = -(-self.max_model_len // page_size)
+        if num_pages < max_pages + 1:
+            raise ValueError(
+                f"kv_cache_memory {cfg.cache.kv_cache_memory} holds {num_pages} pages; one "
+                f"sequence of max_model_len {self.max_model_len} needs {max_pages + 1}"
+            )
+        sched = cfg.scheduler
+        if sched.max_num_seqs > sched.max_num_batched_tokens:
+            raise ValueError("max_num_seqs cannot exceed max_num_batched_tokens")
+        default = Buckets.default(sched.max_num_batched_tokens, sched.max_num_seqs, max_pages)
+        buckets = Buckets(
+            tokens=sched.token_buckets or default.tokens,
+            seqs=sched.seq_buckets or default.seqs,
+            pages=sched.page_buckets or default.pages,
+        )
+        if (buckets.tokens[-1] < sched.max_num_batched_tokens
+                or buckets.seqs[-1] < min(sched.max_num_seqs, sched.max_num_batched_tokens)
+                or buckets.pages[-1] < max_pages):
+            raise ValueError(f"buckets {buckets} do not cover the scheduler limits")
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.scheduler = Scheduler(
+            self.allocator,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+        )
+        params = to_device_params(loaded.params)
+        self.runner = Runner(
+            self.model_config, params, num_pages=num_pages, page_size=page_size,
+            buckets=buckets, dtype=self.dtype,
+        )
+        self.requests: dict[str, RequestState] = {}
+        self._seq_counter = 0
+        self.warmup_seconds = self._warmup(progress)
+        self.compiles_at_ready = compile_count()
+        self.num_steps = 0
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _max_model_len(self, loaded: LoadedModel) -> int:
+        limit = loaded.config.max_position_embeddings
+        wanted = self.cfg.model.max_model_len
+        if wanted is None:
+            return min(limit, DEFAULT_MAX_MODEL_LEN)
+        if wanted < 2 or wanted > limit:
+            raise ValueError(f"max_model_len {wanted} must be between 2 and the model's {limit}")
+        return wanted
+
+    def _eos_ids(self, loaded: LoadedModel) -> tuple[int, ...]:
+        ids = set(loaded.config.eos_token_ids)
+        gen_eos = loaded.generation_config.get("eos_token_id")
+        if gen_eos is not None:
+            ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        if loaded.tokenizer.eos_token_id is not None:
+            ids.add(int(loaded.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def _warmup(self, progress: bool) -> float:
+        bar = tqdm(total=len(self.runner.buckets.shapes()), desc="compiling step buckets",
+                   disable=not progress, file=sys.stderr, unit="bucket")
+
+        def tick(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+
+        seconds = self.runner.warmup(tick)
+        bar.close()
+        return seconds
+
+    @property
+    def compiles_since_ready(self) -> int:
+        """Programs compiled after warm-up; anything but 0 means a step shape was missed."""
+        return compile_count() - self.compiles_at_ready
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("prompt must be a string or a list of token ids")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return None, ids
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None
+    ) -> RequestState:
+        """Validates and queues a request. Raises ValueError for bad input (nothing is queued)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported yet")
+        text, ids = self.encode_prompt(prompt)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context length is {self.max_model_len}"
+            )
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                f"length {self.max_model_len}"
+            )
+        base_seed = params.seed if params.seed is not None else random.getrandbits(32)
+        samples = []
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=self._next_seq_id(), request_id=request_id, index=index,
+                prompt_ids=ids, params=params, seed=(base_seed + index) % (1 << 32),
+                max_tokens=max_tokens, arrival=time.perf_counter(),
+            )
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop or (), include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
+            )
+            samples.append(SampleState(seq=seq, detok=detok))
+        state = RequestState(request_id, text, ids, params, samples)
+        self.requests[request_id] = state
+        self.scheduler.add([s.seq for s in samples])
+        return state
+
+    def _next_seq_id(self) -> int:
+        self._seq_counter += 1
+        return self._seq_counter
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a request at once and frees its pages; returns its final (aborted) delta."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        return state.take_delta()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """schedule -> run -> postprocess -> detokenize; returns the deltas of this step."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.requests and not self.scheduler.has_work:
+                raise RuntimeError("requests are pending but the scheduler has no work")
+            return []
+        rows = self._sampling_rows(batch.seqs)
+        result = self.runner.execute(batch, rows)
+        self.num_steps += 1
+        updated = self.scheduler.postprocess(batch, result.tokens)
+        index = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
+        touched: dict[str, RequestState] = {}
+        for seq in updated:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            self._emit_token(state, state.samples[seq.index], result, index[seq.seq_id])
+            touched[seq.request_id] = state
+        outputs = []
+        for rid, state in touched.items():
+            delta = state.take_delta()
+            if delta is not None:
+                outputs.append(delta)
+            if state.finished:
+                state.finish_time = time.perf_counter()
+                del self.requests[rid]
+        return outputs
+
+    def _emit_token(self, state: RequestState, sample: SampleState, result: StepResult,
+                    row: int) -> None:
+        seq = sample.seq
+        token = seq.output_ids[-1]
+        if state.first_token_time is None:
+            state.first_token_time = time.perf_counter()
+        sample.new_ids.append(token)
+        if state.params.logprobs is not None:
+            sample.new_logprobs.append(self._logprobs(state.params.logprobs, token, result, row))
+        delta = sample.detok.add_tokens([token])
+        text = delta.text
+        if delta.stop_string is not None:
+            self.scheduler.finish(seq, "stop", delta.stop_string)
+        elif seq.is_finished:
+            text += sample.detok.flush().text
+        sample.new_text += text
+        sample.text += text
+        if seq.is_finished:
+            sample.finish_reason, sample.stop_reason = seq.finish_reason, seq.stop_reason
+
+    def _logprobs(self, k: int, token: int, result: StepResult, row: int) -> dict[int, Logprob]:
+        out = {token: Logprob(float(result.logprobs[row]), None, self._piece(token))}
+        if result.top_ids is not None:
+            for rank, (tid, lp) in enumerate(zip(result.top_ids[row], result.top_logprobs[row])):
+                tid = int(tid)
+                if tid == token:
+                    out[token].rank = rank + 1
+                if rank < k:
+                    out.setdefault(tid, Logprob(float(lp), rank + 1, self._piece(tid)))
+        return out
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _sampling_rows(self, seqs: list[Sequence]) -> SamplingRows:
+        n = len(seqs)
+        ps = [s.params for s in seqs]
+        rows = SamplingRows(
+            temperature=np.asarray([p.temperature for p in ps], np.float32),
+            top_k=np.asarray([p.top_k for p in ps], np.int32),
+            top_p=np.asarray([p.top_p for p in ps], np.float32),
+            min_p=np.asarray([p.min_p for p in ps], np.float32),
+            presence_penalty=np.asarray([p.presence_penalty for p in ps], np.float32),
+            frequency_penalty=np.asarray([p.frequency_penalty for p in ps], np.float32),
+            repetition_penalty=np.asarray([p.repetition_penalty for p in ps], np.float32),
+            seeds=np.asarray([s.seed for s in seqs], np.uint32),
+            steps=np.asarray([len(s.output_ids) for s in seqs], np.int32),
+        )
+        if any(p.logprobs is not None for p in ps):
+            rows.num_top_logprobs = 20
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+               for p in ps):
+            rows.history = [(s.prompt_ids + s.output_ids, len(s.prompt_ids)) for s in seqs]
+        banned = [self._banned_now(s) for s in seqs]
+        if any(p.logit_bias for p in ps) or any(banned):
+            bias = np.zeros((n, self.model_config.vocab_size), np.float32)
+            for i, (p, ban) in enumerate(zip(ps, banned)):
+                for tid, b in (p.logit_bias or {}).items():
+                    if 0 <= tid < bias.shape[1]:
+                        bias[i, tid] += b
+                bias[i, list(ban)] = -np.inf
+            rows.logit_bias = bias
+        return rows
+
+    def _banned_now(self, seq: Sequence) -> set[int]:
+        """Stop tokens masked while a sequence is still short of min_tokens."""
+        p = seq.params
+        if len(seq.output_ids) >= p.min_tokens:
+            return set()
+        stops = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stops |= set(self.eos_token_ids)
+        return stops

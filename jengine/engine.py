@@ -1,0 +1,298 @@
+"""jengine's public engine API: `Engine` (blocking) and `AsyncEngine` (asyncio, own thread).
+
+The data flow of one step, and the type at each boundary:
+
+    Request (prompt ids, SamplingParams)          EngineCore.add_request -> Sequence(s)
+      -> Scheduler.schedule()                      host: decodes first, then prefill chunks
+                                                   within the token budget; allocates KV pages;
+                                                   preempts by recompute when pages run out
+      -> ScheduledBatch                            host NumPy: tokens, positions, slots, q/kv
+                                                   lens, page tables (jengine/batch.py)
+      -> Runner.prepare()                          pads to a declared bucket, one device_put
+      -> step(params, kv_cache, metadata, sampling arrays)
+                                                   one jitted program: embed -> scanned layers
+                                                   (paged attention writes new K/V) -> last-token
+                                                   logits -> sampler; kv_cache donated
+      -> StepResult                                [S] token ids (+ logprobs) back to the host
+      -> Scheduler.postprocess()                   append tokens, eos/stop ids/max_tokens, free
+                                                   pages of finished sequences
+      -> IncrementalDetokenizer                    UTF-8 safe text deltas; stop strings cut
+      -> RequestOutput deltas                      to Engine.generate / stream / AsyncEngine
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from tqdm import tqdm
+
+from jengine.config import EngineConfig, load_config
+from jengine.core import EngineCore
+from jengine.outputs import RequestOutput
+from jengine.request import merge_deltas
+from jengine.sampling_params import SamplingParams
+
+# The pinned keyword defaults. A keyword left at its default lets a `config` preset decide.
+_DEFAULTS: dict[str, Any] = dict(
+    mesh="tp=1", dtype="auto", attention_backend="auto", max_model_len=None, max_num_seqs=64,
+    max_num_batched_tokens=512, page_size=16, kv_cache_memory="2GiB", enable_prefix_caching=True,
+)
+
+
+def build_config(model: str | None, config: str | None, **kwargs: Any) -> EngineConfig:
+    """Engine kwargs (+ optional preset) -> EngineConfig. Explicit non-default kwargs win."""
+    overrides = {k: v for k, v in kwargs.items() if config is None or v != _DEFAULTS.get(k)}
+    return load_config(config, model=model, **overrides)
+
+
+class Engine:
+    """Offline inference: `generate`, `chat` and `stream` in the caller's thread."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        mesh: str = "tp=1",
+        dtype: str = "auto",
+        attention_backend: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        page_size: int = 16,
+        kv_cache_memory: str = "2GiB",
+        enable_prefix_caching: bool = True,
+        config: str | None = None,
+        progress: bool = True,
+    ):
+        cfg = build_config(
+            model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
+            kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+        )
+        if cfg.parallel.mesh not in ("tp=1", "dp=1", "dp=1,tp=1", "tp=1,dp=1"):
+            raise ValueError(f"mesh {cfg.parallel.mesh!r}: only tp=1 is supported so far")
+        self.core = EngineCore(cfg, progress=progress)
+        self.tokenizer = self.core.tokenizer
+        self.progress = progress
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in prompt order (tqdm bar on stderr)."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a non-empty string or list")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError("need one SamplingParams per prompt")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.core.add_request(rid, prompt, p)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.core.abort(rid)
+            raise
+        deltas: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
+        bar = tqdm(total=len(ids), desc="generating", disable=not self.progress,
+                   file=sys.stderr, unit="req")
+        pending = set(ids)
+        while pending:
+            for out in self.core.step():
+                deltas[out.request_id].append(out)
+                if out.finished:
+                    pending.discard(out.request_id)
+                    bar.update(1)
+        bar.close()
+        return [merge_deltas(deltas[rid]) for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` over the model's chat template applied to each conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.render_chat(c, tools=tools) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
+        return render_chat(self.tokenizer, messages, tools=tools)
+
+    def stream(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yields deltas of one request as they are generated; the last has finished=True."""
+        rid = f"stream-{next(self._ids)}"
+        self.core.add_request(rid, prompt, sampling_params)
+        try:
+            while True:
+                for out in self.core.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.core.abort(rid)
+
+
+def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
+    """Chat messages -> prompt token ids with the tokenizer's chat template."""
+    if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+class AsyncEngine:
+    """Asyncio front end: one engine thread steps the core; callers `async for` their deltas.
+
+    Safe to use from any event loop (a notebook's included): the thread never touches asyncio
+    except through `call_soon_threadsafe` on the caller's own loop.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        progress = kwargs.pop("progress", True)
+        config = kwargs.pop("config", None)
+        cfg = build_config(model, config, **kwargs)
+        self.core = EngineCore(cfg, progress=progress)
+        self.tokenizer = self.core.tokenizer
+        self._lock = threading.Condition()
+        self._commands: list[tuple[str, Any]] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="jengine-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's deltas. Bad input raises ValueError before anything is queued."""
+        if self.error is not None:
+            raise RuntimeError(f"engine failed: {self.error}")
+        rid = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        done = loop.create_future()
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._streams[rid] = (loop, queue)
+            self._commands.append(("add", (rid, prompt, sampling_params, done)))
+            self._lock.notify()
+        try:
+            await done  # raises the ValueError of a rejected request
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            with self._lock:
+                if self._streams.pop(rid, None) is not None:
+                    self._commands.append(("abort", rid))
+                    self._lock.notify()
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._commands.append(("abort", request_id))
+            self._lock.notify()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        self._thread.join(timeout=30)
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._commands and not self.core.has_unfinished and not self._stopped:
+                        self._lock.wait()
+                    if self._stopped:
+                        return
+                    commands, self._commands = self._commands, []
+                for kind, arg in commands:
+                    self._run_command(kind, arg)
+                if self.core.has_unfinished:
+                    for out in self.core.step():
+                        self._deliver(out.request_id, out)
+        except BaseException as e:  # the engine is dead: every waiting stream gets the error
+            self.error = e
+            with self._lock:
+                streams = list(self._streams.items())
+            for rid, _ in streams:
+                self._deliver(rid, RuntimeError(f"engine failed: {e}"))
+
+    def _run_command(self, kind: str, arg: Any) -> None:
+        if kind == "abort":
+            self.core.abort(arg)
+            return
+        rid, prompt, params, done = arg
+        try:
+            self.core.add_request(rid, prompt, params)
+        except ValueError as e:
+            self._resolve(rid, done, e)
+            return
+        self._resolve(rid, done, None)
+
+    def _resolve(self, rid: str, done: asyncio.Future, error: Exception | None) -> None:
+        with self._lock:
+            entry = self._streams.get(rid)
+        if entry is None:
+            return
+        loop, _ = entry
+
+        def settle() -> None:
+            if done.done():
+                return
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+        loop.call_soon_threadsafe(settle)
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        with self._lock:
+            entry = self._streams.get(rid)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)

@@ -1,0 +1,278 @@
+"""`Runner`: pads a `ScheduledBatch` to a declared bucket, runs the jitted step, returns tokens.
+
+All `jax.jit` objects of the serving path are built here. One step program is
+`forward (embed -> scanned layers over the paged cache -> last-token logits) -> sample`, with
+the KV cache donated so XLA updates the pages in place. Shapes come from a small set of buckets
+(tokens T, sequences S, pages per sequence P) that `warmup()` compiles up front; sampling
+features that need extra inputs (penalties, logit bias, grammar masks, top logprobs) are step
+variants compiled on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.batch import ScheduledBatch
+from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
+from jengine.sampler import SamplerOutput, SamplingArrays, sample
+
+MAX_TOP_LOGPROBS = 20
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The step shapes the engine compiles: token counts, sequence counts, pages per sequence."""
+
+    tokens: tuple[int, ...]
+    seqs: tuple[int, ...]
+    pages: tuple[int, ...]
+
+    @classmethod
+    def default(cls, max_tokens: int, max_seqs: int, max_pages: int) -> Buckets:
+        return cls(
+            tokens=_powers_of_two(min(8, max_tokens), max_tokens),
+            seqs=_powers_of_two(min(4, max_seqs), max_seqs),
+            pages=_powers_of_two(min(8, max_pages), max_pages),
+        )
+
+    def pick(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
+        t = _first_at_least(self.tokens, max(num_tokens, 1))
+        s = min(_first_at_least(self.seqs, num_seqs), t)
+        return t, s, _first_at_least(self.pages, num_pages)
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, S, P) `pick` can return: S is capped at T (each sequence has a token)."""
+        out = {
+            (t, min(s, t), p)
+            for t, s, p in itertools.product(self.tokens, self.seqs, self.pages)
+        }
+        return sorted(out)
+
+
+def _first_at_least(values: tuple[int, ...], n: int) -> int:
+    for v in values:
+        if v >= n:
+            return v
+    raise ValueError(f"{n} exceeds the largest bucket {values[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Static features of a step program (each combination compiles once)."""
+
+    num_top_logprobs: int = 0
+    history: bool = False
+    logit_bias: bool = False
+    mask: bool = False
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What comes back to the host: only per-sequence values, never logits."""
+
+    tokens: np.ndarray  # [S] int32
+    logprobs: np.ndarray  # [S] f32 raw logprob of the chosen token
+    top_ids: np.ndarray | None  # [S, K] int32
+    top_logprobs: np.ndarray | None  # [S, K] f32
+
+
+class Runner:
+    """Owns the device state (params, KV cache) and the compiled step programs."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict[str, jax.Array],
+        *,
+        num_pages: int,
+        page_size: int,
+        buckets: Buckets,
+        dtype,
+        param_sharding: Callable | None = None,
+    ):
+        self.cfg = cfg
+        self.params = params
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.buckets = buckets
+        self.dtype = dtype
+        self.kv = KVCache.zeros(cfg, num_pages, page_size, dtype)
+        forward = family_module(cfg).forward
+
+        def step(params, kv, md, arrays, variant: Variant):
+            logits, kv = forward(params, cfg, kv, md)
+            out = sample(
+                logits, arrays, needs_sort=True, num_top_logprobs=variant.num_top_logprobs
+            )
+            return out, kv
+
+        self._step = jax.jit(step, donate_argnames=("kv",), static_argnames=("variant",))
+
+    # -- host -> device --------------------------------------------------------------------------
+
+    def prepare(
+        self, batch: ScheduledBatch, rows: SamplingRows
+    ) -> tuple[AttentionMetadata, SamplingArrays, Variant]:
+        """Pads the batch to its bucket and moves it to the device in one `device_put`."""
+        t, s, p = self.buckets.pick(batch.num_tokens, batch.num_seqs, batch.page_table.shape[1])
+        n_tok, n_seq = batch.num_tokens, batch.num_seqs
+        ints = np.zeros((4, t), np.int32)
+        ints[0, :n_tok] = batch.token_ids
+        ints[1, :n_tok] = batch.positions
+        ints[2, :n_tok] = batch.slot_mapping
+        ints[3, :n_tok] = np.repeat(np.arange(n_seq, dtype=np.int32), batch.q_lens)
+        page_table = np.zeros((s, p), np.int32)
+        page_table[:n_seq, : batch.page_table.shape[1]] = batch.page_table
+        logits_idx = np.zeros((s,), np.int32)
+        logits_idx[:n_seq] = batch.cu_q_lens[1:] - 1
+        host_arrays, variant = rows.padded(s)
+        dev = jax.device_put((ints, page_table, logits_idx, host_arrays))
+        ints_d, page_table_d, logits_idx_d, arrays_d = dev
+        md = AttentionMetadata(
+            token_ids=ints_d[0], positions=ints_d[1], slot_mapping=ints_d[2],
+            token_seq=ints_d[3], page_table=page_table_d, logits_indices=logits_idx_d,
+        )
+        return md, SamplingArrays(**arrays_d), variant
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def execute(self, batch: ScheduledBatch, rows: SamplingRows) -> StepResult:
+        md, arrays, variant = self.prepare(batch, rows)
+        out, self.kv = self._step(self.params, self.kv, md, arrays, variant)
+        return self.fetch(out, batch.num_seqs)
+
+    @staticmethod
+    def fetch(out: SamplerOutput, n: int) -> StepResult:
+        host = jax.device_get(out)
+        k = host.top_ids.shape[-1] if host.top_ids is not None else 0
+        return StepResult(
+            tokens=np.asarray(host.tokens[:n]),
+            logprobs=np.asarray(host.logprobs[:n]),
+            top_ids=np.asarray(host.top_ids[:n]) if k else None,
+            top_logprobs=np.asarray(host.top_logprobs[:n]) if k else None,
+        )
+
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> float:
+        """Compiles (or loads from the persistent cache) the base step of every bucket."""
+        start = time.perf_counter()
+        shapes = self.buckets.shapes()
+        for i, (t, s, p) in enumerate(shapes):
+            batch = _dummy_batch(t, s, p)
+            rows = SamplingRows.empty(s)
+            md, arrays, variant = self.prepare(batch, rows)
+            out, self.kv = self._step(self.params, self.kv, md, arrays, variant)
+            jax.block_until_ready(out.tokens)
+            if progress:
+                progress(i + 1, len(shapes))
+        return time.perf_counter() - start
+
+
+def _dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
+    """A batch of exactly bucket shape whose tokens all write the scratch page 0."""
+    q_lens = np.full((s,), t // s, np.int32)
+    q_lens[-1] += t - q_lens.sum()
+    return ScheduledBatch(
+        seq_ids=list(range(s)),
+        token_ids=np.zeros((t,), np.int32),
+        positions=np.zeros((t,), np.int32),
+        slot_mapping=np.zeros((t,), np.int32),
+        q_lens=q_lens,
+        kv_lens=q_lens.copy(),
+        page_table=np.zeros((s, p), np.int32),
+        sample=np.ones((s,), bool),
+    )
+
+
+@dataclasses.dataclass
+class SamplingRows:
+    """Per-sequence sampling settings of one batch on the host, before padding."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    seeds: np.ndarray
+    steps: np.ndarray
+    num_top_logprobs: int = 0
+    history: list[tuple[list[int], int]] | None = None  # (prompt+output ids, num prompt ids)
+    logit_bias: np.ndarray | None = None  # [n, V]
+    allowed_mask: np.ndarray | None = None  # [n, W] int32
+
+    @classmethod
+    def empty(cls, n: int) -> SamplingRows:
+        z = np.zeros((n,), np.float32)
+        return cls(
+            temperature=z, top_k=np.zeros((n,), np.int32), top_p=np.ones((n,), np.float32),
+            min_p=z, presence_penalty=z, frequency_penalty=z,
+            repetition_penalty=np.ones((n,), np.float32), seeds=np.zeros((n,), np.uint32),
+            steps=np.zeros((n,), np.int32),
+        )
+
+    def padded(self, s: int) -> tuple[dict[str, np.ndarray | None], Variant]:
+        n = len(self.temperature)
+
+        def pad(a: np.ndarray, fill) -> np.ndarray:
+            out = np.full((s, *a.shape[1:]), fill, a.dtype)
+            out[:n] = a
+            return out
+
+        arrays: dict[str, np.ndarray | None] = {
+            "temperature": pad(self.temperature, 0.0),
+            "top_k": pad(self.top_k, 0),
+            "top_p": pad(self.top_p, 1.0),
+            "min_p": pad(self.min_p, 0.0),
+            "presence_penalty": pad(self.presence_penalty, 0.0),
+            "frequency_penalty": pad(self.frequency_penalty, 0.0),
+            "repetition_penalty": pad(self.repetition_penalty, 1.0),
+            "seeds": pad(self.seeds, 0),
+            "steps": pad(self.steps, 0),
+            "history": None, "history_is_output": None, "logit_bias": None, "allowed_mask": None,
+        }
+        if self.history is not None:
+            width = _next_pow2(max(len(ids) for ids, _ in self.history))
+            hist = np.full((s, width), -1, np.int32)
+            is_out = np.zeros((s, width), bool)
+            for i, (ids, num_prompt) in enumerate(self.history):
+                hist[i, : len(ids)] = ids
+                is_out[i, num_prompt: len(ids)] = True
+            arrays["history"], arrays["history_is_output"] = hist, is_out
+        if self.logit_bias is not None:
+            arrays["logit_bias"] = pad(self.logit_bias, 0.0)
+        if self.allowed_mask is not None:
+            arrays["allowed_mask"] = pad(self.allowed_mask, -1)
+        variant = Variant(
+            num_top_logprobs=self.num_top_logprobs,
+            history=self.history is not None,
+            logit_bias=self.logit_bias is not None,
+            mask=self.allowed_mask is not None,
+        )
+        return arrays, variant
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def to_device_params(params: dict[str, np.ndarray], shardings=None) -> dict[str, jax.Array]:
+    """Host params -> device arrays (with their shardings when given)."""
+    if shardings is None:
+        return {k: jnp.asarray(v) for k, v in params.items()}
+    return {k: jax.device_put(v, shardings[k]) for k, v in params.items()}

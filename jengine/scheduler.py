@@ -1,0 +1,215 @@
+"""Continuous batching at iteration level (host-side; no JAX).
+
+Every step `schedule()` builds one `ScheduledBatch`: running decodes first (one token each),
+then prefill chunks of running and waiting sequences within `max_num_batched_tokens` and
+`max_num_seqs`. KV pages are allocated as sequences grow; when none are left, the most recently
+admitted sequence is preempted by recompute (its pages freed, its tokens prefilled again later,
+which reproduces the same output). `postprocess()` appends the sampled tokens, applies token-level
+stop rules and frees the pages of finished sequences.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from jengine.batch import ScheduledBatch
+from jengine.page_allocator import PageAllocator
+from jengine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Decides which tokens of which sequences run in each step, and owns their KV pages."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_pages_per_seq = allocator.pages_for(max_model_len)
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- admission and removal -------------------------------------------------------------
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queues a request's samples. With n > 1 the first sample prefills the prompt and the
+        others wait to share its full prompt pages (see `_fork`)."""
+        leader, *rest = seqs
+        leader.pending_forks = list(rest)
+        self.waiting.append(leader)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Removes every sequence of a request at once and frees its pages."""
+        removed = []
+        for seq in list(self.running) + list(self.waiting):
+            if seq.request_id == request_id:
+                removed.append(seq)
+                removed.extend(seq.pending_forks)
+                seq.pending_forks = []
+        for seq in removed:
+            self.finish(seq, "abort")
+        return removed
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Marks a sequence finished and releases its pages."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Picks this step's work; None when nothing can run."""
+        budget = self.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if seq.num_uncomputed != 1 or seq not in self.running:
+                continue
+            if len(chosen) >= self.max_num_seqs or budget == 0:
+                break
+            if self._reserve(seq, seq.num_tokens, chosen):
+                chosen.append((seq, 1))
+                budget -= 1
+        prefills = [s for s in self.running if s.num_uncomputed > 1] + list(self.waiting)
+        for seq in prefills:
+            if len(chosen) >= self.max_num_seqs or budget == 0:
+                break
+            n = min(seq.num_uncomputed, budget)
+            need = self.allocator.pages_for(seq.num_computed + n) - len(seq.pages)
+            if not self.allocator.can_allocate(need):
+                break
+            seq.pages += self.allocator.allocate(need)
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            chosen.append((seq, n))
+            budget -= n
+        if not chosen:
+            return None
+        return self._build_batch(chosen)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, chosen: list) -> bool:
+        """Makes sure `seq` has pages for `num_tokens`, preempting later-admitted sequences
+        (never one already chosen this step) when the pool runs dry. False if `seq` itself had
+        to be preempted."""
+        need = self.allocator.pages_for(num_tokens) - len(seq.pages)
+        scheduled = {id(s) for s, _ in chosen}
+        while not self.allocator.can_allocate(need):
+            victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.pages += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+
+    def _build_batch(self, chosen: list[tuple[Sequence, int]]) -> ScheduledBatch:
+        page_size = self.allocator.page_size
+        tokens, positions, slots = [], [], []
+        q_lens, kv_lens, sample = [], [], []
+        width = max(len(seq.pages) for seq, _ in chosen)
+        page_table = np.zeros((len(chosen), width), np.int32)
+        for i, (seq, n) in enumerate(chosen):
+            start = seq.num_computed
+            pos = np.arange(start, start + n, dtype=np.int32)
+            pages = np.asarray(seq.pages, np.int32)
+            tokens.extend(seq.tokens(start, start + n))
+            positions.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            q_lens.append(n)
+            kv_lens.append(start + n)
+            sample.append(start + n == seq.num_tokens)
+            page_table[i, : len(seq.pages)] = pages
+        return ScheduledBatch(
+            seq_ids=[seq.seq_id for seq, _ in chosen],
+            token_ids=np.asarray(tokens, np.int32),
+            positions=np.concatenate(positions),
+            slot_mapping=np.concatenate(slots).astype(np.int32),
+            q_lens=np.asarray(q_lens, np.int32),
+            kv_lens=np.asarray(kv_lens, np.int32),
+            page_table=page_table,
+            sample=np.asarray(sample, bool),
+            seqs=[seq for seq, _ in chosen],
+        )
+
+    # -- after the step ----------------------------------------------------------------------------
+
+    def postprocess(self, batch: ScheduledBatch, tokens: np.ndarray) -> list[Sequence]:
+        """Appends sampled tokens and applies token-level stops. Returns the sequences that
+        received a token this step (finished ones included)."""
+        updated = []
+        for i, seq in enumerate(batch.seqs):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed += int(batch.q_lens[i])
+            if not batch.sample[i]:
+                continue
+            token = int(tokens[i])
+            first = not seq.output_ids
+            seq.output_ids.append(token)
+            updated.append(seq)
+            if first and seq.pending_forks:
+                self._fork(seq)
+            self._check_stop(seq, token)
+        return updated
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        num_out = len(seq.output_ids)
+        if num_out > params.min_tokens:
+            if token in (params.stop_token_ids or ()):
+                return self.finish(seq, "stop", token)
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return self.finish(seq, "stop", None)
+        if num_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def _fork(self, leader: Sequence) -> None:
+        """Gives the leader's waiting siblings its full prompt pages by reference; each then
+        prefills only the prompt's last partial page (at least the last prompt token)."""
+        shared = leader.pages[: (len(leader.prompt_ids) - 1) // self.allocator.page_size]
+        for seq in reversed(leader.pending_forks):
+            self.allocator.share(shared)
+            seq.pages = list(shared)
+            seq.num_computed = len(shared) * self.allocator.page_size
+            self.waiting.appendleft(seq)
+        leader.pending_forks = []

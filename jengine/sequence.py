@@ -1,0 +1,62 @@
+"""`Sequence`: one sample of one request as the scheduler tracks it (host-side state only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # needs (re)prefill; holds no pages unless it shares a parent's
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """Tokens, pages and progress of one sequence.
+
+    `num_computed` counts tokens whose K/V are in the cache; the sequence still has to run
+    `num_tokens - num_computed` tokens through the model (1 for a plain decode).
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's `n` samples this is
+    prompt_ids: list[int]
+    params: Any  # SamplingParams
+    seed: int
+    max_tokens: int  # resolved: never past the context length
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    arrival: float = 0.0
+    num_preemptions: int = 0
+    # Set on a request's first sample while its siblings wait to share its prompt pages.
+    pending_forks: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
