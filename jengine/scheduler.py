@@ -4,7 +4,8 @@ Every step `schedule()` builds one `ScheduledBatch`: running decodes first (one 
 then prefill chunks of running and waiting sequences within `max_num_batched_tokens` and
 `max_num_seqs`. KV pages are allocated as sequences grow; when none are left, the most recently
 admitted sequence is preempted by recompute (its pages freed, its tokens prefilled again later,
-which reproduces the same output). `postprocess()` appends the sampled tokens, applies token-level
+which reproduces the same output), and failing that the forked samples still waiting on shared
+prompt pages give those up. `postprocess()` appends the sampled tokens, applies token-level
 stop rules and frees the pages of finished sequences.
 """
 
@@ -109,7 +110,9 @@ class Scheduler:
             chosen.append((seq, n))
             budget -= n
         if not chosen:
-            return None
+            # Nothing fits: the pages the queue's head needs may be held by waiting forked
+            # siblings (`_fork`), which nothing else would ever release. Drop them and retry.
+            return self.schedule() if self._release_waiting_pages() else None
         return self._build_batch(chosen)
 
     def _reserve(self, seq: Sequence, num_tokens: int, chosen: list) -> bool:
@@ -120,9 +123,10 @@ class Scheduler:
         scheduled = {id(s) for s, _ in chosen}
         while not self.allocator.can_allocate(need):
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
-            victim = victims[-1] if victims else seq
-            self._preempt(victim)
-            if victim is seq:
+            if victims:
+                self._preempt(victims[-1])
+            elif not self._release_waiting_pages():
+                self._preempt(seq)
                 return False
         if need > 0:
             seq.pages += self.allocator.allocate(need)
@@ -136,6 +140,21 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _release_waiting_pages(self) -> bool:
+        """Preempts (to recompute) every waiting sequence that holds pages; True if any did.
+
+        Only forked siblings wait while holding pages (the prompt pages `_fork` shared). Nothing
+        else frees those pages, so when they are all that blocks progress they must go: without
+        this a lone decode preempts itself and re-prefills forever, and a blocked queue head
+        leaves `schedule()` with nothing to run while work remains."""
+        holders = [s for s in self.waiting if s.pages]
+        for seq in holders:
+            self._release(seq)
+            seq.num_computed = 0
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+        return bool(holders)
 
     def _release(self, seq: Sequence) -> None:
         if seq.pages:
