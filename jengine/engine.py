@@ -178,8 +178,11 @@ class AsyncEngine:
         progress = kwargs.pop("progress", True)
         config = kwargs.pop("config", None)
         cfg = build_config(model, config, **kwargs)
-        self.core = EngineCore(cfg, progress=progress)
-        self.tokenizer = self.core.tokenizer
+        self._start(EngineCore(cfg, progress=progress))
+
+    def _start(self, core: EngineCore) -> None:
+        self.core = core
+        self.tokenizer = core.tokenizer
         self._lock = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

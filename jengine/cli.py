@@ -1,0 +1,230 @@
+"""The `jengine` command: serve | generate | chat | convert | compile | info | bench.
+
+Generated text goes to stdout; progress and logs go to stderr. Bad input ends with a one-line
+`jengine: error: ...` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from converters.errors import ModelLoadError
+
+ENGINE_FLAGS = (
+    "model", "config", "mesh", "dtype", "attention_backend", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "page_size", "kv_cache_memory", "enable_prefix_caching",
+)
+
+
+def _engine_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="HF dir, .gguf file, converted checkpoint or cached hub id "
+                   "(default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--config", help="YAML preset name (configs/) or path")
+    g.add_argument("--mesh", default="tp=1", help="device mesh, e.g. tp=8 or dp=2,tp=4")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", default="2GiB")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    return p
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jengine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    engine = _engine_parent()
+
+    gen = sub.add_parser("generate", parents=[engine], help="complete one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _sampling_flags(gen)
+
+    chat = sub.add_parser("chat", parents=[engine], help="interactive chat on stdin")
+    _sampling_flags(chat)
+
+    info = sub.add_parser("info", help="describe a model without loading the engine")
+    info.add_argument("model", nargs="?")
+
+    conv = sub.add_parser("convert", help="HF dir or GGUF -> jengine (Orbax) checkpoint")
+    conv.add_argument("src")
+    conv.add_argument("out")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    conv.add_argument("--overwrite", action="store_true")
+
+    sub.add_parser("compile", parents=[engine], help="compile every step bucket ahead of time")
+
+    serve = sub.add_parser("serve", parents=[engine], help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key")
+    serve.add_argument("--grpc-port", type=int)
+    serve.add_argument("--max-queue", type=int, default=1024)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bsub.add_parser("throughput", parents=[engine], help="offline engine throughput")
+    tp.add_argument("--num-prompts", type=int, default=64)
+    tp.add_argument("--input-len", type=int, default=100)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    tp.add_argument("--hf-baseline", choices=["none", "float32", "bfloat16"], default="none",
+                    help="also time HF transformers generate on the same prompts (needs torch)")
+    tp.add_argument("--hf-batch-size", type=int, default=32)
+    tp.add_argument("--output-json")
+    return parser
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_FLAGS if hasattr(args, k)}
+
+
+def _make_engine(args: argparse.Namespace):
+    from jengine.engine import Engine
+
+    kwargs = engine_kwargs(args)
+    return Engine(kwargs.pop("model"), **kwargs)
+
+
+def _sampling(args: argparse.Namespace):
+    from jengine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)  # validate before loading anything
+    engine = _make_engine(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.render_chat([{"role": "user", "content": prompt}])
+    for delta in engine.stream(prompt, params):
+        sys.stdout.write(delta.outputs[0].text if delta.outputs else "")
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    engine = _make_engine(args)
+    messages: list[dict] = []
+    print("jengine chat: type a message, Ctrl-D to quit", file=sys.stderr)
+    for line in sys.stdin:
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = ""
+        for delta in engine.stream(engine.render_chat(messages), params):
+            text = delta.outputs[0].text if delta.outputs else ""
+            reply += text
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from converters.source import load_source
+
+    loaded = load_source(args.model, progress=True)
+    cfg = loaded.config
+    info = {
+        "source": loaded.source,
+        "format": loaded.kind,
+        "architecture": cfg.model_type,
+        "family": cfg.family,
+        "parameters": cfg.num_params,
+        "dtype": str(next(iter(loaded.params.values())).dtype),
+        "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "heads": f"{cfg.num_heads} q / {cfg.num_kv_heads} kv, head_dim {cfg.head_dim}",
+        "vocab_size": cfg.vocab_size,
+        "context_length": cfg.max_position_embeddings,
+        "sliding_window": cfg.sliding_window,
+        "tied_embeddings": cfg.tie_word_embeddings,
+        "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
+    }
+    for k, v in info.items():
+        print(f"{k:16} {v}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from converters.checkpoint import save_checkpoint
+    from converters.source import load_source
+
+    start = time.perf_counter()
+    loaded = load_source(args.src, dtype=args.dtype, progress=True)
+    out = save_checkpoint(loaded, args.out, overwrite=args.overwrite)
+    print(f"converted {loaded.source} -> {out} in {time.perf_counter() - start:.1f}s",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from jengine.compilation import default_cache_dir
+
+    start = time.perf_counter()
+    engine = _make_engine(args)
+    shapes = engine.core.runner.buckets.shapes()
+    print(f"compiled {len(shapes)} step buckets in {time.perf_counter() - start:.1f}s "
+          f"(warm-up {engine.core.warmup_seconds:.1f}s); cache: {default_cache_dir()}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jengine.server.app import serve
+
+    return serve(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from jengine.bench import run_throughput
+
+    result = run_throughput(args)
+    print(json.dumps(result, indent=1))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "convert": cmd_convert,
+    "compile": cmd_compile, "serve": cmd_serve, "bench": cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, ModelLoadError, FileNotFoundError) as e:
+        print(f"jengine: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
