@@ -11,7 +11,6 @@ variants compiled on first use.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable
 
@@ -21,9 +20,11 @@ import numpy as np
 
 from jengine.batch import ScheduledBatch
 from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
+from jengine.pallas_kernels import query_blocks
 from jengine.sampler import SamplerOutput, SamplingArrays, sample
 
 MAX_TOP_LOGPROBS = 20
+QUERY_BLOCK = 32  # query rows per block in prefill-heavy steps (see pallas_kernels/reference.py)
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -44,24 +45,32 @@ class Buckets:
 
     @classmethod
     def default(cls, max_tokens: int, max_seqs: int, max_pages: int) -> Buckets:
+        tokens = _powers_of_two(min(8, max_tokens), max_tokens)
+        pages = _powers_of_two(min(16, max_pages), max_pages)
         return cls(
-            tokens=_powers_of_two(min(8, max_tokens), max_tokens),
-            seqs=_powers_of_two(min(4, max_seqs), max_seqs),
-            pages=_powers_of_two(min(8, max_pages), max_pages),
+            tokens=tokens,
+            seqs=tuple(sorted({min(t, max_seqs) for t in tokens})),
+            pages=pages,
         )
 
     def pick(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
-        t = _first_at_least(self.tokens, max(num_tokens, 1))
-        s = min(_first_at_least(self.seqs, num_seqs), t)
-        return t, s, _first_at_least(self.pages, num_pages)
+        t = _first_at_least(self.tokens, max(num_tokens, num_seqs, 1))
+        return t, self.seqs_for(t), _first_at_least(self.pages, num_pages)
+
+    def seqs_for(self, t: int) -> int:
+        """The sequence bucket of token bucket `t`: the smallest seq bucket >= t, capped at the
+        largest. Tying S to T keeps the program count at |tokens| x |pages|; a prefill-heavy
+        step pays only for a few extra rows of logits."""
+        return next((s for s in self.seqs if s >= t), self.seqs[-1])
+
+    def blocked(self, t: int) -> bool:
+        """Whether token bucket `t` groups queries into per-sequence blocks: only when it can
+        hold more tokens than sequences (prefill chunks), where it saves re-reading KV."""
+        return t > self.seqs_for(t)
 
     def shapes(self) -> list[tuple[int, int, int]]:
-        """Every (T, S, P) `pick` can return: S is capped at T (each sequence has a token)."""
-        out = {
-            (t, min(s, t), p)
-            for t, s, p in itertools.product(self.tokens, self.seqs, self.pages)
-        }
-        return sorted(out)
+        """Every (T, S, P) `pick` can return."""
+        return sorted({(t, self.seqs_for(t), p) for t in self.tokens for p in self.pages})
 
 
 def _first_at_least(values: tuple[int, ...], n: int) -> int:
@@ -141,11 +150,16 @@ class Runner:
         logits_idx = np.zeros((s,), np.int32)
         logits_idx[:n_seq] = batch.cu_q_lens[1:] - 1
         host_arrays, variant = rows.padded(s)
-        dev = jax.device_put((ints, page_table, logits_idx, host_arrays))
-        ints_d, page_table_d, logits_idx_d, arrays_d = dev
+        blocks = None
+        if self.buckets.blocked(t):
+            blocks = query_blocks(batch.q_lens, t, t // QUERY_BLOCK + s, QUERY_BLOCK)
+        dev = jax.device_put((ints, page_table, logits_idx, blocks, host_arrays))
+        ints_d, page_table_d, logits_idx_d, blocks_d, arrays_d = dev
         md = AttentionMetadata(
             token_ids=ints_d[0], positions=ints_d[1], slot_mapping=ints_d[2],
             token_seq=ints_d[3], page_table=page_table_d, logits_indices=logits_idx_d,
+            block_tokens=blocks_d[0] if blocks_d else None,
+            block_seq=blocks_d[1] if blocks_d else None,
         )
         return md, SamplingArrays(**arrays_d), variant
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jengine.models.config import ModelConfig
-from jengine.pallas_kernels import ragged_paged_attention, write_kv
+from jengine.pallas_kernels import blocked_paged_attention, ragged_paged_attention, write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +45,9 @@ class AttentionMetadata:
     token_seq: jax.Array  # [T] int32
     page_table: jax.Array  # [S, Pmax] int32
     logits_indices: jax.Array  # [S] int32 flat index of each sequence's last query token
+    # Prefill-heavy buckets only (else None): queries grouped per sequence in blocks of B.
+    block_tokens: jax.Array | None = None  # [NB, B] int32 flat token per row; T = padding
+    block_seq: jax.Array | None = None  # [NB] int32
 
 
 def attend(
@@ -63,8 +66,14 @@ def attend(
     kv = KVCache(
         k=write_kv(kv.k, layer, md.slot_mapping, k), v=write_kv(kv.v, layer, md.slot_mapping, v)
     )
-    out = ragged_paged_attention(
-        q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-    )
+    if md.block_tokens is not None:
+        out = blocked_paged_attention(
+            q, kv.k, kv.v, layer, md.positions, md.page_table, md.block_tokens, md.block_seq,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )
+    else:
+        out = ragged_paged_attention(
+            q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )
     return out, kv

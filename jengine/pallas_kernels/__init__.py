@@ -4,6 +4,11 @@
 TPU (Mosaic) and GPU (Triton) kernels plug in beside it. This package imports only jax and numpy.
 """
 
-from jengine.pallas_kernels.reference import ragged_paged_attention, write_kv
+from jengine.pallas_kernels.reference import (
+    blocked_paged_attention,
+    query_blocks,
+    ragged_paged_attention,
+    write_kv,
+)
 
-__all__ = ["ragged_paged_attention", "write_kv"]
+__all__ = ["blocked_paged_attention", "query_blocks", "ragged_paged_attention", "write_kv"]

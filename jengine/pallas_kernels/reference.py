@@ -3,8 +3,12 @@
 Einsum letters: t query token (flat, ragged over sequences), k kv head, g query heads per kv
 head, d head dim, s key slot within the sequence's gathered pages, p page, o offset in page.
 
-Each query token gathers the pages of its own sequence (`page_table[token_seq[t]]`), so a decode
-batch reads exactly its sequences' KV and a prefill chunk reads its prompt's KV once per token.
+Two layouts of the same computation:
+- per token (decodes, small steps): each query token gathers its own sequence's pages
+  (`page_table[token_seq[t]]`), so a decode batch reads exactly its sequences' KV;
+- per query block (prefill-heavy steps): the host groups each sequence's query tokens into
+  blocks of `B` (`block_tokens`, `block_seq`), and each block gathers its sequence's pages once,
+  so a 512-token prefill chunk reads its prompt's KV 512 / B times instead of 512 times.
 Key slot `s` of a sequence holds absolute position `s` (pages are in order), so causal and
 sliding-window masks are plain comparisons against the query's position.
 """
@@ -61,3 +65,75 @@ def ragged_paged_attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("tkgs,tskd->tkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def blocked_paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, P, O, K, D]
+    v_cache: jax.Array,  # [L, P, O, K, D]
+    layer: jax.Array,  # [] int32
+    positions: jax.Array,  # [T] int32
+    page_table: jax.Array,  # [S, Pmax] int32
+    block_tokens: jax.Array,  # [NB, B] int32 flat token of each block row; T marks padding
+    block_seq: jax.Array,  # [NB] int32 sequence of each block
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, H, D]
+    """Same result as `ragged_paged_attention`, computed per block of one sequence's queries."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[3]
+    page_size = k_cache.shape[2]
+    num_blocks, block = block_tokens.shape
+    pad = jnp.zeros((1, num_heads, head_dim), q.dtype)
+    qb = jnp.concatenate([q, pad])[block_tokens]  # [NB, B, H, D]
+    qb = qb.reshape(num_blocks, block, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    pos = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])[block_tokens]
+    pages = page_table[block_seq]  # [NB, Pmax]
+    k = k_cache[layer, pages].reshape(num_blocks, -1, num_kv_heads, head_dim)  # [NB, S, K, D]
+    v = v_cache[layer, pages].reshape(num_blocks, -1, num_kv_heads, head_dim)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, k, preferred_element_type=jnp.float32)
+    scores = scores * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    key_pos = jnp.arange(pages.shape[1] * page_size, dtype=jnp.int32)
+    mask = key_pos[None, None, :] <= pos[:, :, None]  # [NB, B, S]; padding rows see nothing
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > pos[:, :, None] - sliding_window
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)  # padding rows: 0, not NaN
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+    out = out.reshape(num_blocks * block, num_heads, head_dim).astype(q.dtype)
+    flat = jnp.zeros((num_tokens + 1, num_heads, head_dim), q.dtype)
+    return flat.at[block_tokens.reshape(-1)].set(out)[:num_tokens]
+
+
+def query_blocks(
+    q_lens, num_tokens: int, num_blocks: int, block: int
+):
+    """Host-side layout for `blocked_paged_attention` (NumPy in, NumPy out).
+
+    Args:
+      q_lens: [S] query tokens per sequence (sequence i owns the next q_lens[i] flat tokens).
+      num_tokens: T, the padded token count (the padding marker).
+      num_blocks: NB, a static bound: T // block + S blocks always suffice.
+      block: B, query rows per block.
+
+    Returns:
+      block_tokens [NB, B] int32 and block_seq [NB] int32.
+    """
+    import numpy as np
+
+    tokens = np.full((num_blocks, block), num_tokens, np.int32)
+    seqs = np.zeros((num_blocks,), np.int32)
+    b, start = 0, 0
+    for i, n in enumerate(np.asarray(q_lens).tolist()):
+        for off in range(0, n, block):
+            m = min(block, n - off)
+            tokens[b, :m] = np.arange(start + off, start + off + m)
+            seqs[b] = i
+            b += 1
+        start += n
+    return tokens, seqs
