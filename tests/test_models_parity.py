@@ -1,0 +1,200 @@
+"""Logits parity with HF transformers on tiny random models of every supported family.
+
+Each test builds a seeded random HF model in torch (every weight randomized, norms and biases
+included), saves it as safetensors plus a tiny tokenizer, loads it with `converters.load_source`
+and runs one sequence through jengine's paged KV path (`tests/paged.py`: several prefill chunks
+over shuffled pages, then single-token decode steps). The float32 logits at every position must
+match HF's float32 forward of the same ids.
+
+Tolerance: both sides compute in float32 from identical weights; they differ only in the order
+of float32 operations (einsum vs. matmul groupings, softmax, rope cos/sin evaluation), which
+perturbs logits of magnitude 5-80 by 2e-6..2e-5 (measured) over these 2-3 layer models.
+`TOL = 2e-4` leaves an order of magnitude of headroom while staying >1000x below the effect of
+any single feature the negative controls switch off (each moved logits by 0.36-6).
+
+Negative controls prove the features are really exercised: switching one off in our config
+(sliding window, llama3 rope scaling, Gemma's local rope theta and query_pre_attn_scalar),
+zeroing Qwen2's q/k/v biases, or dropping Gemma's learned q/k norm weights must push the
+difference above `TOL` (they run prefill only: one compiled program each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from paged import run_paged  # tests/paged.py: pytest puts tests/ on sys.path
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from converters import load_source
+from jengine.models import ModelConfig
+
+TOL = 2e-4
+VOCAB = 96
+SEQ_LEN = 30  # 22 prefilled (chunks of 7: 7+7+7+1) + 8 decode steps; pages of 4
+DECODE_STEPS = 8
+PREFILL_CHUNK = 7
+WINDOW = 5  # sliding window, much shorter than SEQ_LEN
+
+
+def _save_tokenizer(path) -> None:
+    """A word-level tokenizer over `VOCAB` tokens: load_source loads one with every HF model."""
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
+    )
+    fast.save_pretrained(path)
+
+
+def _randomize(model: torch.nn.Module, *, norm_offset: float) -> None:
+    """Every parameter random and O(1)-scaled: projections ~ 1/sqrt(fan_in), norms around
+    `norm_offset` (1 for Llama's `w * x`, 0 for Gemma's `(1 + w) * x`), biases ~ 0.5."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(norm_offset + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.5 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0):
+    """Saves a random model to tmp_path; returns (its loaded jengine form, ids, HF logits)."""
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    model = model_cls(config).eval()
+    _randomize(model, norm_offset=norm_offset)
+    model.save_pretrained(tmp_path)
+    _save_tokenizer(tmp_path)
+    ids = np.random.default_rng(2).integers(3, VOCAB, SEQ_LEN).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].float().numpy()
+    loaded = load_source(str(tmp_path), dtype="float32", progress=False)
+    return loaded, ids, expected
+
+
+def _max_diff(model, ids, expected, *, decode_steps: int = DECODE_STEPS) -> float:
+    got = run_paged(
+        model, ids, prefill_chunk=PREFILL_CHUNK, decode_steps=decode_steps, page_size=4
+    )
+    assert got.shape == expected.shape
+    assert np.isfinite(got).all()
+    return float(np.abs(got - expected).max())
+
+
+def _control_diff(model, ids, expected) -> float:
+    """A negative control's difference: prefill only (one compiled program instead of two)."""
+    return _max_diff(model, ids, expected, decode_steps=0)
+
+
+def _with(loaded, **changes):
+    """(config with `changes`, params): a deliberately wrong variant of the loaded model."""
+    return dataclasses.replace(loaded.config, **changes), loaded.params
+
+
+def _llama_kwargs(**kw):
+    base = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    }
+    return {**base, **kw}
+
+
+def test_llama2(tmp_path):
+    config = transformers.LlamaConfig(**_llama_kwargs(num_key_value_heads=4, rope_theta=10000.0))
+    loaded, ids, expected = _build(tmp_path, config, transformers.LlamaForCausalLM)
+    assert loaded.config.num_kv_heads == loaded.config.num_heads
+    assert _max_diff(loaded, ids, expected) < TOL
+
+
+def test_llama31_rope_scaling(tmp_path):
+    # original_max_position_embeddings=16: every rope wavelength above 16 tokens is divided by
+    # `factor`, those between 4 and 16 are smoothed, so the scaling changes the angles in use.
+    rope = {
+        "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+    }
+    config = transformers.LlamaConfig(**_llama_kwargs(head_dim=32, rope_parameters=rope))
+    loaded, ids, expected = _build(tmp_path, config, transformers.LlamaForCausalLM)
+    assert loaded.config.rope.rope_type == "llama3"
+    # transformers 4.x spelling of the same config (what most hub checkpoints carry).
+    legacy = json.loads((tmp_path / "config.json").read_text())
+    legacy["rope_scaling"] = dict(legacy.pop("rope_parameters"))
+    legacy["rope_theta"] = legacy["rope_scaling"].pop("rope_theta")
+    assert ModelConfig.from_hf(legacy).rope == loaded.config.rope
+    assert _max_diff(loaded, ids, expected) < TOL
+    unscaled = dataclasses.replace(loaded.config.rope, rope_type="default")
+    assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
+
+
+def test_mistral_sliding_window(tmp_path):
+    config = transformers.MistralConfig(**_llama_kwargs(sliding_window=WINDOW, rope_theta=1e4))
+    loaded, ids, expected = _build(tmp_path, config, transformers.MistralForCausalLM)
+    assert loaded.config.sliding_window == WINDOW and all(loaded.config.sliding_layers)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
+
+
+def test_qwen2_biases(tmp_path):
+    config = transformers.Qwen2Config(**_llama_kwargs(rope_theta=1e6))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Qwen2ForCausalLM)
+    assert loaded.config.qkv_bias and not loaded.config.o_bias
+    assert np.abs(loaded.params["bq"]).min() > 0 and np.abs(loaded.params["bk"]).max() > 0.1
+    assert _max_diff(loaded, ids, expected) < TOL
+    for bias in ("bq", "bk", "bv"):
+        zeroed = {**loaded.params, bias: np.zeros_like(loaded.params[bias])}
+        assert _control_diff((loaded.config, zeroed), ids, expected) > TOL, bias
+
+
+def test_smollm2_style_tied_gqa(tmp_path):
+    config = transformers.LlamaConfig(**_llama_kwargs(
+        hidden_size=72, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.LlamaForCausalLM)
+    assert loaded.config.tie_word_embeddings and "lm_head" not in loaded.params
+    assert (loaded.config.num_heads, loaded.config.num_kv_heads) == (9, 3)
+    assert _max_diff(loaded, ids, expected) < TOL
+
+
+def test_gemma3_text(tmp_path):
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        max_position_embeddings=128, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        rms_norm_eps=1e-6,
+    )
+    loaded, ids, expected = _build(
+        tmp_path, config, transformers.Gemma3ForCausalLM, norm_offset=0.0
+    )
+    cfg = loaded.config
+    assert cfg.sliding_layers == (True, False, True) and cfg.sliding_window == WINDOW
+    assert cfg.local_rope.theta == 10.0 and cfg.rope.theta == 10000.0
+    assert cfg.sm_scale == pytest.approx(24 ** -0.5)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, local_rope=cfg.rope), ids, expected) > TOL
+    assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
+    assert _control_diff(_with(loaded, query_pre_attn_scalar=None), ids, expected) > TOL
+    no_qk_norm = {
+        **loaded.params,
+        "q_norm": np.zeros_like(loaded.params["q_norm"]),
+        "k_norm": np.zeros_like(loaded.params["k_norm"]),
+    }
+    assert _control_diff((cfg, no_qk_norm), ids, expected) > TOL
