@@ -1,0 +1,107 @@
+"""The `jengine` command line: generate without torch (vs HF transformers), info, convert, and
+one-line errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "The three primary colors are"
+
+# `jengine` with torch made unimportable (a fresh process; argv follows).
+NO_TORCH = (
+    "import sys; sys.modules['torch'] = None; "
+    "from jengine.cli import main; rc = main(sys.argv[1:]); "
+    "assert sys.modules['torch'] is None; sys.exit(rc)"
+)
+
+
+def jengine(*args: str, no_torch: bool = False, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", NO_TORCH, *args] if no_torch else [
+        sys.executable, "-m", "jengine.cli", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def _hf_greedy_text(prompt: str, max_new_tokens: int) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from converters.source import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_generate_without_torch_matches_hf():
+    run = jengine("generate", PROMPT, "--max-tokens", "24", "--config", "test", no_torch=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    expected = _hf_greedy_text(PROMPT, 24)
+    assert run.stdout == expected + "\n"
+    assert expected.strip()  # a real continuation, not an empty string
+
+
+def test_info_describes_the_default_model():
+    run = jengine("info")
+    assert run.returncode == 0, run.stderr[-2000:]
+    fields = dict(line.split(None, 1) for line in run.stdout.strip().splitlines())
+    assert fields["architecture"] == "llama"
+    assert fields["parameters"] == "134515008"
+    assert fields["context_length"] == "8192"
+    assert fields["chat_template"] == "True"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "hi", "--model", "/no/such/model"], "model path not found"),
+        (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["info", "/no/such/file.gguf"], "not found"),
+        (["generate", "hi", "--config", "no-such-preset"], "config"),
+    ],
+)
+def test_bad_input_is_one_line_error(args, message):
+    run = jengine(*args)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("jengine: error:") and message in lines[-1]
+    assert "Traceback" not in run.stderr
+
+
+def test_unknown_architecture_dir(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_bigcode", "architectures": ["X"]}')
+    run = jengine("info", str(tmp_path))
+    assert run.returncode == 2 and "unsupported architecture 'gpt_bigcode'" in run.stderr
+
+
+def test_convert_round_trip(tmp_path):
+    from converters import load_source
+
+    out = tmp_path / "converted"
+    run = jengine("convert", str(load_source.__globals__["default_model_path"]()), str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    original = load_source(None, progress=False)
+    converted = load_source(str(out), progress=False)
+    assert converted.kind == "checkpoint" and converted.config == original.config
+    for name, value in original.params.items():
+        np.testing.assert_array_equal(np.asarray(converted.params[name]), value, err_msg=name)
+    for text in ["Hello, world!", "naïve café — 東京 🙂"]:
+        assert converted.tokenizer(text).input_ids == original.tokenizer(text).input_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert converted.tokenizer.apply_chat_template(chat, tokenize=False) == (
+        original.tokenizer.apply_chat_template(chat, tokenize=False))
+    again = jengine("convert", str(load_source.__globals__["default_model_path"]()), str(out))
+    assert again.returncode == 2 and "already exists" in again.stderr
