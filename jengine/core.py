@@ -140,22 +140,24 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        text = None
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if not isinstance(prompt, (list, tuple)) or not all(
+            text, prompt = prompt, self.tokenizer(prompt).input_ids
+        elif not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
         ):
             raise ValueError("prompt must be a string or a list of token ids")
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty")
+        # Also guards text: a GGUF tokenizer may add special tokens the embedding table lacks.
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        return None, ids
+        return text, ids
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None
