@@ -1,0 +1,218 @@
+"""The OpenAI-compatible HTTP server: `create_app` (the FastAPI app) and `serve` (`jengine serve`).
+
+    jengine serve [engine flags] [--host H] [--port P] [--api-key K] [--max-queue N]
+
+`serve` validates the configuration, starts listening at once and builds the engine in a
+background thread (warm-up compiles show a progress bar on stderr; `/health` answers 503 until
+the engine is ready). SIGTERM stops admission (new requests get 503, `/health` 503), lets
+in-flight requests finish within `drain_timeout` seconds, then shuts the engine down.
+
+Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (completions.py, chat.py), and
+`/health`, `/metrics`, `/version`, `/tokenize`, `/detokenize` here. Handlers only translate
+between the OpenAI protocol and `AsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+import jengine
+from jengine.config import ServerConfig
+from jengine.engine import render_chat
+from jengine.server import chat, completions
+from jengine.server.errors import bad_request, install_error_handlers
+from jengine.server.middleware import EdgeMiddleware
+from jengine.server.protocol import DetokenizeRequest, TokenizeRequest
+from jengine.server.state import ServerState, served_model_name
+
+if TYPE_CHECKING:
+    from jengine.engine import AsyncEngine
+
+log = logging.getLogger("jengine.server")
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def create_app(
+    engine: AsyncEngine | None = None,
+    config: ServerConfig | None = None,
+    *,
+    load_engine: Callable[[], AsyncEngine] | None = None,
+    model_name: str | None = None,
+    request_timeout: float | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine`, or the engine `load_engine` builds once the app starts.
+
+    Args:
+      engine: a running engine (the caller keeps ownership: the app does not shut it down).
+      config: `api_key` and `max_queue` are used here (host and port are the caller's).
+      load_engine: builds the engine in a background thread when the app starts (`serve`).
+      model_name: the model id clients send; default: derived from the engine's model.
+      request_timeout: seconds after which a generation request is aborted (None: never).
+    """
+    if (engine is None) == (load_engine is None):
+        raise ValueError("pass exactly one of engine and load_engine")
+    config = config or ServerConfig()
+    if model_name is None:
+        model_name = served_model_name(engine.core.cfg.model.model if engine else None)
+    state = ServerState(config, model_name, request_timeout=request_timeout)
+    if engine is not None:
+        state.attach(engine, owned=False)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if load_engine is not None:
+            state.load_in_background(load_engine)
+        yield
+        state.shutdown()
+
+    app = FastAPI(title="jengine", version=jengine.__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(EdgeMiddleware, api_key=config.api_key)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    _add_routes(app, state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        status, body = state.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": jengine.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "jengine"}
+        if state.engine is not None:
+            card["max_model_len"] = state.engine.core.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        state.check_model(model)
+        return {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "jengine"}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.check_model(body.model)
+        engine = state.ready_engine()
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("pass exactly one of prompt and messages")
+        if body.messages is not None:
+            messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+            tokens = render_chat(engine.tokenizer, messages)
+        else:
+            tokens = list(engine.tokenizer(body.prompt,
+                                           add_special_tokens=body.add_special_tokens).input_ids)
+        return {"count": len(tokens), "max_model_len": engine.core.max_model_len,
+                "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        engine = state.ready_engine()
+        vocab = engine.core.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+
+# -- `jengine serve` ----------------------------------------------------------------------------
+
+class _Server(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT also closing admission before uvicorn drains connections."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.state.draining:
+            log.info("signal %s: draining in-flight requests (up to %ss), then exiting", sig,
+                     self.config.timeout_graceful_shutdown)
+        self.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def server_config(args: argparse.Namespace, preset: ServerConfig) -> ServerConfig:
+    """The `server` section of the preset, with the command-line flags that were set on top."""
+    values = {}
+    for field in dataclasses.fields(ServerConfig):
+        flag = getattr(args, field.name, None)
+        values[field.name] = flag if flag not in (None, field.default) else getattr(
+            preset, field.name)
+    return ServerConfig(**values)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`jengine serve`: listen first, load the engine in the background, drain on SIGTERM."""
+    from jengine.cli import engine_kwargs
+    from jengine.engine import AsyncEngine, build_config
+
+    kwargs = engine_kwargs(args)
+    model, preset = kwargs.pop("model"), kwargs.pop("config")
+    cfg = build_config(model, preset, **kwargs)  # bad flags or preset: a one-line error now
+    config = server_config(args, cfg.server)
+    if config.grpc_port is not None:
+        raise ValueError("--grpc-port: the gRPC service is not implemented yet")
+    if config.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
+    _configure_logging()
+    app = create_app(
+        None, config, model_name=served_model_name(cfg.model.model),
+        load_engine=lambda: AsyncEngine(model, config=preset, progress=True, **kwargs),
+        request_timeout=getattr(args, "request_timeout", None),
+    )
+    state: ServerState = app.state.server
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, access_log=False, log_config=None,
+        timeout_graceful_shutdown=getattr(args, "drain_timeout", None) or DEFAULT_DRAIN_TIMEOUT_S,
+    )
+    server = _Server(uv_config, state)
+
+    def stop_after_load_error() -> None:
+        server.should_exit = True
+
+    state.on_load_error = stop_after_load_error
+    # uvicorn re-raises a caught SIGTERM once it has drained, to die of it; a graceful drain is
+    # a clean exit here, so the signal it re-raises lands on this no-op and serve returns 0.
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    log.info("jengine %s listening on http://%s:%d (model %r loading)", jengine.__version__,
+             config.host, config.port, state.model_name)
+    server.run()
+    if state.load_error is not None:
+        raise state.load_error
+    return 0
+
+
+def _configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("jengine", "uvicorn"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -1,0 +1,123 @@
+"""`POST /v1/chat/completions`: chat over `AsyncEngine`, with the model's chat template.
+
+A stream goes as OpenAI sends it: for each choice a first chunk with the role, then content
+chunks, then exactly one chunk with an empty delta and the finish_reason; with
+`stream_options.include_usage` a last chunk with `choices: []` and the usage; then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jengine.engine import render_chat
+from jengine.outputs import CompletionOutput, Logprob
+from jengine.server.protocol import ChatCompletionRequest, finite, usage
+from jengine.server.state import ServerState
+from jengine.server.streams import EngineStream, sse, sse_stream
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    state: ServerState = request.app.state.server
+    state.check_model(body.model)
+    messages = body.template_messages()
+    params = body.sampling_params()
+    engine = state.admit()
+    prompt = render_chat(engine.tokenizer, messages)
+    request_id = request.state.request_id
+    stream = EngineStream(state, engine, [prompt], params, state.new_request_id(request_id),
+                          request.is_disconnected)
+    try:
+        await stream.first()
+    except BaseException:
+        stream.close()
+        raise
+    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name)
+    if body.stream:
+        return StreamingResponse(sse_stream(stream, view.events(stream)),
+                                 media_type="text/event-stream")
+    async with stream:
+        return JSONResponse(await view.response(stream))
+
+
+class _ChatView:
+    """Turns engine deltas into OpenAI chat completion objects (whole, or as stream chunks)."""
+
+    def __init__(self, body: ChatCompletionRequest, response_id: str, model: str):
+        self.body = body
+        self.n = body.n or 1
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.top_logprobs = body.top_logprobs or 0
+        self.want_logprobs = bool(body.logprobs)
+        self.usage: dict[str, int] | None = None
+
+    def _logprobs(self, out: CompletionOutput) -> list[dict[str, Any]] | None:
+        if not self.want_logprobs:
+            return None
+        return [_token_logprob(tid, entry, self.top_logprobs)
+                for tid, entry in zip(out.token_ids, out.logprobs or [])]
+
+    async def response(self, stream: EngineStream) -> dict[str, Any]:
+        choices = {i: {"index": i, "message": {"role": "assistant", "content": ""},
+                       "logprobs": {"content": []} if self.want_logprobs else None,
+                       "finish_reason": None} for i in range(self.n)}
+        async for _, delta in stream:
+            if delta.usage is not None:
+                self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens)
+            for out in delta.outputs:
+                choice = choices[out.index]
+                choice["message"]["content"] += out.text
+                if self.want_logprobs:
+                    choice["logprobs"]["content"].extend(self._logprobs(out))
+                choice["finish_reason"] = out.finish_reason
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": [choices[i] for i in range(self.n)],
+                "usage": self.usage}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None) -> str:
+        chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
+                                 "created": self.created, "model": self.model,
+                                 "choices": choices}
+        if self.body.include_usage:
+            chunk["usage"] = usage_
+        return sse(chunk)
+
+    async def events(self, stream: EngineStream) -> AsyncIterator[str]:
+        for i in range(self.n):
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
+        async for _, delta in stream:
+            if delta.usage is not None:
+                self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens)
+            for out in delta.outputs:
+                logprobs = self._logprobs(out)
+                if out.text or logprobs:
+                    yield self._chunk([{"index": out.index, "delta": {"content": out.text},
+                                        "logprobs": {"content": logprobs} if logprobs else None,
+                                        "finish_reason": None}])
+                if out.finish_reason is not None:
+                    yield self._chunk([{"index": out.index, "delta": {}, "logprobs": None,
+                                        "finish_reason": out.finish_reason}])
+        if self.body.include_usage:
+            yield self._chunk([], self.usage)
+
+
+def _token_logprob(token_id: int, entry: dict[int, Logprob], k: int) -> dict[str, Any]:
+    """One generated token in OpenAI's chat logprobs format, with its top-k alternatives."""
+    top = sorted((e for e in entry.values() if e.rank is not None and e.rank <= k),
+                 key=lambda e: e.rank)
+    return {**_token_entry(entry[token_id]), "top_logprobs": [_token_entry(e) for e in top]}
+
+
+def _token_entry(lp: Logprob) -> dict[str, Any]:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": finite(lp.logprob), "bytes": list(token.encode())}

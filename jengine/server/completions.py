@@ -1,0 +1,166 @@
+"""`POST /v1/completions`: OpenAI's legacy completions over `AsyncEngine`.
+
+Each prompt of the request is one engine request; choice `i * n + k` is completion k of prompt i,
+as in OpenAI and vLLM. With `echo`, the prompt text leads the choice's text, and with `logprobs`
+too, the prompt's tokens lead `tokens` with `null` log-probabilities: the engine does not compute
+prompt logprobs yet (vLLM would compute them; OpenAI gives null only for the first token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.server.protocol import CompletionRequest, finite, usage
+from jengine.server.state import ServerState
+from jengine.server.streams import EngineStream, sse, sse_stream
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request):
+    state: ServerState = request.app.state.server
+    state.check_model(body.model)
+    prompts = body.prompts()
+    params = body.sampling_params()
+    engine = state.admit()
+    request_id = request.state.request_id
+    stream = EngineStream(state, engine, prompts, params, state.new_request_id(request_id),
+                          request.is_disconnected)
+    try:
+        await stream.first()
+    except BaseException:
+        stream.close()
+        raise
+    view = _CompletionView(body, engine.tokenizer, prompts, f"cmpl-{request_id}",
+                           state.model_name)
+    if body.stream:
+        return StreamingResponse(sse_stream(stream, view.events(stream)),
+                                 media_type="text/event-stream")
+    async with stream:
+        return JSONResponse(await view.response(stream))
+
+
+class _CompletionView:
+    """Turns engine deltas into OpenAI completion objects (whole, or as stream chunks)."""
+
+    def __init__(self, body: CompletionRequest, tokenizer: Any, prompts: list[str | list[int]],
+                 response_id: str, model: str):
+        self.body = body
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.n = body.n or 1
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.want_logprobs = body.logprobs is not None
+        self._offsets: dict[int, int] = {}  # choice -> text offset of its next token
+        self._usage_by_prompt: dict[int, tuple[int, int]] = {}  # prompt -> (prompt, completion) tokens
+
+    # -- one choice's piece of a delta -----------------------------------------------------------
+
+    def _piece(self, prompt_index: int, prompt_ids: list[int],
+               out: CompletionOutput) -> tuple[int, str, dict[str, Any] | None]:
+        """(choice index, text, logprobs) of one output delta; echo goes in front of the first."""
+        choice = prompt_index * self.n + out.index
+        text = out.text
+        lp: dict[str, Any] | None = None
+        if self.want_logprobs:
+            lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if choice not in self._offsets:
+            self._offsets[choice] = 0
+            if self.body.echo:
+                prompt_text = self._prompt_text(prompt_index)
+                text = prompt_text + text
+                if lp is not None:
+                    self._add_prompt_tokens(lp, prompt_ids)
+                self._offsets[choice] = len(prompt_text)
+        if lp is not None:
+            self._offsets[choice] = _add_tokens(lp, out.token_ids, out.logprobs or [],
+                                                self._offsets[choice])
+        return choice, text, lp
+
+    def _prompt_text(self, prompt_index: int) -> str:
+        prompt = self.prompts[prompt_index]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    def _add_prompt_tokens(self, lp: dict[str, Any], prompt_ids: list[int]) -> None:
+        offset = 0
+        for tid in prompt_ids:
+            token = self.tokenizer.decode([tid])
+            lp["tokens"].append(token)
+            lp["token_logprobs"].append(None)
+            lp["top_logprobs"].append(None)
+            lp["text_offset"].append(offset)
+            offset += len(token)
+
+    def _note_usage(self, prompt_index: int, delta: RequestOutput) -> None:
+        if delta.usage is not None:
+            self._usage_by_prompt[prompt_index] = (delta.usage.prompt_tokens,
+                                         delta.usage.completion_tokens)
+
+    def _total_usage(self) -> dict[str, int]:
+        counts = self._usage_by_prompt.values()
+        return usage(sum(p for p, _ in counts), sum(c for _, c in counts))
+
+    # -- whole response --------------------------------------------------------------------------
+
+    async def response(self, stream: EngineStream) -> dict[str, Any]:
+        choices: dict[int, dict[str, Any]] = {}
+        async for i, delta in stream:
+            self._note_usage(i, delta)
+            for out in delta.outputs:
+                index, text, lp = self._piece(i, delta.prompt_token_ids, out)
+                choice = choices.setdefault(index, {"index": index, "text": "", "logprobs": lp,
+                                                    "finish_reason": None})
+                choice["text"] += text
+                if lp is not None and choice["logprobs"] is not lp:
+                    for key, values in lp.items():
+                        choice["logprobs"][key].extend(values)
+                choice["finish_reason"] = out.finish_reason
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [choices[i] for i in sorted(choices)],
+                "usage": self._total_usage()}
+
+    # -- stream ----------------------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None) -> str:
+        chunk: dict[str, Any] = {"id": self.id, "object": "text_completion",
+                                 "created": self.created, "model": self.model, "choices": choices}
+        if self.body.include_usage:
+            chunk["usage"] = usage_
+        return sse(chunk)
+
+    async def events(self, stream: EngineStream) -> AsyncIterator[str]:
+        async for i, delta in stream:
+            self._note_usage(i, delta)
+            for out in delta.outputs:
+                index, text, lp = self._piece(i, delta.prompt_token_ids, out)
+                if text or out.finish_reason or (lp is not None and lp["tokens"]):
+                    yield self._chunk([{"index": index, "text": text, "logprobs": lp,
+                                        "finish_reason": out.finish_reason}])
+        if self.body.include_usage:
+            yield self._chunk([], self._total_usage())
+
+
+def _add_tokens(lp: dict[str, Any], token_ids: list[int], entries: list[dict[int, Logprob]],
+                offset: int) -> int:
+    """Appends generated tokens in OpenAI's completions logprobs format; returns the offset."""
+    for tid, entry in zip(token_ids, entries):
+        sampled = entry[tid]
+        token = sampled.decoded_token or ""
+        top: dict[str, float] = {}
+        for e in sorted(entry.values(), key=lambda e: -e.logprob):
+            top.setdefault(e.decoded_token or "", finite(e.logprob))
+        lp["tokens"].append(token)
+        lp["token_logprobs"].append(finite(sampled.logprob))
+        lp["top_logprobs"].append(top)
+        lp["text_offset"].append(offset)
+        offset += len(token)
+    return offset

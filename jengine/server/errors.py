@@ -1,0 +1,148 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure the server reports goes through `APIError` or one of the handlers installed by
+`install_error_handlers`, so that clients written for OpenAI parse them unchanged:
+
+    invalid JSON, wrong types, unknown fields, ValueError  -> 400 invalid_request_error
+    missing / wrong API key                                 -> 401 invalid_request_error
+    unknown model, unknown route                            -> 404 invalid_request_error
+    waiting queue full, engine loading, server draining     -> 503 server_error + Retry-After
+    the engine failed                                       -> 500 server_error
+
+FastAPI's own 422 is never sent: request validation errors are rewritten as 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jengine.sampling_params import SamplingParams
+
+log = logging.getLogger("jengine.server")
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    """An error the server answers with; `status` is the HTTP status code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def sse_event(self) -> str:
+        """The error as a server-sent event, for failures after a stream has begun."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# ValueErrors from SamplingParams and the engine start with the name of the offending field.
+_PARAMS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages"}
+_LEADING_NAME = re.compile(r"([a-z_]+)\b")
+
+
+def invalid_value(error: ValueError) -> APIError:
+    """A ValueError from SamplingParams or the engine, as a 400 naming the parameter."""
+    message = str(error)
+    match = _LEADING_NAME.match(message)
+    param = match.group(1) if match and match.group(1) in _PARAMS else None
+    return APIError(400, message, param=param)
+
+
+def engine_failed(error: BaseException | str) -> APIError:
+    return APIError(500, f"the engine failed: {error}", type=SERVER_ERROR, code="engine_error")
+
+
+def unavailable(message: str, code: str, retry_after: int = 1) -> APIError:
+    return APIError(503, message, type=SERVER_ERROR, code=code,
+                    headers={"Retry-After": str(retry_after)})
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """The first pydantic error as (message, param), worded as OpenAI words them."""
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return ("We could not parse the JSON body of your request. The body must be valid JSON.",
+                None)
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", param
+    if kind in ("model_attributes_type", "dict_type") and not loc:
+        return "The request body must be a JSON object.", None
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return (f"Invalid value for '{param}': {msg}." if param else msg), param
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = validation_message(list(exc.errors()))
+    return bad_request(message, param).response()
+
+
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_value_error(request: Request, exc: ValueError) -> JSONResponse:
+    return invalid_value(exc).response()
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
+    message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    if exc.status_code == 404:
+        message = f"Not found: {request.method} {request.url.path}"
+    err = APIError(exc.status_code, message, type=kind, headers=getattr(exc, "headers", None))
+    return err.response()
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return APIError(500, f"internal server error: {exc}", type=SERVER_ERROR).response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(ValueError, _on_value_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

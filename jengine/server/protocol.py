@@ -1,0 +1,256 @@
+"""OpenAI request bodies as pydantic models, and their translation into `SamplingParams`.
+
+Top-level request fields are `extra="forbid"`, as in OpenAI's API (an unknown argument is a 400),
+except that vLLM's sampling extras are accepted too (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`skip_special_tokens`). Message objects accept extra keys. Numbers and flags are strict
+(`"5"` is not an integer, `1` is not a boolean). Value ranges are left to `SamplingParams`,
+whose ValueError becomes a 400 with the same message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
+
+from jengine.sampling_params import SamplingParams
+from jengine.server.errors import bad_request
+
+Float = Annotated[float, Strict()]  # accepts JSON integers, rejects strings
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool | None = False
+
+
+class _SamplingFields(BaseModel):
+    """The fields chat and completions share, and the vLLM extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None  # None: the served model
+    n: StrictInt | None = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None  # accepted and ignored, as by OpenAI
+    # vLLM extras
+    top_k: StrictInt | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request's sampling fields; a field left out or null keeps vLLM's default."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true",
+                              "stream_options")
+        names = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
+                 "stop", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs,
+                              logit_bias=self._logit_bias())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {value}",
+                                  "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+
+class CompletionRequest(_SamplingFields):
+    """`POST /v1/completions`."""
+
+    prompt: Any = Field(...)
+    max_tokens: StrictInt | None = 16
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of engine prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p:
+            if all(isinstance(x, str) for x in p):
+                return list(p)
+            if all(_is_token(x) for x in p):
+                return [list(p)]
+            if all(isinstance(x, list) and all(_is_token(t) for t in x) for x in p):
+                return [list(x) for x in p]
+        if isinstance(p, list) and not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or "
+                          "a list of token-id lists", "prompt")
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise bad_request("best_of must equal n (best-of selection is not supported)",
+                              "best_of")
+        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+
+
+def _is_token(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def for_template(self, position: int) -> dict[str, Any]:
+        """The message as the chat template expects it: text content, `developer` as system."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"content part type {part.type!r} is not supported (only "
+                                      "'text')", f"messages.{position}.content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        if content is None and not (self.role == "assistant" and self.tool_calls):
+            raise bad_request(f"messages[{position}] ({self.role}) needs content",
+                              f"messages.{position}.content")
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content or "",
+        }
+        for key in ("name", "tool_call_id", "tool_calls"):
+            value = getattr(self, key)
+            if value is not None:
+                message[key] = value
+        return message
+
+
+# Fields of OpenAI's chat API this server does not implement yet: set, they give a clear 400.
+_CHAT_UNSUPPORTED = ("tools", "functions", "function_call", "audio", "prediction",
+                     "web_search_options", "reasoning_effort")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    modalities: list[StrictStr] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    # accepted and ignored, as they do not change what is generated
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise bad_request("messages must be a non-empty list", "messages")
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+
+    def _check_supported(self) -> None:
+        for name in _CHAT_UNSUPPORTED:
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported yet", name)
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported yet (tools are not supported)",
+                              "tool_choice")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise bad_request("response_format other than {'type': 'text'} is not supported yet",
+                              "response_format")
+        if self.modalities and self.modalities != ["text"]:
+            raise bad_request("only the 'text' modality is supported", "modalities")
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize`: a prompt, or chat messages rendered as the chat endpoint renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+# -- response pieces shared by the endpoints ------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -Infinity: an impossible token gets OpenAI's floor of -9999."""
+    return max(logprob, -9999.0)

@@ -1,0 +1,136 @@
+"""`ServerState`: what one app knows about its engine, and who may reach it.
+
+The engine is built in a background thread while the server already listens, so that `/health`
+can say 503 during warm-up. Admission (`admit`) is the one place that turns the server's state
+into 503s and 500s: still loading, draining after SIGTERM, engine dead, waiting queue full.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jengine.config import ServerConfig
+from jengine.server.errors import APIError, engine_failed, unavailable
+from jengine.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from jengine.engine import AsyncEngine
+
+log = logging.getLogger("jengine.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(model: str | None) -> str:
+    """The model id clients use: the bundled default's name, a path's basename (without .gguf),
+    or a hub id as given."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.resolve().name.removesuffix(".gguf")
+    return model
+
+
+class ServerState:
+    """The engine (once loaded), the server config, and the live counters of one app."""
+
+    def __init__(self, config: ServerConfig, model_name: str, *,
+                 request_timeout: float | None = None):
+        self.config = config
+        self.model_name = model_name
+        self.request_timeout = request_timeout
+        self.engine: AsyncEngine | None = None
+        self.owns_engine = False
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.num_queued = 0  # admitted requests without a first token (bounded by max_queue)
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(lambda: self.engine, lambda: self.num_queued)
+        self.on_load_error: Callable[[], None] | None = None
+        self._ids = itertools.count()
+
+    # -- the engine ------------------------------------------------------------------------------
+
+    def attach(self, engine: AsyncEngine, *, owned: bool) -> None:
+        self.engine = engine
+        self.owns_engine = owned
+
+    def load_in_background(self, build: Callable[[], AsyncEngine]) -> threading.Thread:
+        """Builds the engine in a daemon thread (compiling may take minutes)."""
+        thread = threading.Thread(target=self._load, args=(build,), name="jengine-load",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def _load(self, build: Callable[[], AsyncEngine]) -> None:
+        start = time.perf_counter()
+        try:
+            engine = build()
+        except Exception as e:  # noqa: BLE001 - any failure to start is reported, not raised
+            self.load_error = e
+            log.error("the engine failed to start: %s", e)
+            if self.on_load_error is not None:
+                self.on_load_error()
+            return
+        self.attach(engine, owned=True)
+        log.info("engine ready in %.1f s: serving %r (max_model_len %d)",
+                 time.perf_counter() - start, self.model_name, engine.core.max_model_len)
+
+    def shutdown(self) -> None:
+        if self.engine is not None and self.owns_engine:
+            self.engine.shutdown()
+
+    # -- health and admission --------------------------------------------------------------------
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        if self.load_error is not None:
+            return 503, {"status": "failed", "error": str(self.load_error)}
+        if self.engine is None:
+            return 503, {"status": "loading"}
+        if not self.engine.is_alive:
+            return 503, {"status": "engine_dead", "error": str(self.engine.error)}
+        if self.draining:
+            return 503, {"status": "draining"}
+        return 200, {"status": "ok"}
+
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, or the error that says why there is none to use."""
+        if self.load_error is not None:
+            raise engine_failed(f"failed to start: {self.load_error}")
+        if self.engine is None:
+            self.metrics.rejected.labels(reason="loading").inc()
+            raise unavailable("the model is still loading; retry shortly", "loading", 5)
+        if not self.engine.is_alive:
+            self.metrics.rejected.labels(reason="engine_dead").inc()
+            raise engine_failed(self.engine.error or "the engine thread stopped")
+        return self.engine
+
+    def admit(self) -> AsyncEngine:
+        """The engine for a new generation request, or a 503/500 that says why not."""
+        engine = self.ready_engine()
+        if self.draining:
+            self.metrics.rejected.labels(reason="draining").inc()
+            raise unavailable("the server is shutting down", "draining")
+        if self.num_queued >= self.config.max_queue:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise unavailable(f"the waiting queue is full ({self.config.max_queue} requests); "
+                              "retry later", "queue_full")
+        return engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist.", param="model",
+                           code="model_not_found")
+
+    def new_request_id(self, client_id: str | None) -> str:
+        """An id unique in the engine that starts with the client's X-Request-Id, if any."""
+        base = client_id or uuid.uuid4().hex
+        return f"{base}-{next(self._ids)}"
