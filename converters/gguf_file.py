@@ -87,7 +87,13 @@ class GGUFModel:
             "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
         }
         scaling = self._get("rope.scaling.type")
-        if scaling and scaling != "none":
+        freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:  # llama3 scaling, stored by llama.cpp as inv_freq divisors
+            cfg["rope_scaling"] = {
+                "rope_type": "freq_factors",
+                "freq_factors": np.asarray(freqs.data, np.float32).reshape(-1).tolist(),
+            }
+        elif scaling and scaling != "none":
             cfg["rope_scaling"] = {
                 "rope_type": scaling,
                 "factor": float(self._get("rope.scaling.factor", 1.0)),
@@ -112,6 +118,8 @@ class GGUFModel:
 
         cfg = self.hf_config()
         for t in self.reader.tensors:
+            if t.name == "rope_freqs.weight":  # folded into the rope config (hf_config)
+                continue
             key = self._hf_name(t.name)
             try:
                 w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)

@@ -168,8 +168,6 @@ class EngineCore:
             raise ValueError("sampling_params must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
         if params.structured_outputs is not None:
             raise ValueError("structured_outputs is not supported yet")
         text, ids = self.encode_prompt(prompt)
@@ -199,6 +197,8 @@ class EngineCore:
             )
             samples.append(SampleState(seq=seq, detok=detok))
         state = RequestState(request_id, text, ids, params, samples)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(ids)
         self.requests[request_id] = state
         self.scheduler.add([s.seq for s in samples])
         return state
@@ -232,8 +232,11 @@ class EngineCore:
                 raise RuntimeError("requests are pending but the scheduler has no work")
             return []
         rows = self._sampling_rows(batch.seqs)
+        rows.prompt_targets = self._prompt_targets(batch)
         result = self.runner.execute(batch, rows)
         self.num_steps += 1
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(batch, result)
         updated = self.scheduler.postprocess(batch, result.tokens)
         index = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
         touched: dict[str, RequestState] = {}
@@ -283,6 +286,43 @@ class EngineCore:
                 if rank < k:
                     out.setdefault(tid, Logprob(float(lp), rank + 1, self._piece(tid)))
         return out
+
+    def _prompt_targets(self, batch) -> np.ndarray | None:
+        """For each query token, the prompt token after it when its request asked for prompt
+        logprobs (-1 elsewhere); None when nobody in the batch needs them."""
+        targets = None
+        for i, seq in enumerate(batch.seqs):
+            state = self.requests.get(seq.request_id)
+            if state is None or state.prompt_logprobs is None or seq.index != 0:
+                continue
+            start = int(batch.cu_q_lens[i])
+            for j, pos in enumerate(batch.positions[start:start + int(batch.q_lens[i])]):
+                if pos + 1 < len(seq.prompt_ids):
+                    if targets is None:
+                        targets = np.full((batch.num_tokens,), -1, np.int32)
+                    targets[start + j] = seq.prompt_ids[pos + 1]
+        return targets
+
+    def _record_prompt_logprobs(self, batch, result: StepResult) -> None:
+        for i, seq in enumerate(batch.seqs):
+            state = self.requests.get(seq.request_id)
+            if state is None or state.prompt_logprobs is None or seq.index != 0:
+                continue
+            k = state.params.prompt_logprobs
+            start = int(batch.cu_q_lens[i])
+            for t in range(start, start + int(batch.q_lens[i])):
+                nxt = int(batch.positions[t]) + 1
+                if nxt >= len(seq.prompt_ids) or state.prompt_logprobs[nxt] is not None:
+                    continue
+                token = seq.prompt_ids[nxt]
+                top = result.prompt_top_ids[t]
+                entry = {token: Logprob(float(result.prompt_logprobs[t]), None, self._piece(token))}
+                for rank, (tid, lp) in enumerate(zip(top, result.prompt_top_logprobs[t])):
+                    if int(tid) == token:
+                        entry[token].rank = rank + 1
+                    if rank < k:
+                        entry.setdefault(int(tid), Logprob(float(lp), rank + 1, self._piece(int(tid))))
+                state.prompt_logprobs[nxt] = entry
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token])

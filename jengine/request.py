@@ -37,6 +37,9 @@ class RequestState:
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # [prompt_len] None first, then {token: Logprob} per prompt token, when asked for.
+    prompt_logprobs: list | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -69,11 +72,14 @@ class RequestState:
             s.new_text, s.new_ids, s.new_logprobs = "", [], []
             s.reported_finish = s.finish_reason is not None
         finished = self.finished
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.sent_prompt_logprobs:
+            prompt_logprobs, self.sent_prompt_logprobs = self.prompt_logprobs, True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=finished,
             usage=Usage.of(len(self.prompt_ids), self.num_generated) if finished else None,
@@ -99,8 +105,9 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
                 acc.logprobs.extend(o.logprobs)
             acc.finish_reason, acc.stop_reason = o.finish_reason, o.stop_reason
     last = deltas[-1]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
     return RequestOutput(
         request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
-        prompt_logprobs=last.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         outputs=[by_index[i] for i in sorted(by_index)], finished=last.finished, usage=last.usage,
     )

@@ -88,6 +88,7 @@ class Variant:
     history: bool = False
     logit_bias: bool = False
     mask: bool = False
+    prompt_logprobs: bool = False  # also return every token's logprob of its successor
 
 
 @dataclasses.dataclass
@@ -98,6 +99,10 @@ class StepResult:
     logprobs: np.ndarray  # [S] f32 raw logprob of the chosen token
     top_ids: np.ndarray | None  # [S, K] int32
     top_logprobs: np.ndarray | None  # [S, K] f32
+    # Only from the prompt_logprobs variant, one row per query token:
+    prompt_logprobs: np.ndarray | None = None  # [T] f32 logprob of `targets[t]` given tokens <= t
+    prompt_top_ids: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] int32
+    prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] f32
 
 
 class Runner:
@@ -123,12 +128,22 @@ class Runner:
         self.kv = KVCache.zeros(cfg, num_pages, page_size, dtype)
         forward = family_module(cfg).forward
 
-        def step(params, kv, md, arrays, variant: Variant):
-            logits, kv = forward(params, cfg, kv, md)
+        def step(params, kv, md, arrays, targets, variant: Variant):
+            if not variant.prompt_logprobs:
+                logits, kv = forward(params, cfg, kv, md)
+                out = sample(
+                    logits, arrays, needs_sort=True, num_top_logprobs=variant.num_top_logprobs
+                )
+                return (out, None), kv
+            all_logits, kv = forward(params, cfg, kv, md, all_logits=True)  # [T, V]
             out = sample(
-                logits, arrays, needs_sort=True, num_top_logprobs=variant.num_top_logprobs
+                all_logits[md.logits_indices], arrays, needs_sort=True,
+                num_top_logprobs=variant.num_top_logprobs,
             )
-            return out, kv
+            logprobs = jax.nn.log_softmax(all_logits, axis=-1)
+            chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)
+            top_lp, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+            return (out, (chosen[:, 0], top_ids.astype(jnp.int32), top_lp)), kv
 
         self._step = jax.jit(step, donate_argnames=("kv",), static_argnames=("variant",))
 
@@ -136,7 +151,7 @@ class Runner:
 
     def prepare(
         self, batch: ScheduledBatch, rows: SamplingRows
-    ) -> tuple[AttentionMetadata, SamplingArrays, Variant]:
+    ) -> tuple[AttentionMetadata, SamplingArrays, jax.Array | None, Variant]:
         """Pads the batch to its bucket and moves it to the device in one `device_put`."""
         t, s, p = self.buckets.pick(batch.num_tokens, batch.num_seqs, batch.page_table.shape[1])
         n_tok, n_seq = batch.num_tokens, batch.num_seqs
@@ -153,33 +168,43 @@ class Runner:
         blocks = None
         if self.buckets.blocked(t):
             blocks = query_blocks(batch.q_lens, t, t // QUERY_BLOCK + s, QUERY_BLOCK)
-        dev = jax.device_put((ints, page_table, logits_idx, blocks, host_arrays))
-        ints_d, page_table_d, logits_idx_d, blocks_d, arrays_d = dev
+        targets = None
+        if rows.prompt_targets is not None:
+            targets = np.full((t,), -1, np.int32)
+            targets[:n_tok] = rows.prompt_targets
+            variant = dataclasses.replace(variant, prompt_logprobs=True)
+        dev = jax.device_put((ints, page_table, logits_idx, blocks, host_arrays, targets))
+        ints_d, page_table_d, logits_idx_d, blocks_d, arrays_d, targets_d = dev
         md = AttentionMetadata(
             token_ids=ints_d[0], positions=ints_d[1], slot_mapping=ints_d[2],
             token_seq=ints_d[3], page_table=page_table_d, logits_indices=logits_idx_d,
             block_tokens=blocks_d[0] if blocks_d else None,
             block_seq=blocks_d[1] if blocks_d else None,
         )
-        return md, SamplingArrays(**arrays_d), variant
+        return md, SamplingArrays(**arrays_d), targets_d, variant
 
     # -- the step --------------------------------------------------------------------------------
 
     def execute(self, batch: ScheduledBatch, rows: SamplingRows) -> StepResult:
-        md, arrays, variant = self.prepare(batch, rows)
-        out, self.kv = self._step(self.params, self.kv, md, arrays, variant)
-        return self.fetch(out, batch.num_seqs)
+        md, arrays, targets, variant = self.prepare(batch, rows)
+        out, self.kv = self._step(self.params, self.kv, md, arrays, targets, variant)
+        return self.fetch(out, batch.num_seqs, batch.num_tokens)
 
     @staticmethod
-    def fetch(out: SamplerOutput, n: int) -> StepResult:
-        host = jax.device_get(out)
+    def fetch(out: tuple[SamplerOutput, tuple | None], n: int, num_tokens: int) -> StepResult:
+        host, prompt = jax.device_get(out)
         k = host.top_ids.shape[-1] if host.top_ids is not None else 0
-        return StepResult(
+        result = StepResult(
             tokens=np.asarray(host.tokens[:n]),
             logprobs=np.asarray(host.logprobs[:n]),
             top_ids=np.asarray(host.top_ids[:n]) if k else None,
             top_logprobs=np.asarray(host.top_logprobs[:n]) if k else None,
         )
+        if prompt is not None:
+            result.prompt_logprobs = np.asarray(prompt[0][:num_tokens])
+            result.prompt_top_ids = np.asarray(prompt[1][:num_tokens])
+            result.prompt_top_logprobs = np.asarray(prompt[2][:num_tokens])
+        return result
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> float:
         """Compiles (or loads from the persistent cache) the base step of every bucket."""
@@ -188,9 +213,9 @@ class Runner:
         for i, (t, s, p) in enumerate(shapes):
             batch = _dummy_batch(t, s, p)
             rows = SamplingRows.empty(s)
-            md, arrays, variant = self.prepare(batch, rows)
-            out, self.kv = self._step(self.params, self.kv, md, arrays, variant)
-            jax.block_until_ready(out.tokens)
+            md, arrays, targets, variant = self.prepare(batch, rows)
+            out, self.kv = self._step(self.params, self.kv, md, arrays, targets, variant)
+            jax.block_until_ready(out[0].tokens)
             if progress:
                 progress(i + 1, len(shapes))
         return time.perf_counter() - start
@@ -229,6 +254,7 @@ class SamplingRows:
     history: list[tuple[list[int], int]] | None = None  # (prompt+output ids, num prompt ids)
     logit_bias: np.ndarray | None = None  # [n, V]
     allowed_mask: np.ndarray | None = None  # [n, W] int32
+    prompt_targets: np.ndarray | None = None  # [num_tokens] next prompt token per query, or -1
 
     @classmethod
     def empty(cls, n: int) -> SamplingRows:

@@ -224,7 +224,7 @@ def test_async_engine_streams_and_abort_frees_pages(smol_engine):
 
 def test_no_recompiles_after_warmup(smol_engine):
     rng = random.Random(0)
-    words = "alpha beta gamma delta the of and a to in is it that was for on".split()
+    words = ["alpha", "beta", "gamma", "delta", "the", "of", "and", "a", "to", "in", "is", "it", "that", "was", "for", "on"]
     prompts, params = [], []
     for _ in range(40):
         prompts.append(" ".join(rng.choice(words) for _ in range(rng.randint(1, 90))))
@@ -241,3 +241,34 @@ def test_no_recompiles_after_warmup(smol_engine):
     outs = smol_engine.generate(prompts, params)
     assert len(outs) == 40
     assert smol_engine.core.compiles_since_ready == before
+
+
+def test_prompt_logprobs_match_a_full_forward(smol_engine):
+    """prompt_logprobs (computed chunk by chunk in the step) equal log_softmax of HF-style
+    teacher-forced logits from the paged model path in one go."""
+    import jax
+    import numpy as np
+    from paged import run_paged
+
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    sched = smol_engine.core.scheduler
+    saved = sched.max_num_batched_tokens
+    sched.max_num_batched_tokens = 5  # several prefill chunks
+    try:
+        [out] = smol_engine.generate([prompt], SamplingParams(
+            max_tokens=2, temperature=0, prompt_logprobs=2))
+    finally:
+        sched.max_num_batched_tokens = saved
+    ids = out.prompt_token_ids
+    plp = out.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    core = smol_engine.core
+    logits = run_paged((core.model_config, core.runner.params), ids, prefill_chunk=64,
+                       decode_steps=0, page_size=16)
+    ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for pos in range(1, len(ids)):
+        entry = plp[pos]
+        assert ids[pos] in entry and 2 <= len(entry) <= 3
+        np.testing.assert_allclose(entry[ids[pos]].logprob, ref[pos - 1, ids[pos]], atol=2e-4)
+        best = int(np.argmax(ref[pos - 1]))
+        assert best in entry and entry[best].rank == 1

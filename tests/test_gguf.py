@@ -22,7 +22,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from paged import run_paged  # tests/paged.py: pytest puts tests/ on sys.path
 
-from converters import ModelLoadError, load_source
+from converters import load_source
 from converters.gguf_file import GGUFModel
 
 ROWS = 3
@@ -191,7 +191,7 @@ BUILDERS = {
 
 
 def _add_llama_header(w: gguf.GGUFWriter, *, hidden: int, ffn: int, layers: int, heads: int,
-                      kv_heads: int) -> None:
+                      kv_heads: int, rope_theta: float = 10000.0) -> None:
     w.add_block_count(layers)
     w.add_context_length(128)
     w.add_embedding_length(hidden)
@@ -199,7 +199,7 @@ def _add_llama_header(w: gguf.GGUFWriter, *, hidden: int, ffn: int, layers: int,
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_theta)
 
 
 def _write(w: gguf.GGUFWriter) -> None:
@@ -332,7 +332,9 @@ def _tiny_llama_gguf(path, rope: dict | None = None):
     state = {k: v.numpy() for k, v in model.state_dict().items()}
 
     w = gguf.GGUFWriter(str(path), "llama")
-    _add_llama_header(w, hidden=hidden, ffn=96, layers=2, heads=heads, kv_heads=kv_heads)
+    theta = (rope or {}).get("rope_theta", 10000.0)
+    _add_llama_header(w, hidden=hidden, ffn=96, layers=2, heads=heads, kv_heads=kv_heads,
+                      rope_theta=theta)
     # A byte-level BPE vocabulary: printable characters, two merges of them, bos and eos.
     w.add_tokenizer_model("gpt2")
     w.add_token_list([chr(33 + i) for i in range(vocab - 4)] + ['!"', "#$", "<s>", "</s>"])
@@ -387,14 +389,12 @@ def test_gguf_llama_logits_match_transformers(tiny_llama_gguf):
     assert _gguf_logits_diff(path, model) < TOL
 
 
-@pytest.mark.xfail(
-    raises=ModelLoadError, strict=True,
-    reason="GGUFModel rejects the rope_freqs.weight tensor llama.cpp writes for Llama 3.1+",
-)
 def test_gguf_llama31_rope_freqs(tmp_path):
+    """llama.cpp stores llama3 rope scaling as a `rope_freqs.weight` tensor of divisors."""
     rope = {
         "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
     }
     path, model, _ = _tiny_llama_gguf(tmp_path / "llama31.gguf", rope)
+    assert GGUFModel(path).hf_config()["rope_scaling"]["rope_type"] == "freq_factors"
     assert _gguf_logits_diff(path, model) < TOL

@@ -20,7 +20,8 @@ FAMILIES = {
     "gemma3": "gemma3",
 }
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "freq_factors": explicit per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +34,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] | None = None  # [D/2] divisors of inv_freq ("freq_factors")
 
     @classmethod
     def from_hf(cls, params: dict[str, Any] | None, theta: float | None = None) -> RopeConfig:
@@ -50,6 +52,10 @@ class RopeConfig:
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(
                 params.get("original_max_position_embeddings", 8192)
+            ),
+            freq_factors=(
+                tuple(float(f) for f in params["freq_factors"])
+                if params.get("freq_factors") is not None else None
             ),
         )
 
@@ -105,9 +111,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
-        d["rope"] = RopeConfig(**d["rope"])
-        if d.get("local_rope") is not None:
-            d["local_rope"] = RopeConfig(**d["local_rope"])
+        for key in ("rope", "local_rope"):
+            if d.get(key) is not None:
+                rope = dict(d[key])
+                if rope.get("freq_factors") is not None:
+                    rope["freq_factors"] = tuple(rope["freq_factors"])
+                d[key] = RopeConfig(**rope)
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)

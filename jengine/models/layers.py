@@ -54,7 +54,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     # float32 throughout, as HF computes it, so positions far out round the same way.
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv = np.float32(1.0) / (np.float32(rope.theta) ** exponent)
-    if rope.rope_type == "linear":
+    if rope.rope_type == "freq_factors":
+        inv = inv / np.asarray(rope.freq_factors, np.float32)
+    elif rope.rope_type == "linear":
         inv = inv / rope.factor
     elif rope.rope_type == "llama3":
         low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
