@@ -16,7 +16,9 @@ import numpy as np
 
 from converters.errors import ModelLoadError
 
-_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+_ARCH_TO_MODEL_TYPE = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3": "gemma3_text",
+}
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -132,7 +134,8 @@ class GGUFModel:
             if w.size != int(np.prod(expected)):
                 raise ModelLoadError(f"corrupt tensor {t.name} in {self.path.name}")
             w = w.reshape(expected)
-            if self.arch in ("llama", "mistral") and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            permuted = t.name.endswith(("attn_q.weight", "attn_k.weight"))
+            if self.arch in ("llama", "mistral") and permuted:
                 n = cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"]
                 w = _unpermute_rope(w, n)
             if self.arch == "gemma3" and t.name.endswith("norm.weight"):
@@ -148,7 +151,8 @@ class GGUFModel:
         }:
             layer, base, kind = parts[1], parts[2], parts[3]
             if base == "ffn_norm":
-                hf = "pre_feedforward_layernorm" if self.arch == "gemma3" else "post_attention_layernorm"
+                gemma = self.arch == "gemma3"
+                hf = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
             elif base == "post_attention_norm":
                 hf = "post_attention_layernorm"
             else:

@@ -23,7 +23,7 @@ CHECKPOINT_MARKER = "jengine_model.json"
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A model on the host: its config, params in jengine layout, tokenizer, and where it came from."""
+    """A model on the host: config, params in jengine layout, tokenizer, and its source."""
 
     config: ModelConfig
     params: dict[str, np.ndarray]
@@ -116,7 +116,7 @@ def _load_hf_dir(path: Path, dtype: str, progress: bool) -> LoadedModel:
         for file in files:
             try:
                 with safe_open(str(file), framework="numpy") as f:
-                    for key in f.keys():
+                    for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                         yield key, f.get_tensor(key)
             except ModelLoadError:
                 raise

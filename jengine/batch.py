@@ -22,7 +22,7 @@ class ScheduledBatch:
       seq_ids: [S] ids of the scheduled sequences, in batch order.
       token_ids: [T] int32 input token of every query token.
       positions: [T] int32 absolute position of every query token.
-      slot_mapping: [T] int32 flat KV slot (page * page_size + offset) each token's K/V is written to.
+      slot_mapping: [T] int32 flat KV slot (page * page_size + offset) receiving each token's K/V.
       q_lens: [S] int32 query tokens per sequence this step (1 for a decode).
       kv_lens: [S] int32 tokens of context each sequence has after this step (cached + new).
       page_table: [S, max_pages] int32 the sequence's pages in order, padded with 0 (page 0 is the

@@ -125,11 +125,12 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len,
         "jengine": run_engine(engine, prompts, args.output_len),
     }
-    if args.hf_baseline != "none":
-        pad = engine.tokenizer.pad_token_id
-        pad = engine.core.eos_token_ids[0] if pad is None else pad
-        hf = run_hf(engine.core.loaded_source, prompts, args.output_len, args.hf_baseline,
+    pad = engine.tokenizer.pad_token_id
+    pad = engine.core.eos_token_ids[0] if pad is None else pad
+    ours = result["jengine"]["output_tok_per_s"]
+    for dtype in args.hf_baseline:
+        hf = run_hf(engine.core.loaded_source, prompts, args.output_len, dtype,
                     args.hf_batch_size, pad)
-        result["hf"] = hf
-        result["ratio_vs_hf"] = result["jengine"]["output_tok_per_s"] / hf["output_tok_per_s"]
+        result[f"hf_{dtype}"] = hf
+        result[f"ratio_vs_hf_{dtype}"] = ours / hf["output_tok_per_s"]
     return result

@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--input-len", type=int, default=100)
     tp.add_argument("--output-len", type=int, default=128)
     tp.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
-    tp.add_argument("--hf-baseline", choices=["none", "float32", "bfloat16"], default="none",
-                    help="also time HF transformers generate on the same prompts (needs torch)")
+    tp.add_argument("--hf-baseline", nargs="+", choices=["float32", "bfloat16"], default=[],
+                    help="also time HF transformers generate on the same prompts, in these "
+                    "dtypes (needs torch)")
     tp.add_argument("--hf-batch-size", type=int, default=32)
     tp.add_argument("--output-json")
     return parser

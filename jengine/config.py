@@ -17,7 +17,8 @@ CONFIG_DIR = Path(_configs.__file__).resolve().parent
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
-    model: str | None = None  # path, GGUF file, converted checkpoint or cached hub id; None = SmolLM2
+    # A path, GGUF file, converted checkpoint or cached hub id; None = the bundled SmolLM2.
+    model: str | None = None
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU/TPU
     max_model_len: int | None = None  # None = min(model context, 2048)
     attention_backend: str = "auto"

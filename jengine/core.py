@@ -192,7 +192,8 @@ class EngineCore:
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop or (), include_stop_str_in_output=params.include_stop_str_in_output,
+                stop=params.stop or (),
+                include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
             )
             samples.append(SampleState(seq=seq, detok=detok))
@@ -321,7 +322,8 @@ class EngineCore:
                     if int(tid) == token:
                         entry[token].rank = rank + 1
                     if rank < k:
-                        entry.setdefault(int(tid), Logprob(float(lp), rank + 1, self._piece(int(tid))))
+                        piece = self._piece(int(tid))
+                        entry.setdefault(int(tid), Logprob(float(lp), rank + 1, piece))
                 state.prompt_logprobs[nxt] = entry
 
     def _piece(self, token: int) -> str:

@@ -338,7 +338,7 @@ def test_token_budget_caps_decodes():
     second = h.step()  # three decodes use the whole budget: the waiting two stay out
     assert second.seq_ids == [s.seq_id for s in seqs[:3]] and second.q_lens.tolist() == [1] * 3
     h.run()
-    for i, s in enumerate(seqs):
+    for s in seqs:
         assert s.output_ids == solo_tokens(s.prompt_ids, 0, 4)
     assert h.allocator.num_used == 0
 

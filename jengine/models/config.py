@@ -1,4 +1,4 @@
-"""`ModelConfig`: the architecture of one model, read from an HF `config.json` dict or a GGUF header.
+"""`ModelConfig`: one model's architecture, from an HF `config.json` dict or a GGUF header.
 
 One frozen dataclass covers every supported family; the family picks the model file
 (`jengine/models/llama.py` or `gemma3.py`) and the switches pick the features (rope scaling,
@@ -42,7 +42,8 @@ class RopeConfig:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
-                f"unsupported rope scaling type {rope_type!r}; jengine supports {SUPPORTED_ROPE_TYPES}"
+                f"unsupported rope scaling type {rope_type!r}; "
+                f"jengine supports {SUPPORTED_ROPE_TYPES}"
             )
         return cls(
             theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
@@ -185,7 +186,7 @@ class ModelConfig:
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
-    """Reads rope settings from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    """Rope settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
     params = hf.get("rope_parameters")
     if params and "full_attention" in params:  # per layer type (Gemma 3 in transformers 5)
         full = RopeConfig.from_hf(params["full_attention"])
