@@ -26,10 +26,18 @@ KEY = "test-key-123"
 START_TIMEOUT_S = 600
 
 
+try:
+    import grpc
+except ImportError:  # the gRPC service is optional at run time
+    grpc = None
+
+
 class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path, health_seen: list):
+    def __init__(self, proc: subprocess.Popen, port: int, grpc_port: int | None, log: Path,
+                 health_seen: list):
         self.proc = proc
         self.url = f"http://127.0.0.1:{port}"
+        self.grpc_target = f"127.0.0.1:{grpc_port}" if grpc_port else None
         self.log = log
         self.health_seen = health_seen  # (status, body) of /health while starting
 
@@ -50,7 +58,8 @@ class Server:
         values = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()))
+                labels = "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()))
+                key = sample.name + labels
                 values[key] = sample.value
         return values
 
@@ -64,9 +73,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = _free_port()
+    grpc_port = _free_port() if grpc is not None else None
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "jengine.cli", "serve", "--config", "test", "--port", str(port),
            "--api-key", KEY]
+    if grpc_port:
+        cmd += ["--grpc-port", str(grpc_port)]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT)
     seen: list[tuple[int, dict]] = []
@@ -85,7 +97,7 @@ def server(tmp_path_factory):
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    srv = Server(proc, port, log, seen)
+    srv = Server(proc, port, grpc_port, log, seen)
     yield srv
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -262,11 +274,11 @@ def test_stop_strings(server):
     assert stop not in cut.choices[0].text and text.startswith(cut.choices[0].text)
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Count from 1 to 10."}],
-        max_tokens=30, temperature=0)
+        max_tokens=16, temperature=0)
     word = chat.choices[0].message.content.split()[2]
     stopped = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Count from 1 to 10."}],
-        max_tokens=30, temperature=0, stop=word)
+        max_tokens=16, temperature=0, stop=word)
     assert stopped.choices[0].finish_reason == "stop"
     assert word not in stopped.choices[0].message.content
 
@@ -488,6 +500,74 @@ def test_request_id_is_echoed_and_logged(server):
     assert any("prompt_tokens=" in ln for ln in lines)
 
 
+# -- gRPC ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def grpc_stub(server):
+    if server.grpc_target is None:
+        pytest.skip("grpcio is not installed")
+    from jengine.server.proto import jengine_pb2_grpc
+
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        yield jengine_pb2_grpc.JengineStub(channel)
+
+
+AUTH = [("authorization", f"Bearer {KEY}")]
+
+
+def test_grpc_streams_the_same_text_as_http(server, grpc_stub):
+    from jengine.server.grpc_client import generate_stream
+
+    prompt = "Write a list of fruits:"
+    http = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                              temperature=0)
+    msgs = list(generate_stream(server.grpc_target, prompt, api_key=KEY, request_id="g-1",
+                                max_tokens=12, temperature=0))
+    assert len(msgs) > 1 and all(m.request_id == "g-1" for m in msgs)
+    assert "".join(m.text for m in msgs) == http.choices[0].text
+    assert [m.finish_reason for m in msgs if m.finish_reason] == [http.choices[0].finish_reason]
+    assert msgs[-1].usage.completion_tokens == http.usage.completion_tokens
+    assert msgs[-1].usage.prompt_tokens == http.usage.prompt_tokens
+
+
+def test_grpc_health_models_and_errors(server, grpc_stub):
+    from jengine.server.proto import jengine_pb2 as pb
+
+    assert grpc_stub.Health(pb.HealthRequest()).status == "ok"
+    models = grpc_stub.ListModels(pb.ListModelsRequest(), metadata=AUTH).models
+    assert [(m.id, m.max_model_len) for m in models] == [(MODEL, 512)]
+    cases = [
+        (pb.GenerateRequest(text="x"), None, grpc.StatusCode.UNAUTHENTICATED),
+        (pb.GenerateRequest(text="x", sampling=pb.SamplingOptions(temperature=-1)), AUTH,
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.GenerateRequest(), AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.GenerateRequest(text="word " * 600), AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.GenerateRequest(text="x", model="gpt-4"), AUTH, grpc.StatusCode.NOT_FOUND),
+    ]
+    for request, metadata, code in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            list(grpc_stub.Generate(request, metadata=metadata, timeout=60))
+        assert info.value.code() == code, info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_stub.ListModels(pb.ListModelsRequest())
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_grpc_cancel_frees_pages(server, grpc_stub):
+    from jengine.server.proto import jengine_pb2 as pb
+
+    request = pb.GenerateRequest(text="A long tale:", sampling=pb.SamplingOptions(
+        max_tokens=300, ignore_eos=True))
+    call = grpc_stub.Generate(request, metadata=AUTH)
+    next(call)
+    assert server.metrics()["jengine_kv_pages_used"] > 0
+    call.cancel()
+    deadline = time.monotonic() + 30
+    while server.metrics()["jengine_kv_pages_used"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 # -- load: concurrency, disconnects, metrics ----------------------------------------------------
 
 PROMPTS = [f"Write one sentence about {topic}." for topic in (
@@ -495,20 +575,19 @@ PROMPTS = [f"Write one sentence about {topic}." for topic in (
 
 
 def test_32_concurrent_streams_complete_correctly(server):
-    client = server.client()
     params = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
-    expected = {p: client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": p}], **params).choices[0]
-        .message.content for p in PROMPTS}
+    # the reference: one non-streamed batch (greedy outputs do not depend on the batch)
+    batch = server.client().completions.create(model=MODEL, prompt=PROMPTS, **params)
+    expected = {p: c.text for p, c in zip(PROMPTS, batch.choices)}
 
     async def one(aclient: openai.AsyncOpenAI, prompt: str) -> tuple[str, list, int]:
-        stream = await aclient.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True,
-            stream_options={"include_usage": True}, **params)
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompt, stream=True, stream_options={"include_usage": True},
+            **params)
         text, finishes, usage = "", [], None
         async for chunk in stream:
             for c in chunk.choices:
-                text += c.delta.content or ""
+                text += c.text
                 if c.finish_reason:
                     finishes.append(c.finish_reason)
             if chunk.usage:
@@ -599,7 +678,8 @@ def test_metrics_parse_and_move(server):
 # -- shutdown (keep last: it stops the module's server) -----------------------------------------
 
 def test_sigterm_lets_the_stream_finish_then_exits(server):
-    body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 80,
+    # short enough to finish within the 30 s drain bound even on a busy CPU
+    body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 30,
             "ignore_eos": True, "stream": True, "temperature": 0}
     headers = {"Authorization": f"Bearer {KEY}"}
     events = []
@@ -618,11 +698,11 @@ def test_sigterm_lets_the_stream_finish_then_exits(server):
             assert late.status_code == 503
         except httpx.TransportError:
             pass
-        events += [line for line in lines if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
-    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
-    assert sum(p["choices"][0]["text"] != "" for p in payloads) > 10
-    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+        after_signal = [line for line in lines if line.startswith("data: ")]
+    assert len(after_signal) > 2 and after_signal[-1] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events + after_signal[:-1]]
+    assert sum(len(p["choices"][0]["text"]) for p in payloads) > 30
+    assert [p["choices"][0]["finish_reason"] for p in payloads][-1] == "length"
     assert server.proc.wait(timeout=60) == 0
     assert "draining" in server.log.read_text()
 

@@ -51,6 +51,7 @@ def create_app(
     load_engine: Callable[[], AsyncEngine] | None = None,
     model_name: str | None = None,
     request_timeout: float | None = None,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> FastAPI:
     """The FastAPI app serving `engine`, or the engine `load_engine` builds once the app starts.
 
@@ -60,6 +61,8 @@ def create_app(
       load_engine: builds the engine in a background thread when the app starts (`serve`).
       model_name: the model id clients send; default: derived from the engine's model.
       request_timeout: seconds after which a generation request is aborted (None: never).
+      drain_timeout: seconds in-flight gRPC calls may take to finish at shutdown (uvicorn has
+        its own bound for HTTP requests).
     """
     if (engine is None) == (load_engine is None):
         raise ValueError("pass exactly one of engine and load_engine")
@@ -74,7 +77,15 @@ def create_app(
     async def lifespan(app: FastAPI):
         if load_engine is not None:
             state.load_in_background(load_engine)
+        grpc_server = None
+        if config.grpc_port is not None:
+            from jengine.server.grpc_service import start_grpc_server
+
+            grpc_server = await start_grpc_server(state, config.host, config.grpc_port)
+            log.info("gRPC service listening on %s:%d", config.host, config.grpc_port)
         yield
+        if grpc_server is not None:
+            await grpc_server.stop(grace=drain_timeout)
         state.shutdown()
 
     app = FastAPI(title="jengine", version=jengine.__version__, lifespan=lifespan)
@@ -176,20 +187,19 @@ def serve(args: argparse.Namespace) -> int:
     model, preset = kwargs.pop("model"), kwargs.pop("config")
     cfg = build_config(model, preset, **kwargs)  # bad flags or preset: a one-line error now
     config = server_config(args, cfg.server)
-    if config.grpc_port is not None:
-        raise ValueError("--grpc-port: the gRPC service is not implemented yet")
     if config.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
+    drain_timeout = getattr(args, "drain_timeout", None) or DEFAULT_DRAIN_TIMEOUT_S
     _configure_logging()
     app = create_app(
         None, config, model_name=served_model_name(cfg.model.model),
         load_engine=lambda: AsyncEngine(model, config=preset, progress=True, **kwargs),
-        request_timeout=getattr(args, "request_timeout", None),
+        request_timeout=getattr(args, "request_timeout", None), drain_timeout=drain_timeout,
     )
     state: ServerState = app.state.server
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, access_log=False, log_config=None,
-        timeout_graceful_shutdown=getattr(args, "drain_timeout", None) or DEFAULT_DRAIN_TIMEOUT_S,
+        timeout_graceful_shutdown=drain_timeout,
     )
     server = _Server(uv_config, state)
 

@@ -61,7 +61,8 @@ class _CompletionView:
         self.created = int(time.time())
         self.want_logprobs = body.logprobs is not None
         self._offsets: dict[int, int] = {}  # choice -> text offset of its next token
-        self._usage_by_prompt: dict[int, tuple[int, int]] = {}  # prompt -> (prompt, completion) tokens
+        # prompt index -> (prompt tokens, completion tokens), from the final delta
+        self._usage_by_prompt: dict[int, tuple[int, int]] = {}
 
     # -- one choice's piece of a delta -----------------------------------------------------------
 

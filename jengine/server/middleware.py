@@ -24,6 +24,7 @@ from jengine.server.errors import APIError
 log = logging.getLogger("jengine.server")
 
 MAX_REQUEST_ID = 128
+QUIET_PATHS = ("/health", "/metrics")  # polled: logged at DEBUG only
 
 
 def _client_request_id(value: str | None) -> str | None:
@@ -62,8 +63,9 @@ class EdgeMiddleware:
             else:
                 await self.app(scope, receive, send_with_id)
         finally:
-            log.info("%s %s %s %d %.3fs", request_id, scope["method"], scope["path"], status,
-                     time.perf_counter() - start)
+            level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
+            log.log(level, "%s %s %s %d %.3fs", request_id, scope["method"], scope["path"],
+                    status, time.perf_counter() - start)
 
     def _check_key(self, path: str, authorization: str | None) -> APIError | None:
         if self.api_key is None or not (path == "/v1" or path.startswith("/v1/")):

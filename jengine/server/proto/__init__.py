@@ -1,0 +1,1 @@
+"""gRPC stubs generated from jengine.proto (regenerate with the command in that file)."""
