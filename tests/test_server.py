@@ -218,8 +218,11 @@ def test_completion_echo_and_logprobs(server, tokenizer):
     assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + 6
-    assert lp.token_logprobs[:num_prompt] == [None] * num_prompt  # no prompt logprobs yet
-    assert lp.top_logprobs[:num_prompt] == [None] * num_prompt
+    assert "".join(lp.tokens[:num_prompt]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes it
+    for token, logprob, top in zip(lp.tokens[1:num_prompt], lp.token_logprobs[1:num_prompt],
+                                   lp.top_logprobs[1:num_prompt]):
+        assert logprob <= 0 and 3 <= len(top) <= 4 and top[token] == logprob
     generated = lp.tokens[num_prompt:]
     assert "".join(generated) == choice.text[len(prompt):]
     assert lp.text_offset[num_prompt] == len(prompt)

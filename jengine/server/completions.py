@@ -2,8 +2,8 @@
 
 Each prompt of the request is one engine request; choice `i * n + k` is completion k of prompt i,
 as in OpenAI and vLLM. With `echo`, the prompt text leads the choice's text, and with `logprobs`
-too, the prompt's tokens lead `tokens` with `null` log-probabilities: the engine does not compute
-prompt logprobs yet (vLLM would compute them; OpenAI gives null only for the first token).
+too, the prompt's tokens lead `tokens` with their logprobs (the engine's prompt logprobs; the
+first token has `null`, as nothing precedes it).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class _CompletionView:
         self._offsets: dict[int, int] = {}  # choice -> text offset of its next token
         # prompt index -> (prompt tokens, completion tokens), from the final delta
         self._usage_by_prompt: dict[int, tuple[int, int]] = {}
+        self._prompt_logprobs: dict[int, list] = {}  # prompt index -> engine prompt logprobs
 
     # -- one choice's piece of a delta -----------------------------------------------------------
 
@@ -80,7 +81,8 @@ class _CompletionView:
                 prompt_text = self._prompt_text(prompt_index)
                 text = prompt_text + text
                 if lp is not None:
-                    self._add_prompt_tokens(lp, prompt_ids)
+                    self._add_prompt_tokens(lp, prompt_ids, self._prompt_logprobs.get(
+                        prompt_index))
                 self._offsets[choice] = len(prompt_text)
         if lp is not None:
             self._offsets[choice] = _add_tokens(lp, out.token_ids, out.logprobs or [],
@@ -91,9 +93,14 @@ class _CompletionView:
         prompt = self.prompts[prompt_index]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    def _add_prompt_tokens(self, lp: dict[str, Any], prompt_ids: list[int]) -> None:
+    def _add_prompt_tokens(self, lp: dict[str, Any], prompt_ids: list[int],
+                           entries: list | None) -> None:
         offset = 0
-        for tid in prompt_ids:
+        for pos, tid in enumerate(prompt_ids):
+            entry = entries[pos] if entries else None
+            if entry is not None:
+                offset = _add_tokens(lp, [tid], [entry], offset)
+                continue
             token = self.tokenizer.decode([tid])
             lp["tokens"].append(token)
             lp["token_logprobs"].append(None)
@@ -102,6 +109,9 @@ class _CompletionView:
             offset += len(token)
 
     def _note_usage(self, prompt_index: int, delta: RequestOutput) -> None:
+        """Keeps what a delta says once for its whole prompt: prompt logprobs, usage."""
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs[prompt_index] = delta.prompt_logprobs
         if delta.usage is not None:
             self._usage_by_prompt[prompt_index] = (delta.usage.prompt_tokens,
                                          delta.usage.completion_tokens)

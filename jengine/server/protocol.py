@@ -57,7 +57,8 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's sampling fields; a field left out or null keeps vLLM's default."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
@@ -67,7 +68,7 @@ class _SamplingFields(BaseModel):
                  "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs,
-                              logit_bias=self._logit_bias())
+                              prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias())
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -116,7 +117,10 @@ class CompletionRequest(_SamplingFields):
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of must equal n (best-of selection is not supported)",
                               "best_of")
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        # echo + logprobs: the echoed prompt tokens get their logprobs too, as in OpenAI
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs,
+                                     prompt_logprobs=prompt_logprobs)
 
 
 def _is_token(x: Any) -> bool:
