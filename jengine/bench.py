@@ -49,6 +49,7 @@ def run_engine(engine, prompts: list[list[int]], output_len: int) -> dict[str, A
 
     core = engine.core
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    host0, device0, steps0 = core.host_seconds, core.device_seconds, core.num_steps
     start = time.perf_counter()
     states = [core.add_request(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
     step_times = []
@@ -71,6 +72,9 @@ def run_engine(engine, prompts: list[list[int]], output_len: int) -> dict[str, A
         "steps": len(step_times),
         "step_median_ms": 1e3 * statistics.median(step_times),
         "recompiles": core.compiles_since_ready,
+        # Host work between device steps (schedule, batch building, postprocess, detokenize).
+        "host_ms_per_step": 1e3 * (core.host_seconds - host0) / (core.num_steps - steps0),
+        "device_ms_per_step": 1e3 * (core.device_seconds - device0) / (core.num_steps - steps0),
     }
 
 

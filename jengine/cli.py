@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key")
     serve.add_argument("--grpc-port", type=int)
     serve.add_argument("--max-queue", type=int, default=1024)
+    serve.add_argument("--request-timeout", type=float,
+                       help="abort a generation request after this many seconds")
+    serve.add_argument("--drain-timeout", type=float,
+                       help="seconds in-flight requests get to finish after SIGTERM")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -100,6 +100,10 @@ class EngineCore:
         self.warmup_seconds = self._warmup(progress)
         self.compiles_at_ready = compile_count()
         self.num_steps = 0
+        # Wall time inside Runner.execute (device work + transfers) vs. the host work around it
+        # (schedule, sampling rows, postprocess, detokenize): the gap between device steps.
+        self.device_seconds = 0.0
+        self.host_seconds = 0.0
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -227,6 +231,14 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> run -> postprocess -> detokenize; returns the deltas of this step."""
+        t0 = time.perf_counter()
+        device_before = self.device_seconds
+        outputs = self._step()
+        device = self.device_seconds - device_before
+        self.host_seconds += time.perf_counter() - t0 - device
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch is None:
             if self.requests and not self.scheduler.has_work:
@@ -234,7 +246,9 @@ class EngineCore:
             return []
         rows = self._sampling_rows(batch.seqs)
         rows.prompt_targets = self._prompt_targets(batch)
+        t0 = time.perf_counter()
         result = self.runner.execute(batch, rows)
+        self.device_seconds += time.perf_counter() - t0
         self.num_steps += 1
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, result)

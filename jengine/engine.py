@@ -185,6 +185,7 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self._lock = threading.Condition()
         self._commands: list[tuple[str, Any]] = []
+        self._taken: list[tuple[str, Any]] = []  # taken off the queue by the engine thread
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self.error: BaseException | None = None
@@ -203,13 +204,13 @@ class AsyncEngine:
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's deltas. Bad input raises ValueError before anything is queued."""
-        if self.error is not None:
-            raise RuntimeError(f"engine failed: {self.error}")
         rid = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
-        with self._lock:
+        with self._lock:  # the engine thread records a failure under this lock
+            if self.error is not None:
+                raise RuntimeError(f"engine failed: {self.error}")
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = (loop, queue)
@@ -252,17 +253,24 @@ class AsyncEngine:
                     if self._stopped:
                         return
                     commands, self._commands = self._commands, []
+                self._taken = commands
                 for kind, arg in commands:
                     self._run_command(kind, arg)
+                self._taken = []
                 if self.core.has_unfinished:
                     for out in self.core.step():
                         self._deliver(out.request_id, out)
-        except BaseException as e:  # the engine is dead: every waiting stream gets the error
-            self.error = e
+        except BaseException as e:  # noqa: BLE001 - the engine is dead: fail everyone waiting
             with self._lock:
-                streams = list(self._streams.items())
-            for rid, _ in streams:
-                self._deliver(rid, RuntimeError(f"engine failed: {e}"))
+                self.error = e
+                streams = list(self._streams)
+                pending, self._commands = self._commands, []
+            failure = RuntimeError(f"engine failed: {e}")
+            for kind, arg in self._taken + pending:  # adds not yet answered
+                if kind == "add":
+                    self._resolve(arg[0], arg[3], failure)
+            for rid in streams:
+                self._deliver(rid, failure)
 
     def _run_command(self, kind: str, arg: Any) -> None:
         if kind == "abort":
