@@ -49,6 +49,8 @@ class EngineCore:
         enable_persistent_cache()
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.model.dtype)
+        if cfg.parallel.mesh.replace(" ", "") not in ("tp=1", "dp=1", "dp=1,tp=1", "tp=1,dp=1"):
+            raise ValueError(f"mesh {cfg.parallel.mesh!r}: only tp=1 is supported so far")
         if cfg.model.attention_backend not in ("auto", "reference"):
             raise ValueError(
                 f"attention backend {cfg.model.attention_backend!r} is not available here; "

@@ -75,8 +75,6 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
         )
-        if cfg.parallel.mesh not in ("tp=1", "dp=1", "dp=1,tp=1", "tp=1,dp=1"):
-            raise ValueError(f"mesh {cfg.parallel.mesh!r}: only tp=1 is supported so far")
         self.core = EngineCore(cfg, progress=progress)
         self.tokenizer = self.core.tokenizer
         self.progress = progress
