@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "dtypes (needs torch)")
     tp.add_argument("--hf-batch-size", type=int, default=32)
     tp.add_argument("--output-json")
+    sv = bsub.add_parser("serve", help="load an OpenAI-compatible server (ours or a peer's)")
+    sv.add_argument("--url", default="http://127.0.0.1:8000")
+    sv.add_argument("--api-key")
+    sv.add_argument("--served-model", help="model name to request (default: the first listed)")
+    sv.add_argument("--concurrency", type=int, default=8)
+    sv.add_argument("--num-prompts", type=int, default=32)
+    sv.add_argument("--output-len", type=int, default=128)
+    sv.add_argument("--output-json")
     return parser
 
 
@@ -204,9 +212,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from jengine.bench import run_throughput
+    if args.bench_command == "serve":
+        from jengine.bench_serve import run_serve_bench
 
-    result = run_throughput(args)
+        result = run_serve_bench(args)
+    else:
+        from jengine.bench import run_throughput
+
+        result = run_throughput(args)
     print(json.dumps(result, indent=1))
     if args.output_json:
         with open(args.output_json, "w") as f:

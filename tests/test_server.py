@@ -322,6 +322,19 @@ MESSAGES = [
 ]
 
 
+def test_bench_serve_loads_the_server(server):
+    """`jengine bench serve` (the peer-comparison load script) drives a real server."""
+    import argparse
+
+    from jengine.bench_serve import run_serve_bench
+
+    args = argparse.Namespace(url=server.url, api_key=KEY, served_model=None, concurrency=3,
+                              num_prompts=4, output_len=5)
+    result = run_serve_bench(args)
+    assert result["requests"] == 4 and result["output_tokens"] == 20  # exactly output_len each
+    assert result["output_tok_per_s"] > 0 and 0 < result["ttft_median_s"] < result["seconds"]
+
+
 def test_chat_usage_and_roles(server, tokenizer):
     from jengine.engine import render_chat
 

@@ -1,0 +1,70 @@
+"""`jengine bench serve --url URL`: load any OpenAI-compatible server (ours or a peer's) with
+streaming chat requests at fixed concurrency, and report aggregate output tok/s, TTFT and TPOT.
+
+Every request asks for exactly `--output-len` tokens (`ignore_eos` and `min_tokens` are sent as
+vLLM-style extras, which jengine and vLLM both honour), so servers do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
+
+
+async def _one(client, model: str, prompt: str, output_len: int) -> dict[str, float]:
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=output_len,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "min_tokens": output_len},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft": first - start, "tpot": (end - first) / max(1, tokens - 1), "tokens": tokens}
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        from openai import AsyncOpenAI
+    except ImportError as e:
+        raise ValueError("bench serve needs the openai package: pip install openai") from e
+
+    client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key or "none",
+                         timeout=3600)
+    model = args.served_model or (await client.models.list()).data[0].id
+    prompts = [f"Request {i}: write a long, detailed essay about the history of science."
+               for i in range(args.num_prompts)]
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[dict[str, float]] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            results.append(await _one(client, model, queue.get_nowait(), args.output_len))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    elapsed = time.perf_counter() - start
+    total = sum(r["tokens"] for r in results)
+    return {
+        "url": args.url, "model": model, "concurrency": args.concurrency,
+        "requests": len(results), "output_tokens": total, "seconds": elapsed,
+        "output_tok_per_s": total / elapsed,
+        "ttft_median_s": statistics.median(r["ttft"] for r in results),
+        "tpot_median_s": statistics.median(r["tpot"] for r in results),
+    }
+
+
+def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    return asyncio.run(_run(args))
