@@ -205,21 +205,30 @@ def test_async_engine_streams_and_abort_frees_pages(smol_engine):
             texts.append(delta.outputs[0].text if delta.outputs else "")
         long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         got = 0
-        async for _ in engine.generate("Tell me a long story.", long, request_id="to-abort"):
+        stream = engine.generate("Tell me a long story.", long, request_id="to-abort")
+        async for _ in stream:
             got += 1
             if got == 3:
-                break  # closing the stream aborts the request
+                break
+        await stream.aclose()  # closing the stream aborts the request
+        for _ in range(200):  # the engine thread applies the abort on its next turn
+            if "to-abort" not in engine.core.requests:
+                break
+            await asyncio.sleep(0.05)
+        assert "to-abort" not in engine.core.requests
         with pytest.raises(ValueError, match="empty"):
             async for _ in engine.generate("", params):
                 pass
         return "".join(texts)
 
-    text = asyncio.run(run())
+    try:
+        text = asyncio.run(run())
+    finally:
+        engine.shutdown()  # before this thread steps the same core again
+    assert smol_engine.core.allocator.num_used == 0 and not smol_engine.core.requests
     expected = smol_engine.generate(["The capital of France is"], SamplingParams(
         max_tokens=12, temperature=0))[0].outputs[0].text
     assert text == expected
-    engine.shutdown()
-    assert smol_engine.core.allocator.num_used == 0 and not smol_engine.core.requests
 
 
 def test_no_recompiles_after_warmup(smol_engine):
