@@ -82,7 +82,7 @@ class Case:
         for i, n in enumerate(pages_per_seq):
             self.page_table[i, :n] = pool[start:start + n]
             start += n
-        shape = (NUM_LAYERS, self.num_pages, page_size, num_kv_heads, HEAD_DIM)
+        shape = (NUM_LAYERS, num_kv_heads, self.num_pages, page_size, HEAD_DIM)
         self.k_cache = jnp.asarray(rng.uniform(-GARBAGE, GARBAGE, shape), jnp.float32)
         self.v_cache = jnp.asarray(rng.uniform(-GARBAGE, GARBAGE, shape), jnp.float32)
         # Full K/V/Q of every sequence, [kv_len, K|H, D].
@@ -208,8 +208,9 @@ def test_write_kv_writes_only_the_mapped_slots_of_the_layer():
     before_k = np.asarray(case.k_cache)
     x = case.step_inputs()
     _, k_cache, _ = case.run(x)
-    flat = k_cache.reshape(NUM_LAYERS, -1, 2, HEAD_DIM)
-    flat_before = before_k.reshape(NUM_LAYERS, -1, 2, HEAD_DIM)
+    # [L, K, P, O, D] -> [L, slot, K, D]
+    flat = np.asarray(k_cache).reshape(NUM_LAYERS, 2, -1, HEAD_DIM).transpose(0, 2, 1, 3)
+    flat_before = before_k.reshape(NUM_LAYERS, 2, -1, HEAD_DIM).transpose(0, 2, 1, 3)
     np.testing.assert_array_equal(flat[LAYER, x["slots"]], x["new_k"])
     untouched = np.ones(flat.shape[1], bool)
     untouched[x["slots"]] = False
@@ -240,4 +241,4 @@ def test_padding_tokens_do_not_change_real_outputs():
     np.testing.assert_allclose(out_padded[:n], case.expected(), rtol=TOL, atol=TOL)
     assert np.isfinite(out_padded).all()
     # Only the scratch page differs.
-    np.testing.assert_array_equal(k_padded[:, 1:], k_cache[:, 1:])
+    np.testing.assert_array_equal(k_padded[:, :, 1:], k_cache[:, :, 1:])

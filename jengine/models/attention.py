@@ -16,12 +16,12 @@ from jengine.pallas_kernels import blocked_paged_attention, ragged_paged_attenti
 class KVCache:
     """Stacked paged KV cache; page 0 is a scratch page that padding tokens write into."""
 
-    k: jax.Array  # [L, P, O, K, D]
-    v: jax.Array  # [L, P, O, K, D]
+    k: jax.Array  # [L, K, P, O, D]
+    v: jax.Array  # [L, K, P, O, D]
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
-        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @staticmethod

@@ -3,6 +3,13 @@
 Einsum letters: t query token (flat, ragged over sequences), k kv head, g query heads per kv
 head, d head dim, s key slot within the sequence's gathered pages, p page, o offset in page.
 
+Cache layout `[L, K, P, O, D]` (kv head outside the page): one page of one head is a contiguous
+`[O, D]` block, so gathering a sequence's pages yields `[K, T, S, D]` with the kv head already
+leading, and both attention matmuls run on that layout without a transpose copy. (With the head
+inside the page, `[L, P, O, K, D]`, XLA:CPU materialised a transposed copy of every gathered
+page; measured on SmolLM2 shapes, 64 decodes x 256 slots x 30 layers, the head-major layout cut
+the attention time by about a quarter.)
+
 Two layouts of the same computation:
 - per token (decodes, small steps): each query token gathers its own sequence's pages
   (`page_table[token_seq[t]]`), so a decode batch reads exactly its sequences' KV;
@@ -20,22 +27,23 @@ import jax.numpy as jnp
 
 
 def write_kv(
-    cache: jax.Array,  # [L, P, O, K, D]
+    cache: jax.Array,  # [L, K, P, O, D]
     layer: jax.Array,  # [] int32
     slot_mapping: jax.Array,  # [T] int32 flat slot = page * O + offset
     new: jax.Array,  # [T, K, D]
 ) -> jax.Array:
     """Scatters this step's keys (or values) of one layer into their pages, in place."""
-    page_size = cache.shape[2]
-    return cache.at[layer, slot_mapping // page_size, slot_mapping % page_size].set(
+    page_size = cache.shape[3]
+    # The slice between the integer indices puts the indexed axes first: the target is [T, K, D].
+    return cache.at[layer, :, slot_mapping // page_size, slot_mapping % page_size].set(
         new.astype(cache.dtype)
     )
 
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
-    k_cache: jax.Array,  # [L, P, O, K, D]
-    v_cache: jax.Array,  # [L, P, O, K, D]
+    k_cache: jax.Array,  # [L, K, P, O, D]
+    v_cache: jax.Array,  # [L, K, P, O, D]
     layer: jax.Array,  # [] int32
     token_seq: jax.Array,  # [T] int32 sequence (batch row) of each query token
     positions: jax.Array,  # [T] int32 absolute position of each query token
@@ -47,13 +55,12 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, H, D]
     """Causal attention of each query token over its sequence's cached keys (GQA aware)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[3]
-    page_size = k_cache.shape[2]
+    num_kv_heads, _, page_size = k_cache.shape[1:4]
     pages = page_table[token_seq]  # [T, Pmax]
-    k = k_cache[layer, pages].reshape(num_tokens, -1, num_kv_heads, head_dim)  # [T, S, K, D]
-    v = v_cache[layer, pages].reshape(num_tokens, -1, num_kv_heads, head_dim)
+    k = k_cache[layer][:, pages].reshape(num_kv_heads, num_tokens, -1, head_dim)  # [K, T, S, D]
+    v = v_cache[layer][:, pages].reshape(num_kv_heads, num_tokens, -1, head_dim)
     qg = q.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("ktsd,tkgd->ktsg", k, qg, preferred_element_type=jnp.float32)
     scores = scores * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -61,16 +68,16 @@ def ragged_paged_attention(
     mask = key_pos[None, :] <= positions[:, None]  # [T, S] causal (implies key < kv_len)
     if sliding_window is not None:
         mask &= key_pos[None, :] > positions[:, None] - sliding_window
-    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("tkgs,tskd->tkgd", probs, v, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[None, :, :, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype)  # [K, T, S, G]
+    out = jnp.einsum("ktsg,ktsd->tkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 def blocked_paged_attention(
     q: jax.Array,  # [T, H, D]
-    k_cache: jax.Array,  # [L, P, O, K, D]
-    v_cache: jax.Array,  # [L, P, O, K, D]
+    k_cache: jax.Array,  # [L, K, P, O, D]
+    v_cache: jax.Array,  # [L, K, P, O, D]
     layer: jax.Array,  # [] int32
     positions: jax.Array,  # [T] int32
     page_table: jax.Array,  # [S, Pmax] int32
@@ -83,17 +90,16 @@ def blocked_paged_attention(
 ) -> jax.Array:  # [T, H, D]
     """Same result as `ragged_paged_attention`, computed per block of one sequence's queries."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[3]
-    page_size = k_cache.shape[2]
+    num_kv_heads, _, page_size = k_cache.shape[1:4]
     num_blocks, block = block_tokens.shape
     pad = jnp.zeros((1, num_heads, head_dim), q.dtype)
     qb = jnp.concatenate([q, pad])[block_tokens]  # [NB, B, H, D]
     qb = qb.reshape(num_blocks, block, num_kv_heads, num_heads // num_kv_heads, head_dim)
     pos = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])[block_tokens]
     pages = page_table[block_seq]  # [NB, Pmax]
-    k = k_cache[layer, pages].reshape(num_blocks, -1, num_kv_heads, head_dim)  # [NB, S, K, D]
-    v = v_cache[layer, pages].reshape(num_blocks, -1, num_kv_heads, head_dim)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, k, preferred_element_type=jnp.float32)
+    k = k_cache[layer][:, pages].reshape(num_kv_heads, num_blocks, -1, head_dim)  # [K, NB, S, D]
+    v = v_cache[layer][:, pages].reshape(num_kv_heads, num_blocks, -1, head_dim)
+    scores = jnp.einsum("bqkgd,kbsd->bkgqs", qb, k, preferred_element_type=jnp.float32)
     scores = scores * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -104,7 +110,7 @@ def blocked_paged_attention(
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)  # padding rows: 0, not NaN
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgqs,kbsd->bqkgd", probs, v, preferred_element_type=jnp.float32)
     out = out.reshape(num_blocks * block, num_heads, head_dim).astype(q.dtype)
     flat = jnp.zeros((num_tokens + 1, num_heads, head_dim), q.dtype)
     return flat.at[block_tokens.reshape(-1)].set(out)[:num_tokens]
