@@ -5,6 +5,6 @@ jengine's layout, tokenizer); `save_checkpoint` writes the converted form `jengi
 """
 
 from converters.errors import ModelLoadError
-from converters.source import LoadedModel, load_source
+from converters.source import LoadedModel, load_config, load_source
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_source"]
+__all__ = ["LoadedModel", "ModelLoadError", "load_config", "load_source"]

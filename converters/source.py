@@ -86,6 +86,22 @@ def load_source(model: str | None, dtype: str = "float32", progress: bool = True
     )
 
 
+def load_config(model: str | None) -> ModelConfig:
+    """Only the architecture config of a model source (cheap: no weights are read), so that
+    engine settings can be checked against it before loading."""
+    path = resolve(model)
+    if path.is_dir() and (path / CHECKPOINT_MARKER).exists():
+        return ModelConfig.from_dict(json.loads((path / CHECKPOINT_MARKER).read_text())["config"])
+    if path.is_dir() and (path / "config.json").exists():
+        return _config_from_hf(json.loads((path / "config.json").read_text()))
+    ggufs = [path] if path.is_file() else sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1 and ggufs[0].suffix == ".gguf":
+        from converters.gguf_file import GGUFModel
+
+        return _config_from_hf(GGUFModel(ggufs[0]).hf_config())
+    return load_source(model, progress=False).config  # the full loader names the problem
+
+
 def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     try:
         return ModelConfig.from_hf(hf)

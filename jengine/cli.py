@@ -26,6 +26,9 @@ def _engine_parent() -> argparse.ArgumentParser:
                    "(default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--config", help="YAML preset name (configs/) or path")
     g.add_argument("--mesh", default="tp=1", help="device mesh, e.g. tp=8 or dp=2,tp=4")
+    g.add_argument("--cpu-devices", type=int, metavar="N",
+                   help="on a CPU-only machine, split the host into N fake devices (for trying "
+                   "--mesh without accelerators; no speed-up)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
@@ -235,6 +238,10 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "cpu_devices", None):
+        import jax  # must be configured before the backend starts
+
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     try:
         return COMMANDS[args.command](args)
     except (ValueError, ModelLoadError, FileNotFoundError) as e:

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from converters import LoadedModel, load_source
+from converters import LoadedModel, load_config, load_source
 from jengine.compilation import compile_count, enable_persistent_cache
 from jengine.config import EngineConfig, parse_memory
 from jengine.detokenizer import IncrementalDetokenizer
-from jengine.models import KVCache
+from jengine.models import KVCache, family_module
 from jengine.outputs import Logprob, RequestOutput
 from jengine.page_allocator import PageAllocator
 from jengine.request import RequestState, SampleState
@@ -27,6 +27,7 @@ from jengine.runner import Buckets, Runner, SamplingRows, StepResult, to_device_
 from jengine.sampling_params import SamplingParams
 from jengine.scheduler import Scheduler
 from jengine.sequence import Sequence
+from jengine.sharding import MeshSpec, ShardingRules, check_divisible, pad_query_heads
 
 log = logging.getLogger("jengine")
 
@@ -49,16 +50,22 @@ class EngineCore:
         enable_persistent_cache()
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.model.dtype)
-        if cfg.parallel.mesh.replace(" ", "") not in ("tp=1", "dp=1", "dp=1,tp=1", "tp=1,dp=1"):
-            raise ValueError(f"mesh {cfg.parallel.mesh!r}: only tp=1 is supported so far")
+        self.mesh_spec = MeshSpec.parse(cfg.parallel.mesh)
+        if self.mesh_spec.dp > 1:
+            raise ValueError(f"mesh {cfg.parallel.mesh!r}: dp > 1 is not supported yet")
+        mesh = self.mesh_spec.replica_mesh() if self.mesh_spec.tp > 1 else None
         if cfg.model.attention_backend not in ("auto", "reference"):
             raise ValueError(
                 f"attention backend {cfg.model.attention_backend!r} is not available here; "
                 "use auto or reference"
             )
+        if mesh is not None:  # before any weight is read
+            check_divisible(load_config(cfg.model.model), self.mesh_spec.tp)
         loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress)
         self.loaded_source = loaded.source
-        self.model_config = loaded.config
+        self.model_config, host_params = pad_query_heads(
+            loaded.config, loaded.params, self.mesh_spec.tp
+        )
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len(loaded)
         self.eos_token_ids = self._eos_ids(loaded)
@@ -92,10 +99,13 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
         )
-        params = to_device_params(loaded.params)
+        rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
+        specs = family_module(self.model_config).param_specs(self.model_config)
+        params = to_device_params(host_params, rules.param_shardings(specs) if rules else None)
+        del host_params
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,
-            buckets=buckets, dtype=self.dtype,
+            buckets=buckets, dtype=self.dtype, rules=rules,
         )
         self.requests: dict[str, RequestState] = {}
         self._seq_counter = 0

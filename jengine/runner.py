@@ -22,6 +22,7 @@ from jengine.batch import ScheduledBatch
 from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
 from jengine.pallas_kernels import query_blocks
 from jengine.sampler import SamplerOutput, SamplingArrays, sample
+from jengine.sharding import ShardingRules
 
 MAX_TOP_LOGPROBS = 20
 QUERY_BLOCK = 32  # query rows per block in prefill-heavy steps (see pallas_kernels/reference.py)
@@ -117,15 +118,22 @@ class Runner:
         page_size: int,
         buckets: Buckets,
         dtype,
-        param_sharding: Callable | None = None,
+        rules: ShardingRules | None = None,
     ):
+        """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
+        is created on its kv-head sharding and each step's inputs are replicated on the mesh."""
         self.cfg = cfg
         self.params = params
         self.page_size = page_size
         self.num_pages = num_pages
         self.buckets = buckets
         self.dtype = dtype
-        self.kv = KVCache.zeros(cfg, num_pages, page_size, dtype)
+        self._input_sharding = rules.replicated() if rules else None
+        kv_sharding = rules.kv_cache_sharding() if rules else None
+        self.kv = jax.jit(
+            lambda: KVCache.zeros(cfg, num_pages, page_size, dtype),
+            out_shardings=KVCache(k=kv_sharding, v=kv_sharding) if rules else None,
+        )()
         forward = family_module(cfg).forward
 
         def step(params, kv, md, arrays, targets, variant: Variant):
@@ -173,7 +181,9 @@ class Runner:
             targets = np.full((t,), -1, np.int32)
             targets[:n_tok] = rows.prompt_targets
             variant = dataclasses.replace(variant, prompt_logprobs=True)
-        dev = jax.device_put((ints, page_table, logits_idx, blocks, host_arrays, targets))
+        dev = jax.device_put(
+            (ints, page_table, logits_idx, blocks, host_arrays, targets), self._input_sharding
+        )
         ints_d, page_table_d, logits_idx_d, blocks_d, arrays_d, targets_d = dev
         md = AttentionMetadata(
             token_ids=ints_d[0], positions=ints_d[1], slot_mapping=ints_d[2],
@@ -311,8 +321,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def to_device_params(params: dict[str, np.ndarray], shardings=None) -> dict[str, jax.Array]:
-    """Host params -> device arrays (with their shardings when given)."""
+def to_device_params(
+    params: dict[str, np.ndarray], shardings: dict[str, jax.sharding.Sharding] | None = None
+) -> dict[str, jax.Array]:
+    """Host params -> device arrays. With shardings, each device receives only its own slice
+    (`make_array_from_callback`), so no device ever holds a whole tensor it does not own."""
     if shardings is None:
         return {k: jnp.asarray(v) for k, v in params.items()}
-    return {k: jax.device_put(v, shardings[k]) for k, v in params.items()}
+    return {
+        k: jax.make_array_from_callback(v.shape, shardings[k], lambda index, v=v: v[index])
+        for k, v in params.items()
+    }

@@ -61,6 +61,7 @@ def attend(
     sm_scale: float,
     sliding_window: jax.Array | int | None,
     soft_cap: float | None,
+    kv_head_map: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Writes this layer's new K/V into the pages, then attends over the cache."""
     kv = KVCache(
@@ -70,10 +71,12 @@ def attend(
         out = blocked_paged_attention(
             q, kv.k, kv.v, layer, md.positions, md.page_table, md.block_tokens, md.block_seq,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            kv_head_map=kv_head_map,
         )
     else:
         out = ragged_paged_attention(
             q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            kv_head_map=kv_head_map,
         )
     return out, kv

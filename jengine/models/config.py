@@ -88,6 +88,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Set only under tensor parallelism with replicated kv heads (jengine.sharding): num_heads
+    # is then padded to a multiple of tp and this names the kv head of every q head.
+    kv_head_map: tuple[int, ...] | None = None
 
     @property
     def family(self) -> str:
@@ -119,6 +122,8 @@ class ModelConfig:
                     rope["freq_factors"] = tuple(rope["freq_factors"])
                 d[key] = RopeConfig(**rope)
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
+        if d.get("kv_head_map") is not None:
+            d["kv_head_map"] = tuple(d["kv_head_map"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
 

@@ -52,6 +52,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: jax.Array | int | None = None,  # [] int32; keys within this many positions
     soft_cap: float | None = None,
+    kv_head_map: tuple[int, ...] | None = None,  # [H] kv head of each q head (else h // G)
 ) -> jax.Array:  # [T, H, D]
     """Causal attention of each query token over its sequence's cached keys (GQA aware)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -59,6 +60,7 @@ def ragged_paged_attention(
     pages = page_table[token_seq]  # [T, Pmax]
     k = k_cache[layer][:, pages].reshape(num_kv_heads, num_tokens, -1, head_dim)  # [K, T, S, D]
     v = v_cache[layer][:, pages].reshape(num_kv_heads, num_tokens, -1, head_dim)
+    k, v, num_kv_heads = _per_query_head(k, v, num_kv_heads, kv_head_map)
     qg = q.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = jnp.einsum("ktsd,tkgd->ktsg", k, qg, preferred_element_type=jnp.float32)
     scores = scores * sm_scale
@@ -87,18 +89,20 @@ def blocked_paged_attention(
     sm_scale: float,
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
+    kv_head_map: tuple[int, ...] | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Same result as `ragged_paged_attention`, computed per block of one sequence's queries."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size = k_cache.shape[1:4]
     num_blocks, block = block_tokens.shape
+    pages = page_table[block_seq]  # [NB, Pmax]
+    k = k_cache[layer][:, pages].reshape(num_kv_heads, num_blocks, -1, head_dim)  # [K, NB, S, D]
+    v = v_cache[layer][:, pages].reshape(num_kv_heads, num_blocks, -1, head_dim)
+    k, v, num_kv_heads = _per_query_head(k, v, num_kv_heads, kv_head_map)
     pad = jnp.zeros((1, num_heads, head_dim), q.dtype)
     qb = jnp.concatenate([q, pad])[block_tokens]  # [NB, B, H, D]
     qb = qb.reshape(num_blocks, block, num_kv_heads, num_heads // num_kv_heads, head_dim)
     pos = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])[block_tokens]
-    pages = page_table[block_seq]  # [NB, Pmax]
-    k = k_cache[layer][:, pages].reshape(num_kv_heads, num_blocks, -1, head_dim)  # [K, NB, S, D]
-    v = v_cache[layer][:, pages].reshape(num_kv_heads, num_blocks, -1, head_dim)
     scores = jnp.einsum("bqkgd,kbsd->bkgqs", qb, k, preferred_element_type=jnp.float32)
     scores = scores * sm_scale
     if soft_cap is not None:
@@ -114,6 +118,15 @@ def blocked_paged_attention(
     out = out.reshape(num_blocks * block, num_heads, head_dim).astype(q.dtype)
     flat = jnp.zeros((num_tokens + 1, num_heads, head_dim), q.dtype)
     return flat.at[block_tokens.reshape(-1)].set(out)[:num_tokens]
+
+
+def _per_query_head(k, v, num_kv_heads, kv_head_map):
+    """With an explicit q -> kv head map (tensor parallel, kv heads replicated, q heads padded),
+    gives every q head its own kv row ([K, ...] -> [H, ...]) so the groups are of size 1."""
+    if kv_head_map is None:
+        return k, v, num_kv_heads
+    index = jnp.asarray(kv_head_map, jnp.int32)
+    return k[index], v[index], len(kv_head_map)
 
 
 def query_blocks(
