@@ -46,14 +46,17 @@ def resolve_dtype(dtype: str) -> str:
 class EngineCore:
     """Owns the model on device, the scheduler, and every in-flight request."""
 
-    def __init__(self, cfg: EngineConfig, *, progress: bool = True):
+    def __init__(
+        self, cfg: EngineConfig, *, progress: bool = True, replica: int = 0,
+        loaded: LoadedModel | None = None,
+    ):
+        """One engine replica. `replica` picks its devices under `dp` (see jengine.sharding);
+        `loaded` lets data-parallel replicas share one read of the weights from disk."""
         enable_persistent_cache()
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.model.dtype)
         self.mesh_spec = MeshSpec.parse(cfg.parallel.mesh)
-        if self.mesh_spec.dp > 1:
-            raise ValueError(f"mesh {cfg.parallel.mesh!r}: dp > 1 is not supported yet")
-        mesh = self.mesh_spec.replica_mesh() if self.mesh_spec.tp > 1 else None
+        mesh = self.mesh_spec.replica_mesh(replica) if self.mesh_spec.num_devices > 1 else None
         if cfg.model.attention_backend not in ("auto", "reference"):
             raise ValueError(
                 f"attention backend {cfg.model.attention_backend!r} is not available here; "
@@ -61,7 +64,8 @@ class EngineCore:
             )
         if mesh is not None:  # before any weight is read
             check_divisible(load_config(cfg.model.model), self.mesh_spec.tp)
-        loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress)
+        if loaded is None:
+            loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress)
         self.loaded_source = loaded.source
         self.model_config, host_params = pad_query_heads(
             loaded.config, loaded.params, self.mesh_spec.tp
@@ -238,6 +242,11 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def replicas(self) -> list[EngineCore]:
+        """The engine replicas behind this core (one; `jengine.replicas.ReplicaSet` has dp)."""
+        return [self]
 
     # -- the step ---------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from jengine.config import EngineConfig, load_config
 from jengine.core import EngineCore
 from jengine.outputs import RequestOutput
+from jengine.replicas import ReplicaSet, make_core
 from jengine.request import merge_deltas
 from jengine.sampling_params import SamplingParams
 
@@ -75,7 +76,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
         )
-        self.core = EngineCore(cfg, progress=progress)
+        self.core = make_core(cfg, progress=progress)
         self.tokenizer = self.core.tokenizer
         self.progress = progress
         self._ids = itertools.count()
@@ -176,9 +177,9 @@ class AsyncEngine:
         progress = kwargs.pop("progress", True)
         config = kwargs.pop("config", None)
         cfg = build_config(model, config, **kwargs)
-        self._start(EngineCore(cfg, progress=progress))
+        self._start(make_core(cfg, progress=progress))
 
-    def _start(self, core: EngineCore) -> None:
+    def _start(self, core: EngineCore | ReplicaSet) -> None:
         self.core = core
         self.tokenizer = core.tokenizer
         self._lock = threading.Condition()

@@ -157,3 +157,27 @@ def test_cli_cpu_devices_flag_makes_fake_devices():
     )
     assert proc.returncode == 2
     assert "model path not found: /nonexistent/model" in proc.stderr, proc.stderr
+
+
+def test_data_parallel_replicas_match_one_device_and_share_the_load(smol_engine):
+    from jengine.replicas import ReplicaSet
+
+    expected = _greedy(smol_engine, PROMPTS)
+    engine = Engine(config="test", mesh="dp=2,tp=4")
+    try:
+        core = engine.core
+        assert isinstance(core, ReplicaSet) and len(core.replicas) == 2
+        devices = [set(r.runner.params["wq"].sharding.device_set) for r in core.replicas]
+        assert len(devices[0]) == len(devices[1]) == 4 and not devices[0] & devices[1]
+        assert _greedy(engine, PROMPTS) == expected
+        # 16 requests at once (4 prompts x 4): the least-loaded replica takes each one.
+        before = list(core.assigned)
+        many = [p + f" {i}" for i in range(4) for p in PROMPTS]
+        outs = engine.generate(many, GREEDY)
+        split = [a - b for a, b in zip(core.assigned, before)]
+        print("requests per replica:", split)
+        assert sum(split) == 16 and abs(split[0] - split[1]) <= 2
+        assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+        assert not core.has_unfinished and all(r.allocator.num_used == 0 for r in core.replicas)
+    finally:
+        del engine

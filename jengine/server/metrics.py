@@ -70,22 +70,27 @@ class _EngineCollector(Collector):
         if engine is None:
             return
         core = engine.core
-        running, waiting = _request_counts(core.scheduler)
-        alloc = core.allocator
-        total = alloc.num_pages - 1  # page 0 is the scratch page
+        replicas = core.replicas  # dp replicas: their counts add up
+        running = waiting = used = total = preemptions = 0
+        for replica in replicas:
+            r, w = _request_counts(replica.scheduler)
+            running, waiting = running + r, waiting + w
+            used += replica.allocator.num_used
+            total += replica.allocator.num_pages - 1  # page 0 is the scratch page
+            preemptions += replica.scheduler.num_preemptions
         yield _gauge("jengine_num_requests_running", "Requests with sequences being stepped.",
                      running)
         yield _gauge("jengine_num_requests_waiting", "Requests waiting in the scheduler.",
                      waiting)
-        yield _gauge("jengine_kv_pages_used", "KV cache pages in use.", alloc.num_used)
+        yield _gauge("jengine_kv_pages_used", "KV cache pages in use.", used)
         yield _gauge("jengine_kv_pages_total", "KV cache pages that can be handed out.", total)
         yield _gauge("jengine_kv_cache_usage_ratio", "Fraction of KV cache pages in use.",
-                     alloc.num_used / max(total, 1))
+                     used / max(total, 1))
         yield _gauge("jengine_compiles_since_ready",
                      "XLA programs compiled after warm-up (anything but 0 is a missed bucket).",
                      core.compiles_since_ready)
         yield _gauge("jengine_preemptions", "Sequences preempted (recomputed) so far.",
-                     core.scheduler.num_preemptions)
+                     preemptions)
 
 
 def _request_counts(scheduler) -> tuple[int, int]:

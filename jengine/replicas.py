@@ -1,0 +1,145 @@
+"""`ReplicaSet`: `dp` independent engine replicas behind the one `EngineCore` interface.
+
+With `--mesh dp=2,tp=4` each replica is a full `EngineCore` on its own 4 devices, with its own
+KV pages, scheduler and compiled programs; the weights are read from disk once and placed on
+every replica's devices. A new request goes to the replica with the least outstanding work
+(prompt + remaining output tokens of its unfinished requests) and stays there. One
+`ReplicaSet.step()` steps every replica that has work, each in its own worker thread: a step
+spends most of its time in XLA (which releases the GIL), so the replicas' devices run at the
+same time. Each replica is still stepped by one thread at a time, as `EngineCore` requires.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from converters import load_source
+from jengine.config import EngineConfig
+from jengine.core import EngineCore, resolve_dtype
+from jengine.outputs import RequestOutput
+from jengine.request import RequestState
+from jengine.sharding import MeshSpec
+
+
+def make_core(cfg: EngineConfig, *, progress: bool = True) -> EngineCore | ReplicaSet:
+    """One EngineCore, or a ReplicaSet when the mesh asks for dp > 1."""
+    spec = MeshSpec.parse(cfg.parallel.mesh)
+    if spec.dp == 1:
+        return EngineCore(cfg, progress=progress)
+    return ReplicaSet(cfg, progress=progress)
+
+
+class ReplicaSet:
+    """Data-parallel replicas with `EngineCore`'s interface (what Engine and the server use)."""
+
+    def __init__(self, cfg: EngineConfig, *, progress: bool = True):
+        spec = MeshSpec.parse(cfg.parallel.mesh)
+        spec.check_devices()  # before any weight is read
+        loaded = load_source(cfg.model.model, dtype=resolve_dtype(cfg.model.dtype),
+                             progress=progress)
+        self.replicas: list[EngineCore] = [
+            EngineCore(cfg, progress=progress, replica=r, loaded=loaded) for r in range(spec.dp)
+        ]
+        self._owner: dict[str, EngineCore] = {}
+        self.assigned = [0] * spec.dp  # requests sent to each replica so far
+        self._pool = ThreadPoolExecutor(spec.dp, thread_name_prefix="jengine-replica")
+
+    # -- what every replica shares ------------------------------------------------------------
+
+    @property
+    def cfg(self) -> EngineConfig:
+        return self.replicas[0].cfg
+
+    @property
+    def tokenizer(self):
+        return self.replicas[0].tokenizer
+
+    @property
+    def model_config(self):
+        return self.replicas[0].model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    @property
+    def eos_token_ids(self):
+        return self.replicas[0].eos_token_ids
+
+    @property
+    def loaded_source(self) -> str:
+        return self.replicas[0].loaded_source
+
+    @property
+    def runner(self):
+        return self.replicas[0].runner
+
+    @property
+    def grammars(self):
+        return self.replicas[0].grammars
+
+    def encode_prompt(self, prompt):
+        return self.replicas[0].encode_prompt(prompt)
+
+    # -- across replicas ---------------------------------------------------------------------
+
+    @property
+    def warmup_seconds(self) -> float:
+        return sum(r.warmup_seconds for r in self.replicas)
+
+    @property
+    def num_steps(self) -> int:
+        return max(r.num_steps for r in self.replicas)
+
+    @property
+    def host_seconds(self) -> float:
+        return max(r.host_seconds for r in self.replicas)
+
+    @property
+    def device_seconds(self) -> float:
+        return max(r.device_seconds for r in self.replicas)
+
+    @property
+    def compiles_since_ready(self) -> int:
+        # The compile counter is process-wide: every replica reads the same events.
+        return max(r.compiles_since_ready for r in self.replicas)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return any(r.has_unfinished for r in self.replicas)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    @staticmethod
+    def load(core: EngineCore) -> int:
+        """Outstanding tokens of a replica: prompts plus the output still to come."""
+        return sum(
+            len(state.prompt_ids)
+            + sum(s.seq.max_tokens - len(s.seq.output_ids) for s in state.samples)
+            for state in list(core.requests.values())
+        )
+
+    def add_request(self, request_id: str, prompt, params, *args, **kwargs) -> RequestState:
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        index = min(range(len(self.replicas)), key=lambda i: self.load(self.replicas[i]))
+        core = self.replicas[index]
+        state = core.add_request(request_id, prompt, params, *args, **kwargs)
+        self._owner[request_id] = core
+        self.assigned[index] += 1
+        return state
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        core = self._owner.pop(request_id, None)
+        return core.abort(request_id) if core is not None else None
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica with work, concurrently; their deltas together."""
+        busy = [r for r in self.replicas if r.has_unfinished]
+        outputs: list[RequestOutput] = []
+        for part in self._pool.map(EngineCore.step, busy):
+            outputs.extend(part)
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outputs
