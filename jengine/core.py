@@ -6,9 +6,11 @@ not thread-safe by itself: exactly one thread calls `add_request`, `abort` and `
 
 from __future__ import annotations
 
+import atexit
 import logging
 import random
 import sys
+import threading
 import time
 
 import jax
@@ -28,6 +30,9 @@ from jengine.sampling_params import SamplingParams
 from jengine.scheduler import Scheduler
 from jengine.sequence import Sequence
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, pad_query_heads
+from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
+from jengine.structured import Grammar, GrammarCompiler
+from jengine.structured.bitmask import StepMasks
 
 log = logging.getLogger("jengine")
 
@@ -54,6 +59,12 @@ class EngineCore:
         `loaded` lets data-parallel replicas share one read of the weights from disk."""
         enable_persistent_cache()
         self.cfg = cfg
+        par = cfg.parallel
+        self.distributed = DistributedSpec(
+            coordinator=par.coordinator, num_processes=par.num_processes,
+            process_id=par.process_id,
+        )
+        initialize(self.distributed)  # before anything starts JAX's backend
         self.dtype = resolve_dtype(cfg.model.dtype)
         self.mesh_spec = MeshSpec.parse(cfg.parallel.mesh)
         mesh = self.mesh_spec.replica_mesh(replica) if self.mesh_spec.num_devices > 1 else None
@@ -110,10 +121,17 @@ class EngineCore:
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,
             buckets=buckets, dtype=self.dtype, rules=rules,
+            channel=StepChannel(self.distributed) if self.distributed.num_processes > 1 else None,
         )
         self.requests: dict[str, RequestState] = {}
         self._seq_counter = 0
-        self.warmup_seconds = self._warmup(progress)
+        self._grammars: GrammarCompiler | None = None  # built on first use (~0.5 s)
+        self._grammars_lock = threading.Lock()
+        self._masks: StepMasks | None = None
+        # A multi-host follower compiles as it follows the leader's warm-up steps.
+        self.warmup_seconds = self._warmup(progress) if self.distributed.is_leader else 0.0
+        if self.distributed.num_processes > 1 and self.distributed.is_leader:
+            atexit.register(self.runner.stop_followers)
         self.compiles_at_ready = compile_count()
         self.num_steps = 0
         # Wall time inside Runner.execute (device work + transfers) vs. the host work around it
@@ -153,6 +171,20 @@ class EngineCore:
         return seconds
 
     @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this model's tokenizer (thread-safe; any thread may submit)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from jengine.structured.llguidance_backend import LLGuidanceBackend
+
+                backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size,
+                                            self.eos_token_ids)
+                self._masks = StepMasks(backend, self.cfg.scheduler.max_num_seqs,
+                                        self.model_config.vocab_size)
+                self._grammars = GrammarCompiler(backend)
+            return self._grammars
+
+    @property
     def compiles_since_ready(self) -> int:
         """Programs compiled after warm-up; anything but 0 means a step shape was missed."""
         return compile_count() - self.compiles_at_ready
@@ -180,16 +212,24 @@ class EngineCore:
         return text, ids
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+        grammar: Grammar | None = None,
     ) -> RequestState:
-        """Validates and queues a request. Raises ValueError for bad input (nothing is queued)."""
+        """Validates and queues a request. Raises ValueError for bad input (nothing is queued).
+
+        A constrained request compiles its grammar here unless `grammar` is given: callers that
+        must not block (AsyncEngine) compile it first with `grammars.submit`.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.structured_outputs is not None:
-            raise ValueError("structured_outputs is not supported yet")
+            # `self.grammars` also builds this core's mask buffer, which a grammar compiled
+            # elsewhere (another data-parallel replica's compiler) does not.
+            compiler = self.grammars
+            grammar = grammar or compiler.compile(params.structured_outputs)
         text, ids = self.encode_prompt(prompt)
         room = self.max_model_len - len(ids)
         if room < 1:
@@ -209,6 +249,7 @@ class EngineCore:
                 seq_id=self._next_seq_id(), request_id=request_id, index=index,
                 prompt_ids=ids, params=params, seed=(base_seed + index) % (1 << 32),
                 max_tokens=max_tokens, arrival=time.perf_counter(),
+                matcher=grammar.matcher() if params.structured_outputs is not None else None,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
@@ -243,6 +284,13 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def follow(self) -> int:
+        """Multi-host follower (process_id > 0): runs the leader's step programs until the
+        leader shuts down; returns the number of steps run."""
+        if self.distributed.is_leader:
+            raise RuntimeError("process 0 leads; only the other processes follow")
+        return self.runner.follow()
+
     @property
     def replicas(self) -> list[EngineCore]:
         """The engine replicas behind this core (one; `jengine.replicas.ReplicaSet` has dp)."""
@@ -267,6 +315,8 @@ class EngineCore:
             return []
         rows = self._sampling_rows(batch.seqs)
         rows.prompt_targets = self._prompt_targets(batch)
+        if self._masks is not None:
+            rows.allowed_mask = self._masks.build(batch.seqs, batch.sample)
         t0 = time.perf_counter()
         result = self.runner.execute(batch, rows)
         self.device_seconds += time.perf_counter() - t0
@@ -274,6 +324,7 @@ class EngineCore:
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, result)
         updated = self.scheduler.postprocess(batch, result.tokens)
+        self._advance_grammars(updated)
         index = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
         touched: dict[str, RequestState] = {}
         for seq in updated:
@@ -291,6 +342,19 @@ class EngineCore:
                 state.finish_time = time.perf_counter()
                 del self.requests[rid]
         return outputs
+
+    def _advance_grammars(self, updated: list[Sequence]) -> None:
+        """Feeds each constrained sequence its new token; a completed grammar ends it ("stop")."""
+        for seq in updated:
+            if seq.matcher is None or seq.is_finished:
+                continue
+            if not seq.matcher.accept(seq.output_ids[-1]):
+                # The mask allows only tokens the grammar accepts, so this is a bug somewhere.
+                log.error("request %s: grammar rejected token %d: %s", seq.request_id,
+                          seq.output_ids[-1], seq.matcher.error)
+                self.scheduler.finish(seq, "abort")
+            elif seq.matcher.is_stopped:
+                self.scheduler.finish(seq, "stop")
 
     def _emit_token(self, state: RequestState, sample: SampleState, result: StepResult,
                     row: int) -> None:
@@ -397,8 +461,8 @@ class EngineCore:
     def _banned_now(self, seq: Sequence) -> set[int]:
         """Stop tokens masked while a sequence is still short of min_tokens."""
         p = seq.params
-        if len(seq.output_ids) >= p.min_tokens:
-            return set()
+        if len(seq.output_ids) >= p.min_tokens or seq.matcher is not None:
+            return set()  # a grammar decides itself when EOS may come
         stops = set(p.stop_token_ids or ())
         if not p.ignore_eos:
             stops |= set(self.eos_token_ids)

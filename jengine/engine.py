@@ -2,12 +2,15 @@
 
 The data flow of one step, and the type at each boundary:
 
-    Request (prompt ids, SamplingParams)          EngineCore.add_request -> Sequence(s)
+    Request (prompt ids, SamplingParams, grammar) EngineCore.add_request -> Sequence(s), each
+                                                   with its own grammar matcher when constrained
       -> Scheduler.schedule()                      host: decodes first, then prefill chunks
                                                    within the token budget; allocates KV pages;
                                                    preempts by recompute when pages run out
       -> ScheduledBatch                            host NumPy: tokens, positions, slots, q/kv
                                                    lens, page tables (jengine/batch.py)
+      -> StepMasks.build()                         host: allowed-token bitmask rows of the
+                                                   constrained sequences (None if there are none)
       -> Runner.prepare()                          pads to a declared bucket, one device_put
       -> step(params, kv_cache, metadata, sampling arrays)
                                                    one jitted program: embed -> scanned layers
@@ -15,7 +18,8 @@ The data flow of one step, and the type at each boundary:
                                                    logits -> sampler; kv_cache donated
       -> StepResult                                [S] token ids (+ logprobs) back to the host
       -> Scheduler.postprocess()                   append tokens, eos/stop ids/max_tokens, free
-                                                   pages of finished sequences
+                                                   pages of finished sequences; then each matcher
+                                                   consumes its token (a complete grammar stops)
       -> IncrementalDetokenizer                    UTF-8 safe text deltas; stop strings cut
       -> RequestOutput deltas                      to Engine.generate / stream / AsyncEngine
 """
@@ -36,12 +40,22 @@ from jengine.core import EngineCore
 from jengine.outputs import RequestOutput
 from jengine.replicas import ReplicaSet, make_core
 from jengine.request import merge_deltas
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import SamplingParams, StructuredOutputs
+from jengine.structured import Grammar
+from jengine.tools import (
+    constrain,
+    split_tool_calls,
+    template_has_tools,
+    template_messages,
+    text_messages,
+    tool_setup,
+)
 
 # The pinned keyword defaults. A keyword left at its default lets a `config` preset decide.
 _DEFAULTS: dict[str, Any] = dict(
     mesh="tp=1", dtype="auto", attention_backend="auto", max_model_len=None, max_num_seqs=64,
     max_num_batched_tokens=512, page_size=16, kv_cache_memory="2GiB", enable_prefix_caching=True,
+    coordinator=None, num_processes=1, process_id=0,
 )
 
 
@@ -69,14 +83,23 @@ class Engine:
         enable_prefix_caching: bool = True,
         config: str | None = None,
         progress: bool = True,
+        coordinator: str | None = None,
+        num_processes: int = 1,
+        process_id: int = 0,
     ):
+        """Multi-host (`num_processes` > 1, one process per host, the same arguments on each
+        but `process_id`): process 0 is the engine; on every other process this constructor
+        runs process 0's step programs and returns only when process 0 exits."""
         cfg = build_config(
             model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+            coordinator=coordinator, num_processes=num_processes, process_id=process_id,
         )
         self.core = make_core(cfg, progress=progress)
+        if process_id != 0:
+            self.core.follow()
         self.tokenizer = self.core.tokenizer
         self.progress = progress
         self._ids = itertools.count()
@@ -100,6 +123,9 @@ class Engine:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for p in params:  # distinct grammars compile in parallel on the grammar pool
+            if isinstance(p, SamplingParams) and p.structured_outputs is not None:
+                self.core.grammars.submit(p.structured_outputs)
         added = []
         try:
             for rid, prompt, p in zip(ids, prompts, params):
@@ -128,11 +154,31 @@ class Engine:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
-        """`generate` over the model's chat template applied to each conversation."""
+        """`generate` over the model's chat template applied to each conversation.
+
+        With `tools` (OpenAI function tools) and `tool_choice` ('auto' by default, 'none',
+        'required' or {'type': 'function', 'function': {'name': ...}}), each completion's calls
+        come out parsed in `tool_calls` (its `text` keeps the rest) and a completion that made
+        calls finishes with "tool_calls"; `parallel_tool_calls=False` allows one call under
+        'required'. See `jengine.tools`.
+        """
+        setup = tool_setup(tools, tool_choice, parallel_tool_calls)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(c, tools=tools) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        shown = tools if setup.active else None
+        prompts = [self.render_chat(c, tools=shown) for c in conversations]
+        if isinstance(sampling_params, list):
+            params = [constrain(p or SamplingParams(), setup) for p in sampling_params]
+        else:
+            params = constrain(sampling_params or SamplingParams(), setup)
+        outputs = self.generate(prompts, params)
+        if setup.active:
+            for out in outputs:
+                for completion in out.outputs:
+                    split_tool_calls(completion)
+        return outputs
 
     def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
         return render_chat(self.tokenizer, messages, tools=tools)
@@ -155,11 +201,21 @@ class Engine:
 
 
 def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
-    """Chat messages -> prompt token ids with the tokenizer's chat template."""
+    """Chat messages -> prompt token ids with the tokenizer's chat template.
+
+    `tools` (validated OpenAI function tools) go to a template that renders tools itself, and
+    into the system prompt otherwise; tool calls and results in `messages` are written as text
+    for a template without a tool format (see `jengine.tools`).
+    """
     if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
+    if template_has_tools(tokenizer):
+        messages = template_messages(messages)
+    else:
+        functions = [t["function"] for t in tools or ()]
+        messages, tools = text_messages(messages, functions), None
     text = tokenizer.apply_chat_template(
         messages, tools=tools, add_generation_prompt=True, tokenize=False
     )
@@ -204,6 +260,11 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's deltas. Bad input raises ValueError before anything is queued."""
         rid = request_id or f"req-{next(self._ids)}"
+        grammar = None
+        spec = getattr(sampling_params, "structured_outputs", None)
+        if spec is not None:
+            # Compiled on the grammar pool, never in the engine thread; a bad spec raises here.
+            grammar = await self._compile(spec)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
@@ -213,7 +274,7 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = (loop, queue)
-            self._commands.append(("add", (rid, prompt, sampling_params, done)))
+            self._commands.append(("add", (rid, prompt, sampling_params, grammar, done)))
             self._lock.notify()
         try:
             await done  # raises the ValueError of a rejected request
@@ -229,6 +290,18 @@ class AsyncEngine:
                 if self._streams.pop(rid, None) is not None:
                     self._commands.append(("abort", rid))
                     self._lock.notify()
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles the request's output constraint on the grammar pool (cached for the request
+        itself); raises ValueError when the constraint is invalid. Lets a caller reject a bad
+        constraint, and name its field, before it streams anything."""
+        if params.structured_outputs is not None:
+            await self._compile(params.structured_outputs)
+
+    async def _compile(self, spec: StructuredOutputs) -> Grammar:
+        # The first use builds the backend (~0.5 s): not in the event loop's thread either.
+        grammars = await asyncio.to_thread(getattr, self.core, "grammars")
+        return await asyncio.wrap_future(grammars.submit(spec))
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
@@ -267,7 +340,7 @@ class AsyncEngine:
             failure = RuntimeError(f"engine failed: {e}")
             for kind, arg in self._taken + pending:  # adds not yet answered
                 if kind == "add":
-                    self._resolve(arg[0], arg[3], failure)
+                    self._resolve(arg[0], arg[-1], failure)
             for rid in streams:
                 self._deliver(rid, failure)
 
@@ -275,9 +348,9 @@ class AsyncEngine:
         if kind == "abort":
             self.core.abort(arg)
             return
-        rid, prompt, params, done = arg
+        rid, prompt, params, grammar, done = arg
         try:
-            self.core.add_request(rid, prompt, params)
+            self.core.add_request(rid, prompt, params, grammar)
         except ValueError as e:
             self._resolve(rid, done, e)
             return

@@ -35,6 +35,21 @@ SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One function call the model made (OpenAI's `tool_calls[i]`).
+
+    Attributes:
+      id: a unique id the tool result message refers back to (`tool_call_id`).
+      name: the function's name.
+      arguments: the arguments as a JSON object text.
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     """One completion of a request (a request with `n > 1` has n of them).
@@ -46,6 +61,8 @@ class CompletionOutput:
       logprobs: per token in `token_ids`, when the request asked for logprobs; else None.
       finish_reason: why generation ended; None while it goes on.
       stop_reason: the stop string or stop token id that ended it; None for EOS or length.
+      tool_calls: the function calls parsed from the text (`Engine.chat` with tools), which then
+        holds only the rest of the text; None otherwise.
     """
 
     index: int
@@ -54,6 +71,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def finished(self) -> bool:
         """Whether this completion has ended (a method, as in vLLM)."""

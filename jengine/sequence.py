@@ -38,6 +38,9 @@ class Sequence:
     num_preemptions: int = 0
     # Set on a request's first sample while its siblings wait to share its prompt pages.
     pending_forks: list[Sequence] = dataclasses.field(default_factory=list)
+    # The grammar state of a constrained sequence (`jengine.structured.Matcher`): it has consumed
+    # exactly `output_ids`, so preemption by recompute keeps it as it is.
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:
