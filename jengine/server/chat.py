@@ -3,6 +3,11 @@
 A stream goes as OpenAI sends it: for each choice a first chunk with the role, then content
 chunks, then exactly one chunk with an empty delta and the finish_reason; with
 `stream_options.include_usage` a last chunk with `choices: []` and the usage; then `[DONE]`.
+
+With tools (`jengine.tools`), `<tool_call>` blocks in the output become `message.tool_calls` and
+the rest stays `content` (null when nothing else is left); a choice that made calls finishes with
+"tool_calls". Streamed, a call goes out once its block is complete, as two `delta.tool_calls`
+chunks: the id, type and function name (arguments ""), then the arguments.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jengine.engine import render_chat
-from jengine.outputs import CompletionOutput, Logprob
+from jengine.outputs import CompletionOutput, Logprob, ToolCall
+from jengine.server.errors import bad_request
 from jengine.server.protocol import ChatCompletionRequest, finite, usage
 from jengine.server.state import ServerState
 from jengine.server.streams import EngineStream, sse, sse_stream
+from jengine.tools import ToolCallStream, parse_tool_calls
 
 router = APIRouter()
 
@@ -28,9 +35,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     state.check_model(body.model)
     messages = body.template_messages()
-    params = body.sampling_params()
+    tools = body.tool_setup()
+    params = body.sampling_params(tools)
     engine = state.admit()
-    prompt = render_chat(engine.tokenizer, messages)
+    prompt = render_chat(engine.tokenizer, messages, tools=body.tools if tools.active else None)
+    try:
+        await engine.compile_grammar(params)
+    except ValueError as e:
+        raise bad_request(str(e), body.constraint_param()) from None
     request_id = request.state.request_id
     stream = EngineStream(state, engine, [prompt], params, state.new_request_id(request_id),
                           request.is_disconnected)
@@ -39,7 +51,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     except BaseException:
         stream.close()
         raise
-    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name)
+    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools.active)
     if body.stream:
         return StreamingResponse(sse_stream(stream, view.events(stream)),
                                  media_type="text/event-stream")
@@ -50,8 +62,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 class _ChatView:
     """Turns engine deltas into OpenAI chat completion objects (whole, or as stream chunks)."""
 
-    def __init__(self, body: ChatCompletionRequest, response_id: str, model: str):
+    def __init__(self, body: ChatCompletionRequest, response_id: str, model: str,
+                 parse_tools: bool):
         self.body = body
+        self.parse_tools = parse_tools
         self.n = body.n or 1
         self.id = response_id
         self.model = model
@@ -79,6 +93,9 @@ class _ChatView:
                 if self.want_logprobs:
                     choice["logprobs"]["content"].extend(self._logprobs(out))
                 choice["finish_reason"] = out.finish_reason
+        if self.parse_tools:
+            for choice in choices.values():
+                _split_calls(choice)
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": [choices[i] for i in range(self.n)],
                 "usage": self.usage}
@@ -95,20 +112,67 @@ class _ChatView:
         for i in range(self.n):
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}])
+        parsers = {i: ToolCallStream() for i in range(self.n)}
         async for _, delta in stream:
             if delta.usage is not None:
                 self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens)
             for out in delta.outputs:
                 logprobs = self._logprobs(out)
-                if out.text or logprobs:
-                    yield self._chunk([{"index": out.index, "delta": {"content": out.text},
-                                        "logprobs": {"content": logprobs} if logprobs else None,
+                parser = parsers[out.index]
+                if self.parse_tools:
+                    deltas = _tool_deltas(parser, out)
+                else:
+                    deltas = [{"content": out.text}] if out.text else []
+                if logprobs and not deltas:
+                    deltas = [{"content": ""}]
+                for j, d in enumerate(deltas):
+                    lp = {"content": logprobs} if logprobs and j == 0 else None
+                    yield self._chunk([{"index": out.index, "delta": d, "logprobs": lp,
                                         "finish_reason": None}])
                 if out.finish_reason is not None:
+                    reason = out.finish_reason
+                    if reason == "stop" and parser.num_calls:
+                        reason = "tool_calls"
                     yield self._chunk([{"index": out.index, "delta": {}, "logprobs": None,
-                                        "finish_reason": out.finish_reason}])
+                                        "finish_reason": reason}])
         if self.body.include_usage:
             yield self._chunk([], self.usage)
+
+
+def _tool_deltas(parser: ToolCallStream, out: CompletionOutput) -> list[dict[str, Any]]:
+    """The stream deltas of one output delta with tools: content pieces, and each completed call
+    as two deltas (id, type and name with empty arguments; then the arguments)."""
+    pieces = parser.feed(out.text)
+    if out.finish_reason is not None:
+        pieces += parser.finish()
+    first_call = parser.num_calls - sum(isinstance(p, ToolCall) for p in pieces)
+    deltas: list[dict[str, Any]] = []
+    for piece in pieces:
+        if isinstance(piece, str):
+            deltas.append({"content": piece})
+            continue
+        head = {"index": first_call, "id": piece.id, "type": "function",
+                "function": {"name": piece.name, "arguments": ""}}
+        args = {"index": first_call, "function": {"arguments": piece.arguments}}
+        deltas += [{"tool_calls": [head]}, {"tool_calls": [args]}]
+        first_call += 1
+    return deltas
+
+
+def _split_calls(choice: dict[str, Any]) -> None:
+    """Moves the tool calls out of a whole choice's content."""
+    content, calls = parse_tool_calls(choice["message"]["content"])
+    if not calls:
+        return
+    choice["message"]["content"] = content
+    choice["message"]["tool_calls"] = [_call_json(i, c) for i, c in enumerate(calls)]
+    if choice["finish_reason"] == "stop":
+        choice["finish_reason"] = "tool_calls"
+
+
+def _call_json(index: int, call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _token_logprob(token_id: int, entry: dict[int, Logprob], k: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.server.errors import bad_request
 from jengine.server.protocol import CompletionRequest, finite, usage
 from jengine.server.state import ServerState
 from jengine.server.streams import EngineStream, sse, sse_stream
@@ -30,6 +31,10 @@ async def create_completion(body: CompletionRequest, request: Request):
     prompts = body.prompts()
     params = body.sampling_params()
     engine = state.admit()
+    try:
+        await engine.compile_grammar(params)
+    except ValueError as e:
+        raise bad_request(str(e), body.constraint_param()) from None
     request_id = request.state.request_id
     stream = EngineStream(state, engine, prompts, params, state.new_request_id(request_id),
                           request.is_disconnected)

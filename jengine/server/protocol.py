@@ -3,7 +3,10 @@
 Top-level request fields are `extra="forbid"`, as in OpenAI's API (an unknown argument is a 400),
 except that vLLM's sampling extras are accepted too (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens`). Message objects accept extra keys. Numbers and flags are strict
+`skip_special_tokens`) and vLLM's structured-output fields (`structured_outputs` and the older
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`), which, like `response_format`
+and a forcing `tool_choice`, each constrain the output: at most one may be set per request.
+Message objects accept extra keys. Numbers and flags are strict
 (`"5"` is not an integer, `1` is not a boolean). Value ranges are left to `SamplingParams`,
 whose ValueError becomes a 400 with the same message.
 """
@@ -14,8 +17,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import SamplingParams, StructuredOutputs
 from jengine.server.errors import bad_request
+from jengine.tools import ToolSetup, constrain, tool_setup
 
 Float = Annotated[float, Strict()]  # accepts JSON integers, rejects strings
 
@@ -24,6 +28,18 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool | None = False
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -52,6 +68,12 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -67,8 +89,36 @@ class _SamplingFields(BaseModel):
                  "stop", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                  "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        constraint = self.constraint()
         return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias())
+                              prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
+                              structured_outputs=constraint[1] if constraint else None)
+
+    def constraint_param(self) -> str | None:
+        """The field whose constraint the engine compiles (for the 400 of a bad one)."""
+        constraint = self.constraint()
+        return constraint[0] if constraint else None
+
+    def constraint(self) -> tuple[str, StructuredOutputs] | None:
+        """(the field that set it, the constraint) of the request's one output constraint."""
+        found = []
+        if self.response_format is not None:
+            spec = _response_format(self.response_format)
+            if spec is not None:
+                found.append(("response_format", spec))
+        so = self.structured_outputs
+        if so is not None:
+            fields = {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                      "grammar": so.grammar, "json_object": so.json_object or False}
+            found.append(("structured_outputs", _structured("structured_outputs", **fields)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append((f"guided_{kind}", _structured(f"guided_{kind}", **{kind: value})))
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise bad_request(f"only one output constraint may be set; got {names}", found[1][0])
+        return found[0] if found else None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -123,6 +173,34 @@ class CompletionRequest(_SamplingFields):
                                      prompt_logprobs=prompt_logprobs)
 
 
+def _structured(param: str, **fields: Any) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**fields)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredOutputs | None:
+    """OpenAI's `response_format` as a constraint (None for plain text)."""
+    kind = fmt.get("type")
+    if kind == "text" and len(fmt) == 1:
+        return None
+    if kind == "json_object" and len(fmt) == 1:
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise bad_request("response_format json_schema needs a 'json_schema' object with a "
+                              "'name'", "response_format")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema.schema must be an object",
+                              "response_format")
+        return _structured("response_format", json=schema)
+    raise bad_request("response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                      "{'type': 'json_schema', 'json_schema': {...}}", "response_format")
+
+
 def _is_token(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -169,7 +247,7 @@ class ChatMessage(BaseModel):
 
 
 # Fields of OpenAI's chat API this server does not implement yet: set, they give a clear 400.
-_CHAT_UNSUPPORTED = ("tools", "functions", "function_call", "audio", "prediction",
+_CHAT_UNSUPPORTED = ("functions", "function_call", "audio", "prediction",
                      "web_search_options", "reasoning_effort")
 
 
@@ -185,7 +263,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     modalities: list[StrictStr] | None = None
     audio: Any = None
@@ -204,7 +281,16 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("messages must be a non-empty list", "messages")
         return [m.for_template(i) for i, m in enumerate(self.messages)]
 
-    def sampling_params(self) -> SamplingParams:
+    def tool_setup(self) -> ToolSetup:
+        try:
+            return tool_setup(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as e:
+            param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+            raise bad_request(str(e), param) from None
+
+    def sampling_params(self, tools: ToolSetup | None = None) -> SamplingParams:
+        """The request's sampling parameters, with the tool-call grammar of `tools` when its
+        `tool_choice` forces calls."""
         self._check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -212,18 +298,21 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        return self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        params = self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        if tools is None:
+            return params
+        try:
+            return constrain(params, tools)
+        except ValueError as e:
+            raise bad_request(str(e), "tool_choice") from None
+
+    def constraint_param(self) -> str | None:
+        return super().constraint_param() or ("tools" if self.tools else None)
 
     def _check_supported(self) -> None:
         for name in _CHAT_UNSUPPORTED:
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported yet", name)
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported yet (tools are not supported)",
-                              "tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("response_format other than {'type': 'text'} is not supported yet",
-                              "response_format")
         if self.modalities and self.modalities != ["text"]:
             raise bad_request("only the 'text' modality is supported", "modalities")
 
