@@ -2,6 +2,8 @@
 
 `load_source(path)` reads any of the three into a `LoadedModel` (config, host param arrays in
 jengine's layout, tokenizer); `save_checkpoint` writes the converted form `jengine convert` makes.
+`load_source(path, lazy=True)` reads no weight yet: `jengine.sharding.load_params_sharded` then
+reads each device's slice on its own (safetensors slices, Orbax restore onto the shardings).
 """
 
 from converters.errors import ModelLoadError

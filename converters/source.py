@@ -26,7 +26,7 @@ class LoadedModel:
     """A model on the host: config, params in jengine layout, tokenizer, and its source."""
 
     config: ModelConfig
-    params: dict[str, np.ndarray]
+    params: dict[str, np.ndarray]  # or LazyParam (lazy HF), or {} (lazy checkpoint)
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     source: str
     kind: str  # "gguf" | "hf" | "checkpoint"
@@ -64,8 +64,17 @@ def resolve(model: str | None) -> Path:
     raise ModelLoadError(f"model path not found: {model}")
 
 
-def load_source(model: str | None, dtype: str = "float32", progress: bool = True) -> LoadedModel:
-    """Loads config, weights and tokenizer from any supported source."""
+def load_source(
+    model: str | None, dtype: str = "float32", progress: bool = True, *, lazy: bool = False
+) -> LoadedModel:
+    """Loads config, weights and tokenizer from any supported source.
+
+    With `lazy`, no tensor of an HF safetensors directory is read yet: its params are
+    `converters.lazy.LazyParam`s that read only the slices asked for; a converted checkpoint's
+    params are left empty, for `converters.checkpoint.restore_params` to restore straight onto
+    their shardings; GGUF tensors are dequantized whole either way. Keys and shapes are checked
+    now in every case. `jengine.sharding.load_params_sharded` places any of the three.
+    """
     path = resolve(model)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -74,9 +83,9 @@ def load_source(model: str | None, dtype: str = "float32", progress: bool = True
     if (path / CHECKPOINT_MARKER).exists():
         from converters.checkpoint import load_checkpoint
 
-        return load_checkpoint(path, dtype)
+        return load_checkpoint(path, dtype, restore=not lazy)
     if (path / "config.json").exists():
-        return _load_hf_dir(path, dtype, progress)
+        return _load_hf_dir(path, dtype, progress, lazy)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
         return _load_gguf(ggufs[0], dtype, progress)
@@ -119,7 +128,7 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
     return LoadedModel(cfg, params, gg.tokenizer(), str(path), "gguf")
 
 
-def _load_hf_dir(path: Path, dtype: str, progress: bool) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: str, progress: bool, lazy: bool = False) -> LoadedModel:
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
@@ -139,8 +148,13 @@ def _load_hf_dir(path: Path, dtype: str, progress: bool) -> LoadedModel:
             except Exception as e:
                 raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
 
-    total = sum(_count_keys(f) for f in files)
-    params = assemble_params(cfg, tensors(), dtype, total=total, progress=progress)
+    if lazy:
+        from converters.lazy import open_hf_params
+
+        params = open_hf_params(cfg, files, numpy_dtype(dtype))
+    else:
+        total = sum(_count_keys(f) for f in files)
+        params = assemble_params(cfg, tensors(), dtype, total=total, progress=progress)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
@@ -187,40 +201,15 @@ def assemble_params(
     filled: set[tuple[str, int | None]] = set()
     for key, w in tqdm(tensors, total=total, desc="loading weights", disable=not progress,
                        unit="tensor", leave=False):
-        try:
-            entry = tables.lookup(cfg, key)
-        except KeyError:
-            raise ModelLoadError(
-                f"unexpected weight {key!r} for architecture {cfg.model_type}"
-            ) from None
+        entry = tables.place(cfg, specs, key, w.shape)
         if entry is None:
             continue
         name, layer, transform = entry
-        if name == "lm_head" and cfg.tie_word_embeddings:
-            continue
-        if name not in specs:
-            raise ModelLoadError(f"weight {key!r} does not fit this {cfg.model_type} config")
         value = transform(np.asarray(w, dtype=np.float32), cfg)
-        spec_shape = specs[name].shape[1:] if layer is not None else specs[name].shape
-        if value.shape != spec_shape:
-            raise ModelLoadError(
-                f"weight {key!r} has shape {w.shape}; expected {spec_shape} for {name}"
-            )
         if layer is None:
             params[name][...] = value
         else:
-            if layer >= cfg.num_layers:
-                raise ModelLoadError(f"weight {key!r} names layer {layer} of {cfg.num_layers}")
             params[name][layer] = value
         filled.add((name, layer))
-    missing = [
-        name for name, spec in specs.items()
-        if any((name, i) not in filled for i in _layer_indices(spec, cfg))
-    ]
-    if missing:
-        raise ModelLoadError(f"checkpoint is missing weights for {', '.join(sorted(missing))}")
+    tables.check_complete(cfg, specs, filled)
     return params
-
-
-def _layer_indices(spec, cfg: ModelConfig) -> list[int | None]:
-    return list(range(cfg.num_layers)) if spec.axes[0] == "layers" else [None]

@@ -71,6 +71,19 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"tp={tp} does not divide the vocabulary size {cfg.vocab_size}")
 
 
+def padded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config `pad_query_heads` gives, from the config alone (no weight is touched): q heads
+    rounded up to a multiple of tp with `kv_head_map` set, or `cfg` itself when kv heads split
+    over tp. Sharded loading builds its target shapes from it before reading anything."""
+    if tp == 1 or cfg.num_kv_heads % tp == 0:
+        return cfg
+    heads = cfg.num_heads
+    padded = -(-heads // tp) * tp
+    group = heads // cfg.num_kv_heads
+    kv_map = tuple(h // group if h < heads else 0 for h in range(padded))
+    return dataclasses.replace(cfg, num_heads=padded, kv_head_map=kv_map)
+
+
 def pad_query_heads(
     cfg: ModelConfig, params: dict[str, np.ndarray], tp: int
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -81,17 +94,14 @@ def pad_query_heads(
     replicated) and only the q heads are split, so the map pairs each (possibly padded) q head
     with its kv head.
     """
-    if tp == 1 or cfg.num_kv_heads % tp == 0:
+    padded_cfg = padded_config(cfg, tp)
+    if padded_cfg is cfg:
         return cfg, params
-    heads = cfg.num_heads
-    padded = -(-heads // tp) * tp
-    group = heads // cfg.num_kv_heads
-    kv_map = tuple(h // group if h < heads else 0 for h in range(padded))
     out = dict(params)
     for name, axis in _Q_HEAD_PARAMS.items():
         if name in params:
             w = params[name]
             widths = [(0, 0)] * w.ndim
-            widths[axis] = (0, padded - heads)
+            widths[axis] = (0, padded_cfg.num_heads - cfg.num_heads)
             out[name] = np.pad(w, widths)
-    return dataclasses.replace(cfg, num_heads=padded, kv_head_map=kv_map), out
+    return padded_cfg, out

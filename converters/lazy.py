@@ -1,0 +1,127 @@
+"""HF safetensors params that read only the slices asked for (sharded loading).
+
+`open_hf_params` checks every key and shape from the safetensors headers alone, then returns one
+`LazyParam` per jengine param. Indexing a `LazyParam` with a device's shard index reads, for each
+layer in it, just the HF slice that shard needs (`safe_open(...).get_slice(key)[rows, cols]`;
+the table transform says which rows and columns: `Transform.source_index`), transforms it to
+jengine's layout and stacks the layers. Every read is recorded in `LazyParam.reads`, so a test
+can assert that no device's read exceeds its share of the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401 (registers bfloat16 with numpy, so bf16 safetensors can be sliced)
+import numpy as np
+
+from converters import tables
+from converters.errors import ModelLoadError
+from jengine.models import ModelConfig, family_module
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One tensor in a safetensors file, and the transform that brings it to jengine's layout."""
+
+    handle: object  # safetensors safe_open(..., framework="numpy")
+    key: str
+    transform: tables.Transform
+    nbytes: int  # of the whole tensor
+
+
+class LazyParam:
+    """One jengine param, stacked over layers, read from safetensors slice by slice.
+
+    Array-like as far as loading needs: `shape`, `dtype`, `param[index]` (a tuple of slices, one
+    per dim, as `jax.make_array_from_callback` passes them) reads only that slice, and
+    `np.asarray(param)` reads it whole.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, cfg: ModelConfig,
+                 layered: bool, sources: list[HFTensor]):
+        self.shape = shape
+        self.dtype = dtype
+        self.cfg = cfg
+        self.layered = layered
+        self.sources = sources  # one per layer (layered), else one
+        self.reads: dict[str, list[int]] = defaultdict(list)  # HF key -> bytes of each read
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = normalize_index(index, self.shape)
+        if not self.layered:
+            return self._read(self.sources[0], index)
+        out = np.empty(tuple(s.stop - s.start for s in index), self.dtype)
+        for i, layer in enumerate(range(index[0].start, index[0].stop)):
+            out[i] = self._read(self.sources[layer], index[1:])
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self[tuple(slice(None) for _ in self.shape)]
+        return whole if dtype is None else whole.astype(dtype)
+
+    def _read(self, source: HFTensor, index: tuple[slice, ...]) -> np.ndarray:
+        src_index, post = source.transform.source_index(index, self.cfg.head_dim)
+        w = source.handle.get_slice(source.key)[src_index]
+        self.reads[source.key].append(w.nbytes)
+        value = source.transform(np.asarray(w, dtype=np.float32), self.cfg)[post]
+        return value.astype(self.dtype)
+
+
+def normalize_index(index, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """A shard index (slices, maybe open-ended, maybe fewer than dims) -> one
+    `slice(start, stop)` per dim with concrete bounds; ValueError for strided slices."""
+    if index is Ellipsis:
+        index = ()
+    index = tuple(index) if isinstance(index, tuple) else (index,)
+    index = index + (slice(None),) * (len(shape) - len(index))
+    out = []
+    for s, n in zip(index, shape, strict=True):
+        if not isinstance(s, slice):
+            raise ValueError(f"expected slices, got {index}")
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided slice {s} is not supported")
+        out.append(slice(start, max(start, stop)))
+    return tuple(out)
+
+
+def open_hf_params(cfg: ModelConfig, files: list[Path], dtype: np.dtype) -> dict[str, LazyParam]:
+    """One `LazyParam` per param of `cfg` over the safetensors `files`; reads no tensor data.
+
+    Raises:
+      ModelLoadError: a file is unreadable, a key fits nothing or has the wrong shape, or some
+        param (or some layer of it) has no tensor.
+    """
+    from safetensors import safe_open
+
+    specs = family_module(cfg).param_specs(cfg)
+    found: dict[str, dict[int | None, HFTensor]] = defaultdict(dict)
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="numpy")
+            # An empty read gives the dtype without touching any data.
+            headers = {key: (tuple(handle.get_slice(key).get_shape()),
+                             handle.get_slice(key)[0:0].dtype.itemsize)
+                       for key in handle.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        except Exception as e:
+            raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
+        for key, (shape, itemsize) in headers.items():
+            entry = tables.place(cfg, specs, key, shape)
+            if entry is not None:
+                name, layer, transform = entry
+                nbytes = int(np.prod(shape)) * itemsize
+                found[name][layer] = HFTensor(handle, key, transform, nbytes)
+    tables.check_complete(cfg, specs, {(n, i) for n, layers in found.items() for i in layers})
+    params = {}
+    for name, spec in specs.items():
+        layered = spec.axes[0] == "layers"
+        order = range(cfg.num_layers) if layered else [None]
+        params[name] = LazyParam(spec.shape, dtype, cfg, layered, [found[name][i] for i in order])
+    return params
