@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -16,6 +17,7 @@ from converters.errors import ModelLoadError
 ENGINE_FLAGS = (
     "model", "config", "mesh", "dtype", "attention_backend", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "page_size", "kv_cache_memory", "enable_prefix_caching",
+    "coordinator", "num_processes", "process_id",
 )
 
 
@@ -38,6 +40,11 @@ def _engine_parent() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default="2GiB")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-host: process 0's address for jax.distributed")
+    g.add_argument("--num-processes", type=int, default=1, help="multi-host: process count")
+    g.add_argument("--process-id", type=int, default=0,
+                   help="multi-host: this process's rank (0 schedules and serves)")
     return p
 
 
@@ -236,13 +243,27 @@ COMMANDS = {
 }
 
 
+def _keep_stdout_for_output() -> None:
+    """Native libraries (gloo's connection messages in multi-process runs) print to fd 1; point
+    fd 1 at stderr and keep the real stdout for generated text only."""
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real_stdout, "w", buffering=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "cpu_devices", None):
         import jax  # must be configured before the backend starts
 
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    if getattr(args, "num_processes", 1) > 1:
+        _keep_stdout_for_output()
     try:
+        if getattr(args, "process_id", 0):
+            _make_engine(args)  # a follower: runs process 0's steps until process 0 exits
+            return 0
         return COMMANDS[args.command](args)
     except (ValueError, ModelLoadError, FileNotFoundError) as e:
         print(f"jengine: error: {e}", file=sys.stderr)

@@ -44,6 +44,10 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     mesh: str = "tp=1"
+    # Multi-host (jax.distributed): the coordinator's HOST:PORT, the process count, this rank.
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

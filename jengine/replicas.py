@@ -26,6 +26,8 @@ def make_core(cfg: EngineConfig, *, progress: bool = True) -> EngineCore | Repli
     spec = MeshSpec.parse(cfg.parallel.mesh)
     if spec.dp == 1:
         return EngineCore(cfg, progress=progress)
+    if cfg.parallel.num_processes > 1:
+        raise ValueError("dp > 1 across several processes is not supported yet; use tp")
     return ReplicaSet(cfg, progress=progress)
 
 

@@ -23,6 +23,7 @@ from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_modul
 from jengine.pallas_kernels import query_blocks
 from jengine.sampler import SamplerOutput, SamplingArrays, sample
 from jengine.sharding import ShardingRules
+from jengine.sharding.distributed import StepChannel
 
 MAX_TOP_LOGPROBS = 20
 QUERY_BLOCK = 32  # query rows per block in prefill-heavy steps (see pallas_kernels/reference.py)
@@ -119,9 +120,12 @@ class Runner:
         buckets: Buckets,
         dtype,
         rules: ShardingRules | None = None,
+        channel: StepChannel | None = None,
     ):
         """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
-        is created on its kv-head sharding and each step's inputs are replicated on the mesh."""
+        is created on its kv-head sharding and each step's inputs are replicated on the mesh.
+        `channel` (multi-host): the leader sends every step's inputs through it; a follower
+        runs `follow()` instead of being driven by a scheduler."""
         self.cfg = cfg
         self.params = params
         self.page_size = page_size
@@ -129,6 +133,8 @@ class Runner:
         self.buckets = buckets
         self.dtype = dtype
         self._input_sharding = rules.replicated() if rules else None
+        self._channel = channel if channel is not None and channel.is_leader else None
+        self._follower_channel = channel if channel is not None and not channel.is_leader else None
         kv_sharding = rules.kv_cache_sharding() if rules else None
         self.kv = jax.jit(
             lambda: KVCache.zeros(cfg, num_pages, page_size, dtype),
@@ -153,7 +159,14 @@ class Runner:
             top_lp, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
             return (out, (chosen[:, 0], top_ids.astype(jnp.int32), top_lp)), kv
 
-        self._step = jax.jit(step, donate_argnames=("kv",), static_argnames=("variant",))
+        # Under a mesh the sampled tokens come back replicated, so every process can read them.
+        out_shardings = None
+        if rules:
+            out_shardings = (rules.replicated(), KVCache(k=kv_sharding, v=kv_sharding))
+        self._step = jax.jit(
+            step, donate_argnames=("kv",), static_argnames=("variant",),
+            out_shardings=out_shardings,
+        )
 
     # -- host -> device --------------------------------------------------------------------------
 
@@ -161,6 +174,11 @@ class Runner:
         self, batch: ScheduledBatch, rows: SamplingRows
     ) -> tuple[AttentionMetadata, SamplingArrays, jax.Array | None, Variant]:
         """Pads the batch to its bucket and moves it to the device in one `device_put`."""
+        host, variant = self.host_inputs(batch, rows)
+        return (*self.device_inputs(host), variant)
+
+    def host_inputs(self, batch: ScheduledBatch, rows: SamplingRows) -> tuple[tuple, Variant]:
+        """The padded step inputs as NumPy (what a multi-host leader broadcasts)."""
         t, s, p = self.buckets.pick(batch.num_tokens, batch.num_seqs, batch.page_table.shape[1])
         n_tok, n_seq = batch.num_tokens, batch.num_seqs
         ints = np.zeros((4, t), np.int32)
@@ -181,9 +199,16 @@ class Runner:
             targets = np.full((t,), -1, np.int32)
             targets[:n_tok] = rows.prompt_targets
             variant = dataclasses.replace(variant, prompt_logprobs=True)
-        dev = jax.device_put(
-            (ints, page_table, logits_idx, blocks, host_arrays, targets), self._input_sharding
-        )
+        return (ints, page_table, logits_idx, blocks, host_arrays, targets), variant
+
+    def device_inputs(self, host: tuple) -> tuple[AttentionMetadata, SamplingArrays, jax.Array]:
+        if self._input_sharding is None:
+            dev = jax.device_put(host)
+        else:  # one global array per input, replicated: works across processes too
+            sharding = self._input_sharding
+            dev = jax.tree.map(
+                lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), host
+            )
         ints_d, page_table_d, logits_idx_d, blocks_d, arrays_d, targets_d = dev
         md = AttentionMetadata(
             token_ids=ints_d[0], positions=ints_d[1], slot_mapping=ints_d[2],
@@ -191,18 +216,44 @@ class Runner:
             block_tokens=blocks_d[0] if blocks_d else None,
             block_seq=blocks_d[1] if blocks_d else None,
         )
-        return md, SamplingArrays(**arrays_d), targets_d, variant
+        return md, SamplingArrays(**arrays_d), targets_d
 
     # -- the step --------------------------------------------------------------------------------
 
     def execute(self, batch: ScheduledBatch, rows: SamplingRows) -> StepResult:
-        md, arrays, targets, variant = self.prepare(batch, rows)
-        out, self.kv = self._step(self.params, self.kv, md, arrays, targets, variant)
+        out = self._launch(*self.host_inputs(batch, rows))
         return self.fetch(out, batch.num_seqs, batch.num_tokens)
+
+    def _launch(self, host: tuple, variant: Variant):
+        """Runs one step program; a multi-host leader first sends its inputs to the followers."""
+        if self._channel is not None:
+            self._channel.send((host, variant))
+        return self._run(host, variant)
+
+    def follow(self) -> int:
+        """A multi-host follower's loop: runs every step the leader sends until it says stop.
+        Returns the number of steps run."""
+        steps = 0
+        while (message := self._follower_channel.receive()) is not None:
+            jax.block_until_ready(self._run(*message))
+            steps += 1
+        return steps
+
+    def _run(self, host: tuple, variant: Variant):
+        md, arrays, targets = self.device_inputs(host)
+        out, self.kv = self._step(self.params, self.kv, md, arrays, targets, variant)
+        return out
+
+    def stop_followers(self) -> None:
+        """Leader: releases the followers' `follow` loops (at shutdown)."""
+        if self._channel is not None:
+            self._channel.send(None)
+            self._channel = None
 
     @staticmethod
     def fetch(out: tuple[SamplerOutput, tuple | None], n: int, num_tokens: int) -> StepResult:
-        host, prompt = jax.device_get(out)
+        # Outputs are replicated over the mesh; reading one local copy works on every process.
+        host, prompt = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), out)
         k = host.top_ids.shape[-1] if host.top_ids is not None else 0
         result = StepResult(
             tokens=np.asarray(host.tokens[:n]),
@@ -221,10 +272,7 @@ class Runner:
         start = time.perf_counter()
         shapes = self.buckets.shapes()
         for i, (t, s, p) in enumerate(shapes):
-            batch = _dummy_batch(t, s, p)
-            rows = SamplingRows.empty(s)
-            md, arrays, targets, variant = self.prepare(batch, rows)
-            out, self.kv = self._step(self.params, self.kv, md, arrays, targets, variant)
+            out = self._launch(*self.host_inputs(_dummy_batch(t, s, p), SamplingRows.empty(s)))
             jax.block_until_ready(out[0].tokens)
             if progress:
                 progress(i + 1, len(shapes))
