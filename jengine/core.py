@@ -25,11 +25,17 @@ from jengine.models import KVCache, family_module
 from jengine.outputs import Logprob, RequestOutput
 from jengine.page_allocator import PageAllocator
 from jengine.request import RequestState, SampleState
-from jengine.runner import Buckets, Runner, SamplingRows, StepResult, to_device_params
+from jengine.runner import Buckets, Runner, SamplingRows, StepResult
 from jengine.sampling_params import SamplingParams
 from jengine.scheduler import Scheduler
 from jengine.sequence import Sequence
-from jengine.sharding import MeshSpec, ShardingRules, check_divisible, pad_query_heads
+from jengine.sharding import (
+    MeshSpec,
+    ShardingRules,
+    check_divisible,
+    load_params_sharded,
+    padded_config,
+)
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
 from jengine.structured import Grammar, GrammarCompiler
 from jengine.structured.bitmask import StepMasks
@@ -76,11 +82,9 @@ class EngineCore:
         if mesh is not None:  # before any weight is read
             check_divisible(load_config(cfg.model.model), self.mesh_spec.tp)
         if loaded is None:
-            loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress)
+            loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress, lazy=True)
         self.loaded_source = loaded.source
-        self.model_config, host_params = pad_query_heads(
-            loaded.config, loaded.params, self.mesh_spec.tp
-        )
+        self.model_config = padded_config(loaded.config, self.mesh_spec.tp)
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len(loaded)
         self.eos_token_ids = self._eos_ids(loaded)
@@ -116,8 +120,11 @@ class EngineCore:
         )
         rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
         specs = family_module(self.model_config).param_specs(self.model_config)
-        params = to_device_params(host_params, rules.param_shardings(specs) if rules else None)
-        del host_params
+        # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
+        params = load_params_sharded(
+            loaded, self.model_config, rules.param_shardings(specs) if rules else None,
+            self.dtype, progress=progress,
+        )
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,
             buckets=buckets, dtype=self.dtype, rules=rules,

@@ -38,7 +38,7 @@ class ReplicaSet:
         spec = MeshSpec.parse(cfg.parallel.mesh)
         spec.check_devices()  # before any weight is read
         loaded = load_source(cfg.model.model, dtype=resolve_dtype(cfg.model.dtype),
-                             progress=progress)
+                             progress=progress, lazy=True)
         self.replicas: list[EngineCore] = [
             EngineCore(cfg, progress=progress, replica=r, loaded=loaded) for r in range(spec.dp)
         ]
