@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import jax
 import numpy as np
 import pytest
 import transformers
@@ -109,18 +108,18 @@ def test_tiny_llama_with_sharded_kv_heads_matches_one_device(tmp_path):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 96, n).tolist() for n in (5, 17, 40, 70)]
     outputs = {}
-    for tp in (1, 2, 8):
-        engine = Engine(str(tmp_path), config="test", mesh=f"tp={tp}")
-        outputs[tp] = _greedy(engine, prompts)
-        if tp > 1:
+    for mesh in ("tp=1", "tp=2", "tp=8", "dp=2,tp=4"):
+        engine = Engine(str(tmp_path), config="test", mesh=mesh)
+        outputs[mesh] = _greedy(engine, prompts)
+        spec = MeshSpec.parse(mesh)
+        if spec.dp == 1 and spec.tp > 1:
             assert engine.core.model_config.kv_head_map is None  # 8 kv heads split evenly
-            spec = tuple(engine.core.runner.kv.k.sharding.spec)
-            assert spec[1] == "tp", spec  # [L, K, P, O, D]: pages of own kv heads per device
-            _per_device_table(engine, tp)
-            assert len(jax.devices()) >= tp
+            kv_spec = tuple(engine.core.runner.kv.k.sharding.spec)
+            assert kv_spec[1] == "tp", kv_spec  # [L, K, P, O, D]: own kv heads' pages per device
+            _per_device_table(engine, spec.tp)
         del engine
-    assert outputs[2] == outputs[1]
-    assert outputs[8] == outputs[1]
+    for mesh in ("tp=2", "tp=8", "dp=2,tp=4"):
+        assert outputs[mesh] == outputs["tp=1"], mesh
 
 
 def test_cli_mesh_without_devices_is_one_line_error():
