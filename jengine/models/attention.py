@@ -8,7 +8,13 @@ import jax
 import jax.numpy as jnp
 
 from jengine.models.config import ModelConfig
-from jengine.pallas_kernels import blocked_paged_attention, ragged_paged_attention, write_kv
+from jengine.pallas_kernels import (
+    attention_fn,
+    blocked_paged_attention,
+    ragged_paged_attention,
+    shard_for_context_mesh,
+    write_kv,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -62,12 +68,24 @@ def attend(
     sliding_window: jax.Array | int | None,
     soft_cap: float | None,
     kv_head_map: tuple[int, ...] | None = None,
+    backend: str = "reference",  # reference | pallas_tpu | pallas_gpu (resolved, not auto)
 ) -> tuple[jax.Array, KVCache]:
-    """Writes this layer's new K/V into the pages, then attends over the cache."""
+    """Writes this layer's new K/V into the pages, then attends over the cache.
+
+    The Pallas backends group query tokens into blocks themselves (they ignore
+    `md.block_tokens`); on CPU they run in interpret mode. Traced under `jax.set_mesh` with a
+    `tp` axis, they run per shard in `shard_map` (a Pallas call is opaque to the partitioner).
+    """
     kv = KVCache(
         k=write_kv(kv.k, layer, md.slot_mapping, k), v=write_kv(kv.v, layer, md.slot_mapping, v)
     )
-    if md.block_tokens is not None:
+    if backend != "reference":
+        out = shard_for_context_mesh(attention_fn(backend))(
+            q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            kv_head_map=kv_head_map,
+        )
+    elif md.block_tokens is not None:
         out = blocked_paged_attention(
             q, kv.k, kv.v, layer, md.positions, md.page_table, md.block_tokens, md.block_seq,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,

@@ -1,14 +1,37 @@
 """Ragged paged attention backends behind one signature.
 
-`reference` is pure JAX (the CPU path and the oracle the kernels are tested against); the Pallas
-TPU (Mosaic) and GPU (Triton) kernels plug in beside it. This package imports only jax and numpy.
+`reference` is pure JAX (the CPU path and the oracle the kernels are tested against);
+`pallas_tpu` (Mosaic, pages streamed from HBM with double-buffered DMAs) and `pallas_gpu`
+(Triton, split-K) share its signature. `attention_fn(backend, platform)` picks one. This package
+imports only jax and numpy.
 """
 
+from jengine.pallas_kernels.backends import (
+    BACKENDS,
+    attention_fn,
+    resolve_backend,
+    shard_for_context_mesh,
+    shard_over_heads,
+)
+from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
 from jengine.pallas_kernels.reference import (
     blocked_paged_attention,
     query_blocks,
     ragged_paged_attention,
     write_kv,
 )
+from jengine.pallas_kernels.tpu import ragged_paged_attention_tpu
 
-__all__ = ["blocked_paged_attention", "query_blocks", "ragged_paged_attention", "write_kv"]
+__all__ = [
+    "BACKENDS",
+    "attention_fn",
+    "blocked_paged_attention",
+    "query_blocks",
+    "ragged_paged_attention",
+    "ragged_paged_attention_gpu",
+    "ragged_paged_attention_tpu",
+    "resolve_backend",
+    "shard_for_context_mesh",
+    "shard_over_heads",
+    "write_kv",
+]

@@ -1,0 +1,105 @@
+"""Attention backend choice, and the `shard_map` wrapper that runs a kernel per tp shard.
+
+Every backend has the reference's signature:
+`fn(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale, sliding_window,
+soft_cap, kv_head_map) -> [T, H, D]`. `auto` resolves by platform: cpu -> reference,
+tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. A Pallas backend asked for on CPU runs its
+kernel in interpret mode (TPU emulation for pallas_tpu), which is how the tests and an
+end-to-end check on this machine exercise the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
+from jengine.pallas_kernels.reference import ragged_paged_attention
+from jengine.pallas_kernels.tpu import ragged_paged_attention_tpu
+
+BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+_AUTO = {"cpu": "reference", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
+         "rocm": "pallas_gpu"}
+
+
+def resolve_backend(backend: str, platform: str) -> str:
+    """`auto` -> the platform's backend; any other known name is returned as given."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if platform not in _AUTO:
+        raise ValueError(f"no attention backend for platform {platform!r}")
+    return _AUTO[platform]
+
+
+def attention_fn(backend: str, platform: str | None = None, **block_sizes) -> Callable:
+    """The attention function of `backend` on `platform` (default: JAX's default backend).
+
+    `block_sizes` go to the kernel (`block_q`, `pages_per_chunk` for TPU; `block_q`,
+    `num_kv_splits`, `num_warps`, `num_stages` for GPU).
+    """
+    platform = platform or jax.default_backend()
+    name = resolve_backend(backend, platform)
+    if name == "reference":
+        return ragged_paged_attention
+    if name == "pallas_tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        interpret = pltpu.InterpretParams() if platform != "tpu" else False
+        return functools.partial(ragged_paged_attention_tpu, interpret=interpret, **block_sizes)
+    interpret = platform not in ("gpu", "cuda", "rocm")
+    return functools.partial(ragged_paged_attention_gpu, interpret=interpret, **block_sizes)
+
+
+def shard_for_context_mesh(fn: Callable, axis: str = "tp") -> Callable:
+    """`fn` under `shard_over_heads` when traced inside `jax.set_mesh(mesh)` with more than one
+    device on `axis`; `fn` itself otherwise (one device, or no mesh in context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or dict(mesh.shape).get(axis, 1) == 1:
+        return fn
+    return shard_over_heads(fn, mesh, axis)
+
+
+def shard_over_heads(fn: Callable, mesh: Mesh | AbstractMesh, axis: str = "tp") -> Callable:
+    """Runs `fn` once per `axis` shard on its own query heads (a Pallas call is opaque to the
+    SPMD partitioner, which would otherwise gather every head onto every device).
+
+    q is split on heads. With `kv_head_map=None` the kv heads (and the cache's head axis) are
+    split too, and each shard pairs its heads by contiguous groups; with a map (kv heads
+    replicated, q heads padded to a multiple of the axis size) the cache is whole on every
+    shard and each shard reads its slice of the map.
+    """
+    size = mesh.shape[axis]
+
+    def sharded(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale,
+                sliding_window=None, soft_cap=None, kv_head_map=None):
+        head_map = None if kv_head_map is None else jnp.asarray(kv_head_map, jnp.int32)
+        window = jnp.asarray(
+            jnp.iinfo(jnp.int32).max if sliding_window is None else sliding_window, jnp.int32
+        )
+        cache_spec = PartitionSpec() if head_map is not None else PartitionSpec(None, axis)
+        local_heads = q.shape[1] // size
+
+        def local(q, k_cache, v_cache, layer, token_seq, positions, page_table, window, *rest):
+            local_map = None
+            if rest:  # this shard's slice of the q -> kv head map
+                start = jax.lax.axis_index(axis) * local_heads
+                local_map = jax.lax.dynamic_slice_in_dim(rest[0], start, local_heads)
+            return fn(q, k_cache, v_cache, layer, token_seq, positions, page_table,
+                      sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
+                      kv_head_map=local_map)
+
+        heads, rep = PartitionSpec(None, axis, None), PartitionSpec()
+        extra = () if head_map is None else (head_map,)
+        return jax.shard_map(
+            local, mesh=mesh,
+            in_specs=(heads, cache_spec, cache_spec) + (rep,) * (5 + len(extra)),
+            out_specs=heads, check_vma=False,
+        )(q, k_cache, v_cache, layer, token_seq, positions, page_table, window, *extra)
+
+    return sharded
