@@ -216,38 +216,58 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     return content or None, calls
 
 
-class ToolCallStream:
-    """Splits streamed text into content pieces and whole tool calls, in order.
+@dataclasses.dataclass(frozen=True)
+class CallStart:
+    """A streamed tool call begins: its position among the output's calls, id and name."""
 
-    Text is held back while it could be the start of `<tool_call>`, and inside a block until its
-    `</tool_call>`; whitespace is held until something other than a call follows it, so the
-    newlines around calls never become content.
+    index: int
+    id: str
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CallArguments:
+    """A fragment of the arguments (JSON text) of streamed call `index`."""
+
+    index: int
+    text: str
+
+
+# The head of a call as the required / named grammar writes it: name first, then arguments.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+
+
+class ToolCallStream:
+    """Splits streamed text into content pieces and tool-call events, in order.
+
+    Text is held back while it could be the start of `<tool_call>`. A call goes out as a
+    `CallStart` and `CallArguments`: with `incremental` (for grammar-forced calls, which are
+    always well-formed and name the function first) the arguments go out in fragments as they
+    are generated, held back only from the last `}` on (it may close the call); otherwise the
+    block is held until its `</tool_call>` and goes out whole if it parses (as text if not).
+    Whitespace is held until something other than a call follows it, so the newlines around
+    calls never become content.
     """
 
-    def __init__(self) -> None:
-        self._buf = ""
+    def __init__(self, incremental: bool = False) -> None:
+        self.incremental = incremental
+        self.num_calls = 0
+        self._buf = ""  # from `<tool_call>` on while in a call
         self._space = ""  # trailing whitespace not yet emitted
         self._in_call = False
-        self.num_calls = 0
+        self._sent = 0  # in an incremental call: where in `_buf` the unsent arguments start
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list[str | CallStart | CallArguments]:
         self._buf += text
-        out: list[str | ToolCall] = []
+        out: list[str | CallStart | CallArguments] = []
         while True:
             if self._in_call:
                 end = self._buf.find(CLOSE)
                 if end < 0:
+                    if self.incremental:
+                        self._stream_arguments(out)
                     return out
-                block = self._buf[: end + len(CLOSE)]
-                self._buf = self._buf[end + len(CLOSE):]
-                self._in_call = False
-                call = parse_call(block[len(OPEN): -len(CLOSE)])
-                if call is None:
-                    self._text(block, out)
-                else:
-                    self._space = ""
-                    self.num_calls += 1
-                    out.append(call)
+                self._close(end, out)
                 continue
             start = self._buf.find(OPEN)
             if start < 0:
@@ -257,19 +277,52 @@ class ToolCallStream:
                 return out
             self._text(self._buf[:start], out)
             self._buf = self._buf[start:]
-            self._in_call = True
+            self._in_call, self._sent = True, 0
 
-    def finish(self) -> list[str | ToolCall]:
+    def finish(self) -> list[str | CallStart | CallArguments]:
         """Whatever is left, as text (an unterminated block stays text)."""
-        out: list[str | ToolCall] = []
-        self._text(self._buf, out)
-        self._buf = ""
+        out: list[str | CallStart | CallArguments] = []
+        if not self._sent:
+            self._text(self._buf, out)
+        self._buf, self._in_call, self._sent = "", False, 0
         if self._space and not self.num_calls:
             out.append(self._space)
         self._space = ""
         return out
 
-    def _text(self, text: str, out: list[str | ToolCall]) -> None:
+    def _stream_arguments(self, out: list) -> None:
+        if not self._sent:
+            head = _HEAD.match(self._buf, len(OPEN))
+            if head is None:
+                return
+            out.append(CallStart(self.num_calls, f"call_{uuid.uuid4().hex[:24]}", head.group(1)))
+            self.num_calls += 1
+            self._space, self._sent = "", head.end()
+        stop = self._buf.rfind("}", self._sent)
+        stop = len(self._buf) if stop < 0 else stop
+        if stop > self._sent:
+            out.append(CallArguments(self.num_calls - 1, self._buf[self._sent:stop]))
+            self._sent = stop
+
+    def _close(self, end: int, out: list) -> None:
+        block, self._buf = self._buf[: end + len(CLOSE)], self._buf[end + len(CLOSE):]
+        self._in_call, sent, self._sent = False, self._sent, 0
+        body = block[len(OPEN): end]
+        if sent:  # the rest of the arguments: up to the `}` that closes the call
+            rest = block[sent: len(OPEN) + len(body.rstrip()) - 1]
+            if rest:
+                out.append(CallArguments(self.num_calls - 1, rest))
+            return
+        call = parse_call(body)
+        if call is None:
+            self._text(block, out)
+            return
+        self._space = ""
+        out += [CallStart(self.num_calls, call.id, call.name),
+                CallArguments(self.num_calls, call.arguments)]
+        self.num_calls += 1
+
+    def _text(self, text: str, out: list) -> None:
         if not text:
             return
         stripped = text.rstrip()

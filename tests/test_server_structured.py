@@ -154,7 +154,7 @@ def test_streamed_tool_calls_reassemble_to_the_same_calls(server):  # noqa: F811
     whole, chunks = _both(lambda: _chat(server, **kw), lambda: _chat(server, True, **kw))
     assert whole.choices[0].finish_reason == "tool_calls"
     calls: dict[int, dict] = {}
-    reason = None
+    reason, fragments = None, 0
     for chunk in chunks:
         for choice in chunk.choices:
             reason = choice.finish_reason or reason
@@ -164,8 +164,10 @@ def test_streamed_tool_calls_reassemble_to_the_same_calls(server):  # noqa: F811
                 call["id"] = call["id"] or d.id
                 call["name"] += d.function.name or ""
                 call["arguments"] += d.function.arguments or ""
+                fragments += bool(d.function.arguments)
     assert reason == "tool_calls"
     assert all(c["id"] for c in calls.values())
+    assert fragments > 2  # forced calls stream their arguments as they are generated
     streamed = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
     assert streamed == _calls(whole.choices[0].message)
 

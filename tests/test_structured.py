@@ -17,7 +17,14 @@ from jengine.sampler import _unpack_bitmask
 from jengine.sampling_params import StructuredOutputs
 from jengine.sequence import SequenceStatus
 from jengine.structured.llguidance_backend import LLGuidanceBackend
-from jengine.tools import ToolCallStream, parse_tool_calls, text_messages, tool_setup
+from jengine.tools import (
+    CallArguments,
+    CallStart,
+    ToolCallStream,
+    parse_tool_calls,
+    text_messages,
+    tool_setup,
+)
 
 EOS = 2  # SmolLM2's <|im_end|>
 
@@ -194,14 +201,40 @@ def test_tool_calls_parse_whole_and_streamed():
     assert json.loads(calls[0].arguments) == {"a": 1, "b": 2}
     assert content == "Let me check.\n\n\n<tool_call>not json</tool_call>"
     for size in (1, 3, 10):
-        stream, pieces = ToolCallStream(), []
-        for i in range(0, len(text), size):
-            pieces += stream.feed(text[i:i + size])
-        pieces += stream.finish()
-        streamed = [p for p in pieces if not isinstance(p, str)]
-        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+        pieces = _stream(text, size, incremental=False)
+        assert _reassemble(pieces) == [(c.name, json.loads(c.arguments)) for c in calls]
         assert "".join(p for p in pieces if isinstance(p, str)).startswith("Let me check.")
     assert parse_tool_calls("no calls here") == ("no calls here", [])
+
+
+def test_forced_tool_calls_stream_argument_fragments():
+    text = ('<tool_call>{"name": "add", "arguments": {"a": {"b": [1, 2]}, "c": "}"}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    expected = [("add", {"a": {"b": [1, 2]}, "c": "}"}), ("get_weather", {"city": "Oslo"})]
+    for size in (1, 4, 9, len(text)):
+        pieces = _stream(text, size, incremental=True)
+        assert _reassemble(pieces) == expected
+        assert not any(isinstance(p, str) for p in pieces)
+        fragments = [p for p in pieces if isinstance(p, CallArguments)]
+        assert size == len(text) or len(fragments) > 2
+
+
+def _stream(text: str, size: int, *, incremental: bool) -> list:
+    stream, pieces = ToolCallStream(incremental), []
+    for i in range(0, len(text), size):
+        pieces += stream.feed(text[i:i + size])
+    return pieces + stream.finish()
+
+
+def _reassemble(pieces: list) -> list[tuple[str, dict]]:
+    calls: dict[int, list] = {}
+    for p in pieces:
+        if isinstance(p, CallStart):
+            assert p.index not in calls and p.id.startswith("call_")
+            calls[p.index] = [p.name, ""]
+        elif isinstance(p, CallArguments):
+            calls[p.index][1] += p.text
+    return [(name, json.loads(args)) for name, args in (calls[i] for i in sorted(calls))]
 
 
 def test_tool_messages_render_as_text_for_a_template_without_tools(smol_engine):

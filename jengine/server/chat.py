@@ -6,8 +6,9 @@ chunks, then exactly one chunk with an empty delta and the finish_reason; with
 
 With tools (`jengine.tools`), `<tool_call>` blocks in the output become `message.tool_calls` and
 the rest stays `content` (null when nothing else is left); a choice that made calls finishes with
-"tool_calls". Streamed, a call goes out once its block is complete, as two `delta.tool_calls`
-chunks: the id, type and function name (arguments ""), then the arguments.
+"tool_calls". Streamed, a call goes out as `delta.tool_calls` chunks: the id, type and function
+name (arguments ""), then argument fragments: as they are generated when `tool_choice` forces the
+calls (the grammar makes them well-formed), at once when the block closes under `auto`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jengine.server.errors import bad_request
 from jengine.server.protocol import ChatCompletionRequest, finite, usage
 from jengine.server.state import ServerState
 from jengine.server.streams import EngineStream, sse, sse_stream
-from jengine.tools import ToolCallStream, parse_tool_calls
+from jengine.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
 
 router = APIRouter()
 
@@ -51,7 +52,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     except BaseException:
         stream.close()
         raise
-    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools.active)
+    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
     if body.stream:
         return StreamingResponse(sse_stream(stream, view.events(stream)),
                                  media_type="text/event-stream")
@@ -63,9 +64,10 @@ class _ChatView:
     """Turns engine deltas into OpenAI chat completion objects (whole, or as stream chunks)."""
 
     def __init__(self, body: ChatCompletionRequest, response_id: str, model: str,
-                 parse_tools: bool):
+                 tools: ToolSetup):
         self.body = body
-        self.parse_tools = parse_tools
+        self.parse_tools = tools.active
+        self.forced_calls = tools.constraint() is not None  # well-formed: stream arguments
         self.n = body.n or 1
         self.id = response_id
         self.model = model
@@ -112,7 +114,7 @@ class _ChatView:
         for i in range(self.n):
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}])
-        parsers = {i: ToolCallStream() for i in range(self.n)}
+        parsers = {i: ToolCallStream(incremental=self.forced_calls) for i in range(self.n)}
         async for _, delta in stream:
             if delta.usage is not None:
                 self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens)
@@ -140,22 +142,22 @@ class _ChatView:
 
 
 def _tool_deltas(parser: ToolCallStream, out: CompletionOutput) -> list[dict[str, Any]]:
-    """The stream deltas of one output delta with tools: content pieces, and each completed call
-    as two deltas (id, type and name with empty arguments; then the arguments)."""
+    """The stream deltas of one output delta with tools: content pieces, and tool calls as a
+    first delta with the id, type and name (arguments "") and then argument fragments."""
     pieces = parser.feed(out.text)
     if out.finish_reason is not None:
         pieces += parser.finish()
-    first_call = parser.num_calls - sum(isinstance(p, ToolCall) for p in pieces)
     deltas: list[dict[str, Any]] = []
     for piece in pieces:
         if isinstance(piece, str):
             deltas.append({"content": piece})
-            continue
-        head = {"index": first_call, "id": piece.id, "type": "function",
-                "function": {"name": piece.name, "arguments": ""}}
-        args = {"index": first_call, "function": {"arguments": piece.arguments}}
-        deltas += [{"tool_calls": [head]}, {"tool_calls": [args]}]
-        first_call += 1
+        elif isinstance(piece, CallStart):
+            deltas.append({"tool_calls": [{"index": piece.index, "id": piece.id,
+                                           "type": "function",
+                                           "function": {"name": piece.name, "arguments": ""}}]})
+        else:
+            deltas.append({"tool_calls": [{"index": piece.index,
+                                           "function": {"arguments": piece.text}}]})
     return deltas
 
 
