@@ -1,6 +1,6 @@
 """The host-side batch that the scheduler hands to the runner.
 
-`ScheduledBatch` is plain NumPy, built by `Scheduler.schedule()` and read by `Runner.prepare()`,
+`ScheduledBatch` is plain NumPy, built by `Scheduler.schedule()` and read by `Runner.launch()`,
 which pads it to a bucket and moves it to the device in one transfer. Nothing here touches JAX.
 
 Token layout: the flat token axis holds, in order, the query tokens of every scheduled sequence

@@ -39,6 +39,9 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
+    # Schedule and dispatch step N+1 before step N's tokens reach the host (they are read on
+    # the device), so host work overlaps device work. Off: strictly one step at a time.
+    async_scheduling: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,7 @@ from jengine.request import RequestState, SampleState
 from jengine.runner import Buckets, Runner, SamplingRows, StepResult
 from jengine.sampling_params import SamplingParams
 from jengine.scheduler import Scheduler
-from jengine.sequence import Sequence
+from jengine.sequence import PENDING, Sequence
 from jengine.sharding import (
     MeshSpec,
     ShardingRules,
@@ -145,6 +145,9 @@ class EngineCore:
         # (schedule, sampling rows, postprocess, detokenize): the gap between device steps.
         self.device_seconds = 0.0
         self.host_seconds = 0.0
+        # The step dispatched ahead (async scheduling): (batch, device outputs), not yet read.
+        self._inflight: tuple | None = None
+        self.num_steps_ahead = 0  # steps dispatched before the previous step's tokens arrived
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -315,22 +318,28 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if batch is None:
-            if self.requests and not self.scheduler.has_work:
-                raise RuntimeError("requests are pending but the scheduler has no work")
-            return []
-        rows = self._sampling_rows(batch.seqs)
-        rows.prompt_targets = self._prompt_targets(batch)
-        if self._masks is not None:
-            rows.allowed_mask = self._masks.build(batch.seqs, batch.sample)
+        if self._inflight is None:
+            self._inflight = self._launch()
+            if self._inflight is None:
+                if self.requests and not self.scheduler.has_work:
+                    raise RuntimeError("requests are pending but the scheduler has no work")
+                return []
+        batch, out = self._inflight
+        self._inflight = None
+        sampled = self.scheduler.advance(batch)
+        if self._can_run_ahead(sampled):
+            # Async scheduling: the next step is scheduled and dispatched now, reading this
+            # step's tokens on the device, so the host work below overlaps the device's.
+            self._inflight = self._launch(prev=(out, sampled))
+            self.num_steps_ahead += self._inflight is not None
         t0 = time.perf_counter()
-        result = self.runner.execute(batch, rows)
+        result = self.runner.fetch(out, batch.num_seqs, batch.num_tokens)
         self.device_seconds += time.perf_counter() - t0
         self.num_steps += 1
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, result)
-        updated = self.scheduler.postprocess(batch, result.tokens)
+        self.scheduler.finalize(sampled, result.tokens)
+        updated = [seq for seq, _ in sampled]
         self._advance_grammars(updated)
         index = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
         touched: dict[str, RequestState] = {}
@@ -349,6 +358,49 @@ class EngineCore:
                 state.finish_time = time.perf_counter()
                 del self.requests[rid]
         return outputs
+
+    def _launch(self, prev: tuple | None = None) -> tuple | None:
+        """Schedules one step and dispatches it without waiting; None when nothing can run.
+        `prev` = (the in-flight step's device outputs, its sampling rows): rows of this step
+        whose last token is still PENDING read it from there."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        rows = self._sampling_rows(batch.seqs)
+        rows.prompt_targets = self._prompt_targets(batch)
+        if self._masks is not None:
+            rows.allowed_mask = self._masks.build(batch.seqs, batch.sample)
+        feed = self._feed(batch, prev[1]) if prev is not None else None
+        t0 = time.perf_counter()
+        out = self.runner.launch(batch, rows, feed, prev[0] if feed is not None else None)
+        self.device_seconds += time.perf_counter() - t0
+        return batch, out
+
+    @staticmethod
+    def _feed(batch, sampled: list[tuple[Sequence, int]]) -> np.ndarray | None:
+        """Per token of `batch`, the previous step's row holding its token (-1: known here)."""
+        pending = np.flatnonzero(batch.token_ids == PENDING)
+        if pending.size == 0:
+            return None
+        row_of = {id(seq): row for seq, row in sampled}
+        owners = np.searchsorted(batch.cu_q_lens[1:], pending, side="right")
+        feed = np.full((batch.num_tokens,), -1, np.int32)
+        for t, i in zip(pending.tolist(), owners.tolist()):
+            feed[t] = row_of[id(batch.seqs[i])]  # only the step in flight leaves PENDING
+        return feed
+
+    def _can_run_ahead(self, sampled: list[tuple[Sequence, int]]) -> bool:
+        """Whether the next step may be scheduled before this one's tokens reach the host: not
+        when a sampled sequence needs its token on the host first (a grammar fills its next
+        mask from it; penalties read the token history from the host)."""
+        if not self.cfg.scheduler.async_scheduling or self.distributed.num_processes > 1:
+            return False
+        for seq, _ in sampled:
+            p = seq.params
+            if seq.matcher is not None or p.presence_penalty or p.frequency_penalty or (
+                    p.repetition_penalty != 1.0):
+                return False
+        return True
 
     def _advance_grammars(self, updated: list[Sequence]) -> None:
         """Feeds each constrained sequence its new token; a completed grammar ends it ("stop")."""

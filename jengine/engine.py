@@ -11,17 +11,26 @@ The data flow of one step, and the type at each boundary:
                                                    lens, page tables (jengine/batch.py)
       -> StepMasks.build()                         host: allowed-token bitmask rows of the
                                                    constrained sequences (None if there are none)
-      -> Runner.prepare()                          pads to a declared bucket, one device_put
-      -> step(params, kv_cache, metadata, sampling arrays)
+      -> Runner.launch()                           pads to a declared bucket, one device_put,
+                                                   dispatches without waiting
+      -> step(params, kv_cache, metadata, sampling arrays, feed, previous tokens)
                                                    one jitted program: embed -> scanned layers
                                                    (paged attention writes new K/V) -> last-token
                                                    logits -> sampler; kv_cache donated
-      -> StepResult                                [S] token ids (+ logprobs) back to the host
-      -> Scheduler.postprocess()                   append tokens, eos/stop ids/max_tokens, free
+      -> Scheduler.advance()                       while it runs: counts move on, each sampling
+                                                   sequence gets a PENDING token, and (async
+                                                   scheduling) step N+1 is scheduled and launched,
+                                                   its PENDING tokens read on the device
+      -> StepResult (Runner.fetch)                 [S] token ids (+ logprobs) back to the host
+      -> Scheduler.finalize()                      PENDING -> sampled token, eos/stop ids, free
                                                    pages of finished sequences; then each matcher
                                                    consumes its token (a complete grammar stops)
       -> IncrementalDetokenizer                    UTF-8 safe text deltas; stop strings cut
       -> RequestOutput deltas                      to Engine.generate / stream / AsyncEngine
+
+A sequence that stops on a token (EOS, stop id or string) may already be in the step launched
+ahead; that row's result is dropped. Steps whose sampled sequences need their token on the host
+before the next step (grammars, penalties) run one at a time.
 """
 
 from __future__ import annotations

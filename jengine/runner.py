@@ -21,7 +21,7 @@ import numpy as np
 from jengine.batch import ScheduledBatch
 from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
 from jengine.pallas_kernels import query_blocks
-from jengine.sampler import SamplerOutput, SamplingArrays, sample
+from jengine.sampler import SamplingArrays, sample
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
 
@@ -135,6 +135,7 @@ class Runner:
         self._input_sharding = rules.replicated() if rules else None
         self._channel = channel if channel is not None and channel.is_leader else None
         self._follower_channel = channel if channel is not None and not channel.is_leader else None
+        self._no_tokens = self._to_device(np.zeros((buckets.seqs[-1],), np.int32))
         kv_sharding = rules.kv_cache_sharding() if rules else None
         self.kv = jax.jit(
             lambda: KVCache.zeros(cfg, num_pages, page_size, dtype),
@@ -142,7 +143,19 @@ class Runner:
         )()
         forward = family_module(cfg).forward
 
-        def step(params, kv, md, arrays, targets, variant: Variant):
+        max_seqs = buckets.seqs[-1]
+
+        def step(params, kv, md, arrays, targets, feed, prev_tokens, variant: Variant):
+            # Token rows the host could not fill yet (async scheduling) take the token that the
+            # previous step sampled for their sequence: feed[t] is its row there, else -1.
+            fed = prev_tokens[jnp.maximum(feed, 0)]
+            md = dataclasses.replace(md, token_ids=jnp.where(feed >= 0, fed, md.token_ids))
+            (out, prompt), kv = _forward_and_sample(params, kv, md, arrays, targets, variant)
+            # The sampled tokens, padded to one shape, stay on device for the next step's `feed`.
+            tokens = jnp.zeros((max_seqs,), jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
+            return (out, prompt, tokens), kv
+
+        def _forward_and_sample(params, kv, md, arrays, targets, variant: Variant):
             if not variant.prompt_logprobs:
                 logits, kv = forward(params, cfg, kv, md)
                 out = sample(
@@ -170,18 +183,17 @@ class Runner:
 
     # -- host -> device --------------------------------------------------------------------------
 
-    def prepare(
-        self, batch: ScheduledBatch, rows: SamplingRows
-    ) -> tuple[AttentionMetadata, SamplingArrays, jax.Array | None, Variant]:
-        """Pads the batch to its bucket and moves it to the device in one `device_put`."""
-        host, variant = self.host_inputs(batch, rows)
-        return (*self.device_inputs(host), variant)
-
-    def host_inputs(self, batch: ScheduledBatch, rows: SamplingRows) -> tuple[tuple, Variant]:
-        """The padded step inputs as NumPy (what a multi-host leader broadcasts)."""
+    def host_inputs(
+        self, batch: ScheduledBatch, rows: SamplingRows, feed: np.ndarray | None = None
+    ) -> tuple[tuple, Variant]:
+        """The padded step inputs as NumPy (what a multi-host leader broadcasts). `feed` [n_tok]:
+        per token, the previous step's row whose sampled token it takes (-1: its own id)."""
         t, s, p = self.buckets.pick(batch.num_tokens, batch.num_seqs, batch.page_table.shape[1])
         n_tok, n_seq = batch.num_tokens, batch.num_seqs
-        ints = np.zeros((4, t), np.int32)
+        ints = np.zeros((5, t), np.int32)
+        ints[4] = -1
+        if feed is not None:
+            ints[4, :n_tok] = feed
         ints[0, :n_tok] = batch.token_ids
         ints[1, :n_tok] = batch.positions
         ints[2, :n_tok] = batch.slot_mapping
@@ -201,14 +213,10 @@ class Runner:
             variant = dataclasses.replace(variant, prompt_logprobs=True)
         return (ints, page_table, logits_idx, blocks, host_arrays, targets), variant
 
-    def device_inputs(self, host: tuple) -> tuple[AttentionMetadata, SamplingArrays, jax.Array]:
-        if self._input_sharding is None:
-            dev = jax.device_put(host)
-        else:  # one global array per input, replicated: works across processes too
-            sharding = self._input_sharding
-            dev = jax.tree.map(
-                lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), host
-            )
+    def device_inputs(
+        self, host: tuple
+    ) -> tuple[AttentionMetadata, SamplingArrays, jax.Array | None, jax.Array]:
+        dev = self._to_device(host)
         ints_d, page_table_d, logits_idx_d, blocks_d, arrays_d, targets_d = dev
         md = AttentionMetadata(
             token_ids=ints_d[0], positions=ints_d[1], slot_mapping=ints_d[2],
@@ -216,19 +224,35 @@ class Runner:
             block_tokens=blocks_d[0] if blocks_d else None,
             block_seq=blocks_d[1] if blocks_d else None,
         )
-        return md, SamplingArrays(**arrays_d), targets_d
+        return md, SamplingArrays(**arrays_d), targets_d, ints_d[4]
+
+    def _to_device(self, host):
+        if self._input_sharding is None:
+            return jax.device_put(host)
+        # One global array per input, replicated: works across processes too.
+        sharding = self._input_sharding
+        return jax.tree.map(
+            lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i]), host
+        )
 
     # -- the step --------------------------------------------------------------------------------
 
     def execute(self, batch: ScheduledBatch, rows: SamplingRows) -> StepResult:
-        out = self._launch(*self.host_inputs(batch, rows))
-        return self.fetch(out, batch.num_seqs, batch.num_tokens)
+        return self.fetch(self.launch(batch, rows), batch.num_seqs, batch.num_tokens)
 
-    def _launch(self, host: tuple, variant: Variant):
+    def launch(self, batch: ScheduledBatch, rows: SamplingRows, feed: np.ndarray | None = None,
+               prev: tuple | None = None) -> tuple:
+        """Dispatches one step without waiting for it (JAX runs it asynchronously). `feed` and
+        `prev` (the previous `launch`'s result) let rows take tokens the host has not seen."""
+        prev_tokens = prev[2] if prev is not None else None
+        return self._launch(*self.host_inputs(batch, rows, feed), prev_tokens)
+
+    def _launch(self, host: tuple, variant: Variant, prev_tokens: jax.Array | None = None):
         """Runs one step program; a multi-host leader first sends its inputs to the followers."""
         if self._channel is not None:
+            assert prev_tokens is None, "multi-host steps carry every token from the host"
             self._channel.send((host, variant))
-        return self._run(host, variant)
+        return self._run(host, variant, prev_tokens)
 
     def follow(self) -> int:
         """A multi-host follower's loop: runs every step the leader sends until it says stop.
@@ -239,9 +263,13 @@ class Runner:
             steps += 1
         return steps
 
-    def _run(self, host: tuple, variant: Variant):
-        md, arrays, targets = self.device_inputs(host)
-        out, self.kv = self._step(self.params, self.kv, md, arrays, targets, variant)
+    def _run(self, host: tuple, variant: Variant, prev_tokens: jax.Array | None = None):
+        md, arrays, targets, feed = self.device_inputs(host)
+        if prev_tokens is None:
+            prev_tokens = self._no_tokens
+        out, self.kv = self._step(
+            self.params, self.kv, md, arrays, targets, feed, prev_tokens, variant
+        )
         return out
 
     def stop_followers(self) -> None:
@@ -251,9 +279,10 @@ class Runner:
             self._channel = None
 
     @staticmethod
-    def fetch(out: tuple[SamplerOutput, tuple | None], n: int, num_tokens: int) -> StepResult:
+    def fetch(out: tuple, n: int, num_tokens: int) -> StepResult:
+        """Waits for a launched step and brings its per-sequence results to the host."""
         # Outputs are replicated over the mesh; reading one local copy works on every process.
-        host, prompt = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), out)
+        host, prompt = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), out[:2])
         k = host.top_ids.shape[-1] if host.top_ids is not None else 0
         result = StepResult(
             tokens=np.asarray(host.tokens[:n]),

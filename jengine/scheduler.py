@@ -17,7 +17,7 @@ import numpy as np
 
 from jengine.batch import ScheduledBatch
 from jengine.page_allocator import PageAllocator
-from jengine.sequence import Sequence, SequenceStatus
+from jengine.sequence import PENDING, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -195,32 +195,55 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, tokens: np.ndarray) -> list[Sequence]:
         """Appends sampled tokens and applies token-level stops. Returns the sequences that
         received a token this step (finished ones included)."""
-        updated = []
+        sampled = self.advance(batch)
+        self.finalize(sampled, tokens)
+        return [seq for seq, _ in sampled]
+
+    def advance(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """The first half of `postprocess`, possible before the step's tokens are known: the
+        computed counts move on and every sampling sequence gets a `PENDING` token, so the next
+        step can be scheduled while this one runs. Length limits need no token and finish
+        sequences here. Returns (sequence, batch row) of each sampling sequence."""
+        sampled = []
         for i, seq in enumerate(batch.seqs):
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_computed += int(batch.q_lens[i])
             if not batch.sample[i]:
                 continue
-            token = int(tokens[i])
             first = not seq.output_ids
-            seq.output_ids.append(token)
-            updated.append(seq)
+            seq.output_ids.append(PENDING)
+            sampled.append((seq, i))
             if first and seq.pending_forks:
                 self._fork(seq)
+            if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, "length")
+        return sampled
+
+    def finalize(self, sampled: list[tuple[Sequence, int]], tokens: np.ndarray) -> None:
+        """The second half: each PENDING token becomes the sampled one, then stop tokens apply
+        (a stop token on the last allowed position still reports "stop", as it would have)."""
+        for seq, row in sampled:
+            if seq.finish_reason == "abort":
+                continue
+            token = int(tokens[row])
+            seq.output_ids[-1] = token
             self._check_stop(seq, token)
-        return updated
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        num_out = len(seq.output_ids)
-        if num_out > params.min_tokens:
-            if token in (params.stop_token_ids or ()):
-                return self.finish(seq, "stop", token)
-            if token in self.eos_token_ids and not params.ignore_eos:
-                return self.finish(seq, "stop", None)
-        if num_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, "length")
+        if len(seq.output_ids) <= params.min_tokens:
+            return
+        if token in (params.stop_token_ids or ()):
+            reason, stop = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            reason, stop = "stop", None
+        else:
+            return
+        if seq.finish_reason == "length":  # finished by `advance`: the token decides the reason
+            seq.finish_reason, seq.stop_reason = reason, stop
+        else:
+            self.finish(seq, reason, stop)
 
     def _fork(self, leader: Sequence) -> None:
         """Gives the leader's waiting siblings its full prompt pages by reference; each then

@@ -6,6 +6,10 @@ import dataclasses
 import enum
 from typing import Any
 
+# A sampled token the host has not received yet (async scheduling): the step that samples it
+# is still running, and the next step reads it on the device (`Runner.launch(feed=...)`).
+PENDING = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # needs (re)prefill; holds no pages unless it shares a parent's
