@@ -224,7 +224,8 @@ def test_sliding_windows_and_soft_cap(name):
 @pytest.mark.parametrize(
     ("name", "blocks"),
     [("tpu", {"block_q": 1, "pages_per_chunk": 1}), ("tpu", {"block_q": 16, "pages_per_chunk": 8}),
-     ("gpu", {"block_q": 1, "num_kv_splits": 4}), ("gpu", {"block_q": 32, "num_kv_splits": 1})],
+     ("gpu", {"block_q": 1, "num_kv_splits": 4, "pages_per_step": 1}),
+     ("gpu", {"block_q": 32, "num_kv_splits": 1, "pages_per_step": 8})],
 )
 def test_block_sizes(name, blocks):
     case = Case(MIXED, num_heads=6, num_kv_heads=2, page_size=16, seed=4)

@@ -3,16 +3,18 @@
 Grid: (query block n, head group q, kv split s). A block holds up to `block_q` query tokens of one
 sequence (see `block_layout.py`) and a head group the query heads sharing one kv head, so a
 program multiplies `[B*Gp, D]` queries (Gp: group size rounded up to a power of two, as Triton
-block shapes must be) against one page `[O, D]` of that kv head per loop step, read in place
-from the cache through the page table, with online softmax in float32.
+block shapes must be) against `pages_per_step` pages of that kv head per loop step (`[C*O, D]`,
+gathered in place from the cache through the page table, as upstream's GPU paged attention
+does), with online softmax in float32.
 
 Split-K: the block's visible pages are cut into `num_kv_splits` contiguous ranges, one program
 each; every program writes its unnormalised accumulator with its running max and sum, and a small
 XLA epilogue merges them (log-sum-exp). Decode at long context wants splits (one query row per
 block leaves few programs: batch x kv heads); prefill wants 1.
 
-Small tiles (decode: B*Gp or the page below 16 rows) use broadcast-multiply-sum instead of
-`tl.dot`, whose tiles must be at least 16 on each side. K/V writing stays `reference.write_kv`.
+Query rows are padded to at least 16 (zero heads) so that decode tiles use `tl.dot` as well
+(decode is bound by reading K/V, not by the wasted rows); only a page tile or head dim below 16
+falls back to broadcast-multiply-sum. K/V writing stays `reference.write_kv`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def ragged_paged_attention_gpu(
     kv_head_map=None,  # [H] tuple or int32 array, or None
     block_q: int | None = None,  # default: `block_layout.default_block_q`
     num_kv_splits: int | None = None,  # default: decode blocks split long contexts up to 8 ways
+    pages_per_step: int = 4,  # pages gathered per loop step (one [C*O, D] tile)
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
@@ -55,19 +58,21 @@ def ragged_paged_attention_gpu(
     block_q = block_q or qb.default_block_q(num_tokens, num_seqs)
     if num_kv_splits is None:
         num_kv_splits = min(8, max(1, max_pages // 16)) if block_q == 1 else 1
-    for name, n in (("head_dim", head_dim), ("page_size", page_size), ("block_q", block_q)):
+    for name, n in (("head_dim", head_dim), ("page_size", page_size), ("block_q", block_q),
+                    ("pages_per_step", pages_per_step)):
         if n & (n - 1):
             raise ValueError(f"pallas_gpu needs a power-of-two {name}, got {n}")
     window = qb.window_scalar(sliding_window)
     blocks = qb.make_query_blocks(token_seq, positions, num_seqs, block_q, window)
     head_kv, group = qb.head_groups(num_heads, num_kv_heads, kv_head_map)
-    group_pad = 1 << (group - 1).bit_length()
+    # Rows padded to at least 16 (zero query heads), so decode tiles use `tl.dot` too.
+    group_pad = max(1 << (group - 1).bit_length(), 16 // block_q)
     queries = qb.gather_queries(q, blocks, group, group_pad)  # [NB, NG, R, D]
     row_pos = qb.row_positions(blocks, group_pad)  # [NB, R] (padded heads: harmless rows)
     num_blocks, num_groups, rows, _ = queries.shape
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, soft_cap=soft_cap, page_size=page_size,
-        max_pages=max_pages, num_splits=num_kv_splits,
+        max_pages=max_pages, num_splits=num_kv_splits, pages_per_step=pages_per_step,
     )
     whole = pl.BlockSpec()  # the whole array, indexed in place by the kernel
     grid = (num_blocks, num_groups, num_kv_splits)
@@ -95,7 +100,7 @@ def ragged_paged_attention_gpu(
         interpret=interpret,
     )(
         jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.reshape(window, (1,)),
-        blocks.seq, blocks.kv_lo, blocks.kv_hi, head_kv, page_table,
+        blocks.seq, blocks.kv_lo, blocks.kv_hi, head_kv, page_table.reshape(-1),
         queries, row_pos, k_cache, v_cache,
     )
     out = merge_splits(acc, m, l).astype(q.dtype)  # [NB, NG, R, D]
@@ -116,7 +121,7 @@ def _kernel(
     layer_ref, window_ref, seq_ref, lo_ref, hi_ref, head_kv_ref, pages_ref,
     q_ref, pos_ref, k_ref, v_ref,  # [R, D], [R], caches [L, K, P, O, D]
     acc_ref, m_ref, l_ref,  # [R, D], [R], [R]
-    *, sm_scale, soft_cap, page_size, max_pages, num_splits,
+    *, sm_scale, soft_cap, page_size, max_pages, num_splits, pages_per_step,
 ):
     n, g, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, kv_head, layer, window = seq_ref[n], head_kv_ref[g], layer_ref[0], window_ref[0]
@@ -128,14 +133,18 @@ def _kernel(
     q = q_ref[...]  # [R, D]
     row_pos = pos_ref[...]  # [R]
     rows, head_dim = q.shape
-    use_dot = min(rows, page_size, head_dim) >= 16
+    use_dot = min(rows, pages_per_step * page_size, head_dim) >= 16
     exact = q.dtype == jnp.float32
 
-    def body(index, carry):
+    keys = pages_per_step * page_size
+
+    def body(step, carry):
         m, l, acc = carry
-        page = pages_ref[seq, jnp.minimum(index, max_pages - 1)]
-        k = k_ref[layer, kv_head, page, :, :]  # [O, D]
-        v = v_ref[layer, kv_head, page, :, :]
+        first = start + step * pages_per_step
+        index = jnp.minimum(first + jnp.arange(pages_per_step), max_pages - 1)  # [C]
+        pages = pages_ref[seq * max_pages + index]  # [C] gathered from the flat page table
+        k = k_ref[layer, kv_head, pages].reshape(keys, head_dim)  # [C*O, D] gathered pages
+        v = v_ref[layer, kv_head, pages].reshape(keys, head_dim)
         if use_dot:
             s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact).astype(jnp.float32)
         else:
@@ -143,8 +152,9 @@ def _kernel(
         s = s * sm_scale  # [R, O]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = index * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        key_pos = first * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         mask = (key_pos <= row_pos[:, None]) & (key_pos > row_pos[:, None] - window)
+        mask &= key_pos < stop * page_size  # the last step's tail belongs to the next split
         s = jnp.where(mask, s, MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -161,7 +171,8 @@ def _kernel(
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, head_dim), jnp.float32),
     )
-    m, l, acc = jax.lax.fori_loop(start, stop, body, init)
+    num_steps = (stop - start + pages_per_step - 1) // pages_per_step
+    m, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l

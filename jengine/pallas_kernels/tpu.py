@@ -45,7 +45,7 @@ def ragged_paged_attention_tpu(
     soft_cap: float | None = None,
     kv_head_map=None,  # [H] tuple or int32 array, or None
     block_q: int | None = None,  # default: `block_layout.default_block_q`
-    pages_per_chunk: int = 4,
+    pages_per_chunk: int = 8,
     interpret=False,  # False, or pltpu.InterpretParams() for TPU emulation on CPU
 ) -> jax.Array:  # [T, H, D]
     """Causal GQA attention of each query token over its sequence's pages (TPU kernel)."""
