@@ -7,6 +7,7 @@ not thread-safe by itself: exactly one thread calls `add_request`, `abort` and `
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import random
 import sys
@@ -24,6 +25,7 @@ from jengine.detokenizer import IncrementalDetokenizer
 from jengine.models import KVCache, family_module
 from jengine.outputs import Logprob, RequestOutput
 from jengine.page_allocator import PageAllocator
+from jengine.pallas_kernels import resolve_backend
 from jengine.request import RequestState, SampleState
 from jengine.runner import Buckets, Runner, SamplingRows, StepResult
 from jengine.sampling_params import SamplingParams
@@ -74,17 +76,15 @@ class EngineCore:
         self.dtype = resolve_dtype(cfg.model.dtype)
         self.mesh_spec = MeshSpec.parse(cfg.parallel.mesh)
         mesh = self.mesh_spec.replica_mesh(replica) if self.mesh_spec.num_devices > 1 else None
-        if cfg.model.attention_backend not in ("auto", "reference"):
-            raise ValueError(
-                f"attention backend {cfg.model.attention_backend!r} is not available here; "
-                "use auto or reference"
-            )
+        backend = resolve_backend(cfg.model.attention_backend, jax.default_backend())
         if mesh is not None:  # before any weight is read
             check_divisible(load_config(cfg.model.model), self.mesh_spec.tp)
         if loaded is None:
             loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress, lazy=True)
         self.loaded_source = loaded.source
-        self.model_config = padded_config(loaded.config, self.mesh_spec.tp)
+        self.model_config = dataclasses.replace(
+            padded_config(loaded.config, self.mesh_spec.tp), attention_backend=backend
+        )
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len(loaded)
         self.eos_token_ids = self._eos_ids(loaded)

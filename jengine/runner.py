@@ -10,6 +10,7 @@ variants compiled on first use.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -136,6 +137,9 @@ class Runner:
         self._channel = channel if channel is not None and channel.is_leader else None
         self._follower_channel = channel if channel is not None and not channel.is_leader else None
         self._no_tokens = self._to_device(np.zeros((buckets.seqs[-1],), np.int32))
+        # Pallas kernels under tensor parallelism run in shard_map over the heads, which they
+        # find from the mesh in context (jengine.pallas_kernels.backends).
+        self._kernel_mesh = rules.mesh if rules and cfg.attention_backend != "reference" else None
         kv_sharding = rules.kv_cache_sharding() if rules else None
         self.kv = jax.jit(
             lambda: KVCache.zeros(cfg, num_pages, page_size, dtype),
@@ -267,9 +271,11 @@ class Runner:
         md, arrays, targets, feed = self.device_inputs(host)
         if prev_tokens is None:
             prev_tokens = self._no_tokens
-        out, self.kv = self._step(
-            self.params, self.kv, md, arrays, targets, feed, prev_tokens, variant
-        )
+        mesh = self._kernel_mesh
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            out, self.kv = self._step(
+                self.params, self.kv, md, arrays, targets, feed, prev_tokens, variant
+            )
         return out
 
     def stop_followers(self) -> None:

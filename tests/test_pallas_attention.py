@@ -182,7 +182,7 @@ def test_gpu_kernel_lowers_for_cuda(split):
 # --- slow: the full matrix -------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.kernel_sweep
 @pytest.mark.parametrize("name", ["tpu", "gpu"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2), (8, 1)])  # GQA 1, 3, 8
 def test_gqa_ratios(name, num_heads, num_kv_heads):
@@ -200,7 +200,7 @@ SHAPES = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.kernel_sweep
 @pytest.mark.parametrize("name", ["tpu", "gpu"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_batch_shapes(name, shape):
@@ -208,7 +208,7 @@ def test_batch_shapes(name, shape):
     check(case, KERNELS[name])
 
 
-@pytest.mark.slow
+@pytest.mark.kernel_sweep
 @pytest.mark.parametrize("name", ["tpu", "gpu"])
 def test_sliding_windows_and_soft_cap(name):
     case = Case(MIXED, num_heads=8, num_kv_heads=1, page_size=4, seed=6)
@@ -220,7 +220,7 @@ def test_sliding_windows_and_soft_cap(name):
     check(case, kernel, window=5, soft_cap=10.0)
 
 
-@pytest.mark.slow
+@pytest.mark.kernel_sweep
 @pytest.mark.parametrize(
     ("name", "blocks"),
     [("tpu", {"block_q": 1, "pages_per_chunk": 1}), ("tpu", {"block_q": 16, "pages_per_chunk": 8}),
@@ -232,7 +232,7 @@ def test_block_sizes(name, blocks):
     check(case, functools.partial(KERNELS[name], **blocks), window=7)
 
 
-@pytest.mark.slow
+@pytest.mark.kernel_sweep
 @pytest.mark.parametrize("name", ["tpu", "gpu"])
 def test_explicit_kv_head_map(name):
     """Tensor-parallel layout: 3 kv heads replicated, q heads padded 6 -> 8 with a head map."""
@@ -243,7 +243,7 @@ def test_explicit_kv_head_map(name):
     np.testing.assert_allclose(out, ref, rtol=TOL, atol=TOL)
 
 
-@pytest.mark.slow
+@pytest.mark.kernel_sweep
 @pytest.mark.parametrize("head_map", [None, (0, 0, 1, 1, 2, 2, 0, 0)])
 def test_shard_over_heads(head_map):
     """Per-shard kernels over 4 devices: kv heads split (4 kv / 8 q), or replicated with a map
@@ -263,7 +263,7 @@ def test_shard_over_heads(head_map):
     np.testing.assert_allclose(out, ref, rtol=TOL, atol=TOL)
 
 
-@pytest.mark.slow
+@pytest.mark.kernel_sweep
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 def test_model_greedy_tokens_match_reference(backend, monkeypatch):
     """A tiny random Llama (one sliding-window layer) through the paged path, chunked prefill then

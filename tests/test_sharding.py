@@ -9,6 +9,7 @@ split evenly (kv heads and the KV cache sharded over tp).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from jengine import Engine, SamplingParams
 from jengine.sharding import MeshSpec
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))  # one program per engine
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot", "2+2="]
 
 
@@ -72,7 +74,7 @@ def _per_device_table(engine: Engine, tp: int) -> None:
 def test_smollm2_tensor_parallel_matches_one_device(smol_engine):
     expected = _greedy(smol_engine, PROMPTS)
     for tp in (2, 8):
-        engine = Engine(config="test", mesh=f"tp={tp}")
+        engine = Engine(config=ONE_BUCKET, mesh=f"tp={tp}")
         try:
             assert _greedy(engine, PROMPTS) == expected, f"tp={tp}"
             cfg = engine.core.model_config
@@ -109,7 +111,7 @@ def test_tiny_llama_with_sharded_kv_heads_matches_one_device(tmp_path):
     prompts = [rng.integers(3, 96, n).tolist() for n in (5, 17, 40, 70)]
     outputs = {}
     for mesh in ("tp=1", "tp=2", "tp=8", "dp=2,tp=4"):
-        engine = Engine(str(tmp_path), config="test", mesh=mesh)
+        engine = Engine(str(tmp_path), config=ONE_BUCKET, mesh=mesh)
         outputs[mesh] = _greedy(engine, prompts)
         spec = MeshSpec.parse(mesh)
         if spec.dp == 1 and spec.tp > 1:
@@ -162,7 +164,7 @@ def test_data_parallel_replicas_match_one_device_and_share_the_load(smol_engine)
     from jengine.replicas import ReplicaSet
 
     expected = _greedy(smol_engine, PROMPTS)
-    engine = Engine(config="test", mesh="dp=2,tp=4")
+    engine = Engine(config=ONE_BUCKET, mesh="dp=2,tp=4")
     try:
         core = engine.core
         assert isinstance(core, ReplicaSet) and len(core.replicas) == 2

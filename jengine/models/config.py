@@ -91,6 +91,8 @@ class ModelConfig:
     # Set only under tensor parallelism with replicated kv heads (jengine.sharding): num_heads
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
+    # The attention implementation the forward pass calls (resolved by the engine, never auto).
+    attention_backend: str = "reference"  # reference | pallas_tpu | pallas_gpu
 
     @property
     def family(self) -> str:

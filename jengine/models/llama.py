@@ -83,7 +83,7 @@ def forward(
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
-            kv_head_map=cfg.kv_head_map,
+            kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
         )
         x = x + project(attn, p["wo"], "thd,hde->te", p.get("bo"))
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)

@@ -1,0 +1,60 @@
+"""The engine end to end with each attention backend: the Pallas kernels (interpret mode on CPU:
+plain interpret for the GPU kernel, TPU emulation for the TPU kernel) give the reference
+backend's greedy tokens, on a tiny random Llama (also under tp=2) and on the real SmolLM2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_sharding import _tiny_llama
+
+from jengine import Engine, SamplingParams
+
+ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
+
+
+def _greedy(engine, prompts, n):
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    _tiny_llama(path)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 96, n).tolist() for n in (3, 19, 37)]
+    expected = _greedy(Engine(str(path), config=ONE_BUCKET, attention_backend="reference",
+                              progress=False), prompts, 6)
+    return str(path), prompts, expected
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["pallas_gpu", pytest.param("pallas_tpu", marks=pytest.mark.kernel_sweep)],  # ~2 min emulated
+)
+def test_tiny_llama_kernel_backend_matches_reference(tiny, backend):
+    path, prompts, expected = tiny
+    engine = Engine(path, config=ONE_BUCKET, attention_backend=backend, progress=False)
+    assert engine.core.model_config.attention_backend == backend
+    assert _greedy(engine, prompts, 6) == expected
+
+
+def test_tiny_llama_kernel_under_tensor_parallelism(tiny):
+    path, prompts, expected = tiny
+    engine = Engine(path, config=ONE_BUCKET, mesh="tp=2", attention_backend="pallas_gpu",
+                    progress=False)
+    assert _greedy(engine, prompts, 6) == expected
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["pallas_gpu", pytest.param("pallas_tpu", marks=pytest.mark.kernel_sweep)],
+)
+def test_smollm2_kernel_backend_matches_reference(smol_engine, backend):
+    prompts = ["The capital of France is", "def add(a, b):"]
+    expected = _greedy(smol_engine, prompts, 3)
+    engine = Engine(config=ONE_BUCKET, attention_backend=backend, progress=False)
+    assert _greedy(engine, prompts, 3) == expected
