@@ -395,12 +395,8 @@ class EngineCore:
         mask from it; penalties read the token history from the host)."""
         if not self.cfg.scheduler.async_scheduling or self.distributed.num_processes > 1:
             return False
-        for seq, _ in sampled:
-            p = seq.params
-            if seq.matcher is not None or p.presence_penalty or p.frequency_penalty or (
-                    p.repetition_penalty != 1.0):
-                return False
-        return True
+        return not any(seq.matcher is not None or seq.params.uses_token_history
+                       for seq, _ in sampled)
 
     def _advance_grammars(self, updated: list[Sequence]) -> None:
         """Feeds each constrained sequence its new token; a completed grammar ends it ("stop")."""
@@ -503,8 +499,7 @@ class EngineCore:
         )
         if any(p.logprobs is not None for p in ps):
             rows.num_top_logprobs = 20
-        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-               for p in ps):
+        if any(p.uses_token_history for p in ps):
             rows.history = [(s.prompt_ids + s.output_ids, len(s.prompt_ids)) for s in seqs]
         banned = [self._banned_now(s) for s in seqs]
         if any(p.logit_bias for p in ps) or any(banned):

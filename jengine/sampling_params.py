@@ -235,6 +235,12 @@ class SamplingParams:
         return fields
 
     @property
+    def uses_token_history(self) -> bool:
+        """Whether a penalty reads the sequence's token history (built on the host each step)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
     def greedy(self) -> bool:
         """Whether sampling reduces to argmax (temperature 0, or only the top token allowed)."""
         return self.temperature == 0.0 or self.top_k == 1
