@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "dtypes (needs torch)")
     tp.add_argument("--hf-batch-size", type=int, default=32)
     tp.add_argument("--output-json")
+    pc = bsub.add_parser("prefix-cache", parents=[engine],
+                         help="shared system prompt and multi-turn chat, cache off vs on")
+    pc.add_argument("--system-len", type=int, default=1000)
+    pc.add_argument("--num-requests", type=int, default=32)
+    pc.add_argument("--conversations", type=int, default=8)
+    pc.add_argument("--turns", type=int, default=4)
+    pc.add_argument("--output-len", type=int, default=32)
+    pc.add_argument("--output-json")
     sv = bsub.add_parser("serve", help="load an OpenAI-compatible server (ours or a peer's)")
     sv.add_argument("--url", default="http://127.0.0.1:8000")
     sv.add_argument("--api-key")
@@ -226,6 +234,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from jengine.bench_serve import run_serve_bench
 
         result = run_serve_bench(args)
+    elif args.bench_command == "prefix-cache":
+        from jengine.bench_prefix import run_prefix_bench
+
+        result = run_prefix_bench(args)
     else:
         from jengine.bench import run_throughput
 

@@ -26,6 +26,7 @@ from jengine.models import KVCache, family_module
 from jengine.outputs import Logprob, RequestOutput
 from jengine.page_allocator import PageAllocator
 from jengine.pallas_kernels import resolve_backend
+from jengine.prefix_cache import PrefixCache
 from jengine.request import RequestState, SampleState
 from jengine.runner import Buckets, Runner, SamplingRows, StepResult
 from jengine.sampling_params import SamplingParams
@@ -39,6 +40,7 @@ from jengine.sharding import (
     padded_config,
 )
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
+from jengine.stats import EngineStats
 from jengine.structured import Grammar, GrammarCompiler
 from jengine.structured.bitmask import StepMasks
 
@@ -111,12 +113,14 @@ class EngineCore:
                 or buckets.pages[-1] < max_pages):
             raise ValueError(f"buckets {buckets} do not cover the scheduler limits")
         self.allocator = PageAllocator(num_pages, page_size)
+        self.prefix_cache = PrefixCache(self.allocator) if cfg.cache.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            prefix_cache=self.prefix_cache,
         )
         rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
         specs = family_module(self.model_config).param_specs(self.model_config)
@@ -193,6 +197,29 @@ class EngineCore:
                                         self.model_config.vocab_size)
                 self._grammars = GrammarCompiler(backend)
             return self._grammars
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state and counters. Safe to call from another thread:
+        it only reads (the scheduler's lists are copied first, atomically under the GIL)."""
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        cache = self.prefix_cache
+        stats = EngineStats(
+            num_requests_running=len({s.request_id for s in running}),
+            num_requests_waiting=len({s.request_id for s in waiting}),
+            kv_pages_total=self.allocator.num_pages - 1,  # page 0 is the scratch page
+            kv_pages_used=self.allocator.num_used - self.allocator.num_evictable,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            compiles_since_ready=self.compiles_since_ready,
+        )
+        if cache is not None:
+            c = cache.stats
+            stats.prefix_cache_pages = cache.num_pages
+            stats.prefix_cache_queries = c.queries
+            stats.prefix_cache_query_tokens = c.query_tokens
+            stats.prefix_cache_hit_tokens = c.hit_tokens
+            stats.prefix_cache_evicted_pages = c.evicted_pages
+        return stats
 
     @property
     def compiles_since_ready(self) -> int:

@@ -50,6 +50,7 @@ from jengine.outputs import RequestOutput
 from jengine.replicas import ReplicaSet, make_core
 from jengine.request import merge_deltas
 from jengine.sampling_params import SamplingParams, StructuredOutputs
+from jengine.stats import EngineStats
 from jengine.structured import Grammar
 from jengine.tools import (
     constrain,
@@ -192,6 +193,10 @@ class Engine:
     def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
         return render_chat(self.tokenizer, messages, tools=tools)
 
+    def stats(self) -> EngineStats:
+        """Load and counters: requests, KV pages, preemptions, prefix-cache hits."""
+        return self.core.stats()
+
     def stream(
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
@@ -260,6 +265,10 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def stats(self) -> EngineStats:
+        """As `Engine.stats`; callable from any thread while the engine runs."""
+        return self.core.stats()
 
     async def generate(
         self,

@@ -86,16 +86,20 @@ class Usage:
       prompt_tokens: tokens in the prompt.
       completion_tokens: tokens generated, summed over the request's completions.
       total_tokens: prompt_tokens + completion_tokens.
+      cached_tokens: prompt tokens whose K/V came from the prefix cache (OpenAI's
+        `prompt_tokens_details.cached_tokens`).
     """
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         """Usage with `total_tokens` filled in."""
-        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+                   cached_tokens)
 
 
 @dataclasses.dataclass
@@ -110,6 +114,7 @@ class RequestOutput:
       outputs: one per completion, ordered by `CompletionOutput.index`.
       finished: whether every completion has ended.
       usage: token counts; set on the final output.
+      num_cached_tokens: prompt tokens reused from the prefix cache (as in vLLM).
     """
 
     request_id: str
@@ -119,3 +124,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     usage: Usage | None = None
+    num_cached_tokens: int | None = None

@@ -1,9 +1,10 @@
 """`ReplicaSet`: `dp` independent engine replicas behind the one `EngineCore` interface.
 
 With `--mesh dp=2,tp=4` each replica is a full `EngineCore` on its own 4 devices, with its own
-KV pages, scheduler and compiled programs; the weights are read from disk once and placed on
-every replica's devices. A new request goes to the replica with the least outstanding work
-(prompt + remaining output tokens of its unfinished requests) and stays there. One
+KV pages, scheduler, prefix cache and compiled programs; the weights are read from disk once and
+placed on every replica's devices. A new request goes to the replica whose prefix cache holds
+the longest part of its prompt, unless that replica is much busier than the least-loaded one
+(load: prompt + remaining output tokens of its unfinished requests), and stays there. One
 `ReplicaSet.step()` steps every replica that has work, each in its own worker thread: a step
 spends most of its time in XLA (which releases the GIL), so the replicas' devices run at the
 same time. Each replica is still stepped by one thread at a time, as `EngineCore` requires.
@@ -19,6 +20,19 @@ from jengine.core import EngineCore, resolve_dtype
 from jengine.outputs import RequestOutput
 from jengine.request import RequestState
 from jengine.sharding import MeshSpec
+from jengine.stats import EngineStats
+
+
+def choose_replica(cached: list[int], loads: list[int], slack: int) -> int:
+    """Cache-aware routing: the replica with the most cached prompt tokens (the least loaded of
+    those on a tie), unless its load exceeds 1.5x the least-loaded replica's plus `slack`
+    tokens; then, or when nothing is cached anywhere, the least-loaded replica. Small load
+    differences are worth a cache hit (a hit skips prefill); large ones are not."""
+    least = min(range(len(loads)), key=lambda i: (loads[i], i))
+    best = max(range(len(loads)), key=lambda i: (cached[i], -loads[i], -i))
+    if cached[best] == 0 or loads[best] > 1.5 * loads[least] + slack:
+        return least
+    return best
 
 
 def make_core(cfg: EngineConfig, *, progress: bool = True) -> EngineCore | ReplicaSet:
@@ -121,15 +135,30 @@ class ReplicaSet:
             for state in list(core.requests.values())
         )
 
+    def stats(self) -> EngineStats:
+        return EngineStats.total([r.stats() for r in self.replicas])
+
     def add_request(self, request_id: str, prompt, params, *args, **kwargs) -> RequestState:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        index = min(range(len(self.replicas)), key=lambda i: self.load(self.replicas[i]))
+        index = self.route(prompt)
         core = self.replicas[index]
         state = core.add_request(request_id, prompt, params, *args, **kwargs)
         self._owner[request_id] = core
         self.assigned[index] += 1
         return state
+
+    def route(self, prompt) -> int:
+        """The replica a new request with this prompt goes to (see `choose_replica`)."""
+        loads = [self.load(r) for r in self.replicas]
+        cached = [0] * len(self.replicas)
+        if self.cfg.cache.enable_prefix_caching:
+            try:
+                _, ids = self.encode_prompt(prompt)  # encoded again by the chosen replica
+            except ValueError:
+                return 0  # add_request reports it
+            cached = [r.prefix_cache.match_length(ids) for r in self.replicas]
+        return choose_replica(cached, loads, self.cfg.scheduler.max_num_batched_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         core = self._owner.pop(request_id, None)

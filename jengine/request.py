@@ -46,6 +46,12 @@ class RequestState:
         return all(s.finish_reason is not None for s in self.samples)
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the first sample reused from the prefix cache (its siblings share its
+        prompt pages)."""
+        return self.samples[0].seq.num_cached_tokens
+
+    @property
     def num_generated(self) -> int:
         return sum(len(s.seq.output_ids) for s in self.samples)
 
@@ -82,7 +88,9 @@ class RequestState:
             prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=finished,
-            usage=Usage.of(len(self.prompt_ids), self.num_generated) if finished else None,
+            usage=(Usage.of(len(self.prompt_ids), self.num_generated, self.num_cached_tokens)
+                   if finished else None),
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 
@@ -110,4 +118,5 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
         prompt_logprobs=prompt_logprobs,
         outputs=[by_index[i] for i in sorted(by_index)], finished=last.finished, usage=last.usage,
+        num_cached_tokens=last.num_cached_tokens,
     )

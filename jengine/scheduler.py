@@ -7,6 +7,12 @@ admitted sequence is preempted by recompute (its pages freed, its tokens prefill
 which reproduces the same output), and failing that the forked samples still waiting on shared
 prompt pages give those up. `postprocess()` appends the sampled tokens, applies token-level
 stop rules and frees the pages of finished sequences.
+
+With a `PrefixCache`, a sequence being admitted first takes the cached pages of its longest
+cached prefix (by reference) and starts its prefill after them. Every page enters the cache in
+the step that fills it, so pages outlive their sequences (finished, aborted or preempted: a
+recompute finds its own pages again). Cached pages that nobody holds count as free:
+`_allocate` evicts them when the free list runs short.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import numpy as np
 
 from jengine.batch import ScheduledBatch
 from jengine.page_allocator import PageAllocator
+from jengine.prefix_cache import PrefixCache
 from jengine.sequence import PENDING, Sequence, SequenceStatus
 
 
@@ -31,8 +38,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        prefix_cache: PrefixCache | None = None,
     ):
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -98,11 +107,17 @@ class Scheduler:
         for seq in prefills:
             if len(chosen) >= self.max_num_seqs or budget == 0:
                 break
+            hit = self._reuse_cached(seq)
             n = min(seq.num_uncomputed, budget)
             need = self.allocator.pages_for(seq.num_computed + n) - len(seq.pages)
-            if not self.allocator.can_allocate(need):
+            if not self._can_allocate(need):
+                if hit:
+                    self._release(seq)
+                    seq.num_computed = 0
                 break
-            seq.pages += self.allocator.allocate(need)
+            seq.pages += self._allocate(need)
+            if hit is not None:
+                self._count_lookup(seq, hit)
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
@@ -121,7 +136,7 @@ class Scheduler:
         to be preempted."""
         need = self.allocator.pages_for(num_tokens) - len(seq.pages)
         scheduled = {id(s) for s, _ in chosen}
-        while not self.allocator.can_allocate(need):
+        while not self._can_allocate(need):
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
             if victims:
                 self._preempt(victims[-1])
@@ -129,8 +144,61 @@ class Scheduler:
                 self._preempt(seq)
                 return False
         if need > 0:
-            seq.pages += self.allocator.allocate(need)
+            seq.pages += self._allocate(need)
         return True
+
+    def _can_allocate(self, n: int) -> bool:
+        evictable = self.allocator.num_evictable if self.prefix_cache is not None else 0
+        return n <= self.allocator.num_free + evictable
+
+    def _allocate(self, n: int) -> list[int]:
+        short = n - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.allocate(n)
+
+    # -- prefix cache --------------------------------------------------------------------------
+
+    def _reuse_cached(self, seq: Sequence) -> int | None:
+        """Gives a sequence that holds no pages yet the cached pages of its longest cached
+        prefix, leaving at least its last token to compute (it must be sampled from). Returns
+        the tokens reused, or None when the cache is not consulted. Requests for prompt
+        logprobs compute every prompt token, so they never reuse pages."""
+        cache = self.prefix_cache
+        if cache is None or seq.pages or seq.params.prompt_logprobs is not None:
+            return None
+        max_pages = (seq.num_tokens - 1) // self.allocator.page_size
+        pages = cache.match(seq.tokens(0, max_pages * self.allocator.page_size), max_pages)
+        if pages:
+            self.allocator.share(pages)
+            seq.pages = pages
+            seq.num_computed = len(pages) * self.allocator.page_size
+        return seq.num_computed
+
+    def _count_lookup(self, seq: Sequence, hit: int) -> None:
+        stats = self.prefix_cache.stats
+        stats.queries += 1
+        stats.query_tokens += seq.num_tokens
+        stats.hit_tokens += hit
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = hit
+
+    def _cache_pages(self, seq: Sequence) -> None:
+        """Puts the sequence's computed full pages into the prefix cache and switches it to the
+        cache's copy of any it computed alongside another sequence. Called as soon as a page
+        fills, before anything else can share the page, so the switch leaves no holder of the
+        sequence's own copy behind (the cache's root-path invariant)."""
+        cache = self.prefix_cache
+        full = seq.num_computed // self.allocator.page_size
+        tokens = seq.tokens(0, full * self.allocator.page_size)
+        if PENDING in tokens:  # cannot happen: a PENDING token is never computed yet
+            raise RuntimeError(f"sequence {seq.seq_id} has a computed PENDING token")
+        canonical = cache.insert(tokens, seq.pages[:full])
+        for i, page in enumerate(canonical):
+            if page != seq.pages[i]:
+                self.allocator.share([page])
+                self.allocator.free([seq.pages[i]])
+                seq.pages[i] = page
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -157,6 +225,7 @@ class Scheduler:
         return bool(holders)
 
     def _release(self, seq: Sequence) -> None:
+        """Lets go of a sequence's pages (its full ones are in the prefix cache already)."""
         if seq.pages:
             self.allocator.free(seq.pages)
             seq.pages = []
@@ -208,7 +277,13 @@ class Scheduler:
         for i, seq in enumerate(batch.seqs):
             if seq.is_finished:  # aborted while the step ran
                 continue
+            full_before = seq.num_computed // self.allocator.page_size
             seq.num_computed += int(batch.q_lens[i])
+            if (self.prefix_cache is not None
+                    and seq.num_computed // self.allocator.page_size > full_before):
+                # Pages this step fills are cached now: the next step, which may reuse them,
+                # runs after this one on the device.
+                self._cache_pages(seq)
             if not batch.sample[i]:
                 continue
             first = not seq.output_ids

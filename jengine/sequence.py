@@ -40,6 +40,7 @@ class Sequence:
     stop_reason: int | str | None = None
     arrival: float = 0.0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache when first admitted
     # Set on a request's first sample while its siblings wait to share its prompt pages.
     pending_forks: list[Sequence] = dataclasses.field(default_factory=list)
     # The grammar state of a constrained sequence (`jengine.structured.Matcher`): it has consumed

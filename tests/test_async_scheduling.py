@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from kv_pool import small_kv_pool  # tests/kv_pool.py
+
 from jengine import SamplingParams
-from jengine.page_allocator import PageAllocator
 
 PROMPTS = [
     "The capital of France is", "List three colors:", "def add(a, b):",
@@ -67,14 +68,8 @@ def test_async_scheduling_with_preemption(smol_engine):
     params = SamplingParams(max_tokens=20, temperature=0)
     with _async_scheduling(core, False):
         expected = _summary(smol_engine.generate(PROMPTS * 2, params))
-    saved = core.allocator
-    small = PageAllocator(8, saved.page_size)  # 7 usable pages for 12 requests
-    core.allocator = core.scheduler.allocator = small
     preempted = core.scheduler.num_preemptions
-    try:
-        with _async_scheduling(core, True):
-            assert _summary(smol_engine.generate(PROMPTS * 2, params)) == expected
+    with small_kv_pool(core, 8), _async_scheduling(core, True):  # 7 usable pages, 12 requests
+        assert _summary(smol_engine.generate(PROMPTS * 2, params)) == expected
         assert core.scheduler.num_preemptions > preempted
-        assert small.num_used == 0
-    finally:
-        core.allocator = core.scheduler.allocator = saved
+        assert core.stats().kv_pages_used == 0

@@ -7,9 +7,9 @@ import asyncio
 import random
 
 import pytest
+from kv_pool import small_kv_pool  # tests/kv_pool.py
 
 from jengine import SamplingParams
-from jengine.page_allocator import PageAllocator
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -44,7 +44,7 @@ def solo(smol_engine):
 def test_batch_equals_solo(smol_engine, solo):
     prompts, expected = solo
     assert _token_ids(smol_engine.generate(prompts, GREEDY)) == expected
-    assert smol_engine.core.allocator.num_used == 0
+    assert smol_engine.stats().kv_pages_used == 0
 
 
 def test_small_prefill_chunks_equal_solo(smol_engine, solo):
@@ -61,16 +61,12 @@ def test_small_prefill_chunks_equal_solo(smol_engine, solo):
 def test_preempted_requests_finish_with_same_output(smol_engine, solo):
     prompts, expected = solo
     core = smol_engine.core
-    saved = core.allocator
-    small = PageAllocator(14, saved.page_size)  # 13 usable pages: far fewer than 16 requests need
-    core.allocator = core.scheduler.allocator = small
     before = core.scheduler.num_preemptions
-    try:
+    # 13 usable pages: far fewer than 16 requests need
+    with small_kv_pool(core, 14):
         assert _token_ids(smol_engine.generate(prompts, GREEDY)) == expected
         assert core.scheduler.num_preemptions > before
-        assert small.num_used == 0
-    finally:
-        core.allocator = core.scheduler.allocator = saved
+        assert core.stats().kv_pages_used == 0
 
 
 def test_seeded_sample_independent_of_batch(smol_engine):
@@ -171,7 +167,7 @@ def test_logprobs(smol_engine):
 def test_bad_requests_rejected_and_engine_keeps_serving(smol_engine, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         smol_engine.generate([prompt], params)
-    assert smol_engine.core.allocator.num_used == 0
+    assert smol_engine.stats().kv_pages_used == 0
     assert not smol_engine.core.requests
     out = smol_engine.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 2
@@ -225,7 +221,7 @@ def test_async_engine_streams_and_abort_frees_pages(smol_engine):
         text = asyncio.run(run())
     finally:
         engine.shutdown()  # before this thread steps the same core again
-    assert smol_engine.core.allocator.num_used == 0 and not smol_engine.core.requests
+    assert smol_engine.stats().kv_pages_used == 0 and not smol_engine.core.requests
     expected = smol_engine.generate(["The capital of France is"], SamplingParams(
         max_tokens=12, temperature=0))[0].outputs[0].text
     assert text == expected

@@ -17,11 +17,21 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jengine import Engine, SamplingParams
+from jengine.replicas import choose_replica
 from jengine.sharding import MeshSpec
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))  # one program per engine
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot", "2+2="]
+
+
+def test_routing_prefers_the_longest_cached_prefix_unless_much_busier():
+    slack = 16
+    assert choose_replica([0, 0], [10, 5], slack) == 1  # nothing cached: the least loaded
+    assert choose_replica([32, 0], [10, 5], slack) == 0  # a hit is worth a small imbalance
+    assert choose_replica([32, 0], [40, 5], slack) == 1  # not a large one (> 1.5 x 5 + 16)
+    assert choose_replica([32, 32], [10, 5], slack) == 1  # equal hits: the least loaded
+    assert choose_replica([16, 48, 0], [0, 20, 0], slack) == 1
 
 
 def test_mesh_spec_parses_tp_and_dp():
@@ -179,6 +189,17 @@ def test_data_parallel_replicas_match_one_device_and_share_the_load(smol_engine)
         print("requests per replica:", split)
         assert sum(split) == 16 and abs(split[0] - split[1]) <= 2
         assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
-        assert not core.has_unfinished and all(r.allocator.num_used == 0 for r in core.replicas)
+        assert not core.has_unfinished and core.stats().kv_pages_used == 0
+        # Cache-aware routing: a prompt whose prefix one replica has cached goes there.
+        story = "Once upon a time, in a kingdom by the sea, there lived a robot who " * 3
+        engine.generate([story + "sang."], GREEDY)
+        ids = engine.tokenizer(story).input_ids
+        holders = [i for i, r in enumerate(core.replicas) if r.prefix_cache.match_length(ids)]
+        assert len(holders) == 1
+        before = list(core.assigned)
+        again = [engine.generate([story + end], GREEDY)[0] for end in ("danced.", "slept.")]
+        assert core.assigned[holders[0]] - before[holders[0]] == 2
+        assert all(o.num_cached_tokens >= 32 for o in again)
+        assert core.stats().prefix_cache_hit_tokens >= 64
     finally:
         del engine

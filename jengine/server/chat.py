@@ -88,7 +88,8 @@ class _ChatView:
                        "finish_reason": None} for i in range(self.n)}
         async for _, delta in stream:
             if delta.usage is not None:
-                self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens)
+                self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens,
+                                   delta.usage.cached_tokens)
             for out in delta.outputs:
                 choice = choices[out.index]
                 choice["message"]["content"] += out.text
@@ -117,7 +118,8 @@ class _ChatView:
         parsers = {i: ToolCallStream(incremental=self.forced_calls) for i in range(self.n)}
         async for _, delta in stream:
             if delta.usage is not None:
-                self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens)
+                self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens,
+                                   delta.usage.cached_tokens)
             for out in delta.outputs:
                 logprobs = self._logprobs(out)
                 parser = parsers[out.index]

@@ -67,7 +67,7 @@ class _CompletionView:
         self.want_logprobs = body.logprobs is not None
         self._offsets: dict[int, int] = {}  # choice -> text offset of its next token
         # prompt index -> (prompt tokens, completion tokens), from the final delta
-        self._usage_by_prompt: dict[int, tuple[int, int]] = {}
+        self._usage_by_prompt: dict[int, tuple[int, int, int]] = {}
         self._prompt_logprobs: dict[int, list] = {}  # prompt index -> engine prompt logprobs
 
     # -- one choice's piece of a delta -----------------------------------------------------------
@@ -118,12 +118,13 @@ class _CompletionView:
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs[prompt_index] = delta.prompt_logprobs
         if delta.usage is not None:
-            self._usage_by_prompt[prompt_index] = (delta.usage.prompt_tokens,
-                                         delta.usage.completion_tokens)
+            u = delta.usage
+            self._usage_by_prompt[prompt_index] = (u.prompt_tokens, u.completion_tokens,
+                                                   u.cached_tokens)
 
-    def _total_usage(self) -> dict[str, int]:
-        counts = self._usage_by_prompt.values()
-        return usage(sum(p for p, _ in counts), sum(c for _, c in counts))
+    def _total_usage(self) -> dict[str, Any]:
+        rows = list(self._usage_by_prompt.values()) or [(0, 0, 0)]
+        return usage(*map(sum, zip(*rows)))  # prompt, completion and cached tokens
 
     # -- whole response --------------------------------------------------------------------------
 

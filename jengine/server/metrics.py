@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -69,37 +69,46 @@ class _EngineCollector(Collector):
                      "bounds).", self._queued())
         if engine is None:
             return
-        core = engine.core
-        replicas = core.replicas  # dp replicas: their counts add up
-        running = waiting = used = total = preemptions = 0
-        for replica in replicas:
-            r, w = _request_counts(replica.scheduler)
-            running, waiting = running + r, waiting + w
-            used += replica.allocator.num_used
-            total += replica.allocator.num_pages - 1  # page 0 is the scratch page
-            preemptions += replica.scheduler.num_preemptions
+        stats = engine.stats()  # dp replicas: added up
         yield _gauge("jengine_num_requests_running", "Requests with sequences being stepped.",
-                     running)
+                     stats.num_requests_running)
         yield _gauge("jengine_num_requests_waiting", "Requests waiting in the scheduler.",
-                     waiting)
-        yield _gauge("jengine_kv_pages_used", "KV cache pages in use.", used)
-        yield _gauge("jengine_kv_pages_total", "KV cache pages that can be handed out.", total)
+                     stats.num_requests_waiting)
+        yield _gauge("jengine_kv_pages_used",
+                     "KV cache pages held by requests (not counting evictable cached pages).",
+                     stats.kv_pages_used)
+        yield _gauge("jengine_kv_pages_total", "KV cache pages that can be handed out.",
+                     stats.kv_pages_total)
         yield _gauge("jengine_kv_cache_usage_ratio", "Fraction of KV cache pages in use.",
-                     used / max(total, 1))
+                     stats.kv_cache_usage)
         yield _gauge("jengine_compiles_since_ready",
                      "XLA programs compiled after warm-up (anything but 0 is a missed bucket).",
-                     core.compiles_since_ready)
+                     stats.compiles_since_ready)
         yield _gauge("jengine_preemptions", "Sequences preempted (recomputed) so far.",
-                     preemptions)
-
-
-def _request_counts(scheduler) -> tuple[int, int]:
-    """(running, waiting) distinct requests; the lists belong to the engine thread, so they are
-    copied first (a copy of a list or deque is atomic under the GIL)."""
-    running = list(scheduler.running)
-    waiting = list(scheduler.waiting)
-    return len({s.request_id for s in running}), len({s.request_id for s in waiting})
+                     stats.num_preemptions)
+        yield _counter("jengine_prefix_cache_queries",
+                       "Prefix-cache lookups (one per admission of a sequence).",
+                       stats.prefix_cache_queries)
+        yield _counter("jengine_prefix_cache_query_tokens",
+                       "Prompt tokens looked up in the prefix cache.",
+                       stats.prefix_cache_query_tokens)
+        yield _counter("jengine_prefix_cache_hit_tokens",
+                       "Prompt tokens found in the prefix cache (not computed again).",
+                       stats.prefix_cache_hit_tokens)
+        yield _gauge("jengine_prefix_cache_hit_rate",
+                     "Prefix-cache hit tokens over looked-up tokens since start-up.",
+                     stats.prefix_cache_hit_rate)
+        yield _gauge("jengine_prefix_cache_pages",
+                     "KV pages in the prefix cache (in use or evictable).",
+                     stats.prefix_cache_pages)
+        yield _counter("jengine_prefix_cache_evicted_pages",
+                       "Cached KV pages evicted to make room.",
+                       stats.prefix_cache_evicted_pages)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)  # exposed as NAME_total

@@ -1,0 +1,241 @@
+"""`PrefixCache`: a radix tree over token ids that maps prompt prefixes to full KV pages.
+
+Host-side and JAX-free, like the scheduler that drives it. The tree works at page granularity:
+an edge holds whole pages, each keyed by its `page_size` tokens, and consecutive pages without a
+branch share one edge (SGLang's RadixAttention, with vLLM's full-page blocks). Only full pages
+whose K/V are computed go in; a request reuses the longest cached run of full pages of its
+prompt and computes the rest, the partial last page included.
+
+Ownership: the tree keeps one reference (`PageAllocator.cache_hold`) on each of its pages, so a
+page outlives the requests that computed it. A sequence that reuses a page holds a reference of
+its own. Every sequence holds a *root path* of the tree (pages 0..k-1 of its tokens, then pages
+of its own), so a page that only the tree holds has no held page below it: every evictable page
+can be evicted leaves first. `evict` does that, least recently used leaf first, trimming a leaf
+edge from its tail until enough pages are free.
+
+When two sequences compute the same prefix at the same time, the first to insert wins and the
+second switches its page table to the tree's pages (`insert` returns them): the contents are
+the same, and the root-path invariant above needs the sequence to hold the tree's copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Sequence
+
+from jengine.page_allocator import PageAllocator
+
+PageKey = tuple[int, ...]  # the page_size token ids one page holds
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Counters since start-up.
+
+    Attributes:
+      queries: lookups made when a sequence was admitted (preempted ones count again).
+      query_tokens: tokens those lookups covered (the sequences' lengths).
+      hit_tokens: tokens found in the cache (whole pages).
+      evicted_pages: pages given up to make room.
+    """
+
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_pages: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class _Node:
+    """One edge of the tree: consecutive pages with the same descendants."""
+
+    __slots__ = ("keys", "pages", "children", "parent", "last_access")
+
+    def __init__(self, keys: list[PageKey], pages: list[int], parent: _Node | None):
+        self.keys = keys  # [num_pages] token ids per page
+        self.pages = pages  # [num_pages] KV page ids, in the same order
+        self.children: dict[PageKey, _Node] = {}  # by the child's first key
+        self.parent = parent
+        self.last_access = 0
+
+
+class PrefixCache:
+    """Radix tree of cached full pages, with least-recently-used eviction of leaves."""
+
+    def __init__(self, allocator: PageAllocator):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.stats = PrefixCacheStats()
+        self._root = _Node([], [], None)
+        self._clock = itertools.count(1)
+        self._num_nodes = 0
+        self._num_pages = 0
+        # Lazy min-heap of (last access, tie-break, node) over leaves. An entry is stale once
+        # the node is touched again, gains a child or leaves the tree; stale ones are skipped.
+        self._leaves: list[tuple[int, int, _Node]] = []
+        self._tie = itertools.count()
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the tree (held by running sequences or evictable)."""
+        return self._num_pages
+
+    def page_keys(self, tokens: Sequence[int], num_pages: int) -> list[PageKey]:
+        ps = self.page_size
+        return [tuple(tokens[i * ps:(i + 1) * ps]) for i in range(num_pages)]
+
+    # -- lookup -------------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int], max_pages: int | None = None) -> list[int]:
+        """The cached pages of the longest run of full pages that starts `tokens` (at most
+        `max_pages`), marking them recently used. The caller shares them before using them."""
+        full = len(tokens) // self.page_size
+        keys = self.page_keys(tokens, full if max_pages is None else min(full, max_pages))
+        now = next(self._clock)
+        pages: list[int] = []
+        for node, matched in self._walk(keys):
+            pages += node.pages[:matched]
+            self._touch(node, now)
+        return pages
+
+    def match_length(self, tokens: Sequence[int]) -> int:
+        """Tokens of `tokens` that `match` would find, without marking anything (for routing)."""
+        keys = self.page_keys(tokens, len(tokens) // self.page_size)
+        return sum(matched for _, matched in self._walk(keys)) * self.page_size
+
+    def _walk(self, keys: list[PageKey]):
+        """Yields (node, pages of its edge that match) along the path `keys` follows."""
+        node, i = self._root, 0
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                return
+            matched = _common(child.keys, keys, i)
+            yield child, matched
+            i += matched
+            if matched < len(child.keys):
+                return
+            node = child
+
+    # -- insertion ----------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], pages: list[int]) -> list[int]:
+        """Adds the full pages `pages` holding `tokens` (`len(pages)` pages' worth) to the tree.
+
+        Returns the tree's pages for those positions: the caller's own pages where they were
+        new, and the pages already cached for the same tokens elsewhere. The caller should
+        switch to the latter (see the module docstring)."""
+        keys = self.page_keys(tokens, len(pages))
+        now = next(self._clock)
+        node, i = self._root, 0
+        out: list[int] = []
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                self._add_leaf(node, keys[i:], pages[i:], now)
+                out += pages[i:]
+                break
+            matched = _common(child.keys, keys, i)
+            out += child.pages[:matched]
+            i += matched
+            self._touch(child, now)
+            if matched < len(child.keys):
+                if i == len(keys):
+                    break
+                child = self._split(child, matched)
+            node = child
+        return out
+
+    def _add_leaf(self, parent: _Node, keys: list[PageKey], pages: list[int], now: int) -> None:
+        self.allocator.cache_hold(pages)
+        leaf = _Node(list(keys), list(pages), parent)
+        parent.children[keys[0]] = leaf
+        self._num_nodes += 1
+        self._num_pages += len(pages)
+        self._touch(leaf, now)
+
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cuts `node`'s edge after `at` pages; returns the new upper part (the parent of the
+        lower part, which keeps `node`'s children)."""
+        upper = _Node(node.keys[:at], node.pages[:at], node.parent)
+        upper.last_access = node.last_access
+        node.parent.children[upper.keys[0]] = upper
+        node.keys, node.pages = node.keys[at:], node.pages[at:]
+        node.parent = upper
+        upper.children[node.keys[0]] = node
+        self._num_nodes += 1
+        return upper
+
+    def _touch(self, node: _Node, now: int) -> None:
+        node.last_access = now
+        if not node.children:
+            self._push_leaf(node)
+
+    def _push_leaf(self, node: _Node) -> None:
+        if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale: rebuild
+            self._leaves = [(n.last_access, next(self._tie), n) for n in self._iter_nodes()
+                            if not n.children]
+            heapq.heapify(self._leaves)
+        heapq.heappush(self._leaves, (node.last_access, next(self._tie), node))
+
+    def _iter_nodes(self):
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def evict(self, num_pages: int) -> int:
+        """Frees up to `num_pages` evictable pages, least recently used leaves first, each leaf
+        from its last page back. Returns how many it freed."""
+        freed = 0
+        keep: list[tuple[int, int, _Node]] = []  # leaves still in use, or not used up
+        while freed < num_pages and self._leaves:
+            entry = heapq.heappop(self._leaves)
+            when, _, node = entry
+            if node.parent is None or node.children or when != node.last_access:
+                continue  # stale
+            first_key, cut = node.keys[0], len(node.pages)
+            refcount = self.allocator.refcount
+            while cut > 0 and freed < num_pages and refcount(node.pages[cut - 1]) == 1:
+                cut -= 1
+                freed += 1
+            dropped = node.pages[cut:]
+            if dropped:
+                self.allocator.cache_drop(dropped)
+                self._num_pages -= len(dropped)
+                self.stats.evicted_pages += len(dropped)
+                del node.keys[cut:], node.pages[cut:]
+            if cut:
+                keep.append(entry)
+                continue
+            parent = node.parent
+            del parent.children[first_key]
+            node.parent = None
+            self._num_nodes -= 1
+            if parent is not self._root and not parent.children:
+                self._push_leaf(parent)
+        for entry in keep:
+            heapq.heappush(self._leaves, entry)
+        return freed
+
+    def clear(self) -> int:
+        """Evicts every evictable page; returns how many."""
+        return self.evict(self.allocator.num_evictable)
+
+
+def _common(edge: list[PageKey], keys: list[PageKey], start: int) -> int:
+    """How many leading pages of `edge` equal `keys[start:]`."""
+    n = min(len(edge), len(keys) - start)
+    for j in range(n):
+        if edge[j] != keys[start + j]:
+            return j
+    return n
+

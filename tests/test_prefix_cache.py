@@ -1,0 +1,374 @@
+"""Tests for jengine.prefix_cache: the radix tree alone, then under the scheduler with the fake
+runner of `tests/scheduler_harness.py` (no JAX), where a wrong or stale cached page changes the
+fake model's output."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+from scheduler_harness import (
+    VOCAB,
+    Harness,
+    check_against_solo,
+    params,
+    prompt_of,
+    solo_result,
+    solo_tokens,
+)
+
+from jengine.page_allocator import PageAllocator
+from jengine.prefix_cache import PrefixCache
+from jengine.sequence import PENDING, SequenceStatus
+
+PS = 4  # page size of the unit tests
+
+
+def cache_with(num_pages: int = 32) -> tuple[PageAllocator, PrefixCache]:
+    alloc = PageAllocator(num_pages, PS)
+    return alloc, PrefixCache(alloc)
+
+
+def computed(alloc: PageAllocator, cache: PrefixCache, tokens: list[int]) -> list[int]:
+    """What a sequence does: allocates pages for `tokens`, inserts the full ones, lets go."""
+    pages = alloc.allocate(len(tokens) // PS)
+    canonical = cache.insert(tokens, pages)
+    alloc.free(pages)
+    return canonical
+
+
+# ----------------------------------------------------------------------------- the tree alone
+
+
+def test_insert_then_match_returns_the_pages_of_whole_pages_only():
+    alloc, cache = cache_with()
+    tokens = list(range(1, 11))  # 2 full pages + 2 tokens
+    assert cache.match(tokens) == []
+    pages = computed(alloc, cache, tokens[:8])
+    assert cache.match(tokens) == pages
+    assert cache.match(tokens[:7]) == pages[:1]  # the second page is not whole in 7 tokens
+    assert cache.match(tokens, max_pages=1) == pages[:1]
+    assert cache.match_length(tokens) == 8
+    assert cache.match([99] + tokens[1:]) == []
+    assert cache.num_pages == 2 and alloc.num_evictable == 2 and alloc.num_free == 29
+
+
+def test_a_diverging_prefix_splits_the_edge_and_both_branches_match():
+    alloc, cache = cache_with()
+    a = list(range(1, 17))  # 4 pages
+    b = a[:8] + [50, 51, 52, 53, 60, 61, 62, 63]  # shares 2 pages, then differs
+    pa = computed(alloc, cache, a)
+    pb = computed(alloc, cache, b)
+    assert pb[:2] == pa[:2] and set(pb[2:]).isdisjoint(pa)
+    assert cache.match(a) == pa and cache.match(b) == pb
+    assert cache.match(b[:12] + [0, 0, 0, 0]) == pb[:3]
+    assert cache._num_nodes == 3  # the shared 2 pages, and one edge per branch
+    assert cache.num_pages == 6 == alloc.num_evictable
+
+
+def test_inserting_pages_cached_elsewhere_returns_the_cached_ones():
+    alloc, cache = cache_with()
+    tokens = list(range(1, 13))
+    first = alloc.allocate(3)
+    assert cache.insert(tokens, first) == first
+    second = alloc.allocate(3)
+    assert cache.insert(tokens, second) == first  # same tokens: the tree keeps its copy
+    assert all(not alloc.is_cached(p) for p in second)
+    alloc.free(first + second)
+    assert alloc.num_free == 31 - 3 and alloc.num_evictable == 3
+
+
+def test_eviction_takes_the_least_recently_used_leaf_from_its_tail():
+    alloc, cache = cache_with()
+    shared = [1, 2, 3, 4] * 2
+    old = computed(alloc, cache, shared + [5] * 8)
+    new = computed(alloc, cache, shared + [6] * 8)
+    assert cache.evict(1) == 1
+    assert cache.match(shared + [5] * 8) == old[:3]  # the old branch lost its last page
+    assert cache.match(shared + [6] * 8) == new  # (this touches the new branch)
+    assert cache.evict(2) == 2  # the old branch's remaining page, then the new branch's tail
+    assert cache.match(shared + [5] * 8) == old[:2]
+    assert cache.match(shared + [6] * 8) == new[:3]
+    assert cache.stats.evicted_pages == 3
+    assert alloc.num_free == 31 - 3
+
+
+def test_leaves_go_before_their_parents():
+    alloc, cache = cache_with()
+    prefix = [1, 2, 3, 4] * 2
+    a = computed(alloc, cache, prefix + [5] * 4)
+    b = computed(alloc, cache, prefix + [6] * 4)
+    cache.match(prefix)  # the shared pages are the most recently used, yet stay
+    assert cache.evict(2) == 2
+    assert cache.match(prefix + [5] * 4) == a[:2] and cache.match(prefix + [6] * 4) == b[:2]
+    assert cache.evict(5) == 2 and cache.num_pages == 0 and alloc.num_free == 31
+
+
+def test_pages_a_sequence_holds_are_never_evicted():
+    alloc, cache = cache_with()
+    tokens = list(range(1, 13))
+    pages = alloc.allocate(3)
+    cache.insert(tokens, pages)  # the sequence still holds them
+    assert alloc.num_evictable == 0 and cache.evict(3) == 0 and cache.num_pages == 3
+    alloc.free(pages[2:])  # e.g. a sharer that reused only the first two
+    assert alloc.num_evictable == 1 and cache.evict(3) == 1
+    alloc.free(pages[:2])
+    assert cache.evict(3) == 2 and alloc.num_free == 31
+
+
+def test_allocator_counts_evictable_pages_through_share_and_free():
+    alloc, cache = cache_with()
+    pages = computed(alloc, cache, list(range(1, 9)))
+    assert alloc.num_evictable == 2
+    alloc.share(pages)
+    assert alloc.num_evictable == 0 and alloc.num_used == 2
+    alloc.free(pages[:1])
+    assert alloc.num_evictable == 1
+    with pytest.raises(ValueError):
+        alloc.cache_hold(pages[:1])  # cached already
+    with pytest.raises(ValueError):
+        alloc.cache_drop(pages[1:])  # still held by a sequence
+    alloc.free(pages[1:])
+    alloc.cache_drop(pages)
+    assert alloc.num_free == 31 and alloc.num_evictable == 0
+
+
+def test_stale_leaf_entries_are_rebuilt_and_skipped():
+    alloc, cache = cache_with(num_pages=8)
+    tokens = list(range(1, 9))
+    computed(alloc, cache, tokens)
+    for _ in range(300):  # every touch pushes a heap entry; the heap is rebuilt when stale
+        cache.match(tokens)
+    assert len(cache._leaves) <= 2 * cache._num_nodes + 65
+    assert cache.evict(2) == 2 and cache.num_pages == 0
+
+
+# ------------------------------------------------------------------- under the scheduler
+
+
+def cached_harness(**kw) -> Harness:
+    return Harness(prefix_caching=True, **kw)
+
+
+def check_root_paths(h: Harness) -> None:
+    """The cache's invariant: each live sequence's computed full pages are the tree's pages for
+    its tokens (so a page only the cache holds has no held page below it)."""
+    ps = h.allocator.page_size
+    for seq in h.live_seqs():
+        full = seq.num_computed // ps
+        tokens = seq.tokens(0, full * ps)
+        if PENDING in tokens:
+            continue
+        keys = h.cache.page_keys(tokens, full)
+        tree = [p for node, n in h.cache._walk(keys) for p in node.pages[:n]]
+        assert seq.pages[:full] == tree, f"sequence {seq.seq_id} holds pages off its path"
+        assert not any(h.allocator.is_cached(p) for p in seq.pages[full:])
+
+
+def test_a_shared_prefix_is_computed_once_and_the_outputs_stay_the_same():
+    h = cached_harness(page_size=PS, max_model_len=64)
+    system = prompt_of(13)
+    p = params(max_tokens=6, ignore_eos=True)
+    h.add("a", system + [5, 6], p, seed=1)
+    h.run()
+    h.add("b", system + [7, 8, 9], p, seed=2)
+    batch = h.step()
+    # 15 tokens: 3 whole pages (12 tokens) come from the cache, 6 tokens are computed.
+    assert int(batch.positions[0]) == 12 and batch.num_tokens == 4
+    h.run()
+    for rid, prompt, seed in [("a", system + [5, 6], 1), ("b", system + [7, 8, 9], 2)]:
+        assert h.result(rid) == solo_result(rid, prompt, p, seed, page_size=PS, max_model_len=64)
+    b, = h.requests["b"]
+    assert b.num_cached_tokens == 12
+    stats = h.cache.stats
+    assert stats.queries == 2 and stats.hit_tokens == 12 and stats.query_tokens == 15 + 16
+    h.check_pages()
+    check_root_paths(h)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    h = cached_harness(page_size=PS, max_model_len=64)
+    prompt = prompt_of(12)  # exactly 3 pages
+    p = params(max_tokens=3, ignore_eos=True)
+    h.add("a", prompt, p)
+    h.run()
+    h.add("b", prompt, p)
+    batch = h.step()
+    assert int(batch.positions[0]) == 8 and batch.num_tokens == 4  # the last page again
+    h.run()
+    assert h.result("b") == h.result("a")
+
+
+def test_a_generated_reply_is_reused_by_the_next_turn():
+    h = cached_harness(page_size=PS, max_model_len=64)
+    turn1 = prompt_of(10)
+    h.add("t1", turn1, params(max_tokens=9, ignore_eos=True))
+    h.run()
+    reply = h.requests["t1"][0].output_ids
+    turn2 = turn1 + reply + [3, 4, 5]
+    h.add("t2", turn2, params(max_tokens=4, ignore_eos=True))
+    h.run()
+    # 10 + 9 tokens were computed for turn 1 except the last reply token: 18 -> 4 whole pages.
+    assert h.requests["t2"][0].num_cached_tokens == 16
+    assert h.result("t2") == solo_result("t2", turn2, params(max_tokens=4, ignore_eos=True), 0,
+                                         page_size=PS, max_model_len=64)
+
+
+def test_prompt_logprobs_requests_compute_every_prompt_token():
+    h = cached_harness(page_size=PS, max_model_len=64)
+    prompt = prompt_of(10)
+    h.add("a", prompt, params(max_tokens=2))
+    h.run()
+    h.add("b", prompt, params(max_tokens=2, prompt_logprobs=1))
+    batch = h.step()
+    assert int(batch.positions[0]) == 0 and batch.num_tokens == 10
+    h.run()
+
+
+def test_identical_prompts_admitted_together_end_up_on_one_copy():
+    h = cached_harness(page_size=PS, max_model_len=64, max_num_batched_tokens=64)
+    prompt = prompt_of(14)
+    a, = h.add("a", prompt, params(max_tokens=4, ignore_eos=True))
+    b, = h.add("b", prompt, params(max_tokens=4, ignore_eos=True))
+    h.step()  # both prefill in the same step: two copies computed, one kept
+    assert a.pages[:3] == b.pages[:3] and a.pages[3] != b.pages[3]
+    check_root_paths(h)
+    h.run()
+    assert h.result("a") == h.result("b")
+
+
+def test_a_preempted_sequence_recomputes_only_its_last_page():
+    page_size, max_model_len = 4, 32
+    h = cached_harness(num_pages=10, page_size=page_size, max_model_len=max_model_len)
+    specs = {f"r{i}": (prompt_of(5 + i, i), params(max_tokens=20, ignore_eos=True), i)
+             for i in range(4)}
+    for rid, spec in specs.items():
+        h.add(rid, *spec)
+    h.run(on_step=lambda _: check_root_paths(h))
+    assert h.scheduler.num_preemptions > 0
+    assert h.cache.stats.hit_tokens > 0  # recomputes found their own pages
+    for rid, spec in specs.items():
+        assert h.result(rid) == solo_result(rid, *spec, page_size=page_size,
+                                            max_model_len=max_model_len)
+
+
+def test_eviction_makes_room_for_new_prompts():
+    h = cached_harness(num_pages=9, page_size=PS, max_model_len=32)
+    p = params(max_tokens=4, ignore_eos=True)
+    for i in range(6):  # each leaves 4-5 pages cached; the pool has 8
+        h.add(f"r{i}", prompt_of(14, i), p, seed=i)
+        h.run()
+        assert h.result(f"r{i}") == solo_result(f"r{i}", prompt_of(14, i), p, i, page_size=PS,
+                                                max_model_len=32)
+    assert h.cache.stats.evicted_pages > 0
+    assert h.allocator.num_used == h.cache.num_pages  # only the cache holds pages now
+    cached = h.cache.num_pages
+    assert h.cache.clear() == cached and h.allocator.num_free == 8
+
+
+def test_disabled_cache_reuses_nothing():
+    h = Harness(page_size=PS, max_model_len=64)
+    h.add("a", prompt_of(13), params(max_tokens=2))
+    h.run()
+    h.add("b", prompt_of(13), params(max_tokens=2))
+    assert int(h.step().positions[0]) == 0
+    assert h.allocator.num_evictable == 0
+
+
+# ------------------------------------------------------------------------------ stress
+
+
+def step_async(h: Harness, inflight):
+    """One engine iteration as `EngineCore` runs it with async scheduling: advance the step in
+    flight, schedule and launch the next (its PENDING tokens read from the previous step's
+    output, like `Runner.launch(feed=...)`), then finalize the previous step."""
+    sched = h.scheduler
+    if inflight is None:
+        batch = sched.schedule()
+        return None if batch is None else (batch, h.runner(batch))
+    batch, tokens = inflight
+    sampled = sched.advance(batch)
+    nxt = sched.schedule()
+    new = None
+    if nxt is not None:
+        row_of = {id(seq): row for seq, row in sampled}
+        fed = nxt.token_ids.copy()
+        for t in np.flatnonzero(fed == PENDING):
+            owner = int(np.searchsorted(nxt.cu_q_lens[1:], t, side="right"))
+            fed[t] = tokens[row_of[id(nxt.seqs[owner])]]
+        real = nxt.token_ids
+        nxt.token_ids = fed
+        new = (nxt, h.runner(nxt))
+        nxt.token_ids = real
+    sched.finalize(sampled, tokens)
+    h.check_pages()
+    check_root_paths(h)
+    return new
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_random_stress_with_a_tiny_pool_matches_uncached_runs(mode):
+    """500 requests over a 12-page pool: shared system prompts, multi-turn continuations and
+    random prompts; aborts, preemptions, n > 1, constant eviction. Every output equals the
+    request run alone without a cache, and at the end every page is free or cached."""
+    rng = random.Random(7 if mode == "sync" else 8)
+    page_size, max_model_len = 4, 40
+    kw = {"page_size": page_size, "max_model_len": max_model_len}
+    h = cached_harness(num_pages=12, max_num_seqs=6, max_num_batched_tokens=24, **kw)
+    systems = [prompt_of(rng.randint(4, 18), salt) for salt in range(4)]
+    specs, history = {}, []
+    for i in range(500):
+        kind = rng.random()
+        if kind < 0.45:
+            prompt = rng.choice(systems) + [rng.randrange(1, VOCAB) for _ in range(
+                rng.randint(1, 8))]
+        elif kind < 0.7 and history:  # a later turn: an earlier prompt + its reply + more
+            base = rng.choice(history)
+            prompt = base + solo_tokens(base, 0, rng.randint(1, 6)) + [rng.randrange(1, VOCAB)]
+        else:
+            prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 30))]
+        prompt = prompt[: max_model_len - 2]
+        history.append(prompt)
+        p = params(
+            n=rng.choice([1, 1, 1, 1, 2, 3]),
+            max_tokens=rng.randint(1, min(12, max_model_len - len(prompt))),
+            ignore_eos=rng.random() < 0.3,
+            prompt_logprobs=1 if rng.random() < 0.05 else None,
+        )
+        arrival = i + rng.randint(0, 2)
+        abort_at = arrival + rng.randint(0, 20) if rng.random() < 0.1 else None
+        specs[f"r{i}"] = (prompt, p, i % 3, arrival, abort_at)
+
+    arrivals, aborts = collections.defaultdict(list), collections.defaultdict(list)
+    for rid, (_, _, _, arrival, abort_at) in specs.items():
+        arrivals[arrival].append(rid)
+        if abort_at is not None:
+            aborts[abort_at].append(rid)
+    inflight, step = None, 0
+    while step <= max(arrivals) or h.scheduler.has_work or inflight is not None:
+        for rid in aborts.get(step, ()):
+            h.scheduler.abort(rid)
+        for rid in arrivals.get(step, ()):
+            prompt, p, seed, _, _ = specs[rid]
+            h.add(rid, prompt, p, seed)
+        if mode == "sync":
+            if h.scheduler.has_work:
+                h.step()
+                check_root_paths(h)
+        else:
+            inflight = step_async(h, inflight)
+        step += 1
+        assert step < 50_000
+
+    stats = h.cache.stats
+    assert h.scheduler.num_preemptions > 0 and stats.evicted_pages > 0
+    assert stats.hit_tokens > 0.2 * stats.query_tokens
+    held = [p for p in range(1, h.allocator.num_pages) if h.allocator.refcount(p)]
+    assert all(h.allocator.is_cached(p) and h.allocator.refcount(p) == 1 for p in held)
+    h.cache.clear()
+    assert h.allocator.num_used == 0 and h.allocator.num_free == h.allocator.num_pages - 1
+    assert h.cache.num_pages == 0
+    assert check_against_solo(h, specs, **kw) > 0
+    assert all(s.status is SequenceStatus.FINISHED for seqs in h.requests.values() for s in seqs)
