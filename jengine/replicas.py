@@ -24,15 +24,13 @@ from jengine.stats import EngineStats
 
 
 def choose_replica(cached: list[int], loads: list[int], slack: int) -> int:
-    """Cache-aware routing: the replica with the most cached prompt tokens (the least loaded of
-    those on a tie), unless its load exceeds 1.5x the least-loaded replica's plus `slack`
-    tokens; then, or when nothing is cached anywhere, the least-loaded replica. Small load
-    differences are worth a cache hit (a hit skips prefill); large ones are not."""
-    least = min(range(len(loads)), key=lambda i: (loads[i], i))
-    best = max(range(len(loads)), key=lambda i: (cached[i], -loads[i], -i))
-    if cached[best] == 0 or loads[best] > 1.5 * loads[least] + slack:
-        return least
-    return best
+    """Cache-aware routing: among the replicas that are not much busier than the least-loaded
+    one (load at most 1.5x its load plus `slack` tokens), the one with the most cached prompt
+    tokens; the least loaded of those on a tie (so with nothing cached, the least loaded).
+    Small load differences are worth a cache hit (a hit skips prefill); large ones are not."""
+    bound = 1.5 * min(loads) + slack
+    candidates = [i for i in range(len(loads)) if loads[i] <= bound]
+    return max(candidates, key=lambda i: (cached[i], -loads[i], -i))
 
 
 def make_core(cfg: EngineConfig, *, progress: bool = True) -> EngineCore | ReplicaSet:

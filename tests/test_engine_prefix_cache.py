@@ -62,18 +62,16 @@ def test_greedy_outputs_equal_with_the_cache_on_and_off(smol_engine, uncached):
     with prefix_caching(core, True) as cache:
         first = smol_engine.generate(prompts, GREEDY)  # all at once: shared prefixes in flight
         again = smol_engine.generate(prompts, GREEDY)  # everything cached but the last pages
-        one_by_one = [smol_engine.generate([p], GREEDY)[0] for p in prompts]
         stats = smol_engine.stats()
         assert stats.prefix_cache_pages > 0 and cache.num_pages == stats.prefix_cache_pages
     assert token_ids(first) == expected
     assert token_ids(again) == expected
-    assert token_ids(one_by_one) == expected
     ps = core.allocator.page_size
     for out, prompt in zip(again, prompts):
         assert out.num_cached_tokens == (len(prompt) - 1) // ps * ps
         assert out.usage.cached_tokens == out.num_cached_tokens
     assert stats.prefix_cache_hit_tokens > 0.5 * stats.prefix_cache_query_tokens
-    assert stats.prefix_cache_queries == 3 * len(prompts)
+    assert stats.prefix_cache_queries == 2 * len(prompts)
     assert stats.kv_pages_used == 0  # cached pages are not "used": they are evictable
 
 

@@ -693,6 +693,34 @@ def test_metrics_parse_and_move(server):
     assert moved("jengine_e2e_request_latency_seconds_count") == 1
 
 
+def test_repeated_prefix_reports_cached_tokens_and_metrics(server):
+    """The second chat with the same long system prompt reuses its pages: the SDK sees
+    `prompt_tokens_details.cached_tokens`, and /metrics counts the hit tokens."""
+    client = server.client()
+    system = "You answer in one short sentence and never use lists. " * 8
+    before = server.metrics()
+    usages = []
+    for question in ("What is rain?", "What is snow?"):
+        r = client.chat.completions.create(
+            model=MODEL, max_tokens=3, temperature=0,
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": question}])
+        usages.append(r.usage)
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    cached = usages[1].prompt_tokens_details.cached_tokens
+    assert 64 <= cached < usages[1].prompt_tokens and cached % 16 == 0
+    after = server.metrics()
+    for name in ("jengine_prefix_cache_hit_rate", "jengine_prefix_cache_pages"):
+        assert name in after, name
+    assert after["jengine_prefix_cache_queries_total"] - before[
+        "jengine_prefix_cache_queries_total"] == 2
+    assert after["jengine_prefix_cache_hit_tokens_total"] - before[
+        "jengine_prefix_cache_hit_tokens_total"] == cached
+    assert after["jengine_prefix_cache_query_tokens_total"] > before[
+        "jengine_prefix_cache_query_tokens_total"]
+    assert "jengine_prefix_cache_evicted_pages_total" in after
+
+
 # -- shutdown (keep last: it stops the module's server) -----------------------------------------
 
 def test_sigterm_lets_the_stream_finish_then_exits(server):

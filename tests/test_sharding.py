@@ -31,7 +31,9 @@ def test_routing_prefers_the_longest_cached_prefix_unless_much_busier():
     assert choose_replica([32, 0], [10, 5], slack) == 0  # a hit is worth a small imbalance
     assert choose_replica([32, 0], [40, 5], slack) == 1  # not a large one (> 1.5 x 5 + 16)
     assert choose_replica([32, 32], [10, 5], slack) == 1  # equal hits: the least loaded
-    assert choose_replica([16, 48, 0], [0, 20, 0], slack) == 1
+    assert choose_replica([16, 48, 0], [0, 10, 0], slack) == 1
+    assert choose_replica([16, 48, 0], [0, 20, 0], slack) == 0  # 1 is too busy: next best hit
+    assert choose_replica([0, 48, 16], [0, 20, 3], slack) == 2
 
 
 def test_mesh_spec_parses_tp_and_dp():
