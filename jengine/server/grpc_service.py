@@ -71,7 +71,8 @@ class JengineService(pb_grpc.JengineServicer):
                             u = delta.usage
                             usage = pb.Usage(prompt_tokens=u.prompt_tokens,
                                              completion_tokens=u.completion_tokens,
-                                             total_tokens=u.total_tokens)
+                                             total_tokens=u.total_tokens,
+                                             cached_tokens=u.cached_tokens)
                         yield pb.GenerateResponse(
                             request_id=rid, index=out.index, text=out.text,
                             token_ids=out.token_ids, finish_reason=out.finish_reason or "",

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"jengine/server/proto/jengine.proto\x12\njengine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x89\x05\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xa8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.jengine.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jengine.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x8f\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.jengine.v1.Usage\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\".\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.jengine.v1.ModelCard2\xe0\x01\n\x07Jengine\x12G\n\x08Generate\x12\x1b.jengine.v1.GenerateRequest\x1a\x1c.jengine.v1.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.jengine.v1.HealthRequest\x1a\x1a.jengine.v1.HealthResponse\x12K\n\nListModels\x12\x1d.jengine.v1.ListModelsRequest\x1a\x1e.jengine.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"jengine/server/proto/jengine.proto\x12\njengine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x89\x05\n\x0fSamplingOptions\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xa8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.jengine.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jengine.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x8f\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.jengine.v1.Usage\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\".\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.jengine.v1.ModelCard2\xe0\x01\n\x07Jengine\x12G\n\x08Generate\x12\x1b.jengine.v1.GenerateRequest\x1a\x1c.jengine.v1.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.jengine.v1.HealthRequest\x1a\x1a.jengine.v1.HealthResponse\x12K\n\nListModels\x12\x1d.jengine.v1.ListModelsRequest\x1a\x1e.jengine.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,19 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=728
   _globals['_GENERATEREQUEST']._serialized_end=896
   _globals['_USAGE']._serialized_start=898
-  _globals['_USAGE']._serialized_end=977
-  _globals['_GENERATERESPONSE']._serialized_start=980
-  _globals['_GENERATERESPONSE']._serialized_end=1123
-  _globals['_HEALTHREQUEST']._serialized_start=1125
-  _globals['_HEALTHREQUEST']._serialized_end=1140
-  _globals['_HEALTHRESPONSE']._serialized_start=1142
-  _globals['_HEALTHRESPONSE']._serialized_end=1174
-  _globals['_LISTMODELSREQUEST']._serialized_start=1176
-  _globals['_LISTMODELSREQUEST']._serialized_end=1195
-  _globals['_MODELCARD']._serialized_start=1197
-  _globals['_MODELCARD']._serialized_end=1243
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1245
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1304
-  _globals['_JENGINE']._serialized_start=1307
-  _globals['_JENGINE']._serialized_end=1531
+  _globals['_USAGE']._serialized_end=1000
+  _globals['_GENERATERESPONSE']._serialized_start=1003
+  _globals['_GENERATERESPONSE']._serialized_end=1146
+  _globals['_HEALTHREQUEST']._serialized_start=1148
+  _globals['_HEALTHREQUEST']._serialized_end=1163
+  _globals['_HEALTHRESPONSE']._serialized_start=1165
+  _globals['_HEALTHRESPONSE']._serialized_end=1197
+  _globals['_LISTMODELSREQUEST']._serialized_start=1199
+  _globals['_LISTMODELSREQUEST']._serialized_end=1218
+  _globals['_MODELCARD']._serialized_start=1220
+  _globals['_MODELCARD']._serialized_end=1266
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1268
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1327
+  _globals['_JENGINE']._serialized_start=1330
+  _globals['_JENGINE']._serialized_end=1554
 # @@protoc_insertion_point(module_scope)

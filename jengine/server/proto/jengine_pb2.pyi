@@ -63,14 +63,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "text", "token_ids", "finish_reason", "usage")
