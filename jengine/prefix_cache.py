@@ -85,37 +85,44 @@ class PrefixCache:
         """Pages in the tree (held by running sequences or evictable)."""
         return self._num_pages
 
-    def page_keys(self, tokens: Sequence[int], num_pages: int) -> list[PageKey]:
+    def page_key(self, tokens: Sequence[int], index: int) -> PageKey:
+        """The key of page `index` of `tokens`: its page_size token ids."""
         ps = self.page_size
-        return [tuple(tokens[i * ps:(i + 1) * ps]) for i in range(num_pages)]
+        return tuple(tokens[index * ps:(index + 1) * ps])
 
     # -- lookup -------------------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int], max_pages: int | None = None) -> list[int]:
         """The cached pages of the longest run of full pages that starts `tokens` (at most
         `max_pages`), marking them recently used. The caller shares them before using them."""
-        full = len(tokens) // self.page_size
-        keys = self.page_keys(tokens, full if max_pages is None else min(full, max_pages))
+        num_pages = len(tokens) // self.page_size
+        if max_pages is not None:
+            num_pages = min(num_pages, max_pages)
         now = next(self._clock)
         pages: list[int] = []
-        for node, matched in self._walk(keys):
+        for node, matched in self._walk(tokens, num_pages):
             pages += node.pages[:matched]
             self._touch(node, now)
         return pages
 
     def match_length(self, tokens: Sequence[int]) -> int:
         """Tokens of `tokens` that `match` would find, without marking anything (for routing)."""
-        keys = self.page_keys(tokens, len(tokens) // self.page_size)
-        return sum(matched for _, matched in self._walk(keys)) * self.page_size
+        walk = self._walk(tokens, len(tokens) // self.page_size)
+        return sum(matched for _, matched in walk) * self.page_size
 
-    def _walk(self, keys: list[PageKey]):
-        """Yields (node, pages of its edge that match) along the path `keys` follows."""
+    def _walk(self, tokens: Sequence[int], num_pages: int, num_known: int = 0):
+        """Yields (node, how many pages of its edge match) along the path the first `num_pages`
+        pages of `tokens` follow. The first `num_known` pages are known to be on the path (a
+        sequence's cached pages), so only the keys of edges' first pages are built for them."""
         node, i = self._root, 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
+        while i < num_pages:
+            child = node.children.get(self.page_key(tokens, i))
             if child is None:
                 return
-            matched = _common(child.keys, keys, i)
+            limit = min(len(child.keys), num_pages - i)
+            matched = max(1, min(num_known - i, limit))  # the lookup matched page i already
+            while matched < limit and child.keys[matched] == self.page_key(tokens, i + matched):
+                matched += 1
             yield child, matched
             i += matched
             if matched < len(child.keys):
@@ -124,31 +131,29 @@ class PrefixCache:
 
     # -- insertion ----------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], pages: list[int]) -> list[int]:
+    def insert(self, tokens: Sequence[int], pages: list[int], num_known: int = 0) -> list[int]:
         """Adds the full pages `pages` holding `tokens` (`len(pages)` pages' worth) to the tree.
+        `num_known`: how many leading pages are already the tree's (they are not compared).
 
         Returns the tree's pages for those positions: the caller's own pages where they were
         new, and the pages already cached for the same tokens elsewhere. The caller should
         switch to the latter (see the module docstring)."""
-        keys = self.page_keys(tokens, len(pages))
         now = next(self._clock)
         node, i = self._root, 0
         out: list[int] = []
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                self._add_leaf(node, keys[i:], pages[i:], now)
-                out += pages[i:]
-                break
-            matched = _common(child.keys, keys, i)
+        for child, matched in self._walk(tokens, len(pages), num_known):
             out += child.pages[:matched]
             i += matched
             self._touch(child, now)
-            if matched < len(child.keys):
-                if i == len(keys):
-                    break
-                child = self._split(child, matched)
             node = child
+            if matched < len(child.keys):  # the path leaves this edge (or ends inside it)
+                if i < len(pages):
+                    node = self._split(child, matched)
+                break
+        if i < len(pages):
+            keys = [self.page_key(tokens, k) for k in range(i, len(pages))]
+            self._add_leaf(node, keys, pages[i:], now)
+            out += pages[i:]
         return out
 
     def _add_leaf(self, parent: _Node, keys: list[PageKey], pages: list[int], now: int) -> None:
@@ -229,13 +234,4 @@ class PrefixCache:
     def clear(self) -> int:
         """Evicts every evictable page; returns how many."""
         return self.evict(self.allocator.num_evictable)
-
-
-def _common(edge: list[PageKey], keys: list[PageKey], start: int) -> int:
-    """How many leading pages of `edge` equal `keys[start:]`."""
-    n = min(len(edge), len(keys) - start)
-    for j in range(n):
-        if edge[j] != keys[start + j]:
-            return j
-    return n
 

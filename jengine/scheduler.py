@@ -135,8 +135,8 @@ class Scheduler:
         (never one already chosen this step) when the pool runs dry. False if `seq` itself had
         to be preempted."""
         need = self.allocator.pages_for(num_tokens) - len(seq.pages)
-        scheduled = {id(s) for s, _ in chosen}
         while not self._can_allocate(need):
+            scheduled = {id(s) for s, _ in chosen}
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
             if victims:
                 self._preempt(victims[-1])
@@ -172,6 +172,7 @@ class Scheduler:
         if pages:
             self.allocator.share(pages)
             seq.pages = pages
+            seq.num_cached_pages = len(pages)
             seq.num_computed = len(pages) * self.allocator.page_size
         return seq.num_computed
 
@@ -188,17 +189,18 @@ class Scheduler:
         cache's copy of any it computed alongside another sequence. Called as soon as a page
         fills, before anything else can share the page, so the switch leaves no holder of the
         sequence's own copy behind (the cache's root-path invariant)."""
-        cache = self.prefix_cache
-        full = seq.num_computed // self.allocator.page_size
-        tokens = seq.tokens(0, full * self.allocator.page_size)
-        if PENDING in tokens:  # cannot happen: a PENDING token is never computed yet
+        ps, known = self.allocator.page_size, seq.num_cached_pages
+        full = seq.num_computed // ps
+        tokens = seq.tokens(0, full * ps)
+        if PENDING in tokens[known * ps:]:  # cannot happen: a PENDING token is never computed
             raise RuntimeError(f"sequence {seq.seq_id} has a computed PENDING token")
-        canonical = cache.insert(tokens, seq.pages[:full])
-        for i, page in enumerate(canonical):
-            if page != seq.pages[i]:
-                self.allocator.share([page])
+        canonical = self.prefix_cache.insert(tokens, seq.pages[:full], known)
+        for i in range(known, full):
+            if canonical[i] != seq.pages[i]:
+                self.allocator.share([canonical[i]])
                 self.allocator.free([seq.pages[i]])
-                seq.pages[i] = page
+                seq.pages[i] = canonical[i]
+        seq.num_cached_pages = full
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -229,6 +231,7 @@ class Scheduler:
         if seq.pages:
             self.allocator.free(seq.pages)
             seq.pages = []
+            seq.num_cached_pages = 0
 
     def _build_batch(self, chosen: list[tuple[Sequence, int]]) -> ScheduledBatch:
         page_size = self.allocator.page_size
@@ -327,6 +330,7 @@ class Scheduler:
         for seq in reversed(leader.pending_forks):
             self.allocator.share(shared)
             seq.pages = list(shared)
+            seq.num_cached_pages = min(len(shared), leader.num_cached_pages)
             seq.num_computed = len(shared) * self.allocator.page_size
             self.waiting.appendleft(seq)
         leader.pending_forks = []

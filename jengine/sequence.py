@@ -41,6 +41,7 @@ class Sequence:
     arrival: float = 0.0
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache when first admitted
+    num_cached_pages: int = 0  # leading `pages` known to be the prefix cache's (not re-compared)
     # Set on a request's first sample while its siblings wait to share its prompt pages.
     pending_forks: list[Sequence] = dataclasses.field(default_factory=list)
     # The grammar state of a constrained sequence (`jengine.structured.Matcher`): it has consumed

@@ -161,9 +161,9 @@ def check_root_paths(h: Harness) -> None:
         tokens = seq.tokens(0, full * ps)
         if PENDING in tokens:
             continue
-        keys = h.cache.page_keys(tokens, full)
-        tree = [p for node, n in h.cache._walk(keys) for p in node.pages[:n]]
+        tree = [p for node, n in h.cache._walk(tokens, full) for p in node.pages[:n]]
         assert seq.pages[:full] == tree, f"sequence {seq.seq_id} holds pages off its path"
+        assert seq.num_cached_pages <= full
         assert not any(h.allocator.is_cached(p) for p in seq.pages[full:])
 
 
