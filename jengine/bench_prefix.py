@@ -119,6 +119,7 @@ def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
         result[name]["stats"] = {"hit_rate": stats.prefix_cache_hit_rate,
                                  "evicted_pages": stats.prefix_cache_evicted_pages,
                                  "cached_pages": stats.prefix_cache_pages,
+                                 "duplicate_pages": stats.prefix_cache_duplicate_pages,
                                  "recompiles": stats.compiles_since_ready}
         del engine
         gc.collect()

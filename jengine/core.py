@@ -219,6 +219,7 @@ class EngineCore:
             stats.prefix_cache_query_tokens = c.query_tokens
             stats.prefix_cache_hit_tokens = c.hit_tokens
             stats.prefix_cache_evicted_pages = c.evicted_pages
+            stats.prefix_cache_duplicate_pages = c.duplicate_pages
         return stats
 
     @property

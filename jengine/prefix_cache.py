@@ -39,12 +39,15 @@ class PrefixCacheStats:
       query_tokens: tokens those lookups covered (the sequences' lengths).
       hit_tokens: tokens found in the cache (whole pages).
       evicted_pages: pages given up to make room.
+      duplicate_pages: pages a sequence computed while another computed the same tokens (it
+        then switched to the cached copy): work that a shared prefix did twice.
     """
 
     queries: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
     evicted_pages: int = 0
+    duplicate_pages: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -9,7 +9,9 @@ prompt pages give those up. `postprocess()` appends the sampled tokens, applies 
 stop rules and frees the pages of finished sequences.
 
 With a `PrefixCache`, a sequence being admitted first takes the cached pages of its longest
-cached prefix (by reference) and starts its prefill after them. Every page enters the cache in
+cached prefix (by reference) and starts its prefill after them; if another sequence's prefill
+chunk in the same step fills the next page it would reuse, it waits a step for that page
+instead of computing it twice. Every page enters the cache in
 the step that fills it, so pages outlive their sequences (finished, aborted or preempted: a
 recompute finds its own pages again). Cached pages that nobody holds count as free:
 `_allocate` evicts them when the free list runs short.
@@ -104,16 +106,22 @@ class Scheduler:
                 chosen.append((seq, 1))
                 budget -= 1
         prefills = [s for s in self.running if s.num_uncomputed > 1] + list(self.waiting)
+        deferred = 0
         for seq in prefills:
             if len(chosen) >= self.max_num_seqs or budget == 0:
                 break
             hit = self._reuse_cached(seq)
+            if (hit is not None and deferred < self.max_num_seqs
+                    and self._prefix_in_flight(seq, chosen)):
+                # Another sequence fills this one's next uncached page in this very step: it
+                # waits a step and reuses the page instead of computing it a second time.
+                self._unreuse(seq, hit)
+                deferred += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             need = self.allocator.pages_for(seq.num_computed + n) - len(seq.pages)
             if not self._can_allocate(need):
-                if hit:
-                    self._release(seq)
-                    seq.num_computed = 0
+                self._unreuse(seq, hit)
                 break
             seq.pages += self._allocate(need)
             if hit is not None:
@@ -176,6 +184,24 @@ class Scheduler:
             seq.num_computed = len(pages) * self.allocator.page_size
         return seq.num_computed
 
+    def _unreuse(self, seq: Sequence, hit: int | None) -> None:
+        """Undoes `_reuse_cached` for a sequence that is not admitted after all."""
+        if hit:
+            self._release(seq)
+            seq.num_computed = 0
+
+    def _prefix_in_flight(self, seq: Sequence, chosen: list[tuple[Sequence, int]]) -> bool:
+        """Whether a prefill chunk chosen this step fills the first page `seq` could reuse but
+        has not found cached (same tokens up to that page's end)."""
+        ps = self.allocator.page_size
+        have = seq.num_computed // ps
+        if have >= (seq.num_tokens - 1) // ps:
+            return False  # its remaining pages are its own to compute
+        end = (have + 1) * ps
+        tokens = seq.tokens(0, end)
+        return any(n > 1 and other.num_computed + n >= end and other.tokens(0, end) == tokens
+                   for other, n in chosen)
+
     def _count_lookup(self, seq: Sequence, hit: int) -> None:
         stats = self.prefix_cache.stats
         stats.queries += 1
@@ -197,6 +223,7 @@ class Scheduler:
         canonical = self.prefix_cache.insert(tokens, seq.pages[:full], known)
         for i in range(known, full):
             if canonical[i] != seq.pages[i]:
+                self.prefix_cache.stats.duplicate_pages += 1
                 self.allocator.share([canonical[i]])
                 self.allocator.free([seq.pages[i]])
                 seq.pages[i] = canonical[i]

@@ -24,6 +24,8 @@ class EngineStats:
       prefix_cache_query_tokens: tokens those lookups covered.
       prefix_cache_hit_tokens: tokens found in the cache, so not computed again.
       prefix_cache_evicted_pages: cached pages evicted to make room.
+      prefix_cache_duplicate_pages: pages computed twice because two requests prefilled the
+        same prefix at once (one copy is kept).
     """
 
     num_requests_running: int = 0
@@ -38,6 +40,7 @@ class EngineStats:
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_evicted_pages: int = 0
+    prefix_cache_duplicate_pages: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -185,8 +185,9 @@ class Harness:
         for d in decode_candidates:
             if not any(d is s for s in decoded):
                 assert full
-        for s in preempted:
-            assert s.status is SequenceStatus.WAITING or s.num_computed == 0
+        for s in preempted:  # waiting, or restarted from 0 (or from its cached pages)
+            restart = 0 if self.cache is None else s.num_computed // ps * ps
+            assert s.status is SequenceStatus.WAITING or s.num_computed == restart
 
         for i, seq in enumerate(batch.seqs):
             assert seq.status is SequenceStatus.RUNNING and seq in sched.running

@@ -15,6 +15,7 @@ from scheduler_harness import (
     check_against_solo,
     params,
     prompt_of,
+    rows,
     solo_result,
     solo_tokens,
 )
@@ -227,16 +228,33 @@ def test_prompt_logprobs_requests_compute_every_prompt_token():
     h.run()
 
 
-def test_identical_prompts_admitted_together_end_up_on_one_copy():
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
     h = cached_harness(page_size=PS, max_model_len=64, max_num_batched_tokens=64)
     prompt = prompt_of(14)
     a, = h.add("a", prompt, params(max_tokens=4, ignore_eos=True))
     b, = h.add("b", prompt, params(max_tokens=4, ignore_eos=True))
-    h.step()  # both prefill in the same step: two copies computed, one kept
-    assert a.pages[:3] == b.pages[:3] and a.pages[3] != b.pages[3]
-    check_root_paths(h)
+    c, = h.add("c", prompt_of(9, 1), params(max_tokens=4, ignore_eos=True))
+    assert h.step().seqs == [a, c]  # b waits: a fills the pages it would reuse
+    batch = h.step()
+    assert (b.seq_id, 12, 2, True) in rows(batch)  # only the last partial page is computed
+    assert b.pages[:3] == a.pages[:3] and b.num_cached_tokens == 12
     h.run()
     assert h.result("a") == h.result("b")
+
+
+def test_pages_computed_twice_end_up_on_one_copy():
+    """A later turn sent while the earlier one still decodes: both fill the reply's pages (the
+    decoding sequence does not hold the next one back), and the second switches to the first's."""
+    h = cached_harness(page_size=PS, max_model_len=64, max_num_batched_tokens=64)
+    turn1 = prompt_of(6)
+    h.add("t1", turn1, params(max_tokens=12, ignore_eos=True))
+    h.step()
+    turn2 = turn1 + solo_tokens(turn1, 0, 12) + [9]
+    t2, = h.add("t2", turn2, params(max_tokens=2, ignore_eos=True))
+    h.run(on_step=lambda _: check_root_paths(h))
+    assert h.cache.stats.duplicate_pages > 0
+    assert h.result("t2") == solo_result("t2", turn2, params(max_tokens=2, ignore_eos=True), 0,
+                                         page_size=PS, max_model_len=64)
 
 
 def test_a_preempted_sequence_recomputes_only_its_last_page():
@@ -363,6 +381,8 @@ def test_random_stress_with_a_tiny_pool_matches_uncached_runs(mode):
         assert step < 50_000
 
     stats = h.cache.stats
+    print(f"{mode}: hit rate {stats.hit_rate:.2f}, {stats.evicted_pages} evicted, "
+          f"{stats.duplicate_pages} computed twice, {h.scheduler.num_preemptions} preemptions")
     assert h.scheduler.num_preemptions > 0 and stats.evicted_pages > 0
     assert stats.hit_tokens > 0.2 * stats.query_tokens
     held = [p for p in range(1, h.allocator.num_pages) if h.allocator.refcount(p)]

@@ -731,6 +731,7 @@ def test_repeated_prefix_reports_cached_tokens_and_metrics(server):
     assert after["jengine_prefix_cache_query_tokens_total"] > before[
         "jengine_prefix_cache_query_tokens_total"]
     assert "jengine_prefix_cache_evicted_pages_total" in after
+    assert "jengine_prefix_cache_duplicate_pages_total" in after
 
 
 # -- shutdown (keep last: it stops the module's server) -----------------------------------------

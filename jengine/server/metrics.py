@@ -104,6 +104,9 @@ class _EngineCollector(Collector):
         yield _counter("jengine_prefix_cache_evicted_pages",
                        "Cached KV pages evicted to make room.",
                        stats.prefix_cache_evicted_pages)
+        yield _counter("jengine_prefix_cache_duplicate_pages",
+                       "KV pages computed twice because two requests prefilled the same prefix "
+                       "at once.", stats.prefix_cache_duplicate_pages)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
