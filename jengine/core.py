@@ -22,8 +22,9 @@ from converters import LoadedModel, load_config, load_source
 from jengine.compilation import compile_count, enable_persistent_cache
 from jengine.config import EngineConfig, parse_memory
 from jengine.detokenizer import IncrementalDetokenizer
+from jengine.logprobs import prompt_targets, ranked, record_prompt_logprobs
 from jengine.models import KVCache, family_module
-from jengine.outputs import Logprob, RequestOutput
+from jengine.outputs import RequestOutput
 from jengine.page_allocator import PageAllocator
 from jengine.pallas_kernels import resolve_backend
 from jengine.prefix_cache import PrefixCache
@@ -365,7 +366,7 @@ class EngineCore:
         self.device_seconds += time.perf_counter() - t0
         self.num_steps += 1
         if result.prompt_logprobs is not None:
-            self._record_prompt_logprobs(batch, result)
+            record_prompt_logprobs(batch, result, self.requests, self._piece)
         self.scheduler.finalize(sampled, result.tokens)
         updated = [seq for seq, _ in sampled]
         self._advance_grammars(updated)
@@ -395,7 +396,7 @@ class EngineCore:
         if batch is None:
             return None
         rows = self._sampling_rows(batch.seqs)
-        rows.prompt_targets = self._prompt_targets(batch)
+        rows.prompt_targets = prompt_targets(batch, self.requests)
         if self._masks is not None:
             rows.allowed_mask = self._masks.build(batch.seqs, batch.sample)
         feed = self._feed(batch, prev[1]) if prev is not None else None
@@ -447,7 +448,11 @@ class EngineCore:
             state.first_token_time = time.perf_counter()
         sample.new_ids.append(token)
         if state.params.logprobs is not None:
-            sample.new_logprobs.append(self._logprobs(state.params.logprobs, token, result, row))
+            top = result.top_ids is not None
+            sample.new_logprobs.append(ranked(
+                token, result.logprobs[row], result.top_ids[row] if top else None,
+                result.top_logprobs[row] if top else None, state.params.logprobs, self._piece,
+            ))
         delta = sample.detok.add_tokens([token])
         text = delta.text
         if delta.stop_string is not None:
@@ -458,55 +463,6 @@ class EngineCore:
         sample.text += text
         if seq.is_finished:
             sample.finish_reason, sample.stop_reason = seq.finish_reason, seq.stop_reason
-
-    def _logprobs(self, k: int, token: int, result: StepResult, row: int) -> dict[int, Logprob]:
-        out = {token: Logprob(float(result.logprobs[row]), None, self._piece(token))}
-        if result.top_ids is not None:
-            for rank, (tid, lp) in enumerate(zip(result.top_ids[row], result.top_logprobs[row])):
-                tid = int(tid)
-                if tid == token:
-                    out[token].rank = rank + 1
-                if rank < k:
-                    out.setdefault(tid, Logprob(float(lp), rank + 1, self._piece(tid)))
-        return out
-
-    def _prompt_targets(self, batch) -> np.ndarray | None:
-        """For each query token, the prompt token after it when its request asked for prompt
-        logprobs (-1 elsewhere); None when nobody in the batch needs them."""
-        targets = None
-        for i, seq in enumerate(batch.seqs):
-            state = self.requests.get(seq.request_id)
-            if state is None or state.prompt_logprobs is None or seq.index != 0:
-                continue
-            start = int(batch.cu_q_lens[i])
-            for j, pos in enumerate(batch.positions[start:start + int(batch.q_lens[i])]):
-                if pos + 1 < len(seq.prompt_ids):
-                    if targets is None:
-                        targets = np.full((batch.num_tokens,), -1, np.int32)
-                    targets[start + j] = seq.prompt_ids[pos + 1]
-        return targets
-
-    def _record_prompt_logprobs(self, batch, result: StepResult) -> None:
-        for i, seq in enumerate(batch.seqs):
-            state = self.requests.get(seq.request_id)
-            if state is None or state.prompt_logprobs is None or seq.index != 0:
-                continue
-            k = state.params.prompt_logprobs
-            start = int(batch.cu_q_lens[i])
-            for t in range(start, start + int(batch.q_lens[i])):
-                nxt = int(batch.positions[t]) + 1
-                if nxt >= len(seq.prompt_ids) or state.prompt_logprobs[nxt] is not None:
-                    continue
-                token = seq.prompt_ids[nxt]
-                top = result.prompt_top_ids[t]
-                entry = {token: Logprob(float(result.prompt_logprobs[t]), None, self._piece(token))}
-                for rank, (tid, lp) in enumerate(zip(top, result.prompt_top_logprobs[t])):
-                    if int(tid) == token:
-                        entry[token].rank = rank + 1
-                    if rank < k:
-                        piece = self._piece(int(tid))
-                        entry.setdefault(int(tid), Logprob(float(lp), rank + 1, piece))
-                state.prompt_logprobs[nxt] = entry
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token])

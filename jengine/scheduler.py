@@ -11,10 +11,10 @@ stop rules and frees the pages of finished sequences.
 With a `PrefixCache`, a sequence being admitted first takes the cached pages of its longest
 cached prefix (by reference) and starts its prefill after them; if another sequence's prefill
 chunk in the same step fills the next page it would reuse, it waits a step for that page
-instead of computing it twice. Every page enters the cache in
-the step that fills it, so pages outlive their sequences (finished, aborted or preempted: a
-recompute finds its own pages again). Cached pages that nobody holds count as free:
-`_allocate` evicts them when the free list runs short.
+instead of computing it twice. Every page enters the cache in the step that fills it, so pages
+outlive their sequences (finished, aborted or preempted: a recompute finds its own pages
+again). Cached pages that nobody holds count as free: `_allocate` evicts them when the free
+list runs short.
 """
 
 from __future__ import annotations
