@@ -21,6 +21,9 @@ import sys
 import time
 from typing import Any
 
+from jengine.engine import Engine, render_chat
+from jengine.sampling_params import SamplingParams
+
 _RULES = (
     "Greet the customer by name when it is known", "Never promise a delivery date",
     "Quote prices in the customer's currency", "Escalate refunds above fifty euros",
@@ -47,15 +50,8 @@ def system_prompt(tokenizer, num_tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
-
-
 def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, Any]:
     """Adds every prompt at once and steps to the end; TTFT per request, cached tokens."""
-    from jengine.sampling_params import SamplingParams
-
     core = engine.core
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     start = time.perf_counter()
@@ -77,7 +73,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int, tag: str) -> di
 def shared_system(engine, args: argparse.Namespace) -> dict[str, Any]:
     tok = engine.tokenizer
     system = system_prompt(tok, args.system_len)
-    prompts = [chat_ids(tok, [{"role": "system", "content": system},
+    prompts = [render_chat(tok, [{"role": "system", "content": system},
                               {"role": "user", "content": f"{_QUESTIONS[i % len(_QUESTIONS)]} "
                                                           f"(ticket {i})"}])
                for i in range(args.num_requests)]
@@ -92,7 +88,7 @@ def multi_turn(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
              for c in range(args.conversations)]
     turns = []
     for turn in range(args.turns):
-        prompts = [chat_ids(tok, chat) for chat in chats]
+        prompts = [render_chat(tok, chat) for chat in chats]
         result = run_batch(engine, prompts, args.output_len, f"turn{turn}")
         for chat, reply in zip(chats, result.pop("replies")):
             chat += [{"role": "assistant", "content": reply},
@@ -102,8 +98,7 @@ def multi_turn(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from jengine.cli import engine_kwargs
-    from jengine.engine import Engine
+    from jengine.cli import engine_kwargs  # cli imports this module when it runs the bench
 
     kwargs = engine_kwargs(args)
     model = kwargs.pop("model")

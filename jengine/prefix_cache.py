@@ -49,10 +49,6 @@ class PrefixCacheStats:
     evicted_pages: int = 0
     duplicate_pages: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
 
 class _Node:
     """One edge of the tree: consecutive pages with the same descendants."""

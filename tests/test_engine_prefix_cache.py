@@ -10,7 +10,7 @@ import pytest
 from kv_pool import prefix_caching, small_kv_pool  # tests/kv_pool.py
 
 from jengine import SamplingParams
-from jengine.engine import build_config
+from jengine.engine import build_config, render_chat
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SYSTEMS = [
@@ -23,21 +23,16 @@ QUESTIONS = ["Where is the map room?", "What should I read about tides?",
              "Is a storm coming tonight?", "Which way is north?"]
 
 
-def chat_ids(tokenizer, messages) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
-
-
 def workload(engine) -> list[list[int]]:
     """Shared system prompts x questions, two-turn chats built on a greedy first reply, and
     random token prompts."""
     tok = engine.tokenizer
-    prompts = [chat_ids(tok, [{"role": "system", "content": s}, {"role": "user", "content": q}])
+    prompts = [render_chat(tok, [{"role": "system", "content": s}, {"role": "user", "content": q}])
                for s in SYSTEMS for q in QUESTIONS]
     for q in QUESTIONS[:2]:
         first = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": q}]
-        reply = engine.generate([chat_ids(tok, first)], GREEDY)[0].outputs[0].text
-        prompts.append(chat_ids(tok, first + [{"role": "assistant", "content": reply},
+        reply = engine.generate([render_chat(tok, first)], GREEDY)[0].outputs[0].text
+        prompts.append(render_chat(tok, first + [{"role": "assistant", "content": reply},
                                               {"role": "user", "content": "Say more."}]))
     rng = random.Random(3)
     prompts += [[rng.randrange(100, 40_000) for _ in range(rng.randint(5, 60))] for _ in range(4)]

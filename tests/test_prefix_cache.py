@@ -381,7 +381,8 @@ def test_random_stress_with_a_tiny_pool_matches_uncached_runs(mode):
         assert step < 50_000
 
     stats = h.cache.stats
-    print(f"{mode}: hit rate {stats.hit_rate:.2f}, {stats.evicted_pages} evicted, "
+    print(f"{mode}: hit rate {stats.hit_tokens / stats.query_tokens:.2f}, "
+          f"{stats.evicted_pages} evicted, "
           f"{stats.duplicate_pages} computed twice, {h.scheduler.num_preemptions} preemptions")
     assert h.scheduler.num_preemptions > 0 and stats.evicted_pages > 0
     assert stats.hit_tokens > 0.2 * stats.query_tokens
