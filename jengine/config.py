@@ -22,6 +22,7 @@ class ModelSection:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU/TPU
     max_model_len: int | None = None  # None = min(model context, 2048)
     attention_backend: str = "auto"
+    seed: int | None = None  # seeds the per-request seeds of requests that give none
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,11 +56,36 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
+    """The HTTP/gRPC front end: where it listens, who may call it, and how much one request may
+    ask for (each bound is a 400, or 413 for the body, in OpenAI's error shape)."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     grpc_port: int | None = None
     max_queue: int = 1024
+    # Bounds on one request.
+    max_n: int = 128  # OpenAI's limit on `n`
+    max_body_bytes: int = 4 * 2**20  # 413 before the body is parsed
+    default_max_tokens: int | None = None  # chat without max_tokens; None: to the context end
+    max_tokens_per_request: int = 65536  # n * max_tokens (summed over a request's prompts)
+    request_timeout: float | None = 600.0  # seconds; None: never
+    # Names and templates.
+    served_model_name: tuple[str, ...] | None = None  # first is reported; all are accepted
+    chat_template: str | None = None  # a Jinja template (text or file path) over the model's
+    trust_request_chat_template: bool = False  # may a request send its own `chat_template`?
+    # HTTP details, as vLLM's flags of the same names.
+    root_path: str = ""
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    log_requests: bool = True  # one INFO line per request; False: DEBUG
+    uvicorn_log_level: str = "info"
+    enable_auto_tool_choice: bool = False  # accepted for vLLM; `tool_choice: auto` always works
+    tool_call_parser: str | None = None  # only "hermes" (the <tool_call> format) is known
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,9 +128,13 @@ def load_config(name_or_path: str | None, **overrides: Any) -> EngineConfig:
         for key, value in overrides.items():
             if key in names and value is not None:
                 values[key] = value
-        for key in ("token_buckets", "seq_buckets", "page_buckets"):
+        for key in ("token_buckets", "seq_buckets", "page_buckets", "served_model_name",
+                    "allowed_origins", "allowed_methods", "allowed_headers"):
+            if isinstance(values.get(key), str):
+                values[key] = (values[key],)
             if values.get(key) is not None:
-                values[key] = tuple(int(v) for v in values[key])
+                values[key] = tuple(int(v) if key.endswith("buckets") else v
+                                    for v in values[key])
         sections[section] = cls(**values)
     known = {f.name for cls in _SECTION_TYPES.values() for f in dataclasses.fields(cls)}
     stray = {k for k, v in overrides.items() if v is not None and k not in known}

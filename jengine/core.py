@@ -30,7 +30,7 @@ from jengine.pallas_kernels import resolve_backend
 from jengine.prefix_cache import PrefixCache
 from jengine.request import RequestState, SampleState
 from jengine.runner import Buckets, Runner, SamplingRows, StepResult
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import SamplingParams, check_text
 from jengine.scheduler import Scheduler
 from jengine.sequence import PENDING, Sequence
 from jengine.sharding import (
@@ -57,6 +57,42 @@ def resolve_dtype(dtype: str) -> str:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return dtype
+
+
+def host_kv_budget(kv_cache_memory: str, mesh: MeshSpec, num_kv_heads: int,
+                   num_processes: int = 1) -> int:
+    """The bytes of one replica's page pool, counted as global (unsharded) KV bytes.
+
+    On accelerators `kv_cache_memory` is per device, as in vLLM. On CPU every (fake) device
+    lives in the one host's memory, so it is what the whole host spends: shared by the dp
+    replicas, and by the tp copies of a cache whose kv heads are replicated (kv_heads % tp
+    != 0), as far as they live on this host (a multi-host mesh spreads them over
+    `num_processes` hosts). It must fit in the host's available memory (else a ValueError
+    naming the fix).
+    """
+    budget = parse_memory(kv_cache_memory)
+    if jax.default_backend() != "cpu":
+        return budget
+    available = _available_host_memory()
+    if available is not None and budget > 0.9 * available:
+        raise ValueError(
+            f"kv_cache_memory {kv_cache_memory} does not fit in this host's available memory "
+            f"({available / 2**30:.1f} GiB); lower --kv-cache-memory"
+        )
+    copies = 1 if num_kv_heads % mesh.tp == 0 else max(1, mesh.tp // num_processes)
+    return budget // (max(1, mesh.dp // num_processes) * copies)
+
+
+def _available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 class EngineCore:
@@ -92,7 +128,8 @@ class EngineCore:
         self.max_model_len = self._max_model_len(loaded)
         self.eos_token_ids = self._eos_ids(loaded)
         page_size = cfg.cache.page_size
-        budget = parse_memory(cfg.cache.kv_cache_memory)
+        budget = host_kv_budget(cfg.cache.kv_cache_memory, self.mesh_spec,
+                                loaded.config.num_kv_heads, par.num_processes)
         num_pages = budget // KVCache.bytes_per_page(self.model_config, page_size, self.dtype)
         max_pages = -(-self.max_model_len // page_size)
         if num_pages < max_pages + 1:
@@ -136,6 +173,7 @@ class EngineCore:
             channel=StepChannel(self.distributed) if self.distributed.num_processes > 1 else None,
         )
         self.requests: dict[str, RequestState] = {}
+        self._rng = random.Random(cfg.model.seed)  # None: seeded from the OS
         self._seq_counter = 0
         self._grammars: GrammarCompiler | None = None  # built on first use (~0.5 s)
         self._grammars_lock = threading.Lock()
@@ -160,6 +198,10 @@ class EngineCore:
         limit = loaded.config.max_position_embeddings
         wanted = self.cfg.model.max_model_len
         if wanted is None:
+            if limit > DEFAULT_MAX_MODEL_LEN:
+                log.info("max_model_len %d by default (the model allows %d; --max-model-len "
+                         "raises it, at the cost of KV pages per sequence)",
+                         DEFAULT_MAX_MODEL_LEN, limit)
             return min(limit, DEFAULT_MAX_MODEL_LEN)
         if wanted < 2 or wanted > limit:
             raise ValueError(f"max_model_len {wanted} must be between 2 and the model's {limit}")
@@ -235,7 +277,7 @@ class EngineCore:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            text, prompt = prompt, self.tokenizer(prompt).input_ids
+            text, prompt = check_text("prompt", prompt), self.tokenizer(prompt).input_ids
         elif not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
         ):
@@ -270,6 +312,10 @@ class EngineCore:
             compiler = self.grammars
             grammar = grammar or compiler.compile(params.structured_outputs)
         text, ids = self.encode_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
+        self._check_token_ids(params)
+        bad_words = self._bad_word_ids(params.bad_words)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(
@@ -281,7 +327,7 @@ class EngineCore:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                 f"length {self.max_model_len}"
             )
-        base_seed = params.seed if params.seed is not None else random.getrandbits(32)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         samples = []
         for index in range(params.n):
             seq = Sequence(
@@ -289,6 +335,7 @@ class EngineCore:
                 prompt_ids=ids, params=params, seed=(base_seed + index) % (1 << 32),
                 max_tokens=max_tokens, arrival=time.perf_counter(),
                 matcher=grammar.matcher() if params.structured_outputs is not None else None,
+                bad_words=bad_words,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
@@ -303,6 +350,27 @@ class EngineCore:
         self.requests[request_id] = state
         self.scheduler.add([s.seq for s in samples])
         return state
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in the parameters must exist in the model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("stop_token_ids", params.stop_token_ids or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = sorted(t for t in ids if not 0 <= t < vocab)
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): "
+                                 f"{bad[:5]}")
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, as written alone and after a space (vLLM does both)."""
+        found = set()
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer(text, add_special_tokens=False).input_ids)
+                if ids:
+                    found.add(ids)
+        return tuple(sorted(found))
 
     def _next_seq_id(self) -> int:
         self._seq_counter += 1
@@ -374,9 +442,12 @@ class EngineCore:
         touched: dict[str, RequestState] = {}
         for seq in updated:
             state = self.requests.get(seq.request_id)
-            if state is None:
+            if state is None or state.error is not None:
                 continue
-            self._emit_token(state, state.samples[seq.index], result, index[seq.seq_id])
+            try:
+                self._emit_token(state, state.samples[seq.index], result, index[seq.seq_id])
+            except Exception as e:  # noqa: BLE001 - one request's failure is that request's
+                self._fail_request(state, e)
             touched[seq.request_id] = state
         outputs = []
         for rid, state in touched.items():
@@ -387,6 +458,17 @@ class EngineCore:
                 state.finish_time = time.perf_counter()
                 del self.requests[rid]
         return outputs
+
+    def _fail_request(self, state: RequestState, error: Exception) -> None:
+        """Ends one request whose host-side handling raised (a bug or input nothing checked):
+        its sequences stop and free their pages, its delta carries the error, and every other
+        request goes on."""
+        log.exception("request %s failed and was aborted: %s", state.request_id, error)
+        self.scheduler.abort(state.request_id)
+        state.error = f"{type(error).__name__}: {error}"
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
 
     def _launch(self, prev: tuple | None = None) -> tuple | None:
         """Schedules one step and dispatches it without waiting; None when nothing can run.
@@ -425,14 +507,21 @@ class EngineCore:
         if not self.cfg.scheduler.async_scheduling or self.distributed.num_processes > 1:
             return False
         return not any(seq.matcher is not None or seq.params.uses_token_history
-                       for seq, _ in sampled)
+                       or seq.bad_words for seq, _ in sampled)
 
     def _advance_grammars(self, updated: list[Sequence]) -> None:
         """Feeds each constrained sequence its new token; a completed grammar ends it ("stop")."""
         for seq in updated:
             if seq.matcher is None or seq.is_finished:
                 continue
-            if not seq.matcher.accept(seq.output_ids[-1]):
+            try:
+                accepted = seq.matcher.accept(seq.output_ids[-1])
+            except Exception as e:  # noqa: BLE001 - as in _step: this request alone fails
+                state = self.requests.get(seq.request_id)
+                if state is not None and state.error is None:
+                    self._fail_request(state, e)
+                continue
+            if not accepted:
                 # The mask allows only tokens the grammar accepts, so this is a bug somewhere.
                 log.error("request %s: grammar rejected token %d: %s", seq.request_id,
                           seq.output_ids[-1], seq.matcher.error)
@@ -485,10 +574,14 @@ class EngineCore:
             rows.num_top_logprobs = 20
         if any(p.uses_token_history for p in ps):
             rows.history = [(s.prompt_ids + s.output_ids, len(s.prompt_ids)) for s in seqs]
-        banned = [self._banned_now(s) for s in seqs]
-        if any(p.logit_bias for p in ps) or any(banned):
+        banned = [self._banned_now(s) | _bad_word_tokens(s) for s in seqs]
+        allowed = [p.allowed_token_ids for p in ps]
+        if any(p.logit_bias for p in ps) or any(banned) or any(allowed):
             bias = np.zeros((n, self.model_config.vocab_size), np.float32)
-            for i, (p, ban) in enumerate(zip(ps, banned)):
+            for i, (p, ban, allow) in enumerate(zip(ps, banned, allowed)):
+                if allow is not None:
+                    bias[i] = -np.inf
+                    bias[i, list(allow)] = 0.0
                 for tid, b in (p.logit_bias or {}).items():
                     if 0 <= tid < bias.shape[1]:
                         bias[i, tid] += b
@@ -505,3 +598,17 @@ class EngineCore:
         if not p.ignore_eos:
             stops |= set(self.eos_token_ids)
         return stops
+
+
+def _bad_word_tokens(seq: Sequence) -> set[int]:
+    """The tokens that would complete one of the sequence's bad words now: a word's last
+    token when the tokens generated just before are the rest of the word."""
+    if not seq.bad_words:
+        return set()
+    out = seq.output_ids
+    banned = set()
+    for word in seq.bad_words:
+        head = list(word[:-1])
+        if len(head) <= len(out) and (not head or out[len(out) - len(head):] == head):
+            banned.add(word[-1])
+    return banned

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -49,7 +50,7 @@ from jengine.core import EngineCore
 from jengine.outputs import RequestOutput
 from jengine.replicas import ReplicaSet, make_core
 from jengine.request import merge_deltas
-from jengine.sampling_params import SamplingParams, StructuredOutputs
+from jengine.sampling_params import SamplingParams, StructuredOutputs, check_text
 from jengine.stats import EngineStats
 from jengine.structured import Grammar
 from jengine.tools import (
@@ -61,11 +62,13 @@ from jengine.tools import (
     tool_setup,
 )
 
+log = logging.getLogger("jengine")
+
 # The pinned keyword defaults. A keyword left at its default lets a `config` preset decide.
 _DEFAULTS: dict[str, Any] = dict(
     mesh="tp=1", dtype="auto", attention_backend="auto", max_model_len=None, max_num_seqs=64,
     max_num_batched_tokens=512, page_size=16, kv_cache_memory="2GiB", enable_prefix_caching=True,
-    coordinator=None, num_processes=1, process_id=0,
+    coordinator=None, num_processes=1, process_id=0, seed=None,
 )
 
 
@@ -96,8 +99,12 @@ class Engine:
         coordinator: str | None = None,
         num_processes: int = 1,
         process_id: int = 0,
+        seed: int | None = None,
     ):
-        """Multi-host (`num_processes` > 1, one process per host, the same arguments on each
+        """`seed` makes the sampling of requests that set no seed of their own reproducible
+        from one engine start to the next (vLLM's `seed`).
+
+        Multi-host (`num_processes` > 1, one process per host, the same arguments on each
         but `process_id`): process 0 is the engine; on every other process this constructor
         runs process 0's step programs and returns only when process 0 exits."""
         cfg = build_config(
@@ -106,6 +113,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,
+            seed=seed,
         )
         self.core = make_core(cfg, progress=progress)
         if process_id != 0:
@@ -156,7 +164,11 @@ class Engine:
                     pending.discard(out.request_id)
                     bar.update(1)
         bar.close()
-        return [merge_deltas(deltas[rid]) for rid in ids]
+        outputs = [merge_deltas(deltas[rid]) for rid in ids]
+        for out in outputs:
+            if out.error is not None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        return outputs
 
     def chat(
         self,
@@ -185,9 +197,10 @@ class Engine:
             params = constrain(sampling_params or SamplingParams(), setup)
         outputs = self.generate(prompts, params)
         if setup.active:
+            forced = setup.constraint() is not None
             for out in outputs:
                 for completion in out.outputs:
-                    split_tool_calls(completion)
+                    split_tool_calls(completion, forced=forced)
         return outputs
 
     def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
@@ -207,6 +220,8 @@ class Engine:
             while True:
                 for out in self.core.step():
                     if out.request_id == rid:
+                        if out.error is not None:
+                            raise RuntimeError(f"request {rid} failed: {out.error}")
                         yield out
                         if out.finished:
                             return
@@ -214,26 +229,65 @@ class Engine:
             self.core.abort(rid)
 
 
-def render_chat(tokenizer, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
-    """Chat messages -> prompt token ids with the tokenizer's chat template.
+def check_strings(field: str, value: Any) -> None:
+    """Raises ValueError naming the path of the first string inside `value` (dicts, lists)
+    that cannot be encoded as UTF-8; see `check_text`."""
+    if isinstance(value, str):
+        check_text(field, value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                check_text(field, key)
+            check_strings(f"{field}.{key}", item)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_strings(f"{field}.{i}", item)
+
+
+def render_chat(
+    tokenizer, messages: list[dict], *, tools: list[dict] | None = None,
+    chat_template: str | None = None, add_generation_prompt: bool = True,
+    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Chat messages -> prompt token ids with the tokenizer's chat template (or `chat_template`,
+    a Jinja template text, instead).
 
     `tools` (validated OpenAI function tools) go to a template that renders tools itself, and
     into the system prompt otherwise; tool calls and results in `messages` are written as text
-    for a template without a tool format (see `jengine.tools`).
+    for a template without a tool format (see `jengine.tools`). `add_generation_prompt`,
+    `continue_final_message` (the reply goes on from the last assistant message) and
+    `template_kwargs` (extra template variables) are passed to the template as in HF
+    transformers; `add_special_tokens` adds the tokenizer's BOS etc. on top of the template's.
     """
     if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-    if not getattr(tokenizer, "chat_template", None):
+    check_strings("messages", messages)
+    check_strings("tools", tools)
+    check_strings("chat_template", chat_template)
+    check_strings("chat_template_kwargs", template_kwargs)
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("this model has no chat template")
-    if template_has_tools(tokenizer):
+    if template_has_tools(tokenizer, chat_template):
         messages = template_messages(messages)
     else:
         functions = [t["function"] for t in tools or ()]
         messages, tools = text_messages(messages, functions), None
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    reserved = {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
+                "continue_final_message"} & set(template_kwargs or ())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+            chat_template=chat_template, continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
+        )
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a template error (jinja2) is the request's fault
+        raise ValueError(f"chat_template failed to render: {type(e).__name__}: {e}") from None
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 class AsyncEngine:
@@ -300,6 +354,8 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    raise RuntimeError(f"request {rid} failed: {item.error}")
                 yield item
                 if item.finished:
                     return
@@ -351,6 +407,8 @@ class AsyncEngine:
                     for out in self.core.step():
                         self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - the engine is dead: fail everyone waiting
+            log.exception("the engine thread died; requests in flight: %s",
+                          ", ".join(_request_ids(self.core)[:20]) or "none")
             with self._lock:
                 self.error = e
                 streams = list(self._streams)
@@ -371,6 +429,10 @@ class AsyncEngine:
             self.core.add_request(rid, prompt, params, grammar)
         except ValueError as e:
             self._resolve(rid, done, e)
+            return
+        except Exception as e:  # noqa: BLE001 - a request the checks missed fails alone
+            log.exception("request %s could not be added", rid)
+            self._resolve(rid, done, RuntimeError(f"the request could not be added: {e}"))
             return
         self._resolve(rid, done, None)
 
@@ -397,3 +459,7 @@ class AsyncEngine:
         if entry is not None:
             loop, queue = entry
             loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+def _request_ids(core: EngineCore | ReplicaSet) -> list[str]:
+    return sorted(rid for replica in core.replicas for rid in replica.requests)

@@ -115,6 +115,8 @@ class RequestOutput:
       finished: whether every completion has ended.
       usage: token counts; set on the final output.
       num_cached_tokens: prompt tokens reused from the prefix cache (as in vLLM).
+      error: set when the engine failed this request alone (it ended with "abort"); every
+        other request went on.
     """
 
     request_id: str
@@ -125,3 +127,4 @@ class RequestOutput:
     finished: bool
     usage: Usage | None = None
     num_cached_tokens: int | None = None
+    error: str | None = None

@@ -40,6 +40,7 @@ class RequestState:
     # [prompt_len] None first, then {token: Logprob} per prompt token, when asked for.
     prompt_logprobs: list | None = None
     sent_prompt_logprobs: bool = False
+    error: str | None = None  # set when handling this request raised; it was aborted
 
     @property
     def finished(self) -> bool:
@@ -91,6 +92,7 @@ class RequestState:
             usage=(Usage.of(len(self.prompt_ids), self.num_generated, self.num_cached_tokens)
                    if finished else None),
             num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
         )
 
 
@@ -118,5 +120,5 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
         prompt_logprobs=prompt_logprobs,
         outputs=[by_index[i] for i in sorted(by_index)], finished=last.finished, usage=last.usage,
-        num_cached_tokens=last.num_cached_tokens,
+        num_cached_tokens=last.num_cached_tokens, error=last.error,
     )

@@ -69,15 +69,29 @@ def _positive(x: float) -> bool:
     return x > 0.0
 
 
-def _stop_strings(value: Any) -> tuple[str, ...]:
+def check_text(field: str, text: str) -> str:
+    """`text` itself, or a ValueError naming `field` when it cannot be encoded as UTF-8 (a lone
+    surrogate such as "\\ud800", which JSON allows and every tokenizer rejects)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{field} is not valid Unicode text: {text[e.start:e.end]!a} at character {e.start} "
+            "cannot be encoded as UTF-8 (a lone surrogate?)"
+        ) from None
+    return text
+
+
+def _strings(field: str, value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     strings = (value,) if isinstance(value, str) else value
     if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
-        raise _fail("stop", "has an unknown stop type (expected a str or a list of str)", value)
+        raise _fail(field, f"has an unknown {field.removesuffix('s')} type (expected a str or "
+                    "a list of str)", value)
     if any(not s for s in strings):
-        raise _fail("stop", "must not contain empty strings", value)
-    return tuple(strings)
+        raise _fail(field, "must not contain empty strings", value)
+    return tuple(check_text(field, s) for s in strings)
 
 
 def _token_ids(field: str, value: Any) -> tuple[int, ...]:
@@ -86,6 +100,15 @@ def _token_ids(field: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in value):
         raise _fail(field, "must be a list of non-negative integer token ids", value)
     return tuple(int(t) for t in value)
+
+
+def _allowed_ids(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids = _token_ids("allowed_token_ids", value)
+    if not ids:
+        raise _fail("allowed_token_ids", "must not be empty", value)
+    return ids
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
@@ -175,6 +198,10 @@ class SamplingParams:
         token's own; None returns none.
       prompt_logprobs: the same, per prompt token.
       structured_outputs: a constraint (JSON schema, regex, choice, grammar) on the output.
+      allowed_token_ids: only these tokens may be generated (None: any).
+      bad_words: words that must not be generated: a word's last token is banned whenever the
+        tokens before it were just generated (its first token, for a one-token word).
+      truncate_prompt_tokens: keep only the last this many prompt tokens (None: all).
     """
 
     n: int = 1
@@ -197,6 +224,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in self._validated().items():
@@ -220,11 +250,16 @@ class SamplingParams:
             ),
             "logit_bias": _logit_bias(self.logit_bias),
             "seed": _optional_int("seed", self.seed),
-            "stop": _stop_strings(self.stop),
+            "stop": _strings("stop", self.stop),
             "stop_token_ids": _token_ids("stop_token_ids", self.stop_token_ids),
             "logprobs": _optional_int("logprobs", self.logprobs, 0, MAX_LOGPROBS),
             "prompt_logprobs": _optional_int(
                 "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS
+            ),
+            "allowed_token_ids": _allowed_ids(self.allowed_token_ids),
+            "bad_words": _strings("bad_words", self.bad_words),
+            "truncate_prompt_tokens": _optional_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, 1
             ),
         }
         if fields["max_tokens"] is not None and fields["min_tokens"] > fields["max_tokens"]:

@@ -105,7 +105,7 @@ class Scheduler:
             if self._reserve(seq, seq.num_tokens, chosen):
                 chosen.append((seq, 1))
                 budget -= 1
-        prefills = [s for s in self.running if s.num_uncomputed > 1] + list(self.waiting)
+        prefills = [s for s in self.running if s.num_uncomputed > 1] + self._fair_waiting()
         deferred = 0
         for seq in prefills:
             if len(chosen) >= self.max_num_seqs or budget == 0:
@@ -137,6 +137,23 @@ class Scheduler:
             # siblings (`_fork`), which nothing else would ever release. Drop them and retry.
             return self.schedule() if self._release_waiting_pages() else None
         return self._build_batch(chosen)
+
+    def _fair_waiting(self) -> list[Sequence]:
+        """The waiting queue in admission order, fair between requests: a request with many
+        samples (`n`) is taken round-robin with the others, by how many sequences it already
+        runs (FIFO among equals), and while other requests wait it may not run more than half
+        of `max_num_seqs`."""
+        if len({s.request_id for s in self.waiting}) < 2:
+            return list(self.waiting)
+        share = max(1, self.max_num_seqs // 2)
+        held = collections.Counter(s.request_id for s in self.running)
+        keyed = []
+        for order, seq in enumerate(self.waiting):
+            rank = held[seq.request_id]
+            held[seq.request_id] += 1
+            if rank < share or rank == 0:
+                keyed.append((rank, order, seq))
+        return [seq for _, _, seq in sorted(keyed, key=lambda k: k[:2])]
 
     def _reserve(self, seq: Sequence, num_tokens: int, chosen: list) -> bool:
         """Makes sure `seq` has pages for `num_tokens`, preempting later-admitted sequences

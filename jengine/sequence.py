@@ -47,6 +47,8 @@ class Sequence:
     # The grammar state of a constrained sequence (`jengine.structured.Matcher`): it has consumed
     # exactly `output_ids`, so preemption by recompute keeps it as it is.
     matcher: Any = None
+    # SamplingParams.bad_words as token ids (each word alone and after a space).
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -108,9 +108,9 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
 
 # -- the prompt ------------------------------------------------------------------------------------
 
-def template_has_tools(tokenizer: Any) -> bool:
-    """Whether the chat template renders `tools` itself."""
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+def template_has_tools(tokenizer: Any, chat_template: str | None = None) -> bool:
+    """Whether the chat template (`chat_template`, else the tokenizer's) renders `tools`."""
+    return "tools" in (chat_template or getattr(tokenizer, "chat_template", None) or "")
 
 
 def tools_prompt(functions: list[dict[str, Any]]) -> str:
@@ -198,9 +198,16 @@ def parse_call(body: str) -> ToolCall | None:
                     arguments=json.dumps(args, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, *, forced: bool = False) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole output: the text outside the well-formed call blocks
-    (None when nothing but calls and whitespace is left), and the calls in order."""
+    (None when nothing but calls and whitespace is left), and the calls in order.
+
+    `forced` (the grammar wrote nothing but calls): a last block cut off by max_tokens is
+    dropped, not left in the content."""
+    if forced:
+        start = text.rfind(OPEN)
+        if start >= 0 and text.find(CLOSE, start) < 0:
+            text = text[:start]
     calls, rest, pos = [], [], 0
     for m in _BLOCK.finditer(text):
         call = parse_call(m.group(1))
@@ -280,9 +287,10 @@ class ToolCallStream:
             self._in_call, self._sent = True, 0
 
     def finish(self) -> list[str | CallStart | CallArguments]:
-        """Whatever is left, as text (an unterminated block stays text)."""
+        """Whatever is left, as text (an unterminated block stays text, except under a forcing
+        `tool_choice`: `incremental` output holds only calls, so a cut-off one is dropped)."""
         out: list[str | CallStart | CallArguments] = []
-        if not self._sent:
+        if not self._sent and not (self.incremental and self._in_call):
             self._text(self._buf, out)
         self._buf, self._in_call, self._sent = "", False, 0
         if self._space and not self.num_calls:
@@ -353,10 +361,12 @@ def constrain(params: SamplingParams, setup: ToolSetup) -> SamplingParams:
     return dataclasses.replace(params, structured_outputs=constraint)
 
 
-def split_tool_calls(output: CompletionOutput) -> None:
+def split_tool_calls(output: CompletionOutput, *, forced: bool = False) -> None:
     """Moves the calls in a finished output's text into `tool_calls`; a completion that ended
-    normally with calls finishes with "tool_calls"."""
-    content, calls = parse_tool_calls(output.text)
+    normally with calls finishes with "tool_calls". `forced`: as in `parse_tool_calls`."""
+    content, calls = parse_tool_calls(output.text, forced=forced)
+    if forced and not calls:
+        output.text = content or ""
     if not calls:
         return
     output.text, output.tool_calls = content or "", calls

@@ -23,7 +23,7 @@ def _free_port() -> int:
 # One step shape only: each process compiles a single program.
 ONE_BUCKET = """
 model: {dtype: float32, max_model_len: 512}
-cache: {page_size: 16, kv_cache_memory: 32MiB}
+cache: {page_size: 16, kv_cache_memory: 128MiB}  # 4 copies per host (3 kv heads)
 scheduler: {max_num_seqs: 16, max_num_batched_tokens: 16, token_buckets: [16],
             seq_buckets: [16], page_buckets: [32]}
 """

@@ -17,6 +17,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jengine import Engine, SamplingParams
+from jengine.models import KVCache
 from jengine.replicas import choose_replica
 from jengine.sharding import MeshSpec
 
@@ -92,8 +93,11 @@ def test_smollm2_tensor_parallel_matches_one_device(smol_engine):
             cfg = engine.core.model_config
             assert cfg.num_heads == -(-9 // tp) * tp and len(cfg.kv_head_map) == cfg.num_heads
             _per_device_table(engine, tp)
-            # 3 kv heads do not split over tp: every device holds the whole cache.
+            # 3 kv heads do not split over tp: every device holds the whole cache, and all
+            # tp copies come out of the one host budget (fake devices share this host).
             assert tuple(engine.core.runner.kv.k.sharding.spec) in ((), (None,) * 5)
+            per_page = KVCache.bytes_per_page(cfg, 16, engine.core.dtype)
+            assert engine.core.allocator.num_pages == 256 * 2**20 // tp // per_page
             assert engine.core.compiles_since_ready == 0
         finally:
             del engine
