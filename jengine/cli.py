@@ -17,7 +17,7 @@ from converters.errors import ModelLoadError
 ENGINE_FLAGS = (
     "model", "config", "mesh", "dtype", "attention_backend", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "page_size", "kv_cache_memory", "enable_prefix_caching",
-    "coordinator", "num_processes", "process_id",
+    "coordinator", "num_processes", "process_id", "seed",
 )
 
 
@@ -56,6 +56,83 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
 
 
+def _names(text: str) -> list[str]:
+    """A list flag: a JSON list (vLLM's form, '["*"]') or comma-separated names."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            names = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return names
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    """`jengine serve`'s own flags; the names are vLLM's where vLLM has the same thing."""
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model, as --model (vLLM's `serve MODEL`)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
+                   help="the same as --mesh tp=N")
+    p.add_argument("--seed", type=int, help="seed of the requests that set none")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key")
+    p.add_argument("--grpc-port", type=int)
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="names the model answers to; the first is the one reported")
+    p.add_argument("--chat-template", help="a Jinja chat template (its text, or a file)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests send their own chat_template")
+    p.add_argument("--root-path", default="", help="the path prefix behind a proxy")
+    p.add_argument("--allowed-origins", type=_names, default=["*"], help="CORS origins")
+    p.add_argument("--allowed-methods", type=_names, default=["*"])
+    p.add_argument("--allowed-headers", type=_names, default=["*"])
+    p.add_argument("--allow-credentials", action="store_true")
+    p.add_argument("--ssl-keyfile")
+    p.add_argument("--ssl-certfile")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="log each request at DEBUG instead of INFO")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: tool_choice auto always works")
+    p.add_argument("--tool-call-parser", choices=["hermes"],
+                   help="accepted for vLLM compatibility: calls are <tool_call>{json}</tool_call>")
+    limits = p.add_argument_group("limits on one request")
+    limits.add_argument("--max-queue", type=int, default=1024,
+                        help="requests waiting for a first token before 503")
+    limits.add_argument("--max-n", type=int, default=128)
+    limits.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    limits.add_argument("--default-max-tokens", type=int,
+                        help="chat requests without max_tokens (default: to the context's end)")
+    limits.add_argument("--max-tokens-per-request", type=int, default=65536,
+                        help="n x max_tokens x prompts")
+    limits.add_argument("--request-timeout", type=float,
+                        help="abort a generation request after this many seconds (default "
+                        "600; 0: never)")
+    limits.add_argument("--drain-timeout", type=float,
+                        help="seconds in-flight requests get to finish after SIGTERM")
+
+
+def _serve_aliases(args: argparse.Namespace) -> None:
+    """Folds vLLM's spellings into jengine's: `serve MODEL` and `-tp N`."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None:
+        if args.mesh != "tp=1":
+            raise ValueError("give --tensor-parallel-size or --mesh, not both")
+        if tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {tp}")
+        args.mesh = f"tp={tp}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jengine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,15 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("compile", parents=[engine], help="compile every step bucket ahead of time")
 
     serve = sub.add_parser("serve", parents=[engine], help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key")
-    serve.add_argument("--grpc-port", type=int)
-    serve.add_argument("--max-queue", type=int, default=1024)
-    serve.add_argument("--request-timeout", type=float,
-                       help="abort a generation request after this many seconds")
-    serve.add_argument("--drain-timeout", type=float,
-                       help="seconds in-flight requests get to finish after SIGTERM")
+    _serve_flags(serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -273,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "num_processes", 1) > 1:
         _keep_stdout_for_output()
     try:
+        _serve_aliases(args)
         if getattr(args, "process_id", 0):
             _make_engine(args)  # a follower: runs process 0's steps until process 0 exits
             return 0

@@ -71,6 +71,13 @@ def test_info_describes_the_default_model():
         (["generate", "hi", "--temperature", "-1"], "temperature"),
         (["info", "/no/such/file.gguf"], "not found"),
         (["generate", "hi", "--config", "no-such-preset"], "config"),
+        (["serve", "--kv-cache-memory", "1TiB"], "does not fit in this host's available memory"),
+        (["serve", "--mesh", "tp=8", "--cpu-devices", "8", "--kv-cache-memory", "900GiB"],
+         "does not fit"),
+        (["serve", "--ssl-keyfile", "/no/key.pem"], "--ssl-keyfile and --ssl-certfile"),
+        (["serve", "--max-n", "0"], "--max-n must be positive"),
+        (["serve", "a.gguf", "--model", "b.gguf"], "the model is given twice"),
+        (["serve", "-tp", "2", "--mesh", "tp=2"], "not both"),
     ],
 )
 def test_bad_input_is_one_line_error(args, message):
@@ -105,3 +112,46 @@ def test_convert_round_trip(tmp_path):
         original.tokenizer.apply_chat_template(chat, tokenize=False))
     again = jengine("convert", str(load_source.__globals__["default_model_path"]()), str(out))
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_serve_on_a_busy_port_is_a_one_line_error():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        run = jengine("serve", "--config", "test", "--port", str(port), timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("jengine: error: cannot listen on 127.0.0.1:") and "Traceback" not in (
+        run.stderr)
+    assert "listening" not in run.stderr  # it never claimed to listen
+
+
+def test_serve_flags_reach_the_server_config():
+    from jengine.cli import _serve_aliases, build_parser
+    from jengine.config import ServerConfig
+    from jengine.server.app import server_config
+
+    args = build_parser().parse_args([
+        "serve", "some/model", "-tp", "2", "--served-model-name", "a", "b",
+        "--allowed-origins", '["http://x", "http://y"]', "--allowed-methods", "GET,POST",
+        "--disable-log-requests", "--max-n", "4", "--default-max-tokens", "32",
+        "--request-timeout", "0", "--tool-call-parser", "hermes", "--seed", "7",
+        "--root-path", "/api", "--uvicorn-log-level", "warning", "--max-body-bytes", "1000",
+    ])
+    _serve_aliases(args)
+    assert args.model == "some/model" and args.mesh == "tp=2" and args.seed == 7
+    cfg = server_config(args, ServerConfig())
+    assert cfg.served_model_name == ("a", "b")
+    assert cfg.allowed_origins == ("http://x", "http://y")
+    assert cfg.allowed_methods == ("GET", "POST")
+    assert not cfg.log_requests and cfg.max_n == 4 and cfg.default_max_tokens == 32
+    assert cfg.request_timeout is None and cfg.tool_call_parser == "hermes"
+    assert cfg.root_path == "/api" and cfg.uvicorn_log_level == "warning"
+    assert cfg.max_body_bytes == 1000
+    # left at their defaults, the preset decides
+    preset = ServerConfig(max_n=9, request_timeout=5.0)
+    plain = server_config(build_parser().parse_args(["serve"]), preset)
+    assert plain.max_n == 9 and plain.request_timeout == 5.0

@@ -15,17 +15,21 @@ between the OpenAI protocol and `AsyncEngine`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import jengine
 from jengine.config import ServerConfig
@@ -33,7 +37,8 @@ from jengine.engine import render_chat
 from jengine.server import chat, completions
 from jengine.server.errors import bad_request, install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
-from jengine.server.protocol import DetokenizeRequest, TokenizeRequest
+from jengine.server.openapi import install_openapi
+from jengine.server.protocol import DetokenizeRequest, TokenizeRequest, check_text_fields
 from jengine.server.state import ServerState, served_model_name
 
 if TYPE_CHECKING:
@@ -60,7 +65,8 @@ def create_app(
       config: `api_key` and `max_queue` are used here (host and port are the caller's).
       load_engine: builds the engine in a background thread when the app starts (`serve`).
       model_name: the model id clients send; default: derived from the engine's model.
-      request_timeout: seconds after which a generation request is aborted (None: never).
+      request_timeout: seconds after which a generation request is aborted (None: the
+        config's `request_timeout`, itself None for never).
       drain_timeout: seconds in-flight gRPC calls may take to finish at shutdown (uvicorn has
         its own bound for HTTP requests).
     """
@@ -88,13 +94,23 @@ def create_app(
             await grpc_server.stop(grace=drain_timeout)
         state.shutdown()
 
-    app = FastAPI(title="jengine", version=jengine.__version__, lifespan=lifespan)
+    app = FastAPI(title="jengine", version=jengine.__version__, lifespan=lifespan,
+                  root_path=config.root_path)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(EdgeMiddleware, api_key=config.api_key)
+    app.add_middleware(EdgeMiddleware, api_key=config.api_key,
+                       max_body_bytes=config.max_body_bytes, log_requests=config.log_requests)
+    if config.allowed_origins:  # added last, so outermost: preflights need no API key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
+        )
     app.include_router(completions.router)
     app.include_router(chat.router)
     _add_routes(app, state)
+    install_openapi(app)
     return app
 
 
@@ -104,7 +120,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         status, body = state.health()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -112,32 +128,37 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def version() -> dict:
         return {"version": jengine.__version__}
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": state.created,
-                "owned_by": "jengine"}
+    def card(name: str) -> dict:
+        card = {"id": name, "object": "model", "created": state.created, "owned_by": "jengine",
+                "root": state.model_name}
         if state.engine is not None:
             card["max_model_len"] = state.engine.core.max_model_len
-        return {"object": "list", "data": [card]}
+        return card
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card(name) for name in state.model_names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
         state.check_model(model)
-        return {"id": state.model_name, "object": "model", "created": state.created,
-                "owned_by": "jengine"}
+        return card(model)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         state.check_model(body.model)
+        check_text_fields(body)
         engine = state.ready_engine()
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("pass exactly one of prompt and messages")
         if body.messages is not None:
             messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-            tokens = render_chat(engine.tokenizer, messages)
+            tokens = await asyncio.to_thread(render_chat, engine.tokenizer, messages,
+                                             chat_template=state.chat_template)
         else:
-            tokens = list(engine.tokenizer(body.prompt,
-                                           add_special_tokens=body.add_special_tokens).input_ids)
+            tokens = await asyncio.to_thread(
+                lambda: list(engine.tokenizer(
+                    body.prompt, add_special_tokens=body.add_special_tokens).input_ids))
         return {"count": len(tokens), "max_model_len": engine.core.max_model_len,
                 "tokens": tokens}
 
@@ -173,33 +194,84 @@ def server_config(args: argparse.Namespace, preset: ServerConfig) -> ServerConfi
     values = {}
     for field in dataclasses.fields(ServerConfig):
         flag = getattr(args, field.name, None)
+        if isinstance(flag, list):
+            flag = tuple(flag)
         values[field.name] = flag if flag not in (None, field.default) else getattr(
             preset, field.name)
-    return ServerConfig(**values)
+    if getattr(args, "disable_log_requests", False):
+        values["log_requests"] = False
+    if values["request_timeout"] is not None and values["request_timeout"] <= 0:
+        values["request_timeout"] = None  # --request-timeout 0: never
+    config = ServerConfig(**values)
+    check_server_config(config)
+    return config
+
+
+def check_server_config(config: ServerConfig) -> None:
+    """The server settings that can be wrong before anything starts, as one-line errors."""
+    for name in ("max_queue", "max_n", "max_body_bytes", "max_tokens_per_request"):
+        if getattr(config, name) < (0 if name == "max_queue" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
+                             f"{getattr(config, name)}")
+    if config.default_max_tokens is not None and config.default_max_tokens < 1:
+        raise ValueError("--default-max-tokens must be at least 1")
+    if bool(config.ssl_keyfile) != bool(config.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    for path in (config.ssl_keyfile, config.ssl_certfile):
+        if path and not Path(path).is_file():
+            raise ValueError(f"TLS file {path!r} not found")
+    if config.tool_call_parser not in (None, "hermes"):
+        raise ValueError(f"--tool-call-parser {config.tool_call_parser!r} is not available: "
+                         "calls are parsed from <tool_call>{json}</tool_call> ('hermes')")
+    if config.uvicorn_log_level not in _LOG_LEVELS:
+        raise ValueError(f"--uvicorn-log-level must be one of {sorted(_LOG_LEVELS)}")
+
+
+_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+               "info": logging.INFO, "debug": logging.DEBUG, "trace": logging.DEBUG}
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads: a busy port is a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve(args: argparse.Namespace) -> int:
     """`jengine serve`: listen first, load the engine in the background, drain on SIGTERM."""
     from jengine.cli import engine_kwargs
+    from jengine.core import host_kv_budget
     from jengine.engine import AsyncEngine, build_config
+    from jengine.sharding import MeshSpec
 
     kwargs = engine_kwargs(args)
     model, preset = kwargs.pop("model"), kwargs.pop("config")
     cfg = build_config(model, preset, **kwargs)  # bad flags or preset: a one-line error now
     config = server_config(args, cfg.server)
-    if config.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
+    if cfg.parallel.num_processes == 1:  # (multi-host must start JAX's backend itself)
+        host_kv_budget(cfg.cache.kv_cache_memory, MeshSpec.parse(cfg.parallel.mesh), 1)
     drain_timeout = getattr(args, "drain_timeout", None) or DEFAULT_DRAIN_TIMEOUT_S
-    _configure_logging()
+    _configure_logging(config.uvicorn_log_level)
     app = create_app(
         None, config, model_name=served_model_name(cfg.model.model),
         load_engine=lambda: AsyncEngine(model, config=preset, progress=True, **kwargs),
-        request_timeout=getattr(args, "request_timeout", None), drain_timeout=drain_timeout,
+        drain_timeout=drain_timeout,
     )
     state: ServerState = app.state.server
+    sock = _listen(config.host, config.port)
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, access_log=False, log_config=None,
-        timeout_graceful_shutdown=drain_timeout,
+        app, access_log=False, log_config=None, timeout_graceful_shutdown=drain_timeout,
+        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+        root_path=config.root_path,
     )
     server = _Server(uv_config, state)
 
@@ -210,19 +282,20 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises a caught SIGTERM once it has drained, to die of it; a graceful drain is
     # a clean exit here, so the signal it re-raises lands on this no-op and serve returns 0.
     signal.signal(signal.SIGTERM, lambda sig, frame: None)
-    log.info("jengine %s listening on http://%s:%d (model %r loading)", jengine.__version__,
-             config.host, config.port, state.model_name)
-    server.run()
+    scheme = "https" if config.ssl_certfile else "http"
+    log.info("jengine %s listening on %s://%s:%d (model %r loading)", jengine.__version__,
+             scheme, config.host, config.port, state.model_name)
+    server.run(sockets=[sock])
     if state.load_error is not None:
         raise state.load_error
     return 0
 
 
-def _configure_logging() -> None:
+def _configure_logging(uvicorn_level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in ("jengine", "uvicorn"):
+    for name, level in (("jengine", logging.INFO), ("uvicorn", _LOG_LEVELS[uvicorn_level])):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
-        logger.setLevel(logging.INFO)
+        logger.setLevel(level)
         logger.propagate = False

@@ -13,6 +13,7 @@ calls (the grammar makes them well-formed), at once when the block closes under 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,9 +22,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jengine.engine import render_chat
-from jengine.outputs import CompletionOutput, Logprob, ToolCall
+from jengine.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
 from jengine.server.errors import bad_request
-from jengine.server.protocol import ChatCompletionRequest, finite, usage
+from jengine.server.protocol import (
+    ChatCompletionRequest,
+    check_text_fields,
+    finite,
+    prompt_logprobs_json,
+    token_text,
+    usage,
+)
 from jengine.server.state import ServerState
 from jengine.server.streams import EngineStream, sse, sse_stream
 from jengine.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
@@ -35,16 +43,25 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     state.check_model(body.model)
+    check_text_fields(body)
     messages = body.template_messages()
     tools = body.tool_setup()
-    params = body.sampling_params(tools)
+    params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
+    template = state.chat_template_for(body.chat_template)
     engine = state.admit()
-    prompt = render_chat(engine.tokenizer, messages, tools=body.tools if tools.active else None)
+    state.check_limits(params, 1, engine.core.max_model_len)
+    # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
+    prompt = await asyncio.to_thread(
+        render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,
+        chat_template=template, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs, add_special_tokens=body.add_special_tokens,
+    )
     try:
         await engine.compile_grammar(params)
     except ValueError as e:
         raise bad_request(str(e), body.constraint_param()) from None
-    request_id = request.state.request_id
+    request_id = state.response_id(request, body.request_id)
     stream = EngineStream(state, engine, [prompt], params, state.new_request_id(request_id),
                           request.is_disconnected)
     try:
@@ -52,7 +69,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     except BaseException:
         stream.close()
         raise
-    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
+    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools, engine.tokenizer)
     if body.stream:
         return StreamingResponse(sse_stream(stream, view.events(stream)),
                                  media_type="text/event-stream")
@@ -64,8 +81,12 @@ class _ChatView:
     """Turns engine deltas into OpenAI chat completion objects (whole, or as stream chunks)."""
 
     def __init__(self, body: ChatCompletionRequest, response_id: str, model: str,
-                 tools: ToolSetup):
+                 tools: ToolSetup, tokenizer: Any):
         self.body = body
+        self.tokenizer = tokenizer
+        self.echo = body.echo_text()
+        self.as_ids = bool(body.return_tokens_as_token_ids)
+        self.prompt_logprobs: list | None = None
         self.parse_tools = tools.active
         self.forced_calls = tools.constraint() is not None  # well-formed: stream arguments
         self.n = body.n or 1
@@ -79,17 +100,23 @@ class _ChatView:
     def _logprobs(self, out: CompletionOutput) -> list[dict[str, Any]] | None:
         if not self.want_logprobs:
             return None
-        return [_token_logprob(tid, entry, self.top_logprobs)
+        return [_token_logprob(tid, entry, self.top_logprobs, self.as_ids)
                 for tid, entry in zip(out.token_ids, out.logprobs or [])]
 
+    def _note(self, delta: RequestOutput) -> None:
+        if delta.usage is not None:
+            self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens,
+                               delta.usage.cached_tokens)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs_json(delta.prompt_logprobs,
+                                                        delta.prompt_token_ids)
+
     async def response(self, stream: EngineStream) -> dict[str, Any]:
-        choices = {i: {"index": i, "message": {"role": "assistant", "content": ""},
+        choices = {i: {"index": i, "message": {"role": "assistant", "content": self.echo},
                        "logprobs": {"content": []} if self.want_logprobs else None,
                        "finish_reason": None} for i in range(self.n)}
         async for _, delta in stream:
-            if delta.usage is not None:
-                self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens,
-                                   delta.usage.cached_tokens)
+            self._note(delta)
             for out in delta.outputs:
                 choice = choices[out.index]
                 choice["message"]["content"] += out.text
@@ -98,28 +125,32 @@ class _ChatView:
                 choice["finish_reason"] = out.finish_reason
         if self.parse_tools:
             for choice in choices.values():
-                _split_calls(choice)
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": [choices[i] for i in range(self.n)],
-                "usage": self.usage}
+                _split_calls(choice, self.forced_calls)
+        response = {"id": self.id, "object": "chat.completion", "created": self.created,
+                    "model": self.model, "choices": [choices[i] for i in range(self.n)],
+                    "usage": self.usage}
+        if self.body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self.prompt_logprobs
+        return response
 
-    def _chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None) -> str:
+    def _chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None,
+               **extra: Any) -> str:
         chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
                                  "created": self.created, "model": self.model,
-                                 "choices": choices}
+                                 "choices": choices, **extra}
         if self.body.include_usage:
             chunk["usage"] = usage_
         return sse(chunk)
 
     async def events(self, stream: EngineStream) -> AsyncIterator[str]:
         for i in range(self.n):
-            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": self.echo},
                                 "logprobs": None, "finish_reason": None}])
         parsers = {i: ToolCallStream(incremental=self.forced_calls) for i in range(self.n)}
         async for _, delta in stream:
-            if delta.usage is not None:
-                self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens,
-                                   delta.usage.cached_tokens)
+            self._note(delta)
+            if delta.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
+                yield self._chunk([], prompt_logprobs=self.prompt_logprobs)
             for out in delta.outputs:
                 logprobs = self._logprobs(out)
                 parser = parsers[out.index]
@@ -163,9 +194,12 @@ def _tool_deltas(parser: ToolCallStream, out: CompletionOutput) -> list[dict[str
     return deltas
 
 
-def _split_calls(choice: dict[str, Any]) -> None:
-    """Moves the tool calls out of a whole choice's content."""
-    content, calls = parse_tool_calls(choice["message"]["content"])
+def _split_calls(choice: dict[str, Any], forced: bool) -> None:
+    """Moves the tool calls out of a whole choice's content (under a forcing tool_choice a
+    call cut off by max_tokens is dropped, not left in the content)."""
+    content, calls = parse_tool_calls(choice["message"]["content"], forced=forced)
+    if forced:
+        choice["message"]["content"] = content
     if not calls:
         return
     choice["message"]["content"] = content
@@ -179,13 +213,17 @@ def _call_json(index: int, call: ToolCall) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _token_logprob(token_id: int, entry: dict[int, Logprob], k: int) -> dict[str, Any]:
-    """One generated token in OpenAI's chat logprobs format, with its top-k alternatives."""
-    top = sorted((e for e in entry.values() if e.rank is not None and e.rank <= k),
-                 key=lambda e: e.rank)
-    return {**_token_entry(entry[token_id]), "top_logprobs": [_token_entry(e) for e in top]}
+def _token_logprob(token_id: int, entry: dict[int, Logprob], k: int,
+                   as_ids: bool) -> dict[str, Any]:
+    """One generated token in OpenAI's chat logprobs format, with its top-k alternatives
+    (`as_ids`: tokens written `token_id:N`, vLLM's `return_tokens_as_token_ids`)."""
+    top = sorted(((tid, e) for tid, e in entry.items() if e.rank is not None and e.rank <= k),
+                 key=lambda item: item[1].rank)
+    return {**_token_entry(token_id, entry[token_id], as_ids),
+            "top_logprobs": [_token_entry(tid, e, as_ids) for tid, e in top]}
 
 
-def _token_entry(lp: Logprob) -> dict[str, Any]:
-    token = lp.decoded_token or ""
-    return {"token": token, "logprob": finite(lp.logprob), "bytes": list(token.encode())}
+def _token_entry(token_id: int, lp: Logprob, as_ids: bool) -> dict[str, Any]:
+    token = token_text(token_id, lp, as_ids)
+    return {"token": token, "logprob": finite(lp.logprob),
+            "bytes": list(token.encode("utf-8", "replace"))}

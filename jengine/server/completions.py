@@ -8,6 +8,7 @@ first token has `null`, as nothing precedes it).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,7 +18,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.server.errors import bad_request
-from jengine.server.protocol import CompletionRequest, finite, usage
+from jengine.server.protocol import (
+    CompletionRequest,
+    check_text_fields,
+    finite,
+    prompt_logprobs_json,
+    token_text,
+    usage,
+)
 from jengine.server.state import ServerState
 from jengine.server.streams import EngineStream, sse, sse_stream
 
@@ -28,15 +36,23 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.server
     state.check_model(body.model)
+    check_text_fields(body)
     prompts = body.prompts()
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens may be 0 only with echo (to score the prompt)",
+                          "max_tokens")
     params = body.sampling_params()
     engine = state.admit()
+    state.check_limits(params, len(prompts), engine.core.max_model_len)
+    # Text is tokenized here, off the event loop, not in the engine thread that steps everyone.
+    prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,
+                                         body.add_special_tokens)
     try:
         await engine.compile_grammar(params)
     except ValueError as e:
         raise bad_request(str(e), body.constraint_param()) from None
-    request_id = request.state.request_id
-    stream = EngineStream(state, engine, prompts, params, state.new_request_id(request_id),
+    request_id = state.response_id(request, body.request_id)
+    stream = EngineStream(state, engine, prompt_ids, params, state.new_request_id(request_id),
                           request.is_disconnected)
     try:
         await stream.first()
@@ -52,6 +68,13 @@ async def create_completion(body: CompletionRequest, request: Request):
         return JSONResponse(await view.response(stream))
 
 
+def _tokenize(tokenizer: Any, prompts: list[str | list[int]],
+              add_special_tokens: bool) -> list[list[int]]:
+    return [p if isinstance(p, list) else
+            list(tokenizer(p, add_special_tokens=add_special_tokens).input_ids)
+            for p in prompts]
+
+
 class _CompletionView:
     """Turns engine deltas into OpenAI completion objects (whole, or as stream chunks)."""
 
@@ -65,17 +88,22 @@ class _CompletionView:
         self.model = model
         self.created = int(time.time())
         self.want_logprobs = body.logprobs is not None
+        self.scores_only = body.scores_only  # the one generated token is left out
+        self.as_ids = bool(body.return_tokens_as_token_ids)
         self._offsets: dict[int, int] = {}  # choice -> text offset of its next token
         # prompt index -> (prompt tokens, completion tokens), from the final delta
         self._usage_by_prompt: dict[int, tuple[int, int, int]] = {}
         self._prompt_logprobs: dict[int, list] = {}  # prompt index -> engine prompt logprobs
+        self._prompt_ids: dict[int, list[int]] = {}
 
     # -- one choice's piece of a delta -----------------------------------------------------------
 
     def _piece(self, prompt_index: int, prompt_ids: list[int],
                out: CompletionOutput) -> tuple[int, str, dict[str, Any] | None]:
         """(choice index, text, logprobs) of one output delta; echo goes in front of the first."""
-        choice = prompt_index * self.n + out.index
+        choice = index_of(prompt_index, self.n, out.index)
+        if self.scores_only:
+            out = CompletionOutput(out.index, "", [], [], out.finish_reason and "length")
         text = out.text
         lp: dict[str, Any] | None = None
         if self.want_logprobs:
@@ -91,7 +119,7 @@ class _CompletionView:
                 self._offsets[choice] = len(prompt_text)
         if lp is not None:
             self._offsets[choice] = _add_tokens(lp, out.token_ids, out.logprobs or [],
-                                                self._offsets[choice])
+                                                self._offsets[choice], self.as_ids)
         return choice, text, lp
 
     def _prompt_text(self, prompt_index: int) -> str:
@@ -104,9 +132,9 @@ class _CompletionView:
         for pos, tid in enumerate(prompt_ids):
             entry = entries[pos] if entries else None
             if entry is not None:
-                offset = _add_tokens(lp, [tid], [entry], offset)
+                offset = _add_tokens(lp, [tid], [entry], offset, self.as_ids)
                 continue
-            token = self.tokenizer.decode([tid])
+            token = f"token_id:{tid}" if self.as_ids else self.tokenizer.decode([tid])
             lp["tokens"].append(token)
             lp["token_logprobs"].append(None)
             lp["top_logprobs"].append(None)
@@ -117,10 +145,19 @@ class _CompletionView:
         """Keeps what a delta says once for its whole prompt: prompt logprobs, usage."""
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs[prompt_index] = delta.prompt_logprobs
+        self._prompt_ids[prompt_index] = delta.prompt_token_ids
         if delta.usage is not None:
             u = delta.usage
-            self._usage_by_prompt[prompt_index] = (u.prompt_tokens, u.completion_tokens,
-                                                   u.cached_tokens)
+            generated = 0 if self.scores_only else u.completion_tokens
+            self._usage_by_prompt[prompt_index] = (u.prompt_tokens, generated, u.cached_tokens)
+
+    def _prompt_logprobs_field(self, prompt_index: int) -> dict[str, Any]:
+        """vLLM's per-choice `prompt_logprobs`, when the request asked for them."""
+        if self.body.prompt_logprobs is None:
+            return {}
+        entries = self._prompt_logprobs.get(prompt_index)
+        ids = self._prompt_ids.get(prompt_index, [])
+        return {"prompt_logprobs": prompt_logprobs_json(entries, ids) if entries else None}
 
     def _total_usage(self) -> dict[str, Any]:
         rows = list(self._usage_by_prompt.values()) or [(0, 0, 0)]
@@ -135,7 +172,8 @@ class _CompletionView:
             for out in delta.outputs:
                 index, text, lp = self._piece(i, delta.prompt_token_ids, out)
                 choice = choices.setdefault(index, {"index": index, "text": "", "logprobs": lp,
-                                                    "finish_reason": None})
+                                                    "finish_reason": None,
+                                                    **self._prompt_logprobs_field(i)})
                 choice["text"] += text
                 if lp is not None and choice["logprobs"] is not lp:
                     for key, values in lp.items():
@@ -158,23 +196,30 @@ class _CompletionView:
         async for i, delta in stream:
             self._note_usage(i, delta)
             for out in delta.outputs:
+                first = index_of(i, self.n, out.index) not in self._offsets
                 index, text, lp = self._piece(i, delta.prompt_token_ids, out)
                 if text or out.finish_reason or (lp is not None and lp["tokens"]):
+                    extra = self._prompt_logprobs_field(i) if first else {}
                     yield self._chunk([{"index": index, "text": text, "logprobs": lp,
-                                        "finish_reason": out.finish_reason}])
+                                        "finish_reason": out.finish_reason, **extra}])
         if self.body.include_usage:
             yield self._chunk([], self._total_usage())
 
 
+def index_of(prompt_index: int, n: int, sample: int) -> int:
+    """The choice index of sample k of prompt i: i * n + k, as in OpenAI."""
+    return prompt_index * n + sample
+
+
 def _add_tokens(lp: dict[str, Any], token_ids: list[int], entries: list[dict[int, Logprob]],
-                offset: int) -> int:
+                offset: int, as_ids: bool = False) -> int:
     """Appends generated tokens in OpenAI's completions logprobs format; returns the offset."""
     for tid, entry in zip(token_ids, entries):
         sampled = entry[tid]
-        token = sampled.decoded_token or ""
+        token = token_text(tid, sampled, as_ids)
         top: dict[str, float] = {}
-        for e in sorted(entry.values(), key=lambda e: -e.logprob):
-            top.setdefault(e.decoded_token or "", finite(e.logprob))
+        for cand, e in sorted(entry.items(), key=lambda item: -item[1].logprob):
+            top.setdefault(token_text(cand, e, as_ids), finite(e.logprob))
         lp["tokens"].append(token)
         lp["token_logprobs"].append(finite(sampled.logprob))
         lp["top_logprobs"].append(top)

@@ -5,6 +5,7 @@ Every failure the server reports goes through `APIError` or one of the handlers 
 
     invalid JSON, wrong types, unknown fields, ValueError  -> 400 invalid_request_error
     missing / wrong API key                                 -> 401 invalid_request_error
+    body over the size limit                                -> 413 invalid_request_error
     unknown model, unknown route                            -> 404 invalid_request_error
     waiting queue full, engine loading, server draining     -> 503 server_error + Retry-After
     the engine failed                                       -> 500 server_error
@@ -71,7 +72,8 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 # ValueErrors from SamplingParams and the engine start with the name of the offending field.
-_PARAMS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages"}
+_PARAMS = {f.name for f in dataclasses.fields(SamplingParams)} | {
+    "prompt", "messages", "tools", "chat_template", "chat_template_kwargs"}
 _LEADING_NAME = re.compile(r"([a-z_]+)\b")
 
 
@@ -105,6 +107,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
                 None)
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing" and not loc:
+        return "The request body is empty; it must be a JSON object.", None
     if kind == "missing":
         return f"Missing required parameter: '{param}'.", param
     if kind in ("model_attributes_type", "dict_type") and not loc:
@@ -115,6 +119,10 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = validation_message(list(exc.errors()))
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if message == "The request body must be a JSON object." and kind != "application/json":
+        message = (f"The request body must be JSON sent as Content-Type: application/json "
+                   f"(got {kind or 'no content type'!r}).")
     return bad_request(message, param).response()
 
 
@@ -131,6 +139,9 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     if exc.status_code == 404:
         message = f"Not found: {request.method} {request.url.path}"
+    elif exc.status_code == 400 and message == "There was an error parsing the body":
+        message = ("We could not parse the JSON body of your request. The body must be valid "
+                   "JSON in UTF-8.")
     err = APIError(exc.status_code, message, type=kind, headers=getattr(exc, "headers", None))
     return err.response()
 

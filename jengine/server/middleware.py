@@ -1,19 +1,23 @@
 """The HTTP edge, as one plain ASGI middleware: request ids, API-key auth, access log.
 
-- `X-Request-Id`: taken from the request (printable, at most 128 characters) or made up, put in
-  `request.state.request_id`, echoed on the response, and written in every log line about it.
+- `X-Request-Id`: taken from the request (`clean_request_id`: at most 128 characters, no spaces)
+  or made up, put in `request.state.request_id`, echoed on the response, and written in every
+  log line about it.
 - `--api-key`: every `/v1` route needs `Authorization: Bearer <key>`; `/health`, `/metrics`,
   `/version` (and the other routes outside `/v1`) stay open. Checked before the body is read,
   so a request without the key gets 401 whatever its body.
+- Body size: a POST body over `max_body_bytes` is a 413 before anything parses it.
 
-A plain ASGI middleware (not Starlette's `BaseHTTPMiddleware`) leaves `receive` untouched, so a
-streaming response still sees the client disconnect.
+A plain ASGI middleware (not Starlette's `BaseHTTPMiddleware`) hands the app a `receive` that
+replays the body and then is the client's own, so a streaming response still sees the client
+disconnect.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 import time
 import uuid
 
@@ -27,23 +31,31 @@ MAX_REQUEST_ID = 128
 QUIET_PATHS = ("/health", "/metrics")  # polled: logged at DEBUG only
 
 
-def _client_request_id(value: str | None) -> str | None:
-    if value and len(value) <= MAX_REQUEST_ID and value.isprintable():
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:~/+=@-]{{1,{MAX_REQUEST_ID}}}")
+
+
+def clean_request_id(value: str | None) -> str | None:
+    """A client's request id if it is one we can put in ids, headers and logs as it is: up to
+    128 of letters, digits and `._:~/+=@-` (no spaces, quotes or control characters)."""
+    if value and _REQUEST_ID.fullmatch(value):
         return value
     return None
 
 
 class EdgeMiddleware:
-    def __init__(self, app: ASGIApp, *, api_key: str | None):
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int = 4 * 2**20,
+                 log_requests: bool = True):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.log_level = logging.INFO if log_requests else logging.DEBUG
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = _client_request_id(headers.get("x-request-id")) or uuid.uuid4().hex
+        request_id = clean_request_id(headers.get("x-request-id")) or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         status = 0
 
@@ -58,14 +70,42 @@ class EdgeMiddleware:
         start = time.perf_counter()
         try:
             denied = self._check_key(scope["path"], headers.get("authorization"))
+            if denied is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                denied, receive = await self._read_body(headers.get("content-length"), receive)
             if denied is not None:
                 await denied.response()(scope, receive, send_with_id)
             else:
                 await self.app(scope, receive, send_with_id)
         finally:
-            level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
+            level = logging.DEBUG if scope["path"] in QUIET_PATHS else self.log_level
             log.log(level, "%s %s %s %d %.3fs", request_id, scope["method"], scope["path"],
                     status, time.perf_counter() - start)
+
+    async def _read_body(self, length: str | None,
+                         receive: Receive) -> tuple[APIError | None, Receive]:
+        """Reads the body, at most `max_body_bytes` of it, before the app parses any: a larger
+        one (by its Content-Length, or counted as it arrives) is a 413. Returns the error or a
+        `receive` that replays the body and then goes on to the client's (disconnects)."""
+        too_large = APIError(413, f"the request body is larger than {self.max_body_bytes} bytes",
+                             code="request_too_large")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return too_large, receive
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return too_large, receive
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        return None, replay
 
     def _check_key(self, path: str, authorization: str | None) -> APIError | None:
         if self.api_key is None or not (path == "/v1" or path.startswith("/v1/")):

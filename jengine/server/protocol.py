@@ -15,13 +15,33 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    WithJsonSchema,
+)
 
+from jengine.engine import check_strings
+from jengine.outputs import Logprob
 from jengine.sampling_params import SamplingParams, StructuredOutputs
 from jengine.server.errors import bad_request
 from jengine.tools import ToolSetup, constrain, tool_setup
 
+# What /openapi.json says `prompt` is (the handler checks it: `CompletionRequest.prompts`).
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+     "minItems": 1},
+]}
 Float = Annotated[float, Strict()]  # accepts JSON integers, rejects strings
+# guided_decoding_backend values that name the backend this server has (vLLM's names)
+_BACKENDS = (None, "auto", "guidance", "llguidance")
 
 
 class StreamOptions(BaseModel):
@@ -74,6 +94,14 @@ class _SamplingFields(BaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None
+    priority: StrictInt | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    request_id: StrictStr | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -85,9 +113,22 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")
+        if self.temperature is not None and self.temperature > 2.0:
+            raise bad_request(f"temperature must be between 0 and 2, got {self.temperature}",
+                              "temperature")
+        if self.priority:
+            raise bad_request("priority scheduling is not enabled (requests are served first "
+                              "come, first served); leave priority at 0", "priority")
+        if self.guided_decoding_backend not in _BACKENDS:
+            raise bad_request(f"guided_decoding_backend {self.guided_decoding_backend!r} is not "
+                              "available; structured outputs use llguidance ('guidance')",
+                              "guided_decoding_backend")
         names = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
                  "stop", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                 "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+        if prompt_logprobs is None:
+            prompt_logprobs = self.prompt_logprobs
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         constraint = self.constraint()
         return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs,
@@ -137,12 +178,18 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
 
-    prompt: Any = Field(...)
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = Field(...)
     max_tokens: StrictInt | None = 16
     echo: StrictBool | None = False
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+    add_special_tokens: StrictBool = True
+
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt (and its logprobs) back, nothing generated."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of engine prompts (text or token ids)."""
@@ -169,8 +216,28 @@ class CompletionRequest(_SamplingFields):
                               "best_of")
         # echo + logprobs: the echoed prompt tokens get their logprobs too, as in OpenAI
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs,
+        # Scoring a prompt runs one token, which the view leaves out.
+        max_tokens = 1 if self.scores_only else self.max_tokens
+        return self._sampling_params(max_tokens=max_tokens, logprobs=self.logprobs,
                                      prompt_logprobs=prompt_logprobs)
+
+
+def check_text_fields(body: BaseModel) -> None:
+    """A 400 naming the first string field (at any depth) that is not valid Unicode, such as a
+    lone surrogate, which JSON can carry ("\\ud800") and no tokenizer can encode."""
+    for name in type(body).model_fields:
+        try:
+            check_strings(name, _plain(getattr(body, name)))
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(by_alias=True)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _structured(param: str, **fields: Any) -> StructuredOutputs:
@@ -269,6 +336,13 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
+    # vLLM's chat extras
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    echo: StrictBool = False
     # accepted and ignored, as they do not change what is generated
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
@@ -288,9 +362,11 @@ class ChatCompletionRequest(_SamplingFields):
             param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
             raise bad_request(str(e), param) from None
 
-    def sampling_params(self, tools: ToolSetup | None = None) -> SamplingParams:
+    def sampling_params(self, tools: ToolSetup | None = None, *,
+                        default_max_tokens: int | None = None) -> SamplingParams:
         """The request's sampling parameters, with the tool-call grammar of `tools` when its
-        `tool_choice` forces calls."""
+        `tool_choice` forces calls. Without max_(completion_)tokens, `default_max_tokens`
+        (None: up to the context's end, as OpenAI and vLLM do)."""
         self._check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -298,6 +374,8 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens
         params = self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
         if tools is None:
             return params
@@ -315,6 +393,21 @@ class ChatCompletionRequest(_SamplingFields):
                 raise bad_request(f"{name} is not supported yet", name)
         if self.modalities and self.modalities != ["text"]:
             raise bad_request("only the 'text' modality is supported", "modalities")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt false",
+                              "continue_final_message")
+        if self.continue_final_message and self.messages[-1:] and \
+                self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs a last message from the assistant",
+                              "continue_final_message")
+
+    def echo_text(self) -> str:
+        """With `echo`, the text the answer starts with: the last message's content when it is
+        the assistant's (vLLM's meaning), else nothing."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or last is None or last.role != "assistant":
+            return ""
+        return last.for_template(len(self.messages) - 1)["content"]
 
 
 class TokenizeRequest(BaseModel):
@@ -349,3 +442,22 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 def finite(logprob: float) -> float:
     """JSON has no -Infinity: an impossible token gets OpenAI's floor of -9999."""
     return max(logprob, -9999.0)
+
+
+def token_text(token_id: int, lp: Logprob, as_ids: bool) -> str:
+    """A token as logprobs show it: its text, or `token_id:N` (vLLM's
+    `return_tokens_as_token_ids`, for tokens that are not whole characters)."""
+    return f"token_id:{token_id}" if as_ids else (lp.decoded_token or "")
+
+
+def prompt_logprobs_json(entries: list, prompt_ids: list[int]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the prompt's token and the top candidates."""
+    out: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({str(tid): {"logprob": finite(e.logprob), "rank": e.rank,
+                               "decoded_token": e.decoded_token} for tid, e in entry.items()})
+    return out

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jengine.config import ServerConfig
-from jengine.server.errors import APIError, engine_failed, unavailable
+from jengine.sampling_params import SamplingParams
+from jengine.server.errors import APIError, bad_request, engine_failed, unavailable
 from jengine.server.metrics import ServerMetrics
+from jengine.server.middleware import clean_request_id
 
 if TYPE_CHECKING:
     from jengine.engine import AsyncEngine
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("jengine.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MAX_PROMPTS = 2048  # OpenAI's limit on the prompts of one completions request
 
 
 def served_model_name(model: str | None) -> str:
@@ -39,14 +42,28 @@ def served_model_name(model: str | None) -> str:
     return model
 
 
+def load_chat_template(template: str | None) -> str | None:
+    """`--chat-template`: a file's path (read now) or the Jinja text itself."""
+    if template is None:
+        return None
+    path = Path(template).expanduser()
+    if "{" not in template and len(template) < 4096 and path.is_file():
+        return path.read_text()
+    if "{" not in template:
+        raise ValueError(f"chat template {template!r} is neither a file nor a Jinja template")
+    return template
+
+
 class ServerState:
     """The engine (once loaded), the server config, and the live counters of one app."""
 
     def __init__(self, config: ServerConfig, model_name: str, *,
                  request_timeout: float | None = None):
         self.config = config
-        self.model_name = model_name
-        self.request_timeout = request_timeout
+        self.model_name = config.served_model_name[0] if config.served_model_name else model_name
+        # create_app's argument wins over the config's (None there: the config decides)
+        self.request_timeout = (request_timeout if request_timeout is not None
+                                else config.request_timeout)
         self.engine: AsyncEngine | None = None
         self.owns_engine = False
         self.load_error: BaseException | None = None
@@ -56,6 +73,8 @@ class ServerState:
         self.metrics = ServerMetrics(lambda: self.engine, lambda: self.num_queued)
         self.on_load_error: Callable[[], None] | None = None
         self._ids = itertools.count()
+        self.chat_template = load_chat_template(config.chat_template)
+        self.request_log_level = logging.INFO if config.log_requests else logging.DEBUG
 
     # -- the engine ------------------------------------------------------------------------------
 
@@ -125,10 +144,47 @@ class ServerState:
                               "retry later", "queue_full")
         return engine
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the model answers to (`--served-model-name`); the first is reported."""
+        return self.config.served_model_name or (self.model_name,)
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model '{model}' does not exist.", param="model",
                            code="model_not_found")
+
+    def check_limits(self, params: SamplingParams, num_prompts: int, max_model_len: int) -> None:
+        """The per-request bounds of `ServerConfig`: `n`, prompts, and generated tokens."""
+        cfg = self.config
+        if params.n > cfg.max_n:
+            raise bad_request(f"n must be at most {cfg.max_n}, got {params.n}", "n")
+        if num_prompts > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {num_prompts}",
+                              "prompt")
+        per_sample = params.max_tokens or max_model_len
+        total = num_prompts * params.n * per_sample
+        if total > cfg.max_tokens_per_request:
+            what = f"max_tokens {params.max_tokens}" if params.max_tokens else (
+                f"up to {max_model_len} tokens each (no max_tokens: to the context's end)")
+            raise bad_request(
+                f"this request could generate {total} tokens ({num_prompts} prompt(s) x n "
+                f"{params.n} x {what}); the limit is {cfg.max_tokens_per_request} per request: "
+                "lower n or max_tokens", "max_tokens")
+
+    def chat_template_for(self, requested: str | None) -> str | None:
+        """The template a chat request renders with: its own only if the server trusts request
+        templates (a template is code: loops can burn the CPU), else the server's (or None: the
+        model's)."""
+        if requested is not None and not self.config.trust_request_chat_template:
+            raise bad_request("chat_template in a request is refused: the server was not started "
+                              "with --trust-request-chat-template", "chat_template")
+        return requested or self.chat_template
+
+    def response_id(self, request: Any, body_id: str | None) -> str:
+        """The id a response carries: the body's `request_id` (vLLM's field) when it is a
+        clean id, else the edge's (the client's X-Request-Id or a made-up one)."""
+        return clean_request_id(body_id) or request.state.request_id
 
     def new_request_id(self, client_id: str | None) -> str:
         """An id unique in the engine that starts with the client's X-Request-Id, if any."""

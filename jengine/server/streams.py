@@ -188,8 +188,9 @@ class EngineStream:
         elapsed = time.perf_counter() - self.arrival
         self.state.metrics.e2e.observe(elapsed)
         ttft = f"{self._first_at - self.arrival:.3f}s" if self._first_at else "-"
-        log.info("request %s done: finish=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
-                 "total=%.3fs", self.request_id, ",".join(sorted(set(reasons))),
+        log.log(self.state.request_log_level,
+                "request %s done: finish=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
+                "total=%.3fs", self.request_id, ",".join(sorted(set(reasons))),
                  sum(len(p or ()) for p in self.prompt_token_ids), self.usage_completion_tokens,
                  ttft, elapsed)
 
