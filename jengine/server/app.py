@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 import jengine
 from jengine.config import ServerConfig
 from jengine.engine import render_chat
-from jengine.server import chat, completions
+from jengine.server import chat, completions, responses
 from jengine.server.errors import bad_request, install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
 from jengine.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -94,6 +94,7 @@ def create_app(
     app.add_middleware(EdgeMiddleware, api_key=config.api_key)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses.router)
     _add_routes(app, state)
     return app
 
