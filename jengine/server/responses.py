@@ -292,7 +292,10 @@ def _in_responses_terms() -> Iterator[None]:
         raise
     except ValueError as e:
         error = invalid_value(e)
-        error.param = renamed(error.param)
+        if error.param is not None:
+            name = renamed(error.param)
+            error.message = name + error.message.removeprefix(error.param)
+            error.param = name
         raise error from None
 
 
@@ -455,10 +458,13 @@ class _ResponseView:
                 yield from self._start_call(piece)
             elif isinstance(piece, CallArguments):
                 index = self._calls[piece.index]
-                self.output[index]["arguments"] += piece.text
-                yield self._event("response.function_call_arguments.delta",
-                                  item_id=self.output[index]["id"], output_index=index,
-                                  delta=piece.text)
+                item = self.output[index]
+                # forced calls stream from right after `"arguments":`, space included
+                delta = piece.text if item["arguments"] else piece.text.lstrip()
+                if delta:
+                    item["arguments"] += delta
+                    yield self._event("response.function_call_arguments.delta",
+                                      item_id=item["id"], output_index=index, delta=delta)
 
     def _text(self, piece: str) -> Iterator[str]:
         if self._message is None:
