@@ -289,31 +289,40 @@ def test_input_items_become_chat_messages():
     assert input_messages("hi") == [{"role": "user", "content": "hi"}]
 
 
-class _FailingStream:
-    """Two deltas of text, then the engine fails."""
+class _FakeStream:
+    """Deltas of `texts` (the last finishing with `finish`), then `error` if given."""
 
     request_id = "test"
     closed = False
 
+    def __init__(self, texts: list[str], finish: str | None = "stop",
+                 error: Exception | None = None):
+        self.texts, self.finish, self.error = texts, finish, error
+
     async def __aiter__(self):
-        for text in ("Hel", "lo"):
-            yield 0, RequestOutput("test", None, [1], None,
-                                   [CompletionOutput(0, text, [2])], False,
-                                   Usage.of(1, 1))
-        raise APIError(500, "the engine failed: boom", type="server_error", code="engine_error")
+        for i, text in enumerate(self.texts):
+            last = i == len(self.texts) - 1
+            out = CompletionOutput(0, text, [2], finish_reason=self.finish if last else None)
+            yield 0, RequestOutput("test", None, [1], None, [out], last, Usage.of(1, i + 1))
+        if self.error is not None:
+            raise self.error
 
     def close(self) -> None:
         self.closed = True
 
 
-def test_a_failing_stream_ends_with_error_and_response_failed():
-    view = _ResponseView(ResponsesRequest(input="x"), "resp_x", MODEL, ToolSetup([], "none"))
-    stream = _FailingStream()
-
+def _run_events(view: _ResponseView, stream: _FakeStream) -> list[dict]:
     async def collect() -> list[dict]:
         return [json.loads(e.split("data: ", 1)[1]) async for e in view.sse(stream)]
 
-    events = asyncio.run(collect())
+    return asyncio.run(collect())
+
+
+def test_a_failing_stream_ends_with_error_and_response_failed():
+    view = _ResponseView(ResponsesRequest(input="x"), "resp_x", MODEL, ToolSetup([], "none"))
+    error = APIError(500, "the engine failed: boom", type="server_error", code="engine_error")
+    stream = _FakeStream(["Hel", "lo"], finish=None, error=error)
+    events = _run_events(view, stream)
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added",
         "response.content_part.added", "response.output_text.delta",
@@ -324,3 +333,30 @@ def test_a_failing_stream_ends_with_error_and_response_failed():
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
     assert failed["output"][0]["content"][0]["text"] == "Hello"
     assert stream.closed
+
+
+def test_auto_tool_call_after_text_whole_and_streamed():
+    texts = ["Sure.", "\n<tool_", 'call>{"name": "f", "arguments": {"a": 1}}</tool_call>']
+    tools = ToolSetup([{"name": "f"}], "auto")
+
+    def view() -> _ResponseView:
+        return _ResponseView(ResponsesRequest(input="x"), "resp_x", MODEL, tools)
+
+    whole = asyncio.run(view().response(_FakeStream(texts)))
+    assert whole["status"] == "completed"
+    message, call = whole["output"]
+    assert message["content"][0]["text"] == "Sure." and message["status"] == "completed"
+    assert (call["type"], call["name"], call["arguments"]) == ("function_call", "f", '{"a": 1}')
+    assert whole["usage"]["output_tokens"] == 3
+    events = _run_events(view(), _FakeStream(texts))
+    assert [e["type"] for e in events[2:]] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    final = events[-1]["response"]
+    for a, b in zip(final["output"], whole["output"]):
+        assert {k: v for k, v in a.items() if k not in ("id", "call_id")} == \
+            {k: v for k, v in b.items() if k not in ("id", "call_id")}
