@@ -250,6 +250,7 @@ def test_unknown_model_is_a_404(server):  # noqa: F811
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "schema": PERSON}}}, "text.format"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"conversation": "conv_1"}, "conversation"),
@@ -261,6 +262,10 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param):  # noqa: F
     body = {"model": MODEL, "input": ASK, "max_output_tokens": 4, **body}
     err = assert_error(server.post("/v1/responses", json=body), 400)
     assert err["param"] == param, err
+    # in this route's words, not chat's
+    assert param.split(".")[0] in err["message"], err
+    assert not any(name in err["message"] for name in ("response_format", "max_tokens",
+                                                       "messages", "prompt has")), err
 
 
 def test_accepted_and_ignored_fields(server):  # noqa: F811

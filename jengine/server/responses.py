@@ -151,6 +151,9 @@ class ResponsesRequest(BaseModel):
         if fmt is None:
             return None
         if fmt.get("type") == "json_schema":
+            if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema", {}), dict):
+                raise bad_request("text.format json_schema needs a 'name' and a 'schema' object",
+                                  "text.format")
             spec = {k: v for k, v in fmt.items() if k != "type"}
             return {"type": "json_schema", "json_schema": spec}
         if fmt.get("type") in ("text", "json_object"):
@@ -250,6 +253,8 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if tool.get("type") != "function":
             raise bad_request(f"tools[{i}]: only function tools are supported, got type "
                               f"{tool.get('type')!r}", "tools")
+        if not isinstance(tool.get("name"), str):
+            raise bad_request(f"tools[{i}] needs a string 'name'", "tools")
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
                     if tool.get(k) is not None}
         out.append({"type": "function", "function": function})
@@ -288,15 +293,23 @@ def _in_responses_terms() -> Iterator[None]:
     try:
         yield
     except APIError as e:
-        e.param = renamed(e.param)
+        _rename(e)
         raise
     except ValueError as e:
         error = invalid_value(e)
-        if error.param is not None:
-            name = renamed(error.param)
-            error.message = name + error.message.removeprefix(error.param)
-            error.param = name
+        _rename(error)
         raise error from None
+
+
+def _rename(error: APIError) -> None:
+    """The error's param, and its message when it starts with the param (as `SamplingParams`'
+    and the engine's do), in this route's names."""
+    if error.param is None:
+        return
+    name = renamed(error.param)
+    if error.message.startswith(error.param):
+        error.message = name + error.message.removeprefix(error.param)
+    error.param = name
 
 
 # -- the route ------------------------------------------------------------------------------------
