@@ -14,6 +14,7 @@ import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -266,6 +267,14 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param):  # noqa: F
     assert param.split(".")[0] in err["message"], err
     assert not any(name in err["message"] for name in ("response_format", "max_tokens",
                                                        "messages", "prompt has")), err
+
+
+def test_the_key_is_needed_and_the_request_id_names_the_response(server):  # noqa: F811
+    assert_error(httpx.post(server.url + "/v1/responses", json={"input": "x"}), 401,
+                 "invalid_api_key")
+    r = server.post("/v1/responses", headers={"X-Request-Id": "trace-resp-1"},
+                    json={"model": MODEL, "input": "Hi", "max_output_tokens": 2})
+    assert r.status_code == 200 and r.json()["id"] == "resp_trace-resp-1"
 
 
 def test_accepted_and_ignored_fields(server):  # noqa: F811
