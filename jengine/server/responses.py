@@ -133,7 +133,7 @@ class ResponsesRequest(BaseModel):
             return ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
         except ValidationError as e:
             message, param = validation_message(list(e.errors()))
-            raise bad_request(message, renamed(param)) from None
+            raise bad_request(message, _renamed(param)) from None
 
     def _check_supported(self) -> None:
         for name, message in _UNSUPPORTED.items():
@@ -278,7 +278,7 @@ _RENAMED = {"response_format": "text.format", "max_completion_tokens": "max_outp
             "max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
 
 
-def renamed(param: str | None) -> str | None:
+def _renamed(param: str | None) -> str | None:
     if param is None:
         return None
     head, dot, rest = param.partition(".")
@@ -306,7 +306,7 @@ def _rename(error: APIError) -> None:
     and the engine's do), in this route's names."""
     if error.param is None:
         return
-    name = renamed(error.param)
+    name = _renamed(error.param)
     if error.message.startswith(error.param):
         error.message = name + error.message.removeprefix(error.param)
     error.param = name
@@ -330,7 +330,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     try:
         await engine.compile_grammar(params)
     except ValueError as e:
-        raise bad_request(str(e), renamed(chat.constraint_param())) from None
+        raise bad_request(str(e), _renamed(chat.constraint_param())) from None
     request_id = request.state.request_id
     stream = EngineStream(state, engine, [prompt], params, state.new_request_id(request_id),
                           request.is_disconnected)
@@ -355,8 +355,8 @@ class _ResponseView:
         self.id = response_id
         self.model = model
         self.created_at = int(time.time())
-        self.parser = ToolCallStream(incremental=tools.constraint() is not None) \
-            if tools.active else None
+        forced = tools.constraint() is not None  # well-formed calls: stream their arguments
+        self.parser = ToolCallStream(incremental=forced) if tools.active else None
         self.output: list[dict[str, Any]] = []  # the output items, as they stand
         self.usage: dict[str, Any] | None = None
         self.status = "in_progress"
