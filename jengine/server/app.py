@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 import jengine
 from jengine.config import ServerConfig
 from jengine.engine import render_chat
-from jengine.server import chat, completions
+from jengine.server import chat, completions, responses
 from jengine.server.errors import bad_request, install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
 from jengine.server.openapi import install_openapi
@@ -109,6 +109,7 @@ def create_app(
         )
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses.router)
     _add_routes(app, state)
     install_openapi(app)
     return app
