@@ -31,6 +31,7 @@ that makes the events, so a streamed and a whole response carry the same output.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -45,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from jengine.engine import render_chat
 from jengine.outputs import RequestOutput
 from jengine.server.errors import APIError, bad_request, invalid_value, validation_message
-from jengine.server.protocol import ChatCompletionRequest, Float
+from jengine.server.protocol import ChatCompletionRequest, Float, check_text_fields
 from jengine.server.state import ServerState
 from jengine.server.streams import ClientGone, EngineStream, sse
 from jengine.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
@@ -318,15 +319,19 @@ def _rename(error: APIError) -> None:
 async def create_response(body: ResponsesRequest, request: Request):
     state: ServerState = request.app.state.server
     state.check_model(body.model)
+    check_text_fields(body)
     chat = body.chat_request()
     with _in_responses_terms():
         messages = chat.template_messages()
         tools = chat.tool_setup()
-        params = chat.sampling_params(tools)
+        params = chat.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     engine = state.admit()
     with _in_responses_terms():
-        prompt = render_chat(engine.tokenizer, messages,
-                             tools=chat.tools if tools.active else None)
+        state.check_limits(params, 1, engine.core.max_model_len)
+        # Rendering and tokenizing a long input takes a while: not in the event loop's thread.
+        prompt = await asyncio.to_thread(
+            render_chat, engine.tokenizer, messages, tools=chat.tools if tools.active else None,
+            chat_template=state.chat_template)
     try:
         await engine.compile_grammar(params)
     except ValueError as e:
