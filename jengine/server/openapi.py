@@ -3,7 +3,8 @@
 FastAPI documents a 422 for every route with a body, which this server never sends (validation
 errors are 400s in OpenAI's shape, errors.py), and nothing of the 400/401/404/413/500/503/504 it
 does send. `install_openapi` rewrites the generated document once: the error responses each
-route can give, with OpenAI's error body, and `/metrics` as Prometheus text.
+route can give, with OpenAI's error body, server-sent events as the generation routes' other
+200 body, and `/metrics` as Prometheus text.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             responses.pop("422", None)
             for code in _error_codes(path, method):
                 responses[str(code)] = {"description": _REASONS[code], "content": ref}
+            if path in _GENERATION and "200" in responses:  # `stream: true` answers SSE
+                responses["200"].setdefault("content", {})["text/event-stream"] = {
+                    "schema": {"type": "string"}}
     metrics = schema.get("paths", {}).get("/metrics", {}).get("get")
     if metrics is not None:
         metrics["responses"]["200"] = {
