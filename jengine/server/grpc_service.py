@@ -15,6 +15,7 @@ import grpc
 
 from jengine.sampling_params import SamplingParams
 from jengine.server.errors import APIError, invalid_value
+from jengine.server.middleware import clean_request_id
 from jengine.server.proto import jengine_pb2 as pb
 from jengine.server.proto import jengine_pb2_grpc as pb_grpc
 from jengine.server.state import ServerState
@@ -56,11 +57,12 @@ class JengineService(pb_grpc.JengineServicer):
             prompt = self._prompt(request)
             params = sampling_params(request.sampling)
             engine = self.state.admit()
+            self.state.check_limits(params, 1, engine.core.max_model_len)
         except ValueError as e:
             await _abort(context, invalid_value(e))
         except APIError as e:
             await _abort(context, e)
-        rid = request.request_id or uuid.uuid4().hex
+        rid = clean_request_id(request.request_id) or uuid.uuid4().hex
         async with EngineStream(self.state, engine, [prompt], params,
                                 self.state.new_request_id(rid)) as stream:
             try:
