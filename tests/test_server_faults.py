@@ -8,14 +8,13 @@ The last test kills the module's engine.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
 import httpx
 import jax
 import pytest
-import uvicorn
+from local_server import serving
 from prometheus_client.parser import text_string_to_metric_families
 
 from jengine.config import ServerConfig
@@ -57,19 +56,8 @@ class Local:
 def local():
     engine = AsyncEngine(config="test", progress=False, max_num_seqs=1)
     app = create_app(engine, ServerConfig(max_queue=1))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield Local(app, engine, f"http://127.0.0.1:{port}")
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(app) as url:
+        yield Local(app, engine, url)
     engine.shutdown()
 
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
+from local_server import serving
 
 from jengine.config import ServerConfig
 from jengine.engine import AsyncEngine
@@ -70,23 +70,10 @@ class Local:
 @pytest.fixture(scope="module")
 def local():
     engine = AsyncEngine(config="test", progress=False)
-    app = create_app(engine, LIMITS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    srv = Local(engine, f"http://127.0.0.1:{port}")
-    srv.reference_text = srv.reference()
-    yield srv
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(engine, LIMITS)) as url:
+        srv = Local(engine, url)
+        srv.reference_text = srv.reference()
+        yield srv
     engine.shutdown()
 
 
@@ -321,21 +308,6 @@ def test_a_failure_while_handling_one_request_fails_that_request_alone(smol_engi
 
 # -- server options (a second app over the same engine) ---------------------------------------
 
-def _serve(app) -> tuple[uvicorn.Server, threading.Thread, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture()
 def configured(local):
     """An app with aliases, an API key, CORS for one origin, a server chat template."""
@@ -343,10 +315,8 @@ def configured(local):
                 "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
     config = ServerConfig(api_key="k", served_model_name=("alias-a", "alias-b"),
                           allowed_origins=("http://ui.example",), chat_template=template)
-    server, thread, url = _serve(create_app(local.engine, config))
-    yield url
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(local.engine, config)) as url:
+        yield url
 
 
 def test_served_model_names_cors_and_server_chat_template(configured, local):
