@@ -557,3 +557,27 @@ def test_random_stress_with_preemption_and_aborts_matches_solo_runs():
     assert h.scheduler.num_preemptions > 0
     assert h.allocator.num_used == 0 and h.allocator.num_free == h.allocator.num_pages - 1
     assert check_against_solo(h, specs, **kw) > 0
+
+
+def test_a_request_with_many_samples_does_not_queue_a_later_one_behind_them_all():
+    """Fairness: a request's n samples count against it. A one-sample request that arrives
+    while an n=16 request fills every slot runs in the next wave, not after all 16."""
+    h = Harness(max_num_seqs=8, num_pages=128, max_model_len=64)
+    h.add("hog", prompt_of(6), params(n=16, max_tokens=20, ignore_eos=True))
+    for _ in range(3):  # the leader's prefill, then its forks fill the 8 slots
+        h.step()
+    assert sum(s.request_id == "hog" for s in h.scheduler.running) == 8
+    h.add("small", prompt_of(5, salt=1), params(max_tokens=3, ignore_eos=True))
+    finished_at: dict[str, int] = {}
+    for step in range(200):
+        if not h.scheduler.has_work:
+            break
+        h.step()
+        for rid, seqs in h.requests.items():
+            if rid not in finished_at and all(s.is_finished for s in seqs):
+                finished_at[rid] = step
+    first_wave = 20  # the 8 running samples' remaining decodes, at most
+    assert finished_at["small"] <= first_wave + 3 + 2, finished_at
+    assert finished_at["small"] < finished_at["hog"] - 15, finished_at
+    assert h.result("small") == solo_result("small", prompt_of(5, salt=1),
+                                            params(max_tokens=3, ignore_eos=True), 0)

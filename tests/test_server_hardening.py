@@ -186,33 +186,6 @@ def test_a_body_over_the_limit_is_a_413_before_parsing(local):
     local.assert_whole()
 
 
-def test_many_prompts_from_one_request_share_the_engine_fairly(local):
-    """A request with n samples counts each against it: one sent meanwhile is not queued behind
-    all of them (the scheduler takes requests round-robin, and one request may not take more
-    than half the sequence slots while another waits)."""
-    engine = local.engine
-    slots = engine.core.cfg.scheduler.max_num_seqs
-    hog = {"model": MODEL, "prompt": "Count:", "n": 8, "max_tokens": 30, "ignore_eos": True}
-    results: dict[str, float] = {}
-
-    def send(name: str, body: dict) -> None:
-        start = time.monotonic()
-        local.post("/v1/completions", body)
-        results[name] = time.monotonic() - start
-
-    hogs = [threading.Thread(target=send, args=(f"hog{i}", hog)) for i in range(slots // 8 + 1)]
-    for t in hogs:
-        t.start()
-    time.sleep(0.3)
-    small = threading.Thread(target=send, args=("small", {**REFERENCE, "max_tokens": 4}))
-    small.start()
-    for t in [*hogs, small]:
-        t.join()
-    # The small request finishes before the last hog does, although it came after them all.
-    assert results["small"] < max(v for k, v in results.items() if k.startswith("hog")), results
-    local.assert_whole()
-
-
 # -- malformed requests ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, headers, words", [
