@@ -33,7 +33,7 @@ def _engine_parent() -> argparse.ArgumentParser:
                    "--mesh without accelerators; no speed-up)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
+                   choices=["auto", "reference", "cpu", "pallas_tpu", "pallas_gpu"])
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)

@@ -189,3 +189,24 @@ def test_missing_library_names_the_fix(monkeypatch):
     monkeypatch.setattr(cpu, "_LOAD_ERROR", "no _cpu_attention library")
     with pytest.raises(RuntimeError, match="pip install -e .*--attention-backend reference"):
         cpu.require()
+
+
+@pytest.mark.parametrize("head_map", [None, (0, 0, 1, 1, 2, 2, 0, 0)])
+def test_shard_over_heads(head_map):
+    """Per-shard kernels over 4 fake devices: kv heads split (4 kv / 8 q), or replicated with a
+    map and the mesh taken from the tracing context, as `attend` runs it under tp."""
+    from jengine.pallas_kernels import shard_for_context_mesh, shard_over_heads
+
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    num_kv = 4 if head_map is None else 3
+    case = Case(MIXED, num_heads=8, num_kv_heads=num_kv, page_size=4, seed=7)
+    kern = kernel("auto")
+    if head_map is None:
+        out = run(case, shard_over_heads(kern, mesh), window=5, cpu_write=False)
+    else:
+        with jax.set_mesh(mesh):
+            out = run(case, lambda *a, **k: shard_for_context_mesh(kern)(*a, **k), window=5,
+                      kv_head_map=head_map, cpu_write=False)
+    ref = run(case, ragged_paged_attention, window=5, kv_head_map=head_map, cpu_write=False)
+    np.testing.assert_allclose(out, ref, rtol=TOL, atol=TOL)

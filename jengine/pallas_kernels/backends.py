@@ -3,9 +3,11 @@
 Every backend has the reference's signature:
 `fn(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale, sliding_window,
 soft_cap, kv_head_map) -> [T, H, D]`. `auto` resolves by platform: cpu -> reference,
-tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. A Pallas backend asked for on CPU runs its
-kernel in interpret mode (TPU emulation for pallas_tpu), which is how the tests and an
-end-to-end check on this machine exercise the kernels.
+tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. `cpu` is the native C++ kernel
+(jengine.pallas_kernels.cpu); asking for it when its library was not built is a `RuntimeError`
+naming the fix. A Pallas backend asked for on CPU runs its kernel in interpret mode (TPU
+emulation for pallas_tpu), which is how the tests and an end-to-end check on this machine
+exercise the kernels.
 """
 
 from __future__ import annotations
@@ -17,19 +19,23 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from jengine.pallas_kernels import cpu
 from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
 from jengine.pallas_kernels.reference import ragged_paged_attention
 from jengine.pallas_kernels.tpu import ragged_paged_attention_tpu
 
-BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+BACKENDS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
 _AUTO = {"cpu": "reference", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
          "rocm": "pallas_gpu"}
 
 
 def resolve_backend(backend: str, platform: str) -> str:
-    """`auto` -> the platform's backend; any other known name is returned as given."""
+    """`auto` -> the platform's backend; any other known name is returned as given (`cpu` only
+    when its native library is built, else a `RuntimeError` naming the fix)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "cpu":
+        cpu.require()
     if backend != "auto":
         return backend
     if platform not in _AUTO:
@@ -41,12 +47,16 @@ def attention_fn(backend: str, platform: str | None = None, **block_sizes) -> Ca
     """The attention function of `backend` on `platform` (default: JAX's default backend).
 
     `block_sizes` go to the kernel (`block_q`, `pages_per_chunk` for TPU; `block_q`,
-    `num_kv_splits`, `num_warps`, `num_stages` for GPU).
+    `num_kv_splits`, `num_warps`, `num_stages` for GPU; `block_q`, `isa` for cpu).
     """
     platform = platform or jax.default_backend()
     name = resolve_backend(backend, platform)
     if name == "reference":
         return ragged_paged_attention
+    if name == "cpu":
+        if platform != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU platform, not {platform!r}")
+        return functools.partial(cpu.ragged_paged_attention_cpu, **block_sizes)
     if name == "pallas_tpu":
         from jax.experimental.pallas import tpu as pltpu
 
