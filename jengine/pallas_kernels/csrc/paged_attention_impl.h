@@ -80,18 +80,71 @@ inline float ExpShifted(float* s, float m, int64_t n) {
   return sum;
 }
 
+#if JE_SIMD
+// s[j] = q . k_j for n keys (rows of length d), four keys per pass so that one horizontal
+// reduction serves four dot products.
+inline void Scores(const float* q, const float* k, int64_t n, int64_t d, float* s) {
+  int64_t j = 0;
+  if (d % 8 == 0) {
+    for (; j + 4 <= n; j += 4) {
+      const float* k0 = k + j * d;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 x = _mm256_loadu_ps(q + c);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + c), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + d + c), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 2 * d + c), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 3 * d + c), a3);
+      }
+      // hadd(hadd(a0, a1), hadd(a2, a3)) holds the four sums split over the two 128-bit lanes.
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+  }
+  for (; j < n; ++j) s[j] = Dot(q, k + j * d, d);
+}
+
+// acc[:8 NC] = alpha * acc + sum_j p[j] v[j, :8 NC], the NC accumulators held in registers so
+// that the FMA chains of different columns overlap.
+template <int NC>
+inline void AccumulateColumns(float* acc, __m256 alpha, const float* p, const float* v,
+                              int64_t n, int64_t d) {
+  __m256 a[NC];
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) a[c] = _mm256_mul_ps(alpha, _mm256_loadu_ps(acc + 8 * c));
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v + j * d;
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), a[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+#else
+inline void Scores(const float* q, const float* k, int64_t n, int64_t d, float* s) {
+  for (int64_t j = 0; j < n; ++j) s[j] = Dot(q, k + j * d, d);
+}
+#endif
+
 // acc[:d] = alpha * acc[:d] + sum_j p[j] * v[j, :d]  (v rows of length d, n of them).
 inline void AccumulateValues(float* acc, float alpha, const float* p, const float* v, int64_t n,
                              int64_t d) {
   int64_t c = 0;
 #if JE_SIMD
-  __m256 va = _mm256_set1_ps(alpha);
-  for (; c + 8 <= d; c += 8) {
-    __m256 a = _mm256_mul_ps(va, _mm256_loadu_ps(acc + c));
-    for (int64_t j = 0; j < n; ++j) {
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * d + c), a);
-    }
-    _mm256_storeu_ps(acc + c, a);
+  const __m256 va = _mm256_set1_ps(alpha);
+  for (; c + 64 <= d; c += 64) AccumulateColumns<8>(acc + c, va, p, v + c, n, d);
+  if (c + 32 <= d) {
+    AccumulateColumns<4>(acc + c, va, p, v + c, n, d);
+    c += 32;
+  }
+  if (c + 16 <= d) {
+    AccumulateColumns<2>(acc + c, va, p, v + c, n, d);
+    c += 16;
+  }
+  if (c + 8 <= d) {
+    AccumulateColumns<1>(acc + c, va, p, v + c, n, d);
+    c += 8;
   }
 #endif
   for (; c < d; ++c) {
@@ -121,6 +174,19 @@ inline const float* PageRows(const Problem& pb, const void* cache, int64_t offse
   return buf;
 }
 
+// Asks for `n` cache elements of K and V from `offset` on, ahead of their use.
+inline void Prefetch(const Problem& pb, int64_t offset, int64_t n) {
+#if JE_X86
+  const int64_t item = pb.bf16 ? 2 : 4;
+  const char* k = static_cast<const char*>(pb.k) + offset * item;
+  const char* v = static_cast<const char*>(pb.v) + offset * item;
+  for (int64_t b = 0; b < n * item; b += 64) {
+    _mm_prefetch(k + b, _MM_HINT_T0);
+    _mm_prefetch(v + b, _MM_HINT_T0);
+  }
+#endif
+}
+
 inline void RunTask(const Problem& pb, const Task& task, Scratch& ws) {
   const Block& b = pb.blocks[task.block];
   const std::vector<int>& heads = pb.groups[task.kv_head];
@@ -146,6 +212,11 @@ inline void RunTask(const Problem& pb, const Task& task, Scratch& ws) {
     const int64_t j1 = std::min(task.key_hi, page_start + O) - page_start;
     const int64_t page = std::min<int64_t>(std::max<int32_t>(table[page_index], 0), pb.P - 1);
     const int64_t offset = ((head_base + page) * O + j0) * D;
+    if (page_start + O < task.key_hi) {  // the next page's rows: a DRAM miss otherwise
+      const int64_t next = std::min<int64_t>(std::max<int32_t>(table[page_index + 1], 0),
+                                             pb.P - 1);
+      Prefetch(pb, (head_base + next) * O * D, O * D);
+    }
     const float* keys = PageRows(pb, pb.k, offset, j1 - j0, ws.k.data());
     const float* values = PageRows(pb, pb.v, offset, j1 - j0, ws.v.data());
     for (int64_t r = 0; r < b.num_rows; ++r) {
@@ -159,12 +230,11 @@ inline void RunTask(const Problem& pb, const Task& task, Scratch& ws) {
         const int64_t i = r * G + g;
         float* s = ws.s.data();
         const float* qi = ws.q.data() + i * D;
+        Scores(qi, keys + (lo - j0) * D, n, D, s);
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) {
-          float x = Dot(qi, keys + (lo - j0 + j) * D, D);
-          if (pb.soft_cap > 0.0f) x = pb.soft_cap * std::tanh(x / pb.soft_cap);
-          s[j] = x;
-          mx = std::max(mx, x);
+          if (pb.soft_cap > 0.0f) s[j] = pb.soft_cap * std::tanh(s[j] / pb.soft_cap);
+          mx = std::max(mx, s[j]);
         }
         const float m_new = std::max(ws.m[i], mx);
         const float alpha = std::exp(ws.m[i] - m_new);  // 0 on the first visit (m = -inf)
