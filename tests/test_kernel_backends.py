@@ -63,3 +63,32 @@ def test_smollm2_kernel_backend_matches_reference(smol_engine, backend):
     expected = _greedy(smol_engine, prompts, 3)
     engine = Engine(config=ONE_BUCKET, attention_backend=backend, progress=False)
     assert _greedy(engine, prompts, 3) == expected
+
+
+@pytest.mark.parametrize("backend", [CPU, "reference"])
+def test_bf16_kv_cache_halves_page_bytes(tiny, backend):
+    """`kv_cache_dtype="bfloat16"`: the cache is bf16, the same budget holds twice the pages,
+    and greedy decoding still works (bf16 K/V may change a random model's argmax, so the tokens
+    are compared with the f32 cache's loosely: most of them agree)."""
+    path, prompts, expected = tiny
+    engine = Engine(path, config=ONE_BUCKET, attention_backend=backend, kv_cache_dtype="bfloat16",
+                    progress=False)
+    f32_pages = Engine(path, config=ONE_BUCKET, attention_backend="reference",
+                       progress=False).core.allocator.num_pages
+    assert str(engine.core.runner.kv.k.dtype) == "bfloat16"
+    assert engine.core.allocator.num_pages in (2 * f32_pages, 2 * f32_pages + 1)
+    got = _greedy(engine, prompts, 6)
+    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    assert same >= 0.75 * sum(len(e) for e in expected), (got, expected)
+
+
+def test_kv_cache_dtype_from_config_and_errors(tmp_path):
+    from jengine.config import load_config
+    from jengine.core import resolve_kv_cache_dtype
+
+    preset = tmp_path / "bf16.yaml"
+    preset.write_text("cache:\n  kv_cache_dtype: bfloat16\n")
+    assert load_config(str(preset)).cache.kv_cache_dtype == "bfloat16"
+    assert resolve_kv_cache_dtype("auto", "float32") == "float32"
+    with pytest.raises(ValueError, match="unsupported kv_cache_dtype"):
+        resolve_kv_cache_dtype("int4", "float32")
