@@ -210,3 +210,12 @@ def test_shard_over_heads(head_map):
                       kv_head_map=head_map, cpu_write=False)
     ref = run(case, ragged_paged_attention, window=5, kv_head_map=head_map, cpu_write=False)
     np.testing.assert_allclose(out, ref, rtol=TOL, atol=TOL)
+
+
+def test_auto_falls_back_to_reference_without_the_library(monkeypatch):
+    from jengine.pallas_kernels import resolve_backend
+
+    monkeypatch.setattr(cpu, "_LIB", None)
+    assert resolve_backend("auto", "cpu") == "reference"
+    with pytest.raises(RuntimeError, match="--attention-backend reference"):
+        resolve_backend("cpu", "cpu")

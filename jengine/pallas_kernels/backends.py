@@ -2,17 +2,18 @@
 
 Every backend has the reference's signature:
 `fn(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale, sliding_window,
-soft_cap, kv_head_map) -> [T, H, D]`. `auto` resolves by platform: cpu -> reference,
-tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. `cpu` is the native C++ kernel
-(jengine.pallas_kernels.cpu); asking for it when its library was not built is a `RuntimeError`
-naming the fix. A Pallas backend asked for on CPU runs its kernel in interpret mode (TPU
-emulation for pallas_tpu), which is how the tests and an end-to-end check on this machine
-exercise the kernels.
+soft_cap, kv_head_map) -> [T, H, D]`. `auto` resolves by platform: cpu -> cpu (the native
+C++ kernel, jengine.pallas_kernels.cpu; reference, with a warning, when its library was not
+built), tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. Asking for `cpu` itself without the
+library is a `RuntimeError` naming the fix. A Pallas backend asked for on CPU runs its kernel
+in interpret mode (TPU emulation for pallas_tpu), which is how the tests and an end-to-end check
+on this machine exercise the kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -25,7 +26,7 @@ from jengine.pallas_kernels.reference import ragged_paged_attention
 from jengine.pallas_kernels.tpu import ragged_paged_attention_tpu
 
 BACKENDS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
-_AUTO = {"cpu": "reference", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
+_AUTO = {"cpu": "cpu", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
          "rocm": "pallas_gpu"}
 
 
@@ -40,6 +41,11 @@ def resolve_backend(backend: str, platform: str) -> str:
         return backend
     if platform not in _AUTO:
         raise ValueError(f"no attention backend for platform {platform!r}")
+    if _AUTO[platform] == "cpu" and not cpu.available():
+        logging.getLogger("jengine").warning(
+            "the native CPU attention kernel is not built; using the slower 'reference' backend "
+            "(reinstall jengine with a C++ compiler present: `pip install -e .`)")
+        return "reference"
     return _AUTO[platform]
 
 
