@@ -12,6 +12,7 @@ rounding (2e-2) of the kernel.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -219,3 +220,34 @@ def test_auto_falls_back_to_reference_without_the_library(monkeypatch):
     assert resolve_backend("auto", "cpu") == "reference"
     with pytest.raises(RuntimeError, match="--attention-backend reference"):
         resolve_backend("cpu", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_scan_keeps_the_cache_in_place(dtype):
+    """Write + attend per layer in `lax.scan` with the donated caches in the carry, as the model
+    runs: the compiled program has no op producing a whole cache other than the FFI writes."""
+    layers, kv, pages, page, d, heads, t = 3, 2, 16, 4, HEAD_DIM, 4, 5
+
+    def step(k_cache, v_cache, q, new, slots, token_seq, positions, page_table):
+        def layer_fn(carry, layer):
+            k_cache, v_cache, x = carry
+            k_cache = cpu.write_kv_cpu(k_cache, layer, slots, new)
+            v_cache = cpu.write_kv_cpu(v_cache, layer, slots, new)
+            x = cpu.ragged_paged_attention_cpu(x, k_cache, v_cache, layer, token_seq, positions,
+                                               page_table, sm_scale=0.25)
+            return (k_cache, v_cache, x), None
+
+        return jax.lax.scan(layer_fn, (k_cache, v_cache, q), jnp.arange(layers))[0]
+
+    cache = jax.ShapeDtypeStruct((layers, kv, pages, page, d), dtype)
+    ints = jax.ShapeDtypeStruct((t,), jnp.int32)
+    hlo = jax.jit(step, donate_argnums=(0, 1)).lower(
+        cache, cache, jax.ShapeDtypeStruct((t, heads, d), jnp.float32),
+        jax.ShapeDtypeStruct((t, kv, d), jnp.float32), ints, ints, ints,
+        jax.ShapeDtypeStruct((t, 4), jnp.int32)).compile().as_text()
+    shape = f"{jnp.dtype(dtype).name.replace('float32', 'f32').replace('bfloat16', 'bf16')}" \
+            f"[{layers},{kv},{pages},{page},{d}]"
+    producers = [line for line in hlo.splitlines()
+                 if re.search(rf"= {re.escape(shape)}\S* (?!custom-call)[\w-]+\(", line)
+                 and "get-tuple-element" not in line and "parameter(" not in line]
+    assert not producers, producers
