@@ -251,3 +251,32 @@ def test_layer_scan_keeps_the_cache_in_place(dtype):
                  if re.search(rf"= {re.escape(shape)}\S* (?!custom-call)[\w-]+\(", line)
                  and "get-tuple-element" not in line and "parameter(" not in line]
     assert not producers, producers
+
+
+@pytest.mark.parametrize("kv_replicated", [False, True])
+def test_kv_write_per_shard_under_a_mesh(kv_replicated):
+    """Under `jax.set_mesh` with tp=4 the FFI write runs per shard (kv heads split, or the whole
+    replicated cache on each) and matches XLA's scatter."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jengine.pallas_kernels import shard_write_for_context_mesh
+
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    rng = np.random.default_rng(13)
+    num_kv = 3 if kv_replicated else 4
+    cache = rng.normal(size=(NUM_LAYERS, num_kv, 6, 4, HEAD_DIM)).astype(np.float32)
+    new = rng.normal(size=(5, num_kv, HEAD_DIM)).astype(np.float32)
+    slots = jnp.asarray([5, 0, 23, 9, 22], jnp.int32)
+    spec = PartitionSpec() if kv_replicated else PartitionSpec(None, "tp")
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(cache, NamedSharding(mesh, spec))
+
+        @jax.jit
+        def write(c, n):
+            fn = shard_write_for_context_mesh(cpu.write_kv_cpu, kv_replicated=kv_replicated)
+            return fn(c, jnp.int32(LAYER), slots, n)
+
+        got = write(sharded, jnp.asarray(new))
+    want = write_kv(jnp.asarray(cache), jnp.int32(LAYER), slots, jnp.asarray(new))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

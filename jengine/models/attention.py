@@ -13,6 +13,7 @@ from jengine.pallas_kernels import (
     blocked_paged_attention,
     ragged_paged_attention,
     shard_for_context_mesh,
+    shard_write_for_context_mesh,
     write_kv,
     write_kv_cpu,
 )
@@ -77,10 +78,11 @@ def attend(
     `md.block_tokens`); on CPU the Pallas ones run in interpret mode. Traced under
     `jax.set_mesh` with a `tp` axis, they run per shard in `shard_map` (a kernel call is opaque
     to the partitioner). The `cpu` backend also writes K/V with its own in-place FFI write
-    (XLA's scatter on a bf16 cache rewrites the whole cache) when no such mesh is in context;
-    under one, the partitioner would gather the cache for the opaque call, so XLA writes.
+    (XLA's scatter on a bf16 cache rewrites the whole cache), per shard under such a mesh.
     """
-    write = write_kv_cpu if backend == "cpu" and not _multi_device_mesh() else write_kv
+    write = write_kv
+    if backend == "cpu":
+        write = shard_write_for_context_mesh(write_kv_cpu, kv_replicated=kv_head_map is not None)
     kv = KVCache(
         k=write(kv.k, layer, md.slot_mapping, k), v=write(kv.v, layer, md.slot_mapping, v)
     )
@@ -104,7 +106,3 @@ def attend(
         )
     return out, kv
 
-
-def _multi_device_mesh(axis: str = "tp") -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and dict(mesh.shape).get(axis, 1) > 1

@@ -13,6 +13,7 @@ from jengine.pallas_kernels.backends import (
     resolve_backend,
     shard_for_context_mesh,
     shard_over_heads,
+    shard_write_for_context_mesh,
 )
 from jengine.pallas_kernels.cpu import ragged_paged_attention_cpu, write_kv_cpu
 from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
@@ -36,6 +37,7 @@ __all__ = [
     "resolve_backend",
     "shard_for_context_mesh",
     "shard_over_heads",
+    "shard_write_for_context_mesh",
     "write_kv",
     "write_kv_cpu",
 ]

@@ -81,6 +81,25 @@ def shard_for_context_mesh(fn: Callable, axis: str = "tp") -> Callable:
     return shard_over_heads(fn, mesh, axis)
 
 
+def shard_write_for_context_mesh(write: Callable, *, kv_replicated: bool,
+                                 axis: str = "tp") -> Callable:
+    """A KV write `write(cache, layer, slot_mapping, new)` per `axis` shard in `shard_map` when
+    traced inside `jax.set_mesh(mesh)` with more than one device on `axis` (the FFI write is
+    opaque to the partitioner, which would gather the whole cache for it); `write` otherwise.
+
+    The cache is split on its kv-head axis like `new` [T, K, D], or replicated (`kv_replicated`,
+    the explicit head-map layout), when every shard writes its whole copy.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or dict(mesh.shape).get(axis, 1) == 1:
+        return write
+    cache_spec = PartitionSpec() if kv_replicated else PartitionSpec(None, axis)
+    new_spec = PartitionSpec() if kv_replicated else PartitionSpec(None, axis, None)
+    rep = PartitionSpec()
+    return jax.shard_map(write, mesh=mesh, in_specs=(cache_spec, rep, rep, new_spec),
+                         out_specs=cache_spec, check_vma=False)
+
+
 def shard_over_heads(fn: Callable, mesh: Mesh | AbstractMesh, axis: str = "tp") -> Callable:
     """Runs `fn` once per `axis` shard on its own query heads (a Pallas call is opaque to the
     SPMD partitioner, which would otherwise gather every head onto every device).
