@@ -15,9 +15,9 @@ import time
 from converters.errors import ModelLoadError
 
 ENGINE_FLAGS = (
-    "model", "config", "mesh", "dtype", "attention_backend", "max_model_len", "max_num_seqs",
-    "max_num_batched_tokens", "page_size", "kv_cache_memory", "enable_prefix_caching",
-    "coordinator", "num_processes", "process_id", "seed",
+    "model", "config", "mesh", "dtype", "attention_backend", "kv_cache_dtype", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
+    "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
 )
 
 
@@ -33,7 +33,9 @@ def _engine_parent() -> argparse.ArgumentParser:
                    "--mesh without accelerators; no speed-up)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
+                   choices=["auto", "reference", "cpu", "pallas_tpu", "pallas_gpu"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="KV cache element type (auto: the model dtype); sizes the page pool")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)

@@ -50,6 +50,16 @@ log = logging.getLogger("jengine")
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """auto -> the model dtype (so greedy tokens stay those of the model's own precision)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; use auto, float32 or bfloat16")
+    return kv_cache_dtype
+
+
 def resolve_dtype(dtype: str) -> str:
     """auto -> float32 on CPU (XLA:CPU bfloat16 is several times slower), bfloat16 elsewhere."""
     if dtype == "auto":
@@ -113,6 +123,7 @@ class EngineCore:
         )
         initialize(self.distributed)  # before anything starts JAX's backend
         self.dtype = resolve_dtype(cfg.model.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         self.mesh_spec = MeshSpec.parse(cfg.parallel.mesh)
         mesh = self.mesh_spec.replica_mesh(replica) if self.mesh_spec.num_devices > 1 else None
         backend = resolve_backend(cfg.model.attention_backend, jax.default_backend())
@@ -130,7 +141,8 @@ class EngineCore:
         page_size = cfg.cache.page_size
         budget = host_kv_budget(cfg.cache.kv_cache_memory, self.mesh_spec,
                                 loaded.config.num_kv_heads, par.num_processes)
-        num_pages = budget // KVCache.bytes_per_page(self.model_config, page_size, self.dtype)
+        num_pages = budget // KVCache.bytes_per_page(
+            self.model_config, page_size, self.kv_cache_dtype)
         max_pages = -(-self.max_model_len // page_size)
         if num_pages < max_pages + 1:
             raise ValueError(
@@ -169,7 +181,7 @@ class EngineCore:
         )
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,
-            buckets=buckets, dtype=self.dtype, rules=rules,
+            buckets=buckets, kv_cache_dtype=self.kv_cache_dtype, rules=rules,
             channel=StepChannel(self.distributed) if self.distributed.num_processes > 1 else None,
         )
         self.requests: dict[str, RequestState] = {}

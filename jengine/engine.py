@@ -66,7 +66,8 @@ log = logging.getLogger("jengine")
 
 # The pinned keyword defaults. A keyword left at its default lets a `config` preset decide.
 _DEFAULTS: dict[str, Any] = dict(
-    mesh="tp=1", dtype="auto", attention_backend="auto", max_model_len=None, max_num_seqs=64,
+    mesh="tp=1", dtype="auto", attention_backend="auto", kv_cache_dtype="auto",
+    max_model_len=None, max_num_seqs=64,
     max_num_batched_tokens=512, page_size=16, kv_cache_memory="2GiB", enable_prefix_caching=True,
     coordinator=None, num_processes=1, process_id=0, seed=None,
 )
@@ -88,6 +89,7 @@ class Engine:
         mesh: str = "tp=1",
         dtype: str = "auto",
         attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
@@ -109,7 +111,7 @@ class Engine:
         runs process 0's step programs and returns only when process 0 exits."""
         cfg = build_config(
             model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,

@@ -119,7 +119,7 @@ class Runner:
         num_pages: int,
         page_size: int,
         buckets: Buckets,
-        dtype,
+        kv_cache_dtype,
         rules: ShardingRules | None = None,
         channel: StepChannel | None = None,
     ):
@@ -132,7 +132,7 @@ class Runner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.buckets = buckets
-        self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         self._input_sharding = rules.replicated() if rules else None
         self._channel = channel if channel is not None and channel.is_leader else None
         self._follower_channel = channel if channel is not None and not channel.is_leader else None
@@ -142,7 +142,7 @@ class Runner:
         self._kernel_mesh = rules.mesh if rules and cfg.attention_backend != "reference" else None
         kv_sharding = rules.kv_cache_sharding() if rules else None
         self.kv = jax.jit(
-            lambda: KVCache.zeros(cfg, num_pages, page_size, dtype),
+            lambda: KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype),
             out_shardings=KVCache(k=kv_sharding, v=kv_sharding) if rules else None,
         )()
         forward = family_module(cfg).forward

@@ -1,6 +1,7 @@
-"""The engine end to end with each attention backend: the Pallas kernels (interpret mode on CPU:
-plain interpret for the GPU kernel, TPU emulation for the TPU kernel) give the reference
-backend's greedy tokens, on a tiny random Llama (also under tp=2) and on the real SmolLM2."""
+"""The engine end to end with each attention backend: the native `cpu` kernel and the Pallas
+kernels (interpret mode on CPU: plain interpret for the GPU kernel, TPU emulation for the TPU
+kernel) give the reference backend's greedy tokens, on a tiny random Llama (also under tp=2) and
+on the real SmolLM2."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import pytest
 from test_sharding import _tiny_llama
 
 from jengine import Engine, SamplingParams
+from jengine.pallas_kernels import cpu
 
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(),
+                                                   reason="native CPU kernel not built"))
 
 
 def _greedy(engine, prompts, n):
@@ -33,7 +37,7 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "backend",
-    ["pallas_gpu", pytest.param("pallas_tpu", marks=pytest.mark.kernel_sweep)],  # ~2 min emulated
+    [CPU, "pallas_gpu", pytest.param("pallas_tpu", marks=pytest.mark.kernel_sweep)],  # TPU ~2 min
 )
 def test_tiny_llama_kernel_backend_matches_reference(tiny, backend):
     path, prompts, expected = tiny
@@ -42,19 +46,49 @@ def test_tiny_llama_kernel_backend_matches_reference(tiny, backend):
     assert _greedy(engine, prompts, 6) == expected
 
 
-def test_tiny_llama_kernel_under_tensor_parallelism(tiny):
+@pytest.mark.parametrize("backend", [CPU, "pallas_gpu"])
+def test_tiny_llama_kernel_under_tensor_parallelism(tiny, backend):
     path, prompts, expected = tiny
-    engine = Engine(path, config=ONE_BUCKET, mesh="tp=2", attention_backend="pallas_gpu",
+    engine = Engine(path, config=ONE_BUCKET, mesh="tp=2", attention_backend=backend,
                     progress=False)
     assert _greedy(engine, prompts, 6) == expected
 
 
 @pytest.mark.parametrize(
     "backend",
-    ["pallas_gpu", pytest.param("pallas_tpu", marks=pytest.mark.kernel_sweep)],
+    [CPU, "pallas_gpu", pytest.param("pallas_tpu", marks=pytest.mark.kernel_sweep)],
 )
 def test_smollm2_kernel_backend_matches_reference(smol_engine, backend):
     prompts = ["The capital of France is", "def add(a, b):"]
     expected = _greedy(smol_engine, prompts, 3)
     engine = Engine(config=ONE_BUCKET, attention_backend=backend, progress=False)
     assert _greedy(engine, prompts, 3) == expected
+
+
+@pytest.mark.parametrize("backend", [CPU, "reference"])
+def test_bf16_kv_cache_halves_page_bytes(tiny, backend):
+    """`kv_cache_dtype="bfloat16"`: the cache is bf16, the same budget holds twice the pages,
+    and greedy decoding still works (bf16 K/V may change a random model's argmax, so the tokens
+    are compared with the f32 cache's loosely: most of them agree)."""
+    path, prompts, expected = tiny
+    engine = Engine(path, config=ONE_BUCKET, attention_backend=backend, kv_cache_dtype="bfloat16",
+                    progress=False)
+    f32_pages = Engine(path, config=ONE_BUCKET, attention_backend="reference",
+                       progress=False).core.allocator.num_pages
+    assert str(engine.core.runner.kv.k.dtype) == "bfloat16"
+    assert engine.core.allocator.num_pages in (2 * f32_pages, 2 * f32_pages + 1)
+    got = _greedy(engine, prompts, 6)
+    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    assert same >= 0.75 * sum(len(e) for e in expected), (got, expected)
+
+
+def test_kv_cache_dtype_from_config_and_errors(tmp_path):
+    from jengine.config import load_config
+    from jengine.core import resolve_kv_cache_dtype
+
+    preset = tmp_path / "bf16.yaml"
+    preset.write_text("cache:\n  kv_cache_dtype: bfloat16\n")
+    assert load_config(str(preset)).cache.kv_cache_dtype == "bfloat16"
+    assert resolve_kv_cache_dtype("auto", "float32") == "float32"
+    with pytest.raises(ValueError, match="unsupported kv_cache_dtype"):
+        resolve_kv_cache_dtype("int4", "float32")

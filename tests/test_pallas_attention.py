@@ -26,6 +26,7 @@ from test_reference_attention import HEAD_DIM, LAYER, MIXED, Case
 
 from jengine.pallas_kernels import (
     attention_fn,
+    cpu,
     ragged_paged_attention,
     ragged_paged_attention_gpu,
     ragged_paged_attention_tpu,
@@ -125,7 +126,7 @@ def test_block_layout_groups_each_sequence_and_bounds_its_keys():
 
 
 def test_backend_resolution():
-    assert resolve_backend("auto", "cpu") == "reference"
+    assert resolve_backend("auto", "cpu") == ("cpu" if cpu.available() else "reference")
     assert resolve_backend("auto", "tpu") == "pallas_tpu"
     assert resolve_backend("auto", "gpu") == "pallas_gpu"
     assert resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"

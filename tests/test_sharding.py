@@ -96,7 +96,7 @@ def test_smollm2_tensor_parallel_matches_one_device(smol_engine):
             # 3 kv heads do not split over tp: every device holds the whole cache, and all
             # tp copies come out of the one host budget (fake devices share this host).
             assert tuple(engine.core.runner.kv.k.sharding.spec) in ((), (None,) * 5)
-            per_page = KVCache.bytes_per_page(cfg, 16, engine.core.dtype)
+            per_page = KVCache.bytes_per_page(cfg, 16, engine.core.kv_cache_dtype)
             assert engine.core.allocator.num_pages == 256 * 2**20 // tp // per_page
             assert engine.core.compiles_since_ready == 0
         finally:

@@ -13,7 +13,9 @@ from jengine.pallas_kernels import (
     blocked_paged_attention,
     ragged_paged_attention,
     shard_for_context_mesh,
+    shard_write_for_context_mesh,
     write_kv,
+    write_kv_cpu,
 )
 
 
@@ -68,16 +70,21 @@ def attend(
     sliding_window: jax.Array | int | None,
     soft_cap: float | None,
     kv_head_map: tuple[int, ...] | None = None,
-    backend: str = "reference",  # reference | pallas_tpu | pallas_gpu (resolved, not auto)
+    backend: str = "reference",  # reference | cpu | pallas_tpu | pallas_gpu (resolved)
 ) -> tuple[jax.Array, KVCache]:
     """Writes this layer's new K/V into the pages, then attends over the cache.
 
-    The Pallas backends group query tokens into blocks themselves (they ignore
-    `md.block_tokens`); on CPU they run in interpret mode. Traced under `jax.set_mesh` with a
-    `tp` axis, they run per shard in `shard_map` (a Pallas call is opaque to the partitioner).
+    The kernel backends group query tokens into blocks themselves (they ignore
+    `md.block_tokens`); on CPU the Pallas ones run in interpret mode. Traced under
+    `jax.set_mesh` with a `tp` axis, they run per shard in `shard_map` (a kernel call is opaque
+    to the partitioner). The `cpu` backend also writes K/V with its own in-place FFI write
+    (XLA's scatter on a bf16 cache rewrites the whole cache), per shard under such a mesh.
     """
+    write = write_kv
+    if backend == "cpu":
+        write = shard_write_for_context_mesh(write_kv_cpu, kv_replicated=kv_head_map is not None)
     kv = KVCache(
-        k=write_kv(kv.k, layer, md.slot_mapping, k), v=write_kv(kv.v, layer, md.slot_mapping, v)
+        k=write(kv.k, layer, md.slot_mapping, k), v=write(kv.v, layer, md.slot_mapping, v)
     )
     if backend != "reference":
         out = shard_for_context_mesh(attention_fn(backend))(
@@ -98,3 +105,4 @@ def attend(
             kv_head_map=kv_head_map,
         )
     return out, kv
+

@@ -92,7 +92,7 @@ class ModelConfig:
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
     # The attention implementation the forward pass calls (resolved by the engine, never auto).
-    attention_backend: str = "reference"  # reference | pallas_tpu | pallas_gpu
+    attention_backend: str = "reference"  # reference | cpu | pallas_tpu | pallas_gpu
 
     @property
     def family(self) -> str:

@@ -1,9 +1,10 @@
 """Ragged paged attention backends behind one signature.
 
-`reference` is pure JAX (the CPU path and the oracle the kernels are tested against);
+`reference` is pure JAX (the oracle the kernels are tested against); `cpu` is a native C++
+kernel through `jax.ffi` (its FFI targets are registered when this package is imported);
 `pallas_tpu` (Mosaic, pages streamed from HBM with double-buffered DMAs) and `pallas_gpu`
 (Triton, split-K) share its signature. `attention_fn(backend, platform)` picks one. This package
-imports only jax and numpy.
+imports only jax and numpy (and loads the native library with ctypes).
 """
 
 from jengine.pallas_kernels.backends import (
@@ -12,7 +13,9 @@ from jengine.pallas_kernels.backends import (
     resolve_backend,
     shard_for_context_mesh,
     shard_over_heads,
+    shard_write_for_context_mesh,
 )
+from jengine.pallas_kernels.cpu import ragged_paged_attention_cpu, write_kv_cpu
 from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
 from jengine.pallas_kernels.reference import (
     blocked_paged_attention,
@@ -28,10 +31,13 @@ __all__ = [
     "blocked_paged_attention",
     "query_blocks",
     "ragged_paged_attention",
+    "ragged_paged_attention_cpu",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_tpu",
     "resolve_backend",
     "shard_for_context_mesh",
     "shard_over_heads",
+    "shard_write_for_context_mesh",
     "write_kv",
+    "write_kv_cpu",
 ]

@@ -2,38 +2,50 @@
 
 Every backend has the reference's signature:
 `fn(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale, sliding_window,
-soft_cap, kv_head_map) -> [T, H, D]`. `auto` resolves by platform: cpu -> reference,
-tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. A Pallas backend asked for on CPU runs its
-kernel in interpret mode (TPU emulation for pallas_tpu), which is how the tests and an
-end-to-end check on this machine exercise the kernels.
+soft_cap, kv_head_map) -> [T, H, D]`. `auto` resolves by platform: cpu -> cpu (the native
+C++ kernel, jengine.pallas_kernels.cpu; reference, with a warning, when its library was not
+built), tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. Asking for `cpu` itself without the
+library is a `RuntimeError` naming the fix. A Pallas backend asked for on CPU runs its kernel
+in interpret mode (TPU emulation for pallas_tpu), which is how the tests and an end-to-end check
+on this machine exercise the kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from jengine.pallas_kernels import cpu
 from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
 from jengine.pallas_kernels.reference import ragged_paged_attention
 from jengine.pallas_kernels.tpu import ragged_paged_attention_tpu
 
-BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
-_AUTO = {"cpu": "reference", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
+BACKENDS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
+_AUTO = {"cpu": "cpu", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
          "rocm": "pallas_gpu"}
 
 
 def resolve_backend(backend: str, platform: str) -> str:
-    """`auto` -> the platform's backend; any other known name is returned as given."""
+    """`auto` -> the platform's backend; any other known name is returned as given (`cpu` only
+    when its native library is built, else a `RuntimeError` naming the fix)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "cpu":
+        cpu.require()
     if backend != "auto":
         return backend
     if platform not in _AUTO:
         raise ValueError(f"no attention backend for platform {platform!r}")
+    if _AUTO[platform] == "cpu" and not cpu.available():
+        logging.getLogger("jengine").warning(
+            "the native CPU attention kernel is not built; using the slower 'reference' backend "
+            "(reinstall jengine with a C++ compiler present: `pip install -e .`)")
+        return "reference"
     return _AUTO[platform]
 
 
@@ -41,12 +53,16 @@ def attention_fn(backend: str, platform: str | None = None, **block_sizes) -> Ca
     """The attention function of `backend` on `platform` (default: JAX's default backend).
 
     `block_sizes` go to the kernel (`block_q`, `pages_per_chunk` for TPU; `block_q`,
-    `num_kv_splits`, `num_warps`, `num_stages` for GPU).
+    `num_kv_splits`, `num_warps`, `num_stages` for GPU; `block_q`, `isa` for cpu).
     """
     platform = platform or jax.default_backend()
     name = resolve_backend(backend, platform)
     if name == "reference":
         return ragged_paged_attention
+    if name == "cpu":
+        if platform != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU platform, not {platform!r}")
+        return functools.partial(cpu.ragged_paged_attention_cpu, **block_sizes)
     if name == "pallas_tpu":
         from jax.experimental.pallas import tpu as pltpu
 
@@ -63,6 +79,25 @@ def shard_for_context_mesh(fn: Callable, axis: str = "tp") -> Callable:
     if mesh.empty or dict(mesh.shape).get(axis, 1) == 1:
         return fn
     return shard_over_heads(fn, mesh, axis)
+
+
+def shard_write_for_context_mesh(write: Callable, *, kv_replicated: bool,
+                                 axis: str = "tp") -> Callable:
+    """A KV write `write(cache, layer, slot_mapping, new)` per `axis` shard in `shard_map` when
+    traced inside `jax.set_mesh(mesh)` with more than one device on `axis` (the FFI write is
+    opaque to the partitioner, which would gather the whole cache for it); `write` otherwise.
+
+    The cache is split on its kv-head axis like `new` [T, K, D], or replicated (`kv_replicated`,
+    the explicit head-map layout), when every shard writes its whole copy.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or dict(mesh.shape).get(axis, 1) == 1:
+        return write
+    cache_spec = PartitionSpec() if kv_replicated else PartitionSpec(None, axis)
+    new_spec = PartitionSpec() if kv_replicated else PartitionSpec(None, axis, None)
+    rep = PartitionSpec()
+    return jax.shard_map(write, mesh=mesh, in_specs=(cache_spec, rep, rep, new_spec),
+                         out_specs=cache_spec, check_vma=False)
 
 
 def shard_over_heads(fn: Callable, mesh: Mesh | AbstractMesh, axis: str = "tp") -> Callable:

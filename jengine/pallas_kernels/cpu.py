@@ -1,0 +1,122 @@
+"""Native CPU ragged paged attention and KV write: C++ kernels called through `jax.ffi`.
+
+The kernels (`csrc/paged_attention.cc`) are built into `_cpu_attention*.so` by the package's
+install (a setuptools Extension against the XLA FFI headers of jaxlib); nothing is compiled at
+run time. They read and write the paged cache in place: attention visits only the pages each
+query block can see (no gathered copy), and the KV write is an aliased output, so a donated
+cache is never copied (XLA's own scatter on a bf16 cache rewrites all of it).
+
+The FFI targets are registered when this module is imported (jengine.pallas_kernels imports it),
+before any program that calls them is compiled or loaded from the persistent compilation cache.
+If the library is missing, importing still succeeds and the `cpu` backend raises `RuntimeError`
+naming the fix when asked for; the `reference` backend never needs it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_ATTENTION_TARGET = "jengine_paged_attention"
+_KV_WRITE_TARGET = "jengine_kv_write"
+ISAS = {"auto": 0, "portable": 1, "avx2": 2}  # instruction set of the attention kernel
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    here = Path(__file__).parent
+    candidates = [here / f"_cpu_attention{s}" for s in importlib.machinery.EXTENSION_SUFFIXES]
+    found = [p for p in candidates if p.exists()]
+    if not found:
+        return None, f"no _cpu_attention library in {here}"
+    try:
+        lib = ctypes.CDLL(str(found[0]))
+        jax.ffi.register_ffi_target(
+            _ATTENTION_TARGET, jax.ffi.pycapsule(lib.JenginePagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(
+            _KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JengineKvWrite), platform="cpu")
+    except (OSError, AttributeError) as e:
+        return None, f"{found[0].name} failed to load: {e}"
+    return lib, None
+
+
+_LIB, _LOAD_ERROR = _load()
+
+
+def available() -> bool:
+    """Whether the native library was built and its FFI targets are registered."""
+    return _LIB is not None
+
+
+def require() -> None:
+    """Raises a `RuntimeError` naming the fix when the native library is unavailable."""
+    if _LIB is None:
+        raise RuntimeError(
+            f"attention backend 'cpu' needs jengine's native kernel ({_LOAD_ERROR}). Reinstall "
+            "jengine with a C++ compiler present (`pip install -e .` builds it; in a source tree "
+            "`python setup.py build_ext --inplace`), or use --attention-backend reference."
+        )
+
+
+def has_avx2() -> bool:
+    """Whether this CPU runs the kernel's AVX2+FMA path (what `isa="auto"` picks)."""
+    require()
+    return bool(_LIB.JengineHasAvx2())
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, K, P, O, D] float32 or bfloat16
+    v_cache: jax.Array,  # [L, K, P, O, D]
+    layer: jax.Array,  # [] int32
+    token_seq: jax.Array,  # [T] int32
+    positions: jax.Array,  # [T] int32
+    page_table: jax.Array,  # [S, Pmax] int32
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int | None = None,
+    soft_cap: float | None = None,
+    kv_head_map: tuple[int, ...] | jax.Array | None = None,  # [H] (else h // G)
+    block_q: int = 32,
+    isa: str = "auto",
+    max_threads: int = 0,  # 0: all of XLA's intra-op threads
+) -> jax.Array:  # [T, H, D]
+    """`reference.ragged_paged_attention`'s result, computed by the native kernel.
+
+    `block_q` query rows of one sequence share a pass over its pages; `isa` forces the
+    portable or AVX2 path (tests); scores, softmax and accumulation are f32 throughout.
+    """
+    require()
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[1]
+    if kv_head_map is None:
+        kv_head_map = np.arange(num_heads, dtype=np.int32) // (num_heads // num_kv_heads)
+    window = jnp.iinfo(jnp.int32).max if sliding_window is None else sliding_window
+    call = jax.ffi.ffi_call(_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(
+        q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()),
+        token_seq.astype(jnp.int32), positions.astype(jnp.int32), page_table.astype(jnp.int32),
+        jnp.asarray(window, jnp.int32).reshape(()), jnp.asarray(kv_head_map, jnp.int32),
+        sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+        isa=np.int32(ISAS[isa]), block_q=np.int32(block_q), max_threads=np.int32(max_threads),
+    )
+    return out.astype(q.dtype)
+
+
+def write_kv_cpu(
+    cache: jax.Array,  # [L, K, P, O, D] float32 or bfloat16
+    layer: jax.Array,  # [] int32
+    slot_mapping: jax.Array,  # [T] int32 flat slot = page * O + offset
+    new: jax.Array,  # [T, K, D]
+) -> jax.Array:
+    """`reference.write_kv`, in place: the result aliases `cache` (donate it to avoid a copy).
+    Slots outside the pool are skipped; bf16 rounds to nearest even."""
+    require()
+    call = jax.ffi.ffi_call(_KV_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0})
+    return call(cache, jnp.asarray(layer, jnp.int32).reshape(()), slot_mapping.astype(jnp.int32),
+                new.astype(jnp.float32))

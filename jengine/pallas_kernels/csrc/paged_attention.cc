@@ -1,0 +1,458 @@
+// Ragged paged attention and the paged KV write for XLA:CPU, called through the XLA FFI.
+//
+// Layouts are the reference's (jengine/pallas_kernels/reference.py): q [T, H, D] f32, caches
+// [L, K, P, O, D] f32 or bf16, page_table [S, Pmax], token_seq / positions [T]. Key slot s of a
+// sequence holds position s, so a query at position p sees slots max(0, p - W + 1) .. p.
+//
+// Work split: consecutive tokens of one sequence form blocks of up to `block_q` rows; a
+// (block, kv head) item runs that kv head's q heads together over the keys the block can see,
+// reading pages in place. Items are shared out over XLA's intra-op thread pool; when there are
+// fewer items than threads can keep busy (batch 1, long context), an item's key range is split
+// and the partial softmax states are merged afterwards. The instruction set (AVX2+FMA or
+// portable) is chosen at run time, or forced by the `isa` attribute.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define JE_X86 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jengine {
+namespace {
+
+inline float Bf16ToF32(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+struct Block {  // consecutive query tokens of one sequence
+  int32_t seq;
+  int64_t first_token, num_rows;
+  int64_t key_lo, key_hi;  // key positions any row of the block can see: [key_lo, key_hi)
+};
+
+struct Task {  // one (block, kv head) item, or one key range of it
+  int64_t block, kv_head;
+  int64_t key_lo, key_hi;
+  int64_t partial;  // -1: write the output; else the index of this task's partial state
+  int64_t cost;
+};
+
+struct Problem {
+  const float* q;
+  const void* k;
+  const void* v;
+  bool bf16;
+  const int32_t* positions;
+  const int32_t* page_table;
+  int64_t T, H, D, K, P, O, max_pages;
+  int64_t layer, window;
+  float sm_scale, soft_cap;
+  std::vector<std::vector<int>> groups;  // [K] q heads of each kv head
+  std::vector<Block> blocks;
+  float* out;
+  // Partial softmax states of split items: per partial, rows * (2 + D) floats at offset[i].
+  std::vector<int64_t> partial_offset;
+  std::vector<float> partials;
+};
+
+struct Scratch {  // one worker's buffers
+  std::vector<float> q, m, l, acc, s, k, v;
+  void Reserve(int64_t rows, int64_t d, int64_t page_size) {
+    if (static_cast<int64_t>(m.size()) < rows) {
+      q.resize(rows * d);
+      m.resize(rows);
+      l.resize(rows);
+      acc.resize(rows * d);
+    }
+    if (static_cast<int64_t>(s.size()) < page_size) {
+      s.resize(page_size);
+      k.resize(page_size * d);
+      v.resize(page_size * d);
+    }
+  }
+};
+
+// Normalises a task's rows into the output, or stores its partial state for the merge.
+void FinishTask(const Problem& pb, const Task& task, const Scratch& ws) {
+  const Block& b = pb.blocks[task.block];
+  const std::vector<int>& heads = pb.groups[task.kv_head];
+  const int64_t G = static_cast<int64_t>(heads.size()), D = pb.D, rows = b.num_rows * G;
+  if (task.partial >= 0) {
+    float* dst = const_cast<float*>(pb.partials.data()) + pb.partial_offset[task.partial];
+    std::memcpy(dst, ws.m.data(), rows * sizeof(float));
+    std::memcpy(dst + rows, ws.l.data(), rows * sizeof(float));
+    std::memcpy(dst + 2 * rows, ws.acc.data(), rows * D * sizeof(float));
+    return;
+  }
+  for (int64_t r = 0; r < b.num_rows; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = r * G + g;
+      const float inv = ws.l[i] > 0.0f ? 1.0f / ws.l[i] : 0.0f;
+      float* dst = pb.out + ((b.first_token + r) * pb.H + heads[g]) * D;
+      for (int64_t c = 0; c < D; ++c) dst[c] = ws.acc[i * D + c] * inv;
+    }
+  }
+}
+
+namespace portable {
+#define JE_SIMD 0
+#include "paged_attention_impl.h"
+#undef JE_SIMD
+}  // namespace portable
+
+#if JE_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+namespace avx2 {
+#define JE_SIMD 1
+#include "paged_attention_impl.h"
+#undef JE_SIMD
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+enum Isa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2 };
+
+bool HasAvx2() {
+#if JE_X86
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+using TaskFn = void (*)(const Problem&, const Task&, Scratch&);
+
+// Runs fn(i, worker) for i < n on the calling thread and up to `threads - 1` pool workers.
+// The caller takes tasks too and waits only for tasks, never for a worker to start, so a busy
+// pool cannot deadlock it; a worker that starts late finds nothing left and returns.
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t threads,
+                 const std::function<void(int64_t, int64_t)>& fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0}, worker_ids{1};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  const int64_t n_tasks = n;
+  auto work = [state, n_tasks, &fn](int64_t worker) {
+    for (int64_t i; (i = state->next.fetch_add(1)) < n_tasks;) {
+      fn(i, worker);
+      if (state->done.fetch_add(1) + 1 == n_tasks) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->cv.notify_all();
+      }
+    }
+  };
+  const int64_t helpers = std::max<int64_t>(0, std::min(threads, n) - 1);
+  std::vector<std::thread> own;
+  if (pool.num_threads() > 0) {
+    for (int64_t w = 0; w < helpers; ++w) {
+      pool.Schedule([state, work]() { work(state->worker_ids.fetch_add(1)); });
+    }
+  } else {  // no intra-op pool in this runtime: a few threads of our own, joined below
+    for (int64_t w = 0; w < helpers; ++w) own.emplace_back(work, w + 1);
+  }
+  work(0);
+  {
+    std::unique_lock<std::mutex> lock(state->mu);
+    state->cv.wait(lock, [&] { return state->done.load() >= n_tasks; });
+  }
+  for (auto& t : own) t.join();
+}
+
+// Merges the partial softmax states of each split item into the output.
+void MergePartials(const Problem& pb, const std::vector<Task>& tasks) {
+  std::vector<std::vector<int64_t>> by_item;  // task indices per (block, kv head) with partials
+  std::vector<int64_t> item_of(pb.blocks.size() * pb.K, -1);
+  for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
+    if (tasks[t].partial < 0) continue;
+    int64_t key = tasks[t].block * pb.K + tasks[t].kv_head;
+    if (item_of[key] < 0) {
+      item_of[key] = static_cast<int64_t>(by_item.size());
+      by_item.emplace_back();
+    }
+    by_item[item_of[key]].push_back(t);
+  }
+  const int64_t D = pb.D;
+  std::vector<float> acc(D);
+  for (const auto& parts : by_item) {
+    const Task& first = tasks[parts[0]];
+    const Block& b = pb.blocks[first.block];
+    const std::vector<int>& heads = pb.groups[first.kv_head];
+    const int64_t G = static_cast<int64_t>(heads.size()), rows = b.num_rows * G;
+    for (int64_t i = 0; i < rows; ++i) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t : parts) m = std::max(m, pb.partials[pb.partial_offset[tasks[t].partial] + i]);
+      float l = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      if (m > -std::numeric_limits<float>::infinity()) {
+        for (int64_t t : parts) {
+          const float* st = pb.partials.data() + pb.partial_offset[tasks[t].partial];
+          const float w = std::exp(st[i] - m);
+          l += w * st[rows + i];
+          const float* a = st + 2 * rows + i * D;
+          for (int64_t c = 0; c < D; ++c) acc[c] += w * a[c];
+        }
+      }
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int64_t r = i / G, g = i % G;
+      float* dst = pb.out + ((b.first_token + r) * pb.H + heads[g]) * D;
+      for (int64_t c = 0; c < D; ++c) dst[c] = acc[c] * inv;
+    }
+  }
+}
+
+// Groups consecutive tokens of one sequence into blocks of at most `block_q` rows.
+void MakeBlocks(Problem& pb, const int32_t* token_seq, int64_t num_seqs, int64_t block_q) {
+  const int64_t max_keys = pb.max_pages * pb.O;
+  for (int64_t t = 0; t < pb.T;) {
+    const int32_t seq = std::min<int32_t>(std::max<int32_t>(token_seq[t], 0),
+                                          static_cast<int32_t>(num_seqs - 1));
+    int64_t end = t + 1;
+    while (end < pb.T && end - t < block_q && token_seq[end] == token_seq[t]) ++end;
+    int64_t lo_pos = pb.positions[t], hi_pos = pb.positions[t];
+    for (int64_t u = t; u < end; ++u) {
+      lo_pos = std::min<int64_t>(lo_pos, pb.positions[u]);
+      hi_pos = std::max<int64_t>(hi_pos, pb.positions[u]);
+    }
+    Block b{seq, t, end - t, std::max<int64_t>(0, lo_pos - pb.window + 1),
+            std::min<int64_t>(hi_pos + 1, max_keys)};
+    pb.blocks.push_back(b);
+    t = end;
+  }
+}
+
+// One task per (block, kv head), each split into key ranges when items are too few to keep
+// `threads` busy; the largest first, for balance.
+std::vector<Task> MakeTasks(Problem& pb, int64_t threads) {
+  constexpr int64_t kMinSplitPages = 4;
+  std::vector<Task> items;
+  for (int64_t b = 0; b < static_cast<int64_t>(pb.blocks.size()); ++b) {
+    const Block& blk = pb.blocks[b];
+    if (blk.key_hi <= blk.key_lo) continue;
+    for (int64_t k = 0; k < pb.K; ++k) {
+      const int64_t G = static_cast<int64_t>(pb.groups[k].size());
+      if (G == 0) continue;
+      items.push_back({b, k, blk.key_lo, blk.key_hi, -1,
+                       blk.num_rows * G * (blk.key_hi - blk.key_lo)});
+    }
+  }
+  const int64_t target = 8 * threads;
+  std::vector<Task> tasks;
+  int64_t num_partials = 0, partial_floats = 0;
+  for (const Task& item : items) {
+    const int64_t first_page = item.key_lo / pb.O, last_page = (item.key_hi - 1) / pb.O;
+    const int64_t pages = last_page - first_page + 1;
+    int64_t splits = threads > 1 ? (target + static_cast<int64_t>(items.size()) - 1) /
+                                       static_cast<int64_t>(items.size())
+                                 : 1;
+    splits = std::max<int64_t>(1, std::min(splits, pages / kMinSplitPages));
+    if (splits == 1) {
+      tasks.push_back(item);
+      continue;
+    }
+    const int64_t rows = pb.blocks[item.block].num_rows *
+                         static_cast<int64_t>(pb.groups[item.kv_head].size());
+    for (int64_t s = 0; s < splits; ++s) {
+      const int64_t p0 = first_page + pages * s / splits, p1 = first_page + pages * (s + 1) / splits;
+      Task part = item;
+      part.key_lo = std::max(item.key_lo, p0 * pb.O);
+      part.key_hi = std::min(item.key_hi, p1 * pb.O);
+      part.cost = item.cost / splits;
+      part.partial = num_partials++;
+      pb.partial_offset.push_back(partial_floats);
+      partial_floats += rows * (2 + pb.D);
+      tasks.push_back(part);
+    }
+  }
+  pb.partials.assign(partial_floats, 0.0f);
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
+                          ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> window,
+                          ffi::Buffer<ffi::S32> kv_head_map, float sm_scale, float soft_cap,
+                          int32_t isa, int32_t block_q, int32_t max_threads,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto cd = k_cache.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || page_table.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: expected q [T,H,D], caches [L,K,P,O,D]");
+  }
+  const auto dtype = k_cache.element_type();
+  if (dtype != v_cache.element_type() ||
+      (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16)) {
+    return ffi::Error::InvalidArgument("paged attention: caches must both be f32 or bf16");
+  }
+  if (cd[4] != qd[2] || kv_head_map.element_count() != qd[1]) {
+    return ffi::Error::InvalidArgument("paged attention: head_dim or kv_head_map mismatch");
+  }
+  Problem pb;
+  pb.q = q.typed_data();
+  pb.k = k_cache.untyped_data();
+  pb.v = v_cache.untyped_data();
+  pb.bf16 = dtype == ffi::DataType::BF16;
+  pb.positions = positions.typed_data();
+  pb.page_table = page_table.typed_data();
+  pb.T = qd[0];
+  pb.H = qd[1];
+  pb.D = qd[2];
+  pb.K = cd[1];
+  pb.P = cd[2];
+  pb.O = cd[3];
+  pb.max_pages = page_table.dimensions()[1];
+  pb.layer = std::min<int64_t>(std::max<int32_t>(layer.typed_data()[0], 0), cd[0] - 1);
+  pb.window = std::max<int32_t>(window.typed_data()[0], 1);
+  pb.sm_scale = sm_scale;
+  pb.soft_cap = soft_cap;
+  pb.out = out->typed_data();
+  pb.groups.assign(pb.K, {});
+  for (int64_t h = 0; h < pb.H; ++h) {
+    const int32_t kh = kv_head_map.typed_data()[h];
+    if (kh < 0 || kh >= pb.K) return ffi::Error::InvalidArgument("paged attention: bad head map");
+    pb.groups[kh].push_back(static_cast<int>(h));
+  }
+  std::memset(pb.out, 0, pb.T * pb.H * pb.D * sizeof(float));
+  if (pb.T == 0) return ffi::Error::Success();
+
+  TaskFn run = portable::RunTask;
+#if JE_X86
+  if (isa == kAvx2 || (isa == kAuto && HasAvx2())) run = avx2::RunTask;
+#endif
+  if (isa == kAvx2 && !HasAvx2()) {
+    return ffi::Error::InvalidArgument("paged attention: AVX2+FMA forced but not supported");
+  }
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (pool.num_threads() <= 0) {
+    threads = std::min<int64_t>(4, std::max<unsigned>(1, std::thread::hardware_concurrency()));
+  }
+  if (max_threads > 0) threads = std::min<int64_t>(threads, max_threads);
+
+  MakeBlocks(pb, token_seq.typed_data(), page_table.dimensions()[0],
+             std::max<int32_t>(block_q, 1));
+  const std::vector<Task> tasks = MakeTasks(pb, threads);
+  std::vector<Scratch> scratch(threads);
+  ParallelFor(pool, static_cast<int64_t>(tasks.size()), threads,
+              [&](int64_t i, int64_t worker) { run(pb, tasks[i], scratch[worker]); });
+  MergePartials(pb, tasks);
+  return ffi::Error::Success();
+}
+
+// Writes this step's keys (or values) of one layer into their slots; `out` aliases `cache`, so
+// the write is in place and only T * K rows of D are touched.
+ffi::Error KvWrite(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> layer,
+                   ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::F32> new_rows,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  const auto cd = cache.dimensions();
+  const auto nd = new_rows.dimensions();
+  if (cd.size() != 5 || nd.size() != 3 || nd[1] != cd[1] || nd[2] != cd[4] ||
+      slot_mapping.element_count() != nd[0]) {
+    return ffi::Error::InvalidArgument("kv write: expected cache [L,K,P,O,D], new [T,K,D]");
+  }
+  const auto dtype = cache.element_type();
+  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("kv write: cache must be f32 or bf16");
+  }
+  const bool bf16 = dtype == ffi::DataType::BF16;
+  const size_t item = bf16 ? 2 : 4;
+  if (out->untyped_data() != cache.untyped_data()) {  // not aliased after all: copy, then write
+    std::memcpy(out->untyped_data(), cache.untyped_data(), cache.element_count() * item);
+  }
+  const int64_t K = cd[1], slots = cd[2] * cd[3], D = cd[4];
+  const int64_t lay = std::min<int64_t>(std::max<int32_t>(layer.typed_data()[0], 0), cd[0] - 1);
+  const float* src = new_rows.typed_data();
+  for (int64_t t = 0; t < nd[0]; ++t) {
+    const int64_t slot = slot_mapping.typed_data()[t];
+    if (slot < 0 || slot >= slots) continue;
+    for (int64_t kh = 0; kh < K; ++kh) {
+      const int64_t dst = ((lay * K + kh) * slots + slot) * D;
+      const float* row = src + (t * K + kh) * D;
+      if (bf16) {
+        uint16_t* d = static_cast<uint16_t*>(out->untyped_data()) + dst;
+        for (int64_t c = 0; c < D; ++c) d[c] = F32ToBf16(row[c]);
+      } else {
+        std::memcpy(static_cast<float*>(out->untyped_data()) + dst, row, D * sizeof(float));
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jengine
+
+// Only these three symbols leave the library (built with -fvisibility=hidden).
+#define JE_EXPORT extern "C" __attribute__((visibility("default")))
+JE_EXPORT XLA_FFI_Error* JenginePagedAttention(XLA_FFI_CallFrame* call_frame);
+JE_EXPORT XLA_FFI_Error* JengineKvWrite(XLA_FFI_CallFrame* call_frame);
+JE_EXPORT int JengineHasAvx2();
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JenginePagedAttention, jengine::PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // k_cache
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // token_seq
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // window
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_head_map
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int32_t>("block_q")
+                                  .Attr<int32_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineKvWrite, jengine::KvWrite,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // new rows
+                                  .Ret<ffi::AnyBuffer>());
+
+extern "C" int JengineHasAvx2() { return jengine::HasAvx2() ? 1 : 0; }

@@ -1,0 +1,37 @@
+"""The native CPU attention kernel, built against the XLA FFI headers that jaxlib ships.
+
+Everything else about the package is in pyproject.toml; this file only declares the extension.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+
+def _xla_ffi_include() -> str:
+    # jaxlib/include holds xla/ffi/api/ffi.h (what jax.ffi.include_dir() returns); found without
+    # importing jaxlib, so the build environment needs only the jaxlib wheel.
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("building jengine's CPU kernel needs jaxlib (for the XLA FFI headers)")
+    include = Path(next(iter(spec.submodule_search_locations))) / "include"
+    if not (include / "xla" / "ffi" / "api" / "ffi.h").exists():
+        raise RuntimeError(f"no XLA FFI headers under {include}; jaxlib >= 0.4.31 ships them")
+    return str(include)
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "jengine.pallas_kernels._cpu_attention",
+            sources=["jengine/pallas_kernels/csrc/paged_attention.cc"],
+            depends=["jengine/pallas_kernels/csrc/paged_attention_impl.h"],
+            include_dirs=[_xla_ffi_include()],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O3", "-g0", "-fvisibility=hidden", "-w"],
+        )
+    ]
+)
