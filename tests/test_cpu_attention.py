@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_reference_attention import HEAD_DIM, LAYER, MIXED, NUM_LAYERS, Case
+from test_reference_attention import HEAD_DIM, LAYER, MIXED, NUM_LAYERS, SHAPES, Case
 
 from jengine.pallas_kernels import cpu, ragged_paged_attention, write_kv
 
@@ -87,16 +87,6 @@ def check(case, kern, **kw):
 def test_mixed_batch_gqa(isa, num_heads, num_kv_heads):
     case = Case(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=4, seed=2)
     check(case, kernel(isa), num_pad=3)
-
-
-SHAPES = {
-    "decode_only": [(9, 1), (4, 1), (15, 1), (0, 1), (30, 1)],
-    "prefill_only": [(0, 7), (0, 12), (0, 3)],
-    "kv_len_1": [(0, 1)],
-    "decodes_on_page_multiples": [(7, 1), (3, 1)],
-    "chunks_ending_on_pages": [(0, 8), (4, 4), (8, 8)],
-    "chunks_opening_pages": [(8, 1), (0, 9), (15, 2)],
-}
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from test_reference_attention import HEAD_DIM, LAYER, MIXED, Case
+from test_reference_attention import HEAD_DIM, LAYER, MIXED, SHAPES, Case
 
 from jengine.pallas_kernels import (
     attention_fn,
@@ -189,16 +189,6 @@ def test_gpu_kernel_lowers_for_cuda(split):
 def test_gqa_ratios(name, num_heads, num_kv_heads):
     case = Case(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=4, seed=2)
     check(case, KERNELS[name])
-
-
-SHAPES = {
-    "decode_only": [(9, 1), (4, 1), (15, 1), (0, 1), (30, 1)],
-    "prefill_only": [(0, 7), (0, 12), (0, 3)],
-    "kv_len_1": [(0, 1)],
-    "decodes_on_page_multiples": [(7, 1), (3, 1)],
-    "chunks_ending_on_pages": [(0, 8), (4, 4), (8, 8)],
-    "chunks_opening_pages": [(8, 1), (0, 9), (15, 2)],
-}
 
 
 @pytest.mark.kernel_sweep

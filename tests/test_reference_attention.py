@@ -146,6 +146,16 @@ class Case:
 
 
 MIXED = [(9, 1), (0, 7), (4, 5), (13, 1), (0, 1), (6, 12)]  # decodes, fresh and chunked prefills
+# Batches of one kind each, with the page boundaries the kernels must get right
+# ((cached, q_len) per sequence, as `Case` takes them; shared by the kernel tests).
+SHAPES = {
+    "decode_only": [(9, 1), (4, 1), (15, 1), (0, 1), (30, 1)],
+    "prefill_only": [(0, 7), (0, 12), (0, 3)],
+    "kv_len_1": [(0, 1)],
+    "decodes_on_page_multiples": [(7, 1), (3, 1)],
+    "chunks_ending_on_pages": [(0, 8), (4, 4), (8, 8)],
+    "chunks_opening_pages": [(8, 1), (0, 9), (15, 2)],
+}
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2), (8, 1)])
