@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jengine.engine import render_chat
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
-from jengine.server.errors import bad_request
 from jengine.server.protocol import (
     ChatCompletionRequest,
     check_text_fields,
@@ -33,7 +32,7 @@ from jengine.server.protocol import (
     usage,
 )
 from jengine.server.state import ServerState
-from jengine.server.streams import EngineStream, sse, sse_stream
+from jengine.server.streams import EngineStream, sse, sse_stream, start_stream
 from jengine.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
 
 router = APIRouter()
@@ -57,18 +56,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         continue_final_message=body.continue_final_message,
         template_kwargs=body.chat_template_kwargs, add_special_tokens=body.add_special_tokens,
     )
-    try:
-        await engine.compile_grammar(params)
-    except ValueError as e:
-        raise bad_request(str(e), body.constraint_param()) from None
     request_id = state.response_id(request, body.request_id)
-    stream = EngineStream(state, engine, [prompt], params, state.new_request_id(request_id),
-                          request.is_disconnected)
-    try:
-        await stream.first()
-    except BaseException:
-        stream.close()
-        raise
+    stream = await start_stream(state, engine, request, [prompt], params, request_id,
+                                body.constraint_param())
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools, engine.tokenizer)
     if body.stream:
         return StreamingResponse(sse_stream(stream, view.events(stream)),

@@ -27,7 +27,7 @@ from jengine.server.protocol import (
     usage,
 )
 from jengine.server.state import ServerState
-from jengine.server.streams import EngineStream, sse, sse_stream
+from jengine.server.streams import EngineStream, sse, sse_stream, start_stream
 
 router = APIRouter()
 
@@ -47,18 +47,9 @@ async def create_completion(body: CompletionRequest, request: Request):
     # Text is tokenized here, off the event loop, not in the engine thread that steps everyone.
     prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,
                                          body.add_special_tokens)
-    try:
-        await engine.compile_grammar(params)
-    except ValueError as e:
-        raise bad_request(str(e), body.constraint_param()) from None
     request_id = state.response_id(request, body.request_id)
-    stream = EngineStream(state, engine, prompt_ids, params, state.new_request_id(request_id),
-                          request.is_disconnected)
-    try:
-        await stream.first()
-    except BaseException:
-        stream.close()
-        raise
+    stream = await start_stream(state, engine, request, prompt_ids, params, request_id,
+                                body.constraint_param())
     view = _CompletionView(body, engine.tokenizer, prompts, f"cmpl-{request_id}",
                            state.model_name)
     if body.stream:

@@ -48,7 +48,7 @@ from jengine.outputs import RequestOutput
 from jengine.server.errors import APIError, bad_request, invalid_value, validation_message
 from jengine.server.protocol import ChatCompletionRequest, Float, check_text_fields
 from jengine.server.state import ServerState
-from jengine.server.streams import ClientGone, EngineStream, sse
+from jengine.server.streams import ClientGone, EngineStream, sse, start_stream
 from jengine.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
 
 log = logging.getLogger("jengine.server")
@@ -332,19 +332,10 @@ async def create_response(body: ResponsesRequest, request: Request):
         prompt = await asyncio.to_thread(
             render_chat, engine.tokenizer, messages, tools=chat.tools if tools.active else None,
             chat_template=state.chat_template)
-    try:
-        await engine.compile_grammar(params)
-    except ValueError as e:
-        raise bad_request(str(e), _renamed(chat.constraint_param())) from None
     request_id = request.state.request_id
-    stream = EngineStream(state, engine, [prompt], params, state.new_request_id(request_id),
-                          request.is_disconnected)
-    try:
-        with _in_responses_terms():
-            await stream.first()
-    except BaseException:
-        stream.close()
-        raise
+    with _in_responses_terms():
+        stream = await start_stream(state, engine, request, [prompt], params, request_id,
+                                    chat.constraint_param())
     view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools)
     if body.stream:
         return StreamingResponse(view.sse(stream), media_type="text/event-stream")

@@ -24,7 +24,7 @@ from typing_extensions import Self
 
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
-from jengine.server.errors import APIError, engine_failed, invalid_value
+from jengine.server.errors import APIError, bad_request, engine_failed, invalid_value
 
 if TYPE_CHECKING:
     from jengine.engine import AsyncEngine
@@ -193,6 +193,28 @@ class EngineStream:
                 "total=%.3fs", self.request_id, ",".join(sorted(set(reasons))),
                  sum(len(p or ()) for p in self.prompt_token_ids), self.usage_completion_tokens,
                  ttft, elapsed)
+
+
+async def start_stream(
+    state: ServerState, engine: AsyncEngine, request: Any, prompts: list[str | list[int]],
+    params: SamplingParams, response_id: str, constraint_param: str | None,
+) -> EngineStream:
+    """The engine side of one HTTP request, started: its output constraint compiled on the
+    grammar pool (a bad one is a 400 naming `constraint_param`), one engine request per
+    prompt, and the first delta awaited, so that bad input is an error before any response
+    begins. The caller owns the stream from here on (`async with`, or `sse_stream`)."""
+    try:
+        await engine.compile_grammar(params)
+    except ValueError as e:
+        raise bad_request(str(e), constraint_param) from None
+    stream = EngineStream(state, engine, prompts, params, state.new_request_id(response_id),
+                          request.is_disconnected)
+    try:
+        await stream.first()
+    except BaseException:
+        stream.close()
+        raise
+    return stream
 
 
 def _ended_by(error: BaseException) -> str:
