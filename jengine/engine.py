@@ -50,7 +50,7 @@ from jengine.core import EngineCore
 from jengine.outputs import RequestOutput
 from jengine.replicas import ReplicaSet, make_core
 from jengine.request import merge_deltas
-from jengine.sampling_params import SamplingParams, StructuredOutputs, check_text
+from jengine.sampling_params import SamplingParams, StructuredOutputs, check_strings
 from jengine.stats import EngineStats
 from jengine.structured import Grammar
 from jengine.tools import (
@@ -229,21 +229,6 @@ class Engine:
                             return
         finally:
             self.core.abort(rid)
-
-
-def check_strings(field: str, value: Any) -> None:
-    """Raises ValueError naming the path of the first string inside `value` (dicts, lists)
-    that cannot be encoded as UTF-8; see `check_text`."""
-    if isinstance(value, str):
-        check_text(field, value)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, str):
-                check_text(field, key)
-            check_strings(f"{field}.{key}", item)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_strings(f"{field}.{i}", item)
 
 
 def render_chat(

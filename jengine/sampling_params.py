@@ -82,6 +82,21 @@ def check_text(field: str, text: str) -> str:
     return text
 
 
+def check_strings(field: str, value: Any) -> None:
+    """Raises ValueError naming the path of the first string inside `value` (dicts, lists)
+    that cannot be encoded as UTF-8; see `check_text`."""
+    if isinstance(value, str):
+        check_text(field, value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                check_text(field, key)
+            check_strings(f"{field}.{key}", item)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_strings(f"{field}.{i}", item)
+
+
 def _strings(field: str, value: Any) -> tuple[str, ...]:
     if value is None:
         return ()

@@ -26,9 +26,8 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from jengine.engine import check_strings
 from jengine.outputs import Logprob
-from jengine.sampling_params import SamplingParams, StructuredOutputs
+from jengine.sampling_params import SamplingParams, StructuredOutputs, check_strings
 from jengine.server.errors import bad_request
 from jengine.tools import ToolSetup, constrain, tool_setup
 
