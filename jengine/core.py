@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from converters import LoadedModel, load_config, load_source
 from jengine.compilation import compile_count, enable_persistent_cache
-from jengine.config import EngineConfig, parse_memory
+from jengine.config import EngineConfig
 from jengine.detokenizer import IncrementalDetokenizer
+from jengine.kv_budget import host_kv_budget
 from jengine.logprobs import prompt_targets, ranked, record_prompt_logprobs
 from jengine.models import KVCache, family_module
 from jengine.outputs import RequestOutput
@@ -67,42 +68,6 @@ def resolve_dtype(dtype: str) -> str:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return dtype
-
-
-def host_kv_budget(kv_cache_memory: str, mesh: MeshSpec, num_kv_heads: int,
-                   num_processes: int = 1) -> int:
-    """The bytes of one replica's page pool, counted as global (unsharded) KV bytes.
-
-    On accelerators `kv_cache_memory` is per device, as in vLLM. On CPU every (fake) device
-    lives in the one host's memory, so it is what the whole host spends: shared by the dp
-    replicas, and by the tp copies of a cache whose kv heads are replicated (kv_heads % tp
-    != 0), as far as they live on this host (a multi-host mesh spreads them over
-    `num_processes` hosts). It must fit in the host's available memory (else a ValueError
-    naming the fix).
-    """
-    budget = parse_memory(kv_cache_memory)
-    if jax.default_backend() != "cpu":
-        return budget
-    available = _available_host_memory()
-    if available is not None and budget > 0.9 * available:
-        raise ValueError(
-            f"kv_cache_memory {kv_cache_memory} does not fit in this host's available memory "
-            f"({available / 2**30:.1f} GiB); lower --kv-cache-memory"
-        )
-    copies = 1 if num_kv_heads % mesh.tp == 0 else max(1, mesh.tp // num_processes)
-    return budget // (max(1, mesh.dp // num_processes) * copies)
-
-
-def _available_host_memory() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 class EngineCore:
@@ -475,6 +440,8 @@ class EngineCore:
         """Ends one request whose host-side handling raised (a bug or input nothing checked):
         its sequences stop and free their pages, its delta carries the error, and every other
         request goes on."""
+        if state.error is not None:  # already failed (and aborted) earlier in this step
+            return
         log.exception("request %s failed and was aborted: %s", state.request_id, error)
         self.scheduler.abort(state.request_id)
         state.error = f"{type(error).__name__}: {error}"
@@ -529,9 +496,7 @@ class EngineCore:
             try:
                 accepted = seq.matcher.accept(seq.output_ids[-1])
             except Exception as e:  # noqa: BLE001 - as in _step: this request alone fails
-                state = self.requests.get(seq.request_id)
-                if state is not None and state.error is None:
-                    self._fail_request(state, e)
+                self._fail_request(self.requests[seq.request_id], e)
                 continue
             if not accepted:
                 # The mask allows only tokens the grammar accepts, so this is a bug somewhere.
@@ -594,9 +559,8 @@ class EngineCore:
                 if allow is not None:
                     bias[i] = -np.inf
                     bias[i, list(allow)] = 0.0
-                for tid, b in (p.logit_bias or {}).items():
-                    if 0 <= tid < bias.shape[1]:
-                        bias[i, tid] += b
+                for tid, b in (p.logit_bias or {}).items():  # ids checked at admission
+                    bias[i, tid] += b
                 bias[i, list(ban)] = -np.inf
             rows.logit_bias = bias
         return rows

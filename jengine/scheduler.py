@@ -151,7 +151,7 @@ class Scheduler:
         for order, seq in enumerate(self.waiting):
             rank = held[seq.request_id]
             held[seq.request_id] += 1
-            if rank < share or rank == 0:
+            if rank < share:  # share >= 1: every request's first sequence is in
                 keyed.append((rank, order, seq))
         return [seq for _, _, seq in sorted(keyed, key=lambda k: k[:2])]
 

@@ -210,8 +210,10 @@ def server_config(args: argparse.Namespace, preset: ServerConfig) -> ServerConfi
 
 def check_server_config(config: ServerConfig) -> None:
     """The server settings that can be wrong before anything starts, as one-line errors."""
-    for name in ("max_queue", "max_n", "max_body_bytes", "max_tokens_per_request"):
-        if getattr(config, name) < (0 if name == "max_queue" else 1):
+    if config.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
+    for name in ("max_n", "max_body_bytes", "max_tokens_per_request"):
+        if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
                              f"{getattr(config, name)}")
     if config.default_max_tokens is not None and config.default_max_tokens < 1:
@@ -250,8 +252,8 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(args: argparse.Namespace) -> int:
     """`jengine serve`: listen first, load the engine in the background, drain on SIGTERM."""
     from jengine.cli import engine_kwargs
-    from jengine.core import host_kv_budget
     from jengine.engine import AsyncEngine, build_config
+    from jengine.kv_budget import host_kv_budget
     from jengine.sharding import MeshSpec
 
     kwargs = engine_kwargs(args)
