@@ -59,7 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     request_id = state.response_id(request, body.request_id)
     stream = await start_stream(state, engine, request, [prompt], params, request_id,
                                 body.constraint_param())
-    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools, engine.tokenizer)
+    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
     if body.stream:
         return StreamingResponse(sse_stream(stream, view.events(stream)),
                                  media_type="text/event-stream")
@@ -71,9 +71,8 @@ class _ChatView:
     """Turns engine deltas into OpenAI chat completion objects (whole, or as stream chunks)."""
 
     def __init__(self, body: ChatCompletionRequest, response_id: str, model: str,
-                 tools: ToolSetup, tokenizer: Any):
+                 tools: ToolSetup):
         self.body = body
-        self.tokenizer = tokenizer
         self.echo = body.echo_text()
         self.as_ids = bool(body.return_tokens_as_token_ids)
         self.prompt_logprobs: list | None = None
@@ -98,8 +97,7 @@ class _ChatView:
             self.usage = usage(delta.usage.prompt_tokens, delta.usage.completion_tokens,
                                delta.usage.cached_tokens)
         if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = prompt_logprobs_json(delta.prompt_logprobs,
-                                                        delta.prompt_token_ids)
+            self.prompt_logprobs = prompt_logprobs_json(delta.prompt_logprobs)
 
     async def response(self, stream: EngineStream) -> dict[str, Any]:
         choices = {i: {"index": i, "message": {"role": "assistant", "content": self.echo},

@@ -85,7 +85,6 @@ class _CompletionView:
         # prompt index -> (prompt tokens, completion tokens), from the final delta
         self._usage_by_prompt: dict[int, tuple[int, int, int]] = {}
         self._prompt_logprobs: dict[int, list] = {}  # prompt index -> engine prompt logprobs
-        self._prompt_ids: dict[int, list[int]] = {}
 
     # -- one choice's piece of a delta -----------------------------------------------------------
 
@@ -136,7 +135,6 @@ class _CompletionView:
         """Keeps what a delta says once for its whole prompt: prompt logprobs, usage."""
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs[prompt_index] = delta.prompt_logprobs
-        self._prompt_ids[prompt_index] = delta.prompt_token_ids
         if delta.usage is not None:
             u = delta.usage
             generated = 0 if self.scores_only else u.completion_tokens
@@ -147,8 +145,7 @@ class _CompletionView:
         if self.body.prompt_logprobs is None:
             return {}
         entries = self._prompt_logprobs.get(prompt_index)
-        ids = self._prompt_ids.get(prompt_index, [])
-        return {"prompt_logprobs": prompt_logprobs_json(entries, ids) if entries else None}
+        return {"prompt_logprobs": prompt_logprobs_json(entries) if entries else None}
 
     def _total_usage(self) -> dict[str, Any]:
         rows = list(self._usage_by_prompt.values()) or [(0, 0, 0)]

@@ -449,7 +449,7 @@ def token_text(token_id: int, lp: Logprob, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else (lp.decoded_token or "")
 
 
-def prompt_logprobs_json(entries: list, prompt_ids: list[int]) -> list[dict | None]:
+def prompt_logprobs_json(entries: list) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
     decoded_token}} holding the prompt's token and the top candidates."""
     out: list[dict | None] = []
