@@ -22,6 +22,9 @@ class ModelSection:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU/TPU
     max_model_len: int | None = None  # None = min(model context, 2048)
     attention_backend: str = "auto"
+    # How layer weights sit in memory: auto = unstacked on CPU (read in place), stacked (one
+    # lax.scan over a leading layer axis) elsewhere; see jengine.models.layers.
+    layer_layout: str = "auto"
     seed: int | None = None  # seeds the per-request seeds of requests that give none
 
 

@@ -25,6 +25,7 @@ from jengine.detokenizer import IncrementalDetokenizer
 from jengine.kv_budget import host_kv_budget
 from jengine.logprobs import prompt_targets, ranked, record_prompt_logprobs
 from jengine.models import KVCache, family_module
+from jengine.models.layers import resolve_layer_layout, unstack_layers
 from jengine.outputs import RequestOutput
 from jengine.page_allocator import PageAllocator
 from jengine.pallas_kernels import resolve_backend
@@ -92,6 +93,7 @@ class EngineCore:
         self.mesh_spec = MeshSpec.parse(cfg.parallel.mesh)
         mesh = self.mesh_spec.replica_mesh(replica) if self.mesh_spec.num_devices > 1 else None
         backend = resolve_backend(cfg.model.attention_backend, jax.default_backend())
+        self.layer_layout = resolve_layer_layout(cfg.model.layer_layout, jax.default_backend())
         if mesh is not None:  # before any weight is read
             check_divisible(load_config(cfg.model.model), self.mesh_spec.tp)
         if loaded is None:
@@ -138,12 +140,15 @@ class EngineCore:
             prefix_cache=self.prefix_cache,
         )
         rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
-        specs = family_module(self.model_config).param_specs(self.model_config)
+        family = family_module(self.model_config)
+        specs = family.param_specs(self.model_config)
         # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
         params = load_params_sharded(
             loaded, self.model_config, rules.param_shardings(specs) if rules else None,
             self.dtype, progress=progress,
         )
+        if self.layer_layout == "unstacked":
+            params = unstack_layers(params, family.LAYER_KEYS, self.model_config.num_layers)
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,
             buckets=buckets, kv_cache_dtype=self.kv_cache_dtype, rules=rules,

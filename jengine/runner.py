@@ -162,9 +162,9 @@ class Runner:
         def _forward_and_sample(params, kv, md, arrays, targets, variant: Variant):
             if not variant.prompt_logprobs:
                 logits, kv = forward(params, cfg, kv, md)
-                out = sample(
-                    logits, arrays, needs_sort=True, num_top_logprobs=variant.num_top_logprobs
-                )
+                with jax.named_scope("sample"):
+                    out = sample(logits, arrays, needs_sort=True,
+                                 num_top_logprobs=variant.num_top_logprobs)
                 return (out, None), kv
             all_logits, kv = forward(params, cfg, kv, md, all_logits=True)  # [T, V]
             out = sample(

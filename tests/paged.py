@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
+from jengine.models.layers import unstack_layers
 
 PAD_TOKEN = 0  # token id of padding slots (any valid id works: their rows are discarded)
 
@@ -31,9 +32,14 @@ def _forward(params, kv, md, *, cfg: ModelConfig, all_logits: bool):
 _step = jax.jit(_forward, static_argnames=("cfg", "all_logits"), donate_argnames=("kv",))
 
 
-def _unpack(model: Any) -> tuple[ModelConfig, dict[str, jax.Array]]:
+def _unpack(model: Any, layer_layout: str = "as_given") -> tuple[ModelConfig, dict]:
+    """(config, device params); `layer_layout="unstacked"` splits stacked layer weights into
+    per-layer arrays (the CPU default's layout), "as_given" keeps whichever the params have."""
     cfg, params = (model.config, model.params) if hasattr(model, "config") else model
-    return cfg, {name: jnp.asarray(w) for name, w in params.items()}
+    params = jax.tree.map(jnp.asarray, dict(params))
+    if layer_layout == "unstacked" and "layers" not in params:
+        params = unstack_layers(params, family_module(cfg).LAYER_KEYS, cfg.num_layers)
+    return cfg, params
 
 
 class _PagedBatch:
@@ -104,6 +110,7 @@ def run_paged(
     decode_steps: int = 8,
     page_size: int = 4,
     seed: int = 0,
+    layer_layout: str = "as_given",
 ) -> np.ndarray:
     """Float32 logits [N, V] for every position of `token_ids` through the paged path.
 
@@ -113,8 +120,9 @@ def run_paged(
         `prefill_chunk`, the rest go through single-token decode steps.
       page_size: tokens per KV page (small, so a short sequence spans many pages).
       seed: shuffles the sequence's page ids.
+      layer_layout: "unstacked" runs the per-layer loop instead of the scan (see `_unpack`).
     """
-    cfg, params = _unpack(model)
+    cfg, params = _unpack(model, layer_layout)
     token_ids = [int(t) for t in token_ids]
     num_prompt = len(token_ids) - decode_steps
     if num_prompt < 1:

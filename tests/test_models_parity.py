@@ -4,7 +4,8 @@ Each test builds a seeded random HF model in torch (every weight randomized, nor
 included), saves it as safetensors plus a tiny tokenizer, loads it with `converters.load_source`
 and runs one sequence through jengine's paged KV path (`tests/paged.py`: several prefill chunks
 over shuffled pages, then single-token decode steps). The float32 logits at every position must
-match HF's float32 forward of the same ids.
+match HF's float32 forward of the same ids, with the layer weights split per layer (the CPU
+default) and, for one Llama and the Gemma model, stacked under `lax.scan` too.
 
 Tolerance: both sides compute in float32 from identical weights; they differ only in the order
 of float32 operations (einsum vs. matmul groupings, softmax, rope cos/sin evaluation), which
@@ -84,9 +85,13 @@ def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0):
     return loaded, ids, expected
 
 
-def _max_diff(model, ids, expected, *, decode_steps: int = DECODE_STEPS) -> float:
+def _max_diff(model, ids, expected, *, decode_steps: int = DECODE_STEPS,
+              layer_layout: str = "unstacked") -> float:
+    """Parity runs the per-layer loop (the CPU default); `layer_layout="as_given"` runs the
+    scan over stacked weights (TPU/GPU's), as the negative controls do."""
     got = run_paged(
-        model, ids, prefill_chunk=PREFILL_CHUNK, decode_steps=decode_steps, page_size=4
+        model, ids, prefill_chunk=PREFILL_CHUNK, decode_steps=decode_steps, page_size=4,
+        layer_layout=layer_layout,
     )
     assert got.shape == expected.shape
     assert np.isfinite(got).all()
@@ -95,7 +100,7 @@ def _max_diff(model, ids, expected, *, decode_steps: int = DECODE_STEPS) -> floa
 
 def _control_diff(model, ids, expected) -> float:
     """A negative control's difference: prefill only (one compiled program instead of two)."""
-    return _max_diff(model, ids, expected, decode_steps=0)
+    return _max_diff(model, ids, expected, decode_steps=0, layer_layout="as_given")
 
 
 def _with(loaded, **changes):
@@ -117,6 +122,7 @@ def test_llama2(tmp_path):
     loaded, ids, expected = _build(tmp_path, config, transformers.LlamaForCausalLM)
     assert loaded.config.num_kv_heads == loaded.config.num_heads
     assert _max_diff(loaded, ids, expected) < TOL
+    assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL  # stacked + scan
 
 
 def test_llama31_rope_scaling(tmp_path):
@@ -189,6 +195,7 @@ def test_gemma3_text(tmp_path):
     assert cfg.local_rope.theta == 10.0 and cfg.rope.theta == 10000.0
     assert cfg.sm_scale == pytest.approx(24 ** -0.5)
     assert _max_diff(loaded, ids, expected) < TOL
+    assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL  # stacked + scan
     assert _control_diff(_with(loaded, local_rope=cfg.rope), ids, expected) > TOL
     assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
     assert _control_diff(_with(loaded, query_pre_attn_scalar=None), ids, expected) > TOL

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import transformers
@@ -73,12 +74,13 @@ def _greedy(engine: Engine, prompts) -> list[list[int]]:
 
 def _per_device_table(engine: Engine, tp: int) -> None:
     """Prints and checks bytes per device: 1/tp of the total for every tp-sharded weight."""
-    print(f"\n{'param':12s} {'total MiB':>10s} {'device 0 MiB':>13s}  spec")
-    for name, w in sorted(engine.core.runner.params.items()):
+    print(f"\n{'param':24s} {'total MiB':>10s} {'device 0 MiB':>13s}  spec")
+    leaves = jax.tree_util.tree_leaves_with_path(engine.core.runner.params)
+    for name, w in sorted((jax.tree_util.keystr(path), w) for path, w in leaves):
         shards = w.addressable_shards
         per_device = {s.device: s.data.nbytes for s in shards}
         spec = w.sharding.spec
-        print(f"{name:12s} {w.nbytes / 2**20:10.2f} {per_device[shards[0].device] / 2**20:13.2f}"
+        print(f"{name:24s} {w.nbytes / 2**20:10.2f} {per_device[shards[0].device] / 2**20:13.2f}"
               f"  {spec}")
         expected = w.nbytes // tp if "tp" in tuple(spec) else w.nbytes
         assert set(per_device.values()) == {expected}, name
@@ -184,7 +186,8 @@ def test_data_parallel_replicas_match_one_device_and_share_the_load(smol_engine)
     try:
         core = engine.core
         assert isinstance(core, ReplicaSet) and len(core.replicas) == 2
-        devices = [set(r.runner.params["wq"].sharding.device_set) for r in core.replicas]
+        devices = [set(jax.tree.leaves(r.runner.params)[0].sharding.device_set)
+                   for r in core.replicas]
         assert len(devices[0]) == len(devices[1]) == 4 and not devices[0] & devices[1]
         assert _greedy(engine, PROMPTS) == expected
         # 16 requests at once (4 prompts x 4): the least-loaded replica takes each one.

@@ -83,26 +83,31 @@ def attend(
     write = write_kv
     if backend == "cpu":
         write = shard_write_for_context_mesh(write_kv_cpu, kv_replicated=kv_head_map is not None)
-    kv = KVCache(
-        k=write(kv.k, layer, md.slot_mapping, k), v=write(kv.v, layer, md.slot_mapping, v)
-    )
+    with jax.named_scope("kv_write"):
+        kv = KVCache(
+            k=write(kv.k, layer, md.slot_mapping, k), v=write(kv.v, layer, md.slot_mapping, v)
+        )
+    with jax.named_scope("attention"):
+        return _attention(q, kv, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
+                          soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend), kv
+
+
+def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend):
     if backend != "reference":
-        out = shard_for_context_mesh(attention_fn(backend))(
+        return shard_for_context_mesh(attention_fn(backend))(
             q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             kv_head_map=kv_head_map,
         )
-    elif md.block_tokens is not None:
-        out = blocked_paged_attention(
+    if md.block_tokens is not None:
+        return blocked_paged_attention(
             q, kv.k, kv.v, layer, md.positions, md.page_table, md.block_tokens, md.block_seq,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             kv_head_map=kv_head_map,
         )
-    else:
-        out = ragged_paged_attention(
-            q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            kv_head_map=kv_head_map,
-        )
-    return out, kv
+    return ragged_paged_attention(
+        q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        kv_head_map=kv_head_map,
+    )
 

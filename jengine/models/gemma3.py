@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.models import layers
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
@@ -54,7 +55,6 @@ def forward(
     eps = cfg.rms_norm_eps
     x = params["embed"][md.token_ids]
     x = x * jnp.asarray(np.sqrt(cfg.hidden_size), x.dtype)  # [T, E]
-    layers = {name: params[name] for name in LAYER_KEYS}
     global_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     local_freq = rope_inv_freq(cfg.local_rope or cfg.rope, cfg.head_dim)
     sliding = np.asarray(cfg.sliding_layers, bool)
@@ -79,7 +79,7 @@ def forward(
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
         )
-        attn = project(attn, p["wo"], "thd,hde->te")
+        attn = layers.project_heads(attn, p["wo"])
         x = x + rms_norm(attn, p["post_attn_norm"], eps, offset=1.0)
         h = rms_norm(x, p["pre_mlp_norm"], eps, offset=1.0)
         gate = project(h, p["w_gate"], "te,ef->tf")
@@ -88,12 +88,12 @@ def forward(
         x = x + rms_norm(mlp, p["post_mlp_norm"], eps, offset=1.0)
         return (x, kv), None
 
-    indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv), _ = jax.lax.scan(layer, (x, kv), (layers, indices, per_layer))
+    x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, per_layer, cfg.num_layers)
     if not all_logits:
         x = x[md.logits_indices]
     x = rms_norm(x, params["final_norm"], eps, offset=1.0)
-    logits = jnp.einsum("te,ve->tv", x, params["embed"], preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+        logits = jnp.einsum("te,ve->tv", x, params["embed"], preferred_element_type=jnp.float32)
     if cfg.final_logit_softcapping:
         cap = cfg.final_logit_softcapping
         logits = cap * jnp.tanh(logits / cap)

@@ -42,11 +42,12 @@ class DeclaredModel(nnx.Module):
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:
     """RMSNorm in float32; Gemma scales by (1 + weight) (`offset=1`), Llama by weight."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if offset:
-        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * normed.astype(x.dtype)
+    with jax.named_scope("norm"):  # the scopes name the parts in profiles (scripts/)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        if offset:
+            return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+        return weight * normed.astype(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -74,19 +75,90 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotates [T, H, D] by position, HF's rotate-half layout (first half / second half)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    with jax.named_scope("rope"):
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+        cos = jnp.cos(angles)[:, None, :]
+        sin = jnp.sin(angles)[:, None, :]
+        x32 = x.astype(jnp.float32)
+        x1, x2 = jnp.split(x32, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return out.astype(x.dtype)
 
 
 def project(x: jax.Array, w: jax.Array, eq: str, bias: jax.Array | None = None) -> jax.Array:
     """einsum projection with an optional bias, accumulating in float32."""
-    y = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    return y if bias is None else y + bias
+    with jax.named_scope("proj"):
+        y = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        return y if bias is None else y + bias
+
+
+def project_heads(attn: jax.Array, wo: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """The output projection [T, H, D] x [H, D, E] -> [T, E], as one [T, H*D] x [H*D, E] dot.
+
+    Both reshapes are free (row-major), while the 3-D einsum made XLA:CPU pick a [D, H] order
+    for the contraction and copy `wo` (and the attention output) into it on every layer."""
+    num_tokens = attn.shape[0]
+    return project(attn.reshape(num_tokens, -1), wo.reshape(-1, wo.shape[-1]), "tk,ke->te", bias)
 
 
 Activation = Callable[[jax.Array], jax.Array]
+
+
+LAYER_LAYOUTS = ("auto", "stacked", "unstacked")
+
+
+def resolve_layer_layout(layout: str, platform: str) -> str:
+    """`auto` -> `unstacked` on CPU, `stacked` elsewhere.
+
+    On XLA:CPU a `lax.scan` over stacked weights copies each layer's weights out of the stack on
+    every step (a dynamic slice per weight per layer); separate per-layer arrays are read in
+    place, which measured faster at every batch size there (docs/engine.md). On TPU/GPU the
+    slices are fused into the loads, and the scan keeps compile time flat in depth.
+    """
+    if layout not in LAYER_LAYOUTS:
+        raise ValueError(f"unknown layer_layout {layout!r}; expected one of {LAYER_LAYOUTS}")
+    if layout != "auto":
+        return layout
+    return "unstacked" if platform == "cpu" else "stacked"
+
+
+def unstack_layers(params: dict[str, jax.Array], keys: tuple[str, ...],
+                   num_layers: int) -> dict[str, jax.Array | tuple]:
+    """Stacked layer weights [L, ...] -> `params["layers"]`, a tuple of L dicts of [...] arrays
+    (each keeps its shard layout minus the layer axis); the stacked copies are dropped."""
+    out = {k: v for k, v in params.items() if k not in keys}
+    names = [k for k in keys if k in params]
+    layers: list[dict[str, jax.Array]] = [{} for _ in range(num_layers)]
+    for name in names:
+        stacked = params[name]
+        shardings = None
+        if isinstance(stacked.sharding, jax.sharding.NamedSharding):
+            spec = jax.sharding.PartitionSpec(*tuple(stacked.sharding.spec)[1:])
+            shardings = [jax.sharding.NamedSharding(stacked.sharding.mesh, spec)] * num_layers
+        split = jax.jit(lambda w: [w[i] for i in range(num_layers)], out_shardings=shardings)
+        for i, w in enumerate(split(stacked)):
+            layers[i][name] = w
+        del stacked
+    out["layers"] = tuple(layers)
+    return out
+
+
+def run_layers(
+    layer: Callable,  # (carry, (p, index, extras)) -> (carry, None)
+    carry,
+    params: dict,
+    keys: tuple[str, ...],
+    extras,  # pytree of [L, ...] per-layer values (windows, rope frequencies)
+    num_layers: int,
+):
+    """Applies `layer` to every layer in order: a Python loop over `params["layers"]` (per-layer
+    weights, see `unstack_layers`), else `lax.scan` over the stacked weights with the carry (the
+    KV cache travels there, updated in place)."""
+    indices = jnp.arange(num_layers, dtype=jnp.int32)
+    if "layers" in params:
+        for i, p in enumerate(params["layers"]):
+            carry, _ = layer(carry, (p, indices[i], jax.tree.map(lambda a, i=i: a[i], extras)))
+        return carry
+    stacked = {name: params[name] for name in keys if name in params}
+    carry, _ = jax.lax.scan(layer, carry, (stacked, indices, extras))
+    return carry

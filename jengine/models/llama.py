@@ -1,7 +1,8 @@
 """The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and SmolLM2 through config switches.
 
-Every layer weight carries a leading `layers` axis and the layers run under `jax.lax.scan`, with
-the stacked KV cache in the scan carry so each layer updates its pages in place.
+Every layer weight is declared with a leading `layers` axis; the layers run under `jax.lax.scan`
+with the stacked KV cache in the carry (each layer updates its pages in place), or, with the
+weights split per layer (`layers.unstack_layers`, the CPU default), as a loop over layers.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jengine.models import layers
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
@@ -63,7 +65,6 @@ def forward(
     """One ragged step. Returns float32 logits [S, V] at `md.logits_indices` ([T, V] with
     `all_logits`) and the updated cache."""
     x = params["embed"][md.token_ids]  # [T, E]
-    layers = {name: params[name] for name in LAYER_KEYS if name in params}
     inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
     window = cfg.sliding_window
     windows = jnp.asarray(
@@ -85,18 +86,18 @@ def forward(
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
         )
-        x = x + project(attn, p["wo"], "thd,hde->te", p.get("bo"))
+        x = x + layers.project_heads(attn, p["wo"], p.get("bo"))
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"))
         up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"))
         x = x + project(jax.nn.silu(gate) * up, p["w_down"], "tf,fe->te", p.get("b_down"))
         return (x, kv), None
 
-    indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv), _ = jax.lax.scan(layer, (x, kv), (layers, indices, windows))
+    x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, windows, cfg.num_layers)
     if not all_logits:
         x = x[md.logits_indices]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("te,ev->tv", x, head, preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+        logits = jnp.einsum("te,ev->tv", x, head, preferred_element_type=jnp.float32)
     return logits, kv
