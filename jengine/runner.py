@@ -21,7 +21,7 @@ import numpy as np
 
 from jengine.batch import ScheduledBatch
 from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
-from jengine.pallas_kernels import query_blocks
+from jengine.pallas_kernels import num_query_blocks, query_blocks
 from jengine.sampler import SamplingArrays, sample
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
@@ -70,6 +70,13 @@ class Buckets:
         """Whether token bucket `t` groups queries into per-sequence blocks: only when it can
         hold more tokens than sequences (prefill chunks), where it saves re-reading KV."""
         return t > self.seqs_for(t)
+
+    def num_blocks(self, t: int) -> int:
+        """The block count of blocked bucket `t`: enough for any batch it holds (a sequence of
+        n tokens fills ceil(n / B) blocks, at most (T + S (B - 1)) / B in all). One bound per
+        bucket, not a bucket of its own: the attention stops after the last live block, so the
+        bound's empty blocks cost no work and no extra program."""
+        return num_query_blocks(t, self.seqs_for(t), QUERY_BLOCK)
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, P) `pick` can return."""
@@ -207,9 +214,9 @@ class Runner:
         logits_idx = np.zeros((s,), np.int32)
         logits_idx[:n_seq] = batch.cu_q_lens[1:] - 1
         host_arrays, variant = rows.padded(s)
-        blocks = None
-        if self.buckets.blocked(t):
-            blocks = query_blocks(batch.q_lens, t, t // QUERY_BLOCK + s, QUERY_BLOCK)
+        blocks = None  # only the reference backend reads them; the kernels block on device
+        if self.cfg.attention_backend == "reference" and self.buckets.blocked(t):
+            blocks = query_blocks(batch.q_lens, t, self.buckets.num_blocks(t), QUERY_BLOCK)
         targets = None
         if rows.prompt_targets is not None:
             targets = np.full((t,), -1, np.int32)

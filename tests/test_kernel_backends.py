@@ -13,6 +13,7 @@ from test_sharding import _tiny_llama
 
 from jengine import Engine, SamplingParams
 from jengine.pallas_kernels import cpu
+from jengine.runner import QUERY_BLOCK, SamplingRows, _dummy_batch
 
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(),
@@ -52,6 +53,27 @@ def test_tiny_llama_kernel_under_tensor_parallelism(tiny, backend):
     engine = Engine(path, config=ONE_BUCKET, mesh="tp=2", attention_backend=backend,
                     progress=False)
     assert _greedy(engine, prompts, 6) == expected
+
+
+@pytest.mark.parametrize("backend", [CPU, "reference"])
+def test_test_preset_prefills_in_blocks_without_recompiling(tiny, backend):
+    """The test preset's 64-token bucket is prefill-heavy (T > S = 16): the reference backend
+    runs it through `blocked_paged_attention` (host-built blocks, a bound per bucket), the
+    kernels block on device and get no host blocks. Same greedy tokens as ONE_BUCKET's
+    per-token steps, and no program compiled after warm-up."""
+    path, prompts, expected = tiny
+    engine = Engine(path, config="test", attention_backend=backend, progress=False)
+    runner = engine.core.runner
+    assert runner.buckets.blocked(64) and not runner.buckets.blocked(16)
+    assert _greedy(engine, prompts, 6) == expected  # the first step holds 59 prompt tokens
+    assert engine.core.compiles_since_ready == 0
+    batch = _dummy_batch(64, 16, 8)
+    host, _ = runner.host_inputs(batch, SamplingRows.empty(16))
+    blocks = host[3]
+    if backend == "reference":
+        assert blocks[0].shape == (runner.buckets.num_blocks(64), QUERY_BLOCK)
+    else:
+        assert blocks is None
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.pallas_kernels import ragged_paged_attention, write_kv
+from jengine.pallas_kernels import (
+    blocked_paged_attention,
+    num_query_blocks,
+    query_blocks,
+    ragged_paged_attention,
+    write_kv,
+)
 
 TOL = 1e-5
 HEAD_DIM = 16
@@ -252,3 +258,140 @@ def test_padding_tokens_do_not_change_real_outputs():
     assert np.isfinite(out_padded).all()
     # Only the scratch page differs.
     np.testing.assert_array_equal(k_padded[:, :, 1:], k_cache[:, :, 1:])
+
+
+# -- blocked_paged_attention (the reference backend's prefill-heavy steps) -------------------
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "kv_head_map", "loop"))
+def _blocked_step(k_cache, v_cache, slots, new_k, new_v, q, positions, page_table, block_tokens,
+                  block_seq, window, *, sm_scale, soft_cap, kv_head_map, loop):
+    layer = jnp.int32(LAYER)
+    k_cache = write_kv(k_cache, layer, slots, new_k)
+    v_cache = write_kv(v_cache, layer, slots, new_v)
+    return blocked_paged_attention(
+        q, k_cache, v_cache, layer, positions, page_table, block_tokens, block_seq,
+        sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, kv_head_map=kv_head_map,
+        blocks_per_group=loop[0], pages_per_chunk=loop[1],
+    )
+
+
+def _run_blocked(case, *, block, num_blocks=None, loop=(4, 8), window=None, soft_cap=None,
+                 kv_head_map=None, empty_first=0):
+    """`case`'s step through `blocked_paged_attention`; `num_blocks` defaults to the runner's
+    bound for this many tokens and sequences; `empty_first` empty blocks lead the real ones."""
+    x = case.step_inputs()
+    q_lens = [n for _, n in case.seqs]
+    num_tokens = len(x["slots"])
+    if num_blocks is None:
+        num_blocks = num_query_blocks(num_tokens, len(q_lens), block)
+    tokens, seqs = query_blocks(q_lens, num_tokens, num_blocks, block)
+    if empty_first:
+        tokens = np.concatenate([np.full((empty_first, block), num_tokens, np.int32), tokens])
+        seqs = np.concatenate([np.zeros(empty_first, np.int32), seqs])
+    out = _blocked_step(
+        case.k_cache, case.v_cache, jnp.asarray(x["slots"]), jnp.asarray(x["new_k"]),
+        jnp.asarray(x["new_v"]), jnp.asarray(x["q"]), jnp.asarray(x["positions"]),
+        jnp.asarray(case.page_table), jnp.asarray(tokens), jnp.asarray(seqs),
+        None if window is None else jnp.int32(window), sm_scale=HEAD_DIM ** -0.5,
+        soft_cap=soft_cap, kv_head_map=kv_head_map, loop=loop,
+    )
+    return np.asarray(out)
+
+
+def _ragged_with_map(case, kv_head_map):
+    x = case.step_inputs()
+    k_cache = write_kv(case.k_cache, jnp.int32(LAYER), jnp.asarray(x["slots"]),
+                       jnp.asarray(x["new_k"]))
+    v_cache = write_kv(case.v_cache, jnp.int32(LAYER), jnp.asarray(x["slots"]),
+                       jnp.asarray(x["new_v"]))
+    return np.asarray(ragged_paged_attention(
+        jnp.asarray(x["q"]), k_cache, v_cache, jnp.int32(LAYER), jnp.asarray(x["token_seq"]),
+        jnp.asarray(x["positions"]), jnp.asarray(case.page_table), sm_scale=HEAD_DIM ** -0.5,
+        kv_head_map=kv_head_map,
+    ))
+
+
+@pytest.mark.parametrize(
+    ("block", "num_blocks", "loop"),
+    [
+        (4, None, (4, 8)),  # the runner's bound, one group per few blocks
+        (4, 40, (2, 1)),  # many empty blocks past the real ones, one page per chunk
+        (8, 7, (1, 2)),  # exactly the real block count: one block per group
+        (16, None, (8, 3)),  # one group holds every block; chunks not a divisor of the span
+    ],
+)
+def test_blocked_matches_ragged(block, num_blocks, loop):
+    case = Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=10)
+    out = _run_blocked(case, block=block, num_blocks=num_blocks, loop=loop)
+    ragged, _, _ = case.run()
+    np.testing.assert_allclose(out, ragged, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(out, case.expected(), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("seqs", list(SHAPES.values()), ids=list(SHAPES))
+def test_blocked_page_and_chunk_boundaries(seqs):
+    """Spans ending on pages and on chunks (2 pages of 4 keys), decodes as one-row blocks."""
+    case = Case(seqs, num_heads=3, num_kv_heads=1, page_size=4, seed=11)
+    out = _run_blocked(case, block=4, loop=(2, 2))
+    np.testing.assert_allclose(out, case.expected(), rtol=TOL, atol=TOL)
+
+
+def test_blocked_empty_blocks_anywhere():
+    """Empty blocks before the real ones (a whole empty group, then a mixed one) change
+    nothing: the loop runs up to the last group with work, whatever the order."""
+    case = Case(MIXED, num_heads=4, num_kv_heads=2, page_size=4, seed=12)
+    out = _run_blocked(case, block=4, loop=(2, 4), empty_first=3)
+    np.testing.assert_allclose(out, case.expected(), rtol=TOL, atol=TOL)
+
+
+def test_blocked_long_context():
+    """A 40-token chunk over 1000 cached keys (many chunks), a fresh prompt and a decode."""
+    case = Case([(1000, 40), (0, 33), (500, 1)], num_heads=9, num_kv_heads=3, page_size=16,
+                seed=13)
+    out = _run_blocked(case, block=32)
+    np.testing.assert_allclose(out, case.expected(), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(3, None), (9, None), (64, 5.0), (5, 10.0)])
+def test_blocked_sliding_window_and_soft_cap(window, soft_cap):
+    """Windows narrower than a block (its first visible page moves per block) and wider."""
+    case = Case(MIXED + [(40, 9)], num_heads=6, num_kv_heads=2, page_size=4, seed=14)
+    if soft_cap is not None:
+        case.q = [q * 8 for q in case.q]
+    out = _run_blocked(case, block=4, loop=(2, 2), window=window, soft_cap=soft_cap)
+    want = case.expected(window=window, soft_cap=soft_cap)
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+
+
+def test_blocked_kv_head_map():
+    """An explicit q -> kv head map (tensor parallel with replicated kv heads): every q head
+    its own row, in any order."""
+    case = Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=15)
+    head_map = (1, 0, 0, 1, 1, 0)
+    out = _run_blocked(case, block=4, loop=(2, 2), kv_head_map=head_map)
+    np.testing.assert_allclose(out, _ragged_with_map(case, head_map), rtol=TOL, atol=TOL)
+
+
+def test_blocked_reads_only_visible_pages():
+    """Pages no query may see hold NaN (even a masked NaN key or value would poison the sum,
+    as 0 * NaN is NaN): pages wholly before the window, and page-table columns past each
+    sequence's pages pointing at a NaN page, as a wide pages bucket has. The per-token path
+    gathers them all; the blocked one must read none."""
+    window = 3
+    case = Case([(40, 9), (13, 6), (0, 5)], num_heads=4, num_kv_heads=2, page_size=4, seed=16)
+    ps = case.page_size
+    used = set(case.page_table.ravel().tolist())
+    poison = next(p for p in range(1, case.num_pages) if p not in used)
+    hidden = [poison]
+    for i, (cached, _) in enumerate(case.seqs):
+        first_visible = max(0, cached - window + 1)
+        hidden += case.page_table[i, : first_visible // ps].tolist()
+    nan = jnp.float32(jnp.nan)
+    case.k_cache = case.k_cache.at[LAYER, :, jnp.asarray(hidden)].set(nan)
+    case.v_cache = case.v_cache.at[LAYER, :, jnp.asarray(hidden)].set(nan)
+    case.page_table[case.page_table == 0] = poison
+    case.page_table = np.pad(case.page_table, ((0, 0), (0, 6)), constant_values=poison)
+    out = _run_blocked(case, block=4, loop=(2, 2), window=window)
+    np.testing.assert_allclose(out, case.expected(window=window), rtol=TOL, atol=TOL)
+    assert np.isnan(case.run(window=window)[0]).any()  # the per-token path does read them

@@ -53,7 +53,8 @@ class AttentionMetadata:
     token_seq: jax.Array  # [T] int32
     page_table: jax.Array  # [S, Pmax] int32
     logits_indices: jax.Array  # [S] int32 flat index of each sequence's last query token
-    # Prefill-heavy buckets only (else None): queries grouped per sequence in blocks of B.
+    # Reference backend, prefill-heavy buckets only (else None): queries grouped per sequence in
+    # blocks of B, the real blocks first (NB is the bucket's bound; the rest are empty).
     block_tokens: jax.Array | None = None  # [NB, B] int32 flat token per row; T = padding
     block_seq: jax.Array | None = None  # [NB] int32
 

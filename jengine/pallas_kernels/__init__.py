@@ -15,6 +15,7 @@ from jengine.pallas_kernels.backends import (
     shard_over_heads,
     shard_write_for_context_mesh,
 )
+from jengine.pallas_kernels.block_layout import num_query_blocks
 from jengine.pallas_kernels.cpu import ragged_paged_attention_cpu, write_kv_cpu
 from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
 from jengine.pallas_kernels.reference import (
@@ -29,6 +30,7 @@ __all__ = [
     "BACKENDS",
     "attention_fn",
     "blocked_paged_attention",
+    "num_query_blocks",
     "query_blocks",
     "ragged_paged_attention",
     "ragged_paged_attention_cpu",
