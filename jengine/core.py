@@ -119,7 +119,8 @@ class EngineCore:
         sched = cfg.scheduler
         if sched.max_num_seqs > sched.max_num_batched_tokens:
             raise ValueError("max_num_seqs cannot exceed max_num_batched_tokens")
-        default = Buckets.default(sched.max_num_batched_tokens, sched.max_num_seqs, max_pages)
+        default = Buckets.default(sched.max_num_batched_tokens, sched.max_num_seqs, max_pages,
+                                  min_tokens=1 if jax.default_backend() == "cpu" else 8)
         buckets = Buckets(
             tokens=sched.token_buckets or default.tokens,
             seqs=sched.seq_buckets or default.seqs,
