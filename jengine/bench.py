@@ -26,7 +26,9 @@ def make_prompts(tokenizer, num: int, input_len: int, chat: bool) -> list[list[i
     filler = ("Please explain it step by step, with examples and the key facts a student "
               "should remember. ")
     for i in range(num):
-        text = f"Request {i}: tell me about {_TOPICS[i % len(_TOPICS)]}. " + filler * 20
+        # ~20 tokens a filler: enough of them for any input_len (the ids are cut to size).
+        text = f"Request {i}: tell me about {_TOPICS[i % len(_TOPICS)]}. " + filler * max(
+            20, input_len // 10)
         if chat:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
@@ -133,8 +135,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     pad = engine.core.eos_token_ids[0] if pad is None else pad
     ours = result["jengine"]["output_tok_per_s"]
     for dtype in args.hf_baseline:
-        hf = run_hf(engine.core.loaded_source, prompts, args.output_len, dtype,
-                    args.hf_batch_size, pad)
+        hf = run_hf(args.hf_model or engine.core.loaded_source, prompts, args.output_len,
+                    dtype, args.hf_batch_size, pad)
         result[f"hf_{dtype}"] = hf
         result[f"ratio_vs_hf_{dtype}"] = ours / hf["output_tok_per_s"]
     return result

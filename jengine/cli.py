@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time HF transformers generate on the same prompts, in these "
                     "dtypes (needs torch)")
     tp.add_argument("--hf-batch-size", type=int, default=32)
+    tp.add_argument("--hf-model", metavar="DIR",
+                    help="the HF baseline's model (default: the engine's source; for a GGUF, "
+                    "recent transformers keep the weights packed and run its dequantizing "
+                    "kernels, so pass an HF directory of the same weights for a plain baseline)")
     tp.add_argument("--output-json")
     pc = bsub.add_parser("prefix-cache", parents=[engine],
                          help="shared system prompt and multi-turn chat, cache off vs on")

@@ -149,7 +149,8 @@ class EngineCore:
             self.dtype, progress=progress,
         )
         if self.layer_layout == "unstacked":
-            params = unstack_layers(params, family.LAYER_KEYS, self.model_config.num_layers)
+            params = unstack_layers(params, family.LAYER_KEYS, self.model_config.num_layers,
+                                    delete_stacked=True)
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,
             buckets=buckets, kv_cache_dtype=self.kv_cache_dtype, rules=rules,

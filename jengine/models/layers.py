@@ -122,10 +122,12 @@ def resolve_layer_layout(layout: str, platform: str) -> str:
     return "unstacked" if platform == "cpu" else "stacked"
 
 
-def unstack_layers(params: dict[str, jax.Array], keys: tuple[str, ...],
-                   num_layers: int) -> dict[str, jax.Array | tuple]:
+def unstack_layers(params: dict[str, jax.Array], keys: tuple[str, ...], num_layers: int, *,
+                   delete_stacked: bool = False) -> dict[str, jax.Array | tuple]:
     """Stacked layer weights [L, ...] -> `params["layers"]`, a tuple of L dicts of [...] arrays
-    (each keeps its shard layout minus the layer axis); the stacked copies are dropped."""
+    (each keeps its shard layout minus the layer axis). `delete_stacked` frees each stacked
+    array once it is split (the caller must not use them again), so loading peaks at the
+    weights plus one stacked tensor rather than twice the weights."""
     out = {k: v for k, v in params.items() if k not in keys}
     names = [k for k in keys if k in params]
     layers: list[dict[str, jax.Array]] = [{} for _ in range(num_layers)]
@@ -138,7 +140,8 @@ def unstack_layers(params: dict[str, jax.Array], keys: tuple[str, ...],
         split = jax.jit(lambda w: [w[i] for i in range(num_layers)], out_shardings=shardings)
         for i, w in enumerate(split(stacked)):
             layers[i][name] = w
-        del stacked
+        if delete_stacked:
+            stacked.delete()
     out["layers"] = tuple(layers)
     return out
 

