@@ -1,9 +1,12 @@
-"""Test set-up: 8 fake CPU devices (so sharding runs), the persistent compilation cache, and one
-engine per session on the bundled SmolLM2 with the small `test` bucket preset."""
+"""Test set-up: 8 fake CPU devices (so sharding runs), the persistent compilation cache, one parse
+of the bundled SmolLM2 GGUF per session, and one engine per session on it with the small `test`
+bucket preset."""
 
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 
 # Must happen before JAX initialises its backend.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -16,6 +19,46 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jengine.compilation import enable_persistent_cache  # noqa: E402
 
 enable_persistent_cache()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _default_gguf_parsed_once():
+    """One `gguf.GGUFReader` per session for the bundled SmolLM2 file, which nearly every engine,
+    tokenizer and oracle in the suite opens (a mesh engine twice: config check, then weights).
+
+    gguf-py's parse takes seconds (a numpy view per vocabulary string, 49k of them) and dominates
+    an engine's start once its programs are in the compilation cache. A reader opened with
+    mode "r" is read-only, so sharing it changes nothing that is read; other files (the tests'
+    own GGUFs, Gemma, a truncated copy) and other modes still get a fresh parse each time."""
+    import gguf
+
+    from converters.errors import ModelLoadError
+    from converters.source import default_model_path
+
+    try:
+        target = default_model_path().resolve()
+    except ModelLoadError:  # not installed: the tests that need it say so
+        yield
+        return
+    real = gguf.GGUFReader
+    cache: dict[tuple, object] = {}
+    lock = threading.Lock()
+
+    def reader(path, mode="r"):
+        resolved = Path(path).resolve()
+        if mode != "r" or resolved != target:
+            return real(path, mode)
+        st = resolved.stat()
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)  # a changed file is parsed again
+        with lock:
+            if key not in cache:
+                cache.clear()
+                cache[key] = real(path, mode)
+            return cache[key]
+
+    gguf.GGUFReader = reader
+    yield
+    gguf.GGUFReader = real
 
 
 @pytest.fixture(scope="session")
