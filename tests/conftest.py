@@ -61,6 +61,27 @@ def _default_gguf_parsed_once():
     gguf.GGUFReader = real
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked `stops_server` run right after the last other test that uses `server`."""
+    stoppers = [item for item in items if item.get_closest_marker("stops_server")]
+    if not stoppers:
+        return
+    rest = [item for item in items if not item.get_closest_marker("stops_server")]
+    users = [i for i, item in enumerate(rest) if "server" in item.fixturenames]
+    at = users[-1] + 1 if users else len(rest)
+    items[:] = rest[:at] + stoppers + rest[at:]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """`jengine serve` as a real process (tests/serve_process.py), shared by test_server.py,
+    test_server_responses.py and test_server_structured.py: one start instead of three."""
+    from serve_process import running_server
+
+    with running_server(tmp_path_factory.mktemp("server") / "server.log") as srv:
+        yield srv
+
+
 @pytest.fixture(scope="session")
 def smol_engine():
     """The default model (SmolLM2-135M-Instruct, f32) behind the real Engine, test buckets."""
