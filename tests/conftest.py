@@ -1,9 +1,12 @@
-"""Test set-up: 8 fake CPU devices (so sharding runs), the persistent compilation cache, and one
-engine per session on the bundled SmolLM2 with the small `test` bucket preset."""
+"""Test set-up: 8 fake CPU devices (so sharding runs), the persistent compilation cache, one parse
+of the bundled SmolLM2 GGUF per session, and one engine per session on it with the small `test`
+bucket preset."""
 
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 
 # Must happen before JAX initialises its backend.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -16,6 +19,67 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jengine.compilation import enable_persistent_cache  # noqa: E402
 
 enable_persistent_cache()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _default_gguf_parsed_once():
+    """One `gguf.GGUFReader` per session for the bundled SmolLM2 file, which nearly every engine,
+    tokenizer and oracle in the suite opens (a mesh engine twice: config check, then weights).
+
+    gguf-py's parse takes seconds (a numpy view per vocabulary string, 49k of them) and dominates
+    an engine's start once its programs are in the compilation cache. A reader opened with
+    mode "r" is read-only, so sharing it changes nothing that is read; other files (the tests'
+    own GGUFs, Gemma, a truncated copy) and other modes still get a fresh parse each time."""
+    import gguf
+
+    from converters.errors import ModelLoadError
+    from converters.source import default_model_path
+
+    try:
+        target = default_model_path().resolve()
+    except ModelLoadError:  # not installed: the tests that need it say so
+        yield
+        return
+    real = gguf.GGUFReader
+    cache: dict[tuple, object] = {}
+    lock = threading.Lock()
+
+    def reader(path, mode="r"):
+        resolved = Path(path).resolve()
+        if mode != "r" or resolved != target:
+            return real(path, mode)
+        st = resolved.stat()
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)  # a changed file is parsed again
+        with lock:
+            if key not in cache:
+                cache.clear()
+                cache[key] = real(path, mode)
+            return cache[key]
+
+    gguf.GGUFReader = reader
+    yield
+    gguf.GGUFReader = real
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `stops_server` run right after the last other test that uses `server`."""
+    stoppers = [item for item in items if item.get_closest_marker("stops_server")]
+    if not stoppers:
+        return
+    rest = [item for item in items if not item.get_closest_marker("stops_server")]
+    users = [i for i, item in enumerate(rest) if "server" in item.fixturenames]
+    at = users[-1] + 1 if users else len(rest)
+    items[:] = rest[:at] + stoppers + rest[at:]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """`jengine serve` as a real process (tests/serve_process.py), shared by test_server.py,
+    test_server_responses.py and test_server_structured.py: one start instead of three."""
+    from serve_process import running_server
+
+    with running_server(tmp_path_factory.mktemp("server") / "server.log") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

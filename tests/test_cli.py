@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_gguf import load_hf_gguf, one_torch_thread  # tests/hf_gguf.py
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The three primary colors are"
@@ -22,34 +23,44 @@ NO_TORCH = (
 )
 
 
-def jengine(*args: str, no_torch: bool = False, timeout: int = 900) -> subprocess.CompletedProcess:
+def _command(*args: str, no_torch: bool) -> tuple[list[str], dict[str, str]]:
     cmd = [sys.executable, "-c", NO_TORCH, *args] if no_torch else [
         sys.executable, "-m", "jengine.cli", *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return cmd, {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def jengine(*args: str, no_torch: bool = False, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd, env = _command(*args, no_torch=no_torch)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def _hf_greedy_text(prompt: str, max_new_tokens: int) -> str:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from converters.source import default_model_path
 
-    path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32)
+    tok, model = load_hf_gguf(default_model_path())
     ids = tok(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
+    with one_torch_thread(), torch.no_grad():  # jengine's subprocess runs alongside
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_generate_without_torch_matches_hf():
-    run = jengine("generate", PROMPT, "--max-tokens", "24", "--config", "test", no_torch=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    expected = _hf_greedy_text(PROMPT, 24)
-    assert run.stdout == expected + "\n"
+def test_generate_without_torch_matches_hf(tmp_path):
+    cmd, env = _command("generate", PROMPT, "--max-tokens", "24", "--config", "test",
+                        no_torch=True)
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err:  # a file: a full stderr pipe would stall the process
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO,
+                                env=env)
+    try:  # jengine runs while transformers works in this process
+        expected = _hf_greedy_text(PROMPT, 24)
+        stdout, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log.read_text()[-2000:]
+    assert stdout == expected + "\n"
     assert expected.strip()  # a real continuation, not an empty string
 
 

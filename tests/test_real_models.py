@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hf_gguf import load_hf_gguf, one_torch_thread  # tests/hf_gguf.py
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 32
@@ -76,32 +77,21 @@ def _start_our_side(job: dict, log) -> subprocess.Popen:
 def _hf_side(path: Path, prompts: list[str], chats: list[list[dict]]) -> dict:
     """HF's encodings of the prompts and its greedy continuation of each."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok, model = load_hf_gguf(path)
     ids = [tok(p).input_ids for p in prompts]
     for messages in chats:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids.append(tok(text, add_special_tokens=False).input_ids)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
     model.generation_config.eos_token_id = None  # compare all NEW_TOKENS, past any eos
     tokens = []
-    threads = torch.get_num_threads()
-    # One thread: jengine's subprocess runs alongside, and OpenMP barriers with more threads
-    # than free cores make each matmul wait out whole scheduler time slices (~50x slower).
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            for prompt in ids:
-                out = model.generate(
-                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=int),
-                    max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id or 0,
-                )
-                tokens.append(out[0, len(prompt):].tolist())
-    finally:
-        torch.set_num_threads(threads)
+    with one_torch_thread(), torch.no_grad():  # jengine's subprocess runs alongside
+        for prompt in ids:
+            out = model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=int),
+                max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id or 0,
+            )
+            tokens.append(out[0, len(prompt):].tolist())
     return {"ids": ids, "tokens": tokens}
 
 

@@ -1,8 +1,10 @@
 """`jengine serve` as a real process on 127.0.0.1, driven by the official `openai` SDK and httpx:
 routes, streaming format, errors, auth, request ids, concurrency, disconnects, metrics, SIGTERM.
 
-One server (SmolLM2, `--config test`, `--api-key`) serves the whole module; the last test stops it
-with SIGTERM. Engine failures, the queue limit and timeouts are in test_server_faults.py.
+The session's one server (conftest's `server`: SmolLM2, `--config test`, `--api-key`; see
+tests/serve_process.py) serves this module, test_server_responses.py and
+test_server_structured.py; the SIGTERM test stops it, after all of them. Engine failures, the
+queue limit and timeouts are in test_server_faults.py.
 """
 
 from __future__ import annotations
@@ -10,101 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-MODEL = "SmolLM2-135M-Instruct"
-KEY = "test-key-123"
-START_TIMEOUT_S = 600
-
-
-try:
-    import grpc
-except ImportError:  # the gRPC service is optional at run time
-    grpc = None
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, grpc_port: int | None, log: Path,
-                 health_seen: list):
-        self.proc = proc
-        self.url = f"http://127.0.0.1:{port}"
-        self.grpc_target = f"127.0.0.1:{grpc_port}" if grpc_port else None
-        self.log = log
-        self.health_seen = health_seen  # (status, body) of /health while starting
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0,
-                             timeout=120, **kw)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0,
-                                  timeout=300)
-
-    def post(self, path: str, **kw) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {KEY}", **kw.pop("headers", {})}
-        return httpx.post(self.url + path, headers=headers, timeout=120, **kw)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        values = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()))
-                key = sample.name + labels
-                values[key] = sample.value
-        return values
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = _free_port()
-    grpc_port = _free_port() if grpc is not None else None
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "jengine.cli", "serve", "--config", "test", "--port", str(port),
-           "--api-key", KEY]
-    if grpc_port:
-        cmd += ["--grpc-port", str(grpc_port)]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT)
-    seen: list[tuple[int, dict]] = []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-            seen.append((r.status_code, r.json()))
-            if r.status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    srv = Server(proc, port, grpc_port, log, seen)
-    yield srv
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+from serve_process import KEY, MODEL, grpc  # tests/serve_process.py
 
 
 @pytest.fixture(scope="module")
@@ -734,8 +647,9 @@ def test_repeated_prefix_reports_cached_tokens_and_metrics(server):
     assert "jengine_prefix_cache_duplicate_pages_total" in after
 
 
-# -- shutdown (keep last: it stops the module's server) -----------------------------------------
+# -- shutdown (conftest runs it after every other user of the server: it stops it) ---------------
 
+@pytest.mark.stops_server
 def test_sigterm_lets_the_stream_finish_then_exits(server):
     # short enough to finish within the 30 s drain bound even on a busy CPU
     body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 30,

@@ -5,7 +5,7 @@ same messages, whole or streamed; instructions, message items, function calls an
 Also `chat.completions.parse` with a Pydantic model. And, without a server, the translation of
 `input` and the `error` + `response.failed` events of a stream that fails.
 
-One server for the module (test_server.py's fixture, started again for this module).
+The session's one server (conftest's `server`, which test_server.py also uses).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from test_server import MODEL, assert_error, server  # noqa: F401 (fixture)
+from test_server import MODEL, assert_error
 
 from jengine.outputs import CompletionOutput, RequestOutput, Usage
 from jengine.server.errors import APIError

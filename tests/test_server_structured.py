@@ -2,7 +2,7 @@
 SDK: response_format, vLLM's structured_outputs / guided_* extras, 400s for bad or doubled
 constraints, streaming equal to non-streaming, forced and streamed tool calls, a tool round trip.
 
-One server for the module (test_server.py's fixture, started again for this module).
+The session's one server (conftest's `server`, which test_server.py also uses).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 from structured_cases import WEATHER
-from test_server import MODEL, assert_error, server, sse_payloads  # noqa: F401 (fixture)
+from test_server import MODEL, assert_error, sse_payloads
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 20},
