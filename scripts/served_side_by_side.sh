@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Served side by side, one server at a time on 127.0.0.1: `jengine bench serve` (streaming chat,
 # 128 tokens each) at 1 / 8 / 32 / 64 concurrent streams against each server, and each server's
-# start-up time (launch to a 200 from /v1/models). Writes one JSON per (server, concurrency)
+# start-up time (launch to a 200 from /health: jengine listens while it loads and compiles). Writes one JSON per (server, concurrency)
 # and a summary table to OUT.
 #
 #   scripts/served_side_by_side.sh OUT [BEFORE_TREE] [VLLM_PYTHON HF_DIR]
@@ -17,7 +17,7 @@ levels=("1 4" "8 16" "32 32" "64 64")  # concurrency, number of prompts
 
 wait_ready() {  # $1 pid; prints seconds to ready
   local start=$SECONDS
-  until curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; do
+  until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
     kill -0 "$1" 2>/dev/null || { echo "server died" >&2; return 1; }
     sleep 1
   done
@@ -45,7 +45,7 @@ serve() {  # $1 name, then the command
 
 serve jengine jengine serve --port $port
 if [[ -n $before ]]; then
-  serve jengine-before env PYTHONPATH="$before" python -m jengine.cli serve --port $port
+  serve jengine-before env PYTHONPATH="$before" python -P -m jengine.cli serve --port $port  # -P: not the cwd's jengine
 fi
 if [[ -n $vllm_python ]]; then
   for dtype in float32 bfloat16; do
