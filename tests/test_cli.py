@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -74,25 +75,34 @@ def test_info_describes_the_default_model():
     assert fields["chat_template"] == "True"
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["generate", "hi", "--model", "/no/such/model"], "model path not found"),
-        (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
-        (["generate", "hi", "--temperature", "-1"], "temperature"),
-        (["info", "/no/such/file.gguf"], "not found"),
-        (["generate", "hi", "--config", "no-such-preset"], "config"),
-        (["serve", "--kv-cache-memory", "1TiB"], "does not fit in this host's available memory"),
-        (["serve", "--mesh", "tp=8", "--cpu-devices", "8", "--kv-cache-memory", "900GiB"],
-         "does not fit"),
-        (["serve", "--ssl-keyfile", "/no/key.pem"], "--ssl-keyfile and --ssl-certfile"),
-        (["serve", "--max-n", "0"], "--max-n must be positive"),
-        (["serve", "a.gguf", "--model", "b.gguf"], "the model is given twice"),
-        (["serve", "-tp", "2", "--mesh", "tp=2"], "not both"),
-    ],
-)
-def test_bad_input_is_one_line_error(args, message):
-    run = jengine(*args)
+BAD_INPUT = [
+    (["generate", "hi", "--model", "/no/such/model"], "model path not found"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["info", "/no/such/file.gguf"], "not found"),
+    (["generate", "hi", "--config", "no-such-preset"], "config"),
+    (["serve", "--kv-cache-memory", "1TiB"], "does not fit in this host's available memory"),
+    (["serve", "--mesh", "tp=8", "--cpu-devices", "8", "--kv-cache-memory", "900GiB"],
+     "does not fit"),
+    (["serve", "--ssl-keyfile", "/no/key.pem"], "--ssl-keyfile and --ssl-certfile"),
+    (["serve", "--max-n", "0"], "--max-n must be positive"),
+    (["serve", "a.gguf", "--model", "b.gguf"], "the model is given twice"),
+    (["serve", "-tp", "2", "--mesh", "tp=2"], "not both"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """Every BAD_INPUT command's run, two at a time: each is mostly an interpreter start and its
+    imports (3-4 s of one core) before its first check fails, so a second core halves the wait."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = pool.map(lambda args: jengine(*args), [args for args, _ in BAD_INPUT])
+        return {tuple(args): run for (args, _), run in zip(BAD_INPUT, runs)}
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT)
+def test_bad_input_is_one_line_error(bad_input_runs, args, message):
+    run = bad_input_runs[tuple(args)]
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert lines[-1].startswith("jengine: error:") and message in lines[-1]
