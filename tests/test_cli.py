@@ -118,21 +118,33 @@ def test_unknown_architecture_dir(tmp_path):
 def test_convert_round_trip(tmp_path):
     from converters import load_source
 
+    source = str(load_source.__globals__["default_model_path"]())
     out = tmp_path / "converted"
-    run = jengine("convert", str(load_source.__globals__["default_model_path"]()), str(out))
+    run = jengine("convert", source, str(out))
     assert run.returncode == 0, run.stderr[-2000:]
-    original = load_source(None, progress=False)
-    converted = load_source(str(out), progress=False)
-    assert converted.kind == "checkpoint" and converted.config == original.config
-    for name, value in original.params.items():
-        np.testing.assert_array_equal(np.asarray(converted.params[name]), value, err_msg=name)
-    for text in ["Hello, world!", "naïve café — 東京 🙂"]:
-        assert converted.tokenizer(text).input_ids == original.tokenizer(text).input_ids
-    chat = [{"role": "user", "content": "hi"}]
-    assert converted.tokenizer.apply_chat_template(chat, tokenize=False) == (
-        original.tokenizer.apply_chat_template(chat, tokenize=False))
-    again = jengine("convert", str(load_source.__globals__["default_model_path"]()), str(out))
-    assert again.returncode == 2 and "already exists" in again.stderr
+    # Converting onto the existing output must be refused. That run loads the model before it
+    # looks at the output, so it goes on while this process checks the first run's checkpoint.
+    cmd, env = _command("convert", source, str(out), no_torch=False)
+    log = tmp_path / "again.log"
+    with open(log, "w") as err:  # a file: a full stderr pipe would stall the process
+        again = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=env)
+    try:
+        original = load_source(None, progress=False)
+        converted = load_source(str(out), progress=False)
+        assert converted.kind == "checkpoint" and converted.config == original.config
+        for name, value in original.params.items():
+            np.testing.assert_array_equal(np.asarray(converted.params[name]), value,
+                                          err_msg=name)
+        for text in ["Hello, world!", "naïve café — 東京 🙂"]:
+            assert converted.tokenizer(text).input_ids == original.tokenizer(text).input_ids
+        chat = [{"role": "user", "content": "hi"}]
+        assert converted.tokenizer.apply_chat_template(chat, tokenize=False) == (
+            original.tokenizer.apply_chat_template(chat, tokenize=False))
+        assert again.wait(timeout=900) == 2, log.read_text()[-2000:]
+    finally:
+        if again.poll() is None:
+            again.kill()
+    assert "already exists" in log.read_text()
 
 
 def test_serve_on_a_busy_port_is_a_one_line_error():
