@@ -65,16 +65,6 @@ def test_generate_without_torch_matches_hf(tmp_path):
     assert expected.strip()  # a real continuation, not an empty string
 
 
-def test_info_describes_the_default_model():
-    run = jengine("info")
-    assert run.returncode == 0, run.stderr[-2000:]
-    fields = dict(line.split(None, 1) for line in run.stdout.strip().splitlines())
-    assert fields["architecture"] == "llama"
-    assert fields["parameters"] == "134515008"
-    assert fields["context_length"] == "8192"
-    assert fields["chat_template"] == "True"
-
-
 BAD_INPUT = [
     (["generate", "hi", "--model", "/no/such/model"], "model path not found"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
@@ -92,17 +82,29 @@ BAD_INPUT = [
 
 
 @pytest.fixture(scope="module")
-def bad_input_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
-    """Every BAD_INPUT command's run, two at a time: each is mostly an interpreter start and its
-    imports (3-4 s of one core) before its first check fails, so a second core halves the wait."""
+def cli_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """The runs of `jengine info` and of every BAD_INPUT command, two at a time: the tests only
+    read their results, and each is mostly an interpreter start and the CLI's imports (3-4 s of
+    one core; `info` also reads the model) before it answers, so a second core halves the wait.
+    `info` is the longest, so it starts first."""
+    commands = [("info",)] + [tuple(args) for args, _ in BAD_INPUT]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = pool.map(lambda args: jengine(*args), [args for args, _ in BAD_INPUT])
-        return {tuple(args): run for (args, _), run in zip(BAD_INPUT, runs)}
+        return dict(zip(commands, pool.map(lambda args: jengine(*args), commands)))
+
+
+def test_info_describes_the_default_model(cli_runs):
+    run = cli_runs[("info",)]
+    assert run.returncode == 0, run.stderr[-2000:]
+    fields = dict(line.split(None, 1) for line in run.stdout.strip().splitlines())
+    assert fields["architecture"] == "llama"
+    assert fields["parameters"] == "134515008"
+    assert fields["context_length"] == "8192"
+    assert fields["chat_template"] == "True"
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUT)
-def test_bad_input_is_one_line_error(bad_input_runs, args, message):
-    run = bad_input_runs[tuple(args)]
+def test_bad_input_is_one_line_error(cli_runs, args, message):
+    run = cli_runs[tuple(args)]
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert lines[-1].startswith("jengine: error:") and message in lines[-1]
