@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -64,8 +65,35 @@ def test_generate_without_torch_matches_hf(tmp_path):
     assert expected.strip()  # a real continuation, not an empty string
 
 
-def test_info_describes_the_default_model():
-    run = jengine("info")
+BAD_INPUT = [
+    (["generate", "hi", "--model", "/no/such/model"], "model path not found"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["info", "/no/such/file.gguf"], "not found"),
+    (["generate", "hi", "--config", "no-such-preset"], "config"),
+    (["serve", "--kv-cache-memory", "1TiB"], "does not fit in this host's available memory"),
+    (["serve", "--mesh", "tp=8", "--cpu-devices", "8", "--kv-cache-memory", "900GiB"],
+     "does not fit"),
+    (["serve", "--ssl-keyfile", "/no/key.pem"], "--ssl-keyfile and --ssl-certfile"),
+    (["serve", "--max-n", "0"], "--max-n must be positive"),
+    (["serve", "a.gguf", "--model", "b.gguf"], "the model is given twice"),
+    (["serve", "-tp", "2", "--mesh", "tp=2"], "not both"),
+]
+
+
+@pytest.fixture(scope="module")
+def cli_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """The runs of `jengine info` and of every BAD_INPUT command, two at a time: the tests only
+    read their results, and each is mostly an interpreter start and the CLI's imports (3-4 s of
+    one core; `info` also reads the model) before it answers, so a second core halves the wait.
+    `info` is the longest, so it starts first."""
+    commands = [("info",)] + [tuple(args) for args, _ in BAD_INPUT]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(commands, pool.map(lambda args: jengine(*args), commands)))
+
+
+def test_info_describes_the_default_model(cli_runs):
+    run = cli_runs[("info",)]
     assert run.returncode == 0, run.stderr[-2000:]
     fields = dict(line.split(None, 1) for line in run.stdout.strip().splitlines())
     assert fields["architecture"] == "llama"
@@ -74,25 +102,9 @@ def test_info_describes_the_default_model():
     assert fields["chat_template"] == "True"
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["generate", "hi", "--model", "/no/such/model"], "model path not found"),
-        (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
-        (["generate", "hi", "--temperature", "-1"], "temperature"),
-        (["info", "/no/such/file.gguf"], "not found"),
-        (["generate", "hi", "--config", "no-such-preset"], "config"),
-        (["serve", "--kv-cache-memory", "1TiB"], "does not fit in this host's available memory"),
-        (["serve", "--mesh", "tp=8", "--cpu-devices", "8", "--kv-cache-memory", "900GiB"],
-         "does not fit"),
-        (["serve", "--ssl-keyfile", "/no/key.pem"], "--ssl-keyfile and --ssl-certfile"),
-        (["serve", "--max-n", "0"], "--max-n must be positive"),
-        (["serve", "a.gguf", "--model", "b.gguf"], "the model is given twice"),
-        (["serve", "-tp", "2", "--mesh", "tp=2"], "not both"),
-    ],
-)
-def test_bad_input_is_one_line_error(args, message):
-    run = jengine(*args)
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT)
+def test_bad_input_is_one_line_error(cli_runs, args, message):
+    run = cli_runs[tuple(args)]
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert lines[-1].startswith("jengine: error:") and message in lines[-1]
@@ -108,21 +120,33 @@ def test_unknown_architecture_dir(tmp_path):
 def test_convert_round_trip(tmp_path):
     from converters import load_source
 
+    source = str(load_source.__globals__["default_model_path"]())
     out = tmp_path / "converted"
-    run = jengine("convert", str(load_source.__globals__["default_model_path"]()), str(out))
+    run = jengine("convert", source, str(out))
     assert run.returncode == 0, run.stderr[-2000:]
-    original = load_source(None, progress=False)
-    converted = load_source(str(out), progress=False)
-    assert converted.kind == "checkpoint" and converted.config == original.config
-    for name, value in original.params.items():
-        np.testing.assert_array_equal(np.asarray(converted.params[name]), value, err_msg=name)
-    for text in ["Hello, world!", "naïve café — 東京 🙂"]:
-        assert converted.tokenizer(text).input_ids == original.tokenizer(text).input_ids
-    chat = [{"role": "user", "content": "hi"}]
-    assert converted.tokenizer.apply_chat_template(chat, tokenize=False) == (
-        original.tokenizer.apply_chat_template(chat, tokenize=False))
-    again = jengine("convert", str(load_source.__globals__["default_model_path"]()), str(out))
-    assert again.returncode == 2 and "already exists" in again.stderr
+    # Converting onto the existing output must be refused. That run loads the model before it
+    # looks at the output, so it goes on while this process checks the first run's checkpoint.
+    cmd, env = _command("convert", source, str(out), no_torch=False)
+    log = tmp_path / "again.log"
+    with open(log, "w") as err:  # a file: a full stderr pipe would stall the process
+        again = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=env)
+    try:
+        original = load_source(None, progress=False)
+        converted = load_source(str(out), progress=False)
+        assert converted.kind == "checkpoint" and converted.config == original.config
+        for name, value in original.params.items():
+            np.testing.assert_array_equal(np.asarray(converted.params[name]), value,
+                                          err_msg=name)
+        for text in ["Hello, world!", "naïve café — 東京 🙂"]:
+            assert converted.tokenizer(text).input_ids == original.tokenizer(text).input_ids
+        chat = [{"role": "user", "content": "hi"}]
+        assert converted.tokenizer.apply_chat_template(chat, tokenize=False) == (
+            original.tokenizer.apply_chat_template(chat, tokenize=False))
+        assert again.wait(timeout=900) == 2, log.read_text()[-2000:]
+    finally:
+        if again.poll() is None:
+            again.kill()
+    assert "already exists" in log.read_text()
 
 
 def test_serve_on_a_busy_port_is_a_one_line_error():
