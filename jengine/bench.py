@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from jengine.engine_flags import make_engine
+
 _TOPICS = (
     "the history of astronomy", "how bridges carry load", "the water cycle", "medieval trade",
     "how compilers work", "the biology of sleep", "volcanoes", "the invention of paper",
@@ -118,9 +120,7 @@ def run_hf(model_source: str, prompts: list[list[int]], output_len: int, dtype: 
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    from jengine.cli import _make_engine
-
-    engine = _make_engine(args)
+    engine = make_engine(args)
     prompts = make_prompts(engine.tokenizer, args.num_prompts, args.input_len, args.chat)
     print(f"bench: {len(prompts)} prompts x {args.input_len} tokens -> {args.output_len} new",
           file=sys.stderr)

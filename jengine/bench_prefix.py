@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from jengine.engine import Engine, render_chat
+from jengine.engine_flags import engine_kwargs
 from jengine.sampling_params import SamplingParams
 
 _RULES = (
@@ -98,8 +99,6 @@ def multi_turn(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from jengine.cli import engine_kwargs  # cli imports this module when it runs the bench
-
     kwargs = engine_kwargs(args)
     model = kwargs.pop("model")
     result: dict[str, Any] = {}

@@ -13,41 +13,7 @@ import sys
 import time
 
 from converters.errors import ModelLoadError
-
-ENGINE_FLAGS = (
-    "model", "config", "mesh", "dtype", "attention_backend", "kv_cache_dtype", "max_model_len",
-    "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
-    "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
-)
-
-
-def _engine_parent() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", help="HF dir, .gguf file, converted checkpoint or cached hub id "
-                   "(default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--config", help="YAML preset name (configs/) or path")
-    g.add_argument("--mesh", default="tp=1", help="device mesh, e.g. tp=8 or dp=2,tp=4")
-    g.add_argument("--cpu-devices", type=int, metavar="N",
-                   help="on a CPU-only machine, split the host into N fake devices (for trying "
-                   "--mesh without accelerators; no speed-up)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "reference", "cpu", "pallas_tpu", "pallas_gpu"])
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="KV cache element type (auto: the model dtype); sizes the page pool")
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default="2GiB")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="multi-host: process 0's address for jax.distributed")
-    g.add_argument("--num-processes", type=int, default=1, help="multi-host: process count")
-    g.add_argument("--process-id", type=int, default=0,
-                   help="multi-host: this process's rank (0 schedules and serves)")
-    return p
+from jengine.engine_flags import engine_parent, make_engine
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -73,14 +39,15 @@ def _names(text: str) -> list[str]:
 
 
 def _serve_flags(p: argparse.ArgumentParser) -> None:
-    """`jengine serve`'s own flags; the names are vLLM's where vLLM has the same thing."""
+    """`jengine serve`'s own flags; the names are vLLM's where vLLM has the same thing. Their
+    defaults are None (not given): the preset's `server` section, else `ServerConfig`, decides."""
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="the model, as --model (vLLM's `serve MODEL`)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, metavar="N",
                    help="the same as --mesh tp=N")
     p.add_argument("--seed", type=int, help="seed of the requests that set none")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", help="default 127.0.0.1")
+    p.add_argument("--port", type=int, help="default 8000")
     p.add_argument("--api-key")
     p.add_argument("--grpc-port", type=int)
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
@@ -88,30 +55,30 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", help="a Jinja chat template (its text, or a file)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests send their own chat_template")
-    p.add_argument("--root-path", default="", help="the path prefix behind a proxy")
-    p.add_argument("--allowed-origins", type=_names, default=["*"], help="CORS origins")
-    p.add_argument("--allowed-methods", type=_names, default=["*"])
-    p.add_argument("--allowed-headers", type=_names, default=["*"])
+    p.add_argument("--root-path", help="the path prefix behind a proxy")
+    p.add_argument("--allowed-origins", type=_names, help="CORS origins (default all)")
+    p.add_argument("--allowed-methods", type=_names, help="default all")
+    p.add_argument("--allowed-headers", type=_names, help="default all")
     p.add_argument("--allow-credentials", action="store_true")
     p.add_argument("--ssl-keyfile")
     p.add_argument("--ssl-certfile")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="log each request at DEBUG instead of INFO")
-    p.add_argument("--uvicorn-log-level", default="info",
+    p.add_argument("--uvicorn-log-level",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto always works")
     p.add_argument("--tool-call-parser", choices=["hermes"],
                    help="accepted for vLLM compatibility: calls are <tool_call>{json}</tool_call>")
     limits = p.add_argument_group("limits on one request")
-    limits.add_argument("--max-queue", type=int, default=1024,
-                        help="requests waiting for a first token before 503")
-    limits.add_argument("--max-n", type=int, default=128)
-    limits.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    limits.add_argument("--max-queue", type=int,
+                        help="requests waiting for a first token before 503 (default 1024)")
+    limits.add_argument("--max-n", type=int, help="default 128")
+    limits.add_argument("--max-body-bytes", type=int, help="default 4 MiB")
     limits.add_argument("--default-max-tokens", type=int,
                         help="chat requests without max_tokens (default: to the context's end)")
-    limits.add_argument("--max-tokens-per-request", type=int, default=65536,
-                        help="n x max_tokens x prompts")
+    limits.add_argument("--max-tokens-per-request", type=int,
+                        help="n x max_tokens x prompts (default 65536)")
     limits.add_argument("--request-timeout", type=float,
                         help="abort a generation request after this many seconds (default "
                         "600; 0: never)")
@@ -128,7 +95,7 @@ def _serve_aliases(args: argparse.Namespace) -> None:
         args.model = tag
     tp = getattr(args, "tensor_parallel_size", None)
     if tp is not None:
-        if args.mesh != "tp=1":
+        if args.mesh is not None:
             raise ValueError("give --tensor-parallel-size or --mesh, not both")
         if tp < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {tp}")
@@ -138,7 +105,7 @@ def _serve_aliases(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jengine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    engine = _engine_parent()
+    engine = engine_parent()
 
     gen = sub.add_parser("generate", parents=[engine], help="complete one prompt")
     gen.add_argument("prompt")
@@ -197,17 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in ENGINE_FLAGS if hasattr(args, k)}
-
-
-def _make_engine(args: argparse.Namespace):
-    from jengine.engine import Engine
-
-    kwargs = engine_kwargs(args)
-    return Engine(kwargs.pop("model"), **kwargs)
-
-
 def _sampling(args: argparse.Namespace):
     from jengine.sampling_params import SamplingParams
 
@@ -219,7 +175,7 @@ def _sampling(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)  # validate before loading anything
-    engine = _make_engine(args)
+    engine = make_engine(args)
     prompt = args.prompt
     if args.chat:
         prompt = engine.render_chat([{"role": "user", "content": prompt}])
@@ -232,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
-    engine = _make_engine(args)
+    engine = make_engine(args)
     messages: list[dict] = []
     print("jengine chat: type a message, Ctrl-D to quit", file=sys.stderr)
     for line in sys.stdin:
@@ -290,7 +246,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from jengine.compilation import default_cache_dir
 
     start = time.perf_counter()
-    engine = _make_engine(args)
+    engine = make_engine(args)
     shapes = engine.core.runner.buckets.shapes()
     print(f"compiled {len(shapes)} step buckets in {time.perf_counter() - start:.1f}s "
           f"(warm-up {engine.core.warmup_seconds:.1f}s); cache: {default_cache_dir()}",
@@ -345,12 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         import jax  # must be configured before the backend starts
 
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    if getattr(args, "num_processes", 1) > 1:
+    if (getattr(args, "num_processes", None) or 1) > 1:
         _keep_stdout_for_output()
     try:
         _serve_aliases(args)
         if getattr(args, "process_id", 0):
-            _make_engine(args)  # a follower: runs process 0's steps until process 0 exits
+            make_engine(args)  # a follower: runs process 0's steps until process 0 exits
             return 0
         return COMMANDS[args.command](args)
     except (ValueError, ModelLoadError, FileNotFoundError) as e:

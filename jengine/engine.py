@@ -64,19 +64,11 @@ from jengine.tools import (
 
 log = logging.getLogger("jengine")
 
-# The pinned keyword defaults. A keyword left at its default lets a `config` preset decide.
-_DEFAULTS: dict[str, Any] = dict(
-    mesh="tp=1", dtype="auto", attention_backend="auto", kv_cache_dtype="auto",
-    max_model_len=None, max_num_seqs=64,
-    max_num_batched_tokens=512, page_size=16, kv_cache_memory="2GiB", enable_prefix_caching=True,
-    coordinator=None, num_processes=1, process_id=0, seed=None,
-)
-
-
 def build_config(model: str | None, config: str | None, **kwargs: Any) -> EngineConfig:
-    """Engine kwargs (+ optional preset) -> EngineConfig. Explicit non-default kwargs win."""
-    overrides = {k: v for k, v in kwargs.items() if config is None or v != _DEFAULTS.get(k)}
-    return load_config(config, model=model, **overrides)
+    """Engine kwargs (+ optional preset) -> EngineConfig. A keyword given (not None) always wins
+    over the preset, even when it equals the default; the defaults themselves live only in the
+    config dataclasses (`jengine.config`)."""
+    return load_config(config, model=model, **kwargs)
 
 
 class Engine:
@@ -86,21 +78,21 @@ class Engine:
         self,
         model: str | None = None,
         *,
-        mesh: str = "tp=1",
-        dtype: str = "auto",
-        attention_backend: str = "auto",
-        kv_cache_dtype: str = "auto",
+        mesh: str | None = None,  # None: the preset's, else the config default ("tp=1")
+        dtype: str | None = None,  # "auto"
+        attention_backend: str | None = None,  # "auto"
+        kv_cache_dtype: str | None = None,  # "auto"
         max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        page_size: int = 16,
-        kv_cache_memory: str = "2GiB",
-        enable_prefix_caching: bool = True,
+        max_num_seqs: int | None = None,  # 64
+        max_num_batched_tokens: int | None = None,  # 512
+        page_size: int | None = None,  # 16
+        kv_cache_memory: str | None = None,  # "2GiB"
+        enable_prefix_caching: bool | None = None,  # True
         config: str | None = None,
         progress: bool = True,
         coordinator: str | None = None,
-        num_processes: int = 1,
-        process_id: int = 0,
+        num_processes: int | None = None,  # 1
+        process_id: int | None = None,  # 0
         seed: int | None = None,
     ):
         """`seed` makes the sampling of requests that set no seed of their own reproducible
@@ -118,7 +110,7 @@ class Engine:
             seed=seed,
         )
         self.core = make_core(cfg, progress=progress)
-        if process_id != 0:
+        if cfg.parallel.process_id != 0:
             self.core.follow()
         self.tokenizer = self.core.tokenizer
         self.progress = progress

@@ -191,14 +191,16 @@ class _Server(uvicorn.Server):
 
 
 def server_config(args: argparse.Namespace, preset: ServerConfig) -> ServerConfig:
-    """The `server` section of the preset, with the command-line flags that were set on top."""
+    """The `server` section of the preset, with the command-line flags that were given on top
+    (even one equal to its default)."""
     values = {}
     for field in dataclasses.fields(ServerConfig):
         flag = getattr(args, field.name, None)
         if isinstance(flag, list):
             flag = tuple(flag)
-        values[field.name] = flag if flag not in (None, field.default) else getattr(
-            preset, field.name)
+        # A flag given wins (None: not given); a store_true flag left False cannot say "off".
+        given = flag is not None and not (flag is False and field.default is False)
+        values[field.name] = flag if given else getattr(preset, field.name)
     if getattr(args, "disable_log_requests", False):
         values["log_requests"] = False
     if values["request_timeout"] is not None and values["request_timeout"] <= 0:
@@ -251,8 +253,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(args: argparse.Namespace) -> int:
     """`jengine serve`: listen first, load the engine in the background, drain on SIGTERM."""
-    from jengine.cli import engine_kwargs
     from jengine.engine import AsyncEngine, build_config
+    from jengine.engine_flags import engine_kwargs
     from jengine.kv_budget import host_kv_budget
     from jengine.sharding import MeshSpec
 

@@ -1,0 +1,60 @@
+"""The engine flag group that every engine-building command shares, and flags -> `Engine`.
+
+Kept apart from `jengine.cli` so that the benchmarks and the server build engines from parsed
+flags without importing the command-line module (nothing imports `jengine.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+ENGINE_FLAGS = (
+    "model", "config", "mesh", "dtype", "attention_backend", "kv_cache_dtype", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
+    "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
+)
+
+
+def engine_parent() -> argparse.ArgumentParser:
+    """The engine flag group of every command that builds an engine. Defaults are None (not
+    given): the preset, then the config dataclasses, decide, so an explicit flag always wins."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="HF dir, .gguf file, converted checkpoint or cached hub id "
+                   "(default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--config", help="YAML preset name (configs/) or path")
+    g.add_argument("--mesh", help="device mesh, e.g. tp=8 or dp=2,tp=4 (default tp=1)")
+    g.add_argument("--cpu-devices", type=int, metavar="N",
+                   help="on a CPU-only machine, split the host into N fake devices (for trying "
+                   "--mesh without accelerators; no speed-up)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--attention-backend",
+                   choices=["auto", "reference", "cpu", "pallas_tpu", "pallas_gpu"])
+    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"],
+                   help="KV cache element type (auto: the model dtype); sizes the page pool")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--max-num-seqs", type=int, help="default 64")
+    g.add_argument("--max-num-batched-tokens", type=int, help="default 512")
+    g.add_argument("--page-size", type=int, help="default 16")
+    g.add_argument("--kv-cache-memory", help="default 2GiB")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   help="default on")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-host: process 0's address for jax.distributed")
+    g.add_argument("--num-processes", type=int, help="multi-host: process count (default 1)")
+    g.add_argument("--process-id", type=int,
+                   help="multi-host: this process's rank (0 schedules and serves)")
+    return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine keywords among `args` (None where a flag was not given)."""
+    return {k: getattr(args, k) for k in ENGINE_FLAGS if hasattr(args, k)}
+
+
+def make_engine(args: argparse.Namespace):
+    """An `Engine` from parsed flags."""
+    from jengine.engine import Engine  # JAX starts here, after the flags are checked
+
+    kwargs = engine_kwargs(args)
+    return Engine(kwargs.pop("model"), **kwargs)

@@ -1,0 +1,115 @@
+"""Where settings come from: a keyword or flag that is given wins over the preset, even when it
+equals the default; one not given leaves the preset (or the config dataclass) to decide. And the
+import rules that keep the layers apart. No engine is built here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from jengine.cli import build_parser
+from jengine.config import ServerConfig
+from jengine.engine import build_config
+from jengine.engine_flags import engine_kwargs
+from jengine.server.app import server_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_keyword_equal_to_its_default_still_beats_the_preset():
+    # configs/test.yaml sets max_num_seqs 16 and dtype float32; the defaults are 64 and auto.
+    assert build_config(None, "test").scheduler.max_num_seqs == 16
+    assert build_config(None, "test", max_num_seqs=64).scheduler.max_num_seqs == 64
+    assert build_config(None, "test", dtype="auto").model.dtype == "auto"
+    assert build_config(None, "test", max_num_seqs=None).scheduler.max_num_seqs == 16
+    plain = build_config(None, None)
+    assert (plain.scheduler.max_num_seqs, plain.parallel.mesh) == (64, "tp=1")
+
+
+def _cli_config(argv: list[str]):
+    args = build_parser().parse_args(argv)
+    kwargs = engine_kwargs(args)
+    return args, build_config(kwargs.pop("model"), kwargs.pop("config"), **kwargs)
+
+
+def test_a_flag_equal_to_its_default_still_beats_the_preset(tmp_path):
+    _, cfg = _cli_config(["serve", "--config", "test", "--max-num-seqs", "64"])
+    assert cfg.scheduler.max_num_seqs == 64
+    _, cfg = _cli_config(["generate", "hi", "--config", "test"])
+    assert cfg.scheduler.max_num_seqs == 16
+
+    preset = tmp_path / "p.yaml"
+    preset.write_text("server:\n  port: 9000\n  max_queue: 7\n  allowed_origins: [a.example]\n")
+    args, cfg = _cli_config(["serve", "--config", str(preset), "--port", "8000"])
+    server = server_config(args, cfg.server)
+    assert (server.port, server.max_queue, server.allowed_origins) == (8000, 7, ("a.example",))
+    args, cfg = _cli_config(["serve", "--config", str(preset)])
+    assert server_config(args, cfg.server).port == 9000
+    args, cfg = _cli_config(["serve"])
+    assert server_config(args, cfg.server) == ServerConfig()
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth of the file (function-local imports too)."""
+    names: set[str] = set()
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _module_file(name: str) -> Path | None:
+    parts = name.split(".")
+    for candidate in (ROOT.joinpath(*parts).with_suffix(".py"),
+                      ROOT.joinpath(*parts, "__init__.py")):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _sources() -> list[Path]:
+    return [p for top in ("jengine", "converters") for p in (ROOT / top).rglob("*.py")]
+
+
+def test_nothing_imports_the_command_line_module():
+    offenders = [str(p.relative_to(ROOT)) for p in _sources()
+                 if p != ROOT / "jengine" / "cli.py"
+                 and any(n == "jengine.cli" or n.startswith("jengine.cli.") for n in _imports(p))]
+    assert offenders == []
+
+
+# Host-side modules: plain Python and NumPy, testable without compiling anything.
+HOST_MODULES = ("jengine.scheduler", "jengine.sequence", "jengine.batch", "jengine.page_allocator",
+                "jengine.prefix_cache", "jengine.detokenizer", "jengine.sampling_params",
+                "jengine.outputs")
+
+
+@pytest.mark.parametrize("module", HOST_MODULES)
+def test_host_side_modules_never_import_jax(module):
+    """Follows jengine's own imports transitively; no path may reach jax, jaxlib or flax."""
+    seen, stack, reached = set(), [module], []
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is None:
+            continue
+        for imported in _imports(path):
+            root = imported.split(".")[0]
+            if root in ("jax", "jaxlib", "flax"):
+                reached.append(f"{name} imports {imported}")
+            elif root in ("jengine", "converters"):
+                stack.append(imported)
+    assert reached == []
