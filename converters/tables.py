@@ -105,6 +105,8 @@ TABLES: dict[str, list[tuple[str, str, Transform]]] = {
         (_LAYER + r"mlp\.gate_proj\.bias", "b_gate", _same),
         (_LAYER + r"mlp\.up_proj\.bias", "b_up", _same),
         (_LAYER + r"mlp\.down_proj\.bias", "b_down", _same),
+        (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _same),
+        (_LAYER + r"self_attn\.k_norm\.weight", "k_norm", _same),
     ],
     "gemma3": _COMMON
     + [

@@ -15,7 +15,7 @@ any single feature the negative controls switch off (each moved logits by 0.36-6
 
 Negative controls prove the features are really exercised: switching one off in our config
 (sliding window, llama3 rope scaling, Gemma's local rope theta and query_pre_attn_scalar),
-zeroing Qwen2's q/k/v biases, or dropping Gemma's learned q/k norm weights must push the
+zeroing Qwen2's q/k/v biases, or dropping Gemma's or Qwen3's learned q/k norm weights must push the
 difference above `TOL` (they run prefill only: one compiled program each).
 """
 
@@ -162,6 +162,20 @@ def test_qwen2_biases(tmp_path):
     for bias in ("bq", "bk", "bv"):
         zeroed = {**loaded.params, bias: np.zeros_like(loaded.params[bias])}
         assert _control_diff((loaded.config, zeroed), ids, expected) > TOL, bias
+
+
+def test_qwen3_qk_norm(tmp_path):
+    # head_dim 32 with hidden 64 / 4 heads: Qwen3 sets head_dim apart from hidden // heads.
+    config = transformers.Qwen3Config(**_llama_kwargs(head_dim=32, rope_theta=1e6))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Qwen3ForCausalLM)
+    cfg = loaded.config
+    assert cfg.qk_norm and not cfg.qkv_bias and cfg.sliding_window is None
+    assert cfg.head_dim == 32 and loaded.params["q_norm"].shape == (2, 32)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL  # stacked + scan
+    plain = {**loaded.params, "q_norm": np.ones_like(loaded.params["q_norm"]),
+             "k_norm": np.ones_like(loaded.params["k_norm"])}
+    assert _control_diff((cfg, plain), ids, expected) > TOL
 
 
 def test_smollm2_style_tied_gqa(tmp_path):

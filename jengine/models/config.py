@@ -15,6 +15,7 @@ FAMILIES = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "llama",
+    "qwen3": "llama",  # Llama with an RMSNorm on every q and k head (`qk_norm`)
     "smollm": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
@@ -81,6 +82,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm (weight x, over head_dim) on each q and k head
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()  # per layer: True where the sliding window applies
     query_pre_attn_scalar: float | None = None  # Gemma: softmax scale is this ** -0.5
@@ -148,7 +150,7 @@ class ModelConfig:
         rope, local_rope = _rope_from_hf(hf)
         sliding_window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
-        if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
             sliding_window = None
         if sliding_window is None:
             sliding_layers = (False,) * num_layers
@@ -182,6 +184,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             sliding_window=None if sliding_window is None else int(sliding_window),
             sliding_layers=sliding_layers,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if is_gemma else None,

@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and SmolLM2 through config switches.
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3 (dense) and SmolLM2 through
+config switches.
 
 Every layer weight is declared with a leading `layers` axis; the layers run under `jax.lax.scan`
 with the stacked KV cache in the carry (each layer updates its pages in place), or, with the
@@ -43,6 +44,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs["b_gate"] = ParamSpec((n, f), ("layers", "mlp"), "zeros")
         specs["b_up"] = ParamSpec((n, f), ("layers", "mlp"), "zeros")
         specs["b_down"] = ParamSpec((n, e), ("layers", "embed"), "zeros")
+    if cfg.qk_norm:
+        specs["q_norm"] = ParamSpec((n, d), ("layers", "head_dim"), "ones")
+        specs["k_norm"] = ParamSpec((n, d), ("layers", "head_dim"), "ones")
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((e, v), ("embed", "vocab"))
     return specs
@@ -50,7 +54,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
 
 LAYER_KEYS = (
     "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
-    "bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down",
+    "bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "q_norm", "k_norm",
 )
 
 
@@ -79,6 +83,9 @@ def forward(
         q = project(h, p["wq"], "te,ehd->thd", p.get("bq"))
         k = project(h, p["wk"], "te,ehd->thd", p.get("bk"))
         v = project(h, p["wv"], "te,ehd->thd", p.get("bv"))
+        if cfg.qk_norm:  # per head, before rope
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, md.positions, inv_freq)
         k = apply_rope(k, md.positions, inv_freq)
         attn, kv = attend(
