@@ -17,7 +17,8 @@ import numpy as np
 from converters.errors import ModelLoadError
 
 _ARCH_TO_MODEL_TYPE = {
-    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3": "gemma3_text",
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
 }
 
 _TENSOR_NAMES = {
@@ -110,7 +111,7 @@ class GGUFModel:
             cfg["query_pre_attn_scalar"] = cfg["head_dim"]
             cfg["rope_local_base_freq"] = 10000.0
             cfg["sliding_window_pattern"] = 6
-        if self.arch == "qwen2":
+        if self.arch in ("qwen2", "qwen3"):
             cfg["use_sliding_window"] = False
         return cfg
 

@@ -282,6 +282,8 @@ GGUF_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
@@ -311,19 +313,29 @@ def _llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def _tiny_llama_gguf(path, rope: dict | None = None):
+def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama"):
     """A random HF Llama (GQA 4q/2kv) written as an F32 GGUF the way llama.cpp converts it:
-    q/k rows permuted, llama3 rope scaling (if any) as a `rope_freqs.weight` tensor."""
+    q/k rows permuted, llama3 rope scaling (if any) as a `rope_freqs.weight` tensor. With
+    `arch="qwen3"`: a Qwen3 (q/k norms, head_dim 32 apart from hidden // heads), not permuted
+    (llama.cpp permutes only its `llama` architecture)."""
     heads, kv_heads, hidden, vocab = 4, 2, 64, 96
-    config = transformers.LlamaConfig(
+    kwargs = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
     )
+    head_dim = hidden // heads
+    if arch == "qwen3":
+        head_dim = 32
+        config = transformers.Qwen3Config(**kwargs, head_dim=head_dim)
+        model_cls = transformers.Qwen3ForCausalLM
+    else:
+        config = transformers.LlamaConfig(**kwargs)
+        model_cls = transformers.LlamaForCausalLM
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = model_cls(config).eval()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -331,10 +343,13 @@ def _tiny_llama_gguf(path, rope: dict | None = None):
             p.copy_(1 + 0.3 * noise if "norm" in name else noise / p.shape[-1] ** 0.5)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     theta = (rope or {}).get("rope_theta", 10000.0)
     _add_llama_header(w, hidden=hidden, ffn=96, layers=2, heads=heads, kv_heads=kv_heads,
                       rope_theta=theta)
+    if head_dim != hidden // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     # A byte-level BPE vocabulary: printable characters, two merges of them, bos and eos.
     w.add_tokenizer_model("gpt2")
     w.add_token_list([chr(33 + i) for i in range(vocab - 4)] + ['!"', "#$", "<s>", "</s>"])
@@ -345,9 +360,9 @@ def _tiny_llama_gguf(path, rope: dict | None = None):
     if rope:
         w.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(rope, hidden // heads))
     for key, value in state.items():
-        if key.endswith("q_proj.weight"):
+        if arch == "llama" and key.endswith("q_proj.weight"):
             value = _llama_cpp_permute(value, heads, heads)
-        elif key.endswith("k_proj.weight"):
+        elif arch == "llama" and key.endswith("k_proj.weight"):
             value = _llama_cpp_permute(value, heads, kv_heads)
         w.add_tensor(_gguf_name(key), np.ascontiguousarray(value, np.float32))
     _write(w)
@@ -386,6 +401,14 @@ def test_gguf_llama_logits_match_transformers(tiny_llama_gguf):
     loaded = load_source(str(path), dtype="float32", progress=False)
     assert loaded.kind == "gguf" and loaded.config.num_kv_heads == 2
     assert loaded.tokenizer('!"#$a</s>').input_ids == [92, 93, 64, 95]  # merges, "a", eos
+    assert _gguf_logits_diff(path, model) < TOL
+
+
+def test_gguf_qwen3(tmp_path):
+    path, model, _ = _tiny_llama_gguf(tmp_path / "qwen3.gguf", arch="qwen3")
+    loaded = load_source(str(path), dtype="float32", progress=False)
+    assert loaded.config.model_type == "qwen3" and loaded.config.qk_norm
+    assert loaded.config.head_dim == 32
     assert _gguf_logits_diff(path, model) < TOL
 
 
