@@ -15,8 +15,9 @@ any single feature the negative controls switch off (each moved logits by 0.36-6
 
 Negative controls prove the features are really exercised: switching one off in our config
 (sliding window, llama3 rope scaling, Gemma's local rope theta and query_pre_attn_scalar),
-zeroing Qwen2's q/k/v biases, or dropping Gemma's or Qwen3's learned q/k norm weights must push the
-difference above `TOL` (they run prefill only: one compiled program each).
+zeroing Qwen2's q/k/v biases, dropping Gemma's or Qwen3's learned q/k norm weights, or
+resetting one of Granite's multipliers must push the difference above `TOL` (they run prefill
+only: one compiled program each).
 """
 
 from __future__ import annotations
@@ -176,6 +177,22 @@ def test_qwen3_qk_norm(tmp_path):
     plain = {**loaded.params, "q_norm": np.ones_like(loaded.params["q_norm"]),
              "k_norm": np.ones_like(loaded.params["k_norm"])}
     assert _control_diff((cfg, plain), ids, expected) > TOL
+
+
+def test_granite_multipliers(tmp_path):
+    config = transformers.GraniteConfig(**_llama_kwargs(
+        rope_theta=1e4, embedding_multiplier=3.0, residual_multiplier=0.4,
+        attention_multiplier=0.05, logits_scaling=2.5,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.GraniteForCausalLM)
+    cfg = loaded.config
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (
+        3.0, 0.4, 2.5)
+    assert cfg.sm_scale == pytest.approx(0.05)
+    assert _max_diff(loaded, ids, expected) < TOL
+    for name, neutral in (("embedding_multiplier", 1.0), ("residual_multiplier", 1.0),
+                          ("attention_multiplier", None), ("logits_scaling", 1.0)):
+        assert _control_diff(_with(loaded, **{name: neutral}), ids, expected) > TOL, name
 
 
 def test_smollm2_style_tied_gqa(tmp_path):

@@ -16,6 +16,7 @@ FAMILIES = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",  # Llama with an RMSNorm on every q and k head (`qk_norm`)
+    "granite": "llama",  # Llama with embedding / residual / attention / logit multipliers
     "smollm": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
@@ -83,6 +84,12 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm (weight x, over head_dim) on each q and k head
+    # Granite's scalars: embeddings x embedding_multiplier, each residual branch x
+    # residual_multiplier, softmax scale = attention_multiplier, logits / logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()  # per layer: True where the sliding window applies
     query_pre_attn_scalar: float | None = None  # Gemma: softmax scale is this ** -0.5
@@ -102,6 +109,8 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier)
         scalar = self.query_pre_attn_scalar or self.head_dim
         return float(scalar) ** -0.5
 
@@ -185,6 +194,7 @@ class ModelConfig:
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
+            **_granite_scalars(hf) if model_type == "granite" else {},
             sliding_window=None if sliding_window is None else int(sliding_window),
             sliding_layers=sliding_layers,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if is_gemma else None,
@@ -193,6 +203,15 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _granite_scalars(hf: dict[str, Any]) -> dict[str, float]:
+    return {
+        "embedding_multiplier": float(hf.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(hf.get("residual_multiplier", 1.0)),
+        "attention_multiplier": float(hf.get("attention_multiplier", 1.0)),
+        "logits_scaling": float(hf.get("logits_scaling", 1.0)),
+    }
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:

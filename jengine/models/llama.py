@@ -1,5 +1,5 @@
-"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3 (dense) and SmolLM2 through
-config switches.
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3 (dense), Granite 3 and SmolLM2
+through config switches.
 
 Every layer weight is declared with a leading `layers` axis; the layers run under `jax.lax.scan`
 with the stacked KV cache in the carry (each layer updates its pages in place), or, with the
@@ -69,6 +69,9 @@ def forward(
     """One ragged step. Returns float32 logits [S, V] at `md.logits_indices` ([T, V] with
     `all_logits`) and the updated cache."""
     x = params["embed"][md.token_ids]  # [T, E]
+    if cfg.embedding_multiplier != 1.0:
+        x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+    scaled = _scaled_by(cfg.residual_multiplier)
     inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
     window = cfg.sliding_window
     windows = jnp.asarray(
@@ -93,11 +96,11 @@ def forward(
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
         )
-        x = x + layers.project_heads(attn, p["wo"], p.get("bo"))
+        x = x + scaled(layers.project_heads(attn, p["wo"], p.get("bo")))
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"))
         up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"))
-        x = x + project(jax.nn.silu(gate) * up, p["w_down"], "tf,fe->te", p.get("b_down"))
+        x = x + scaled(project(jax.nn.silu(gate) * up, p["w_down"], "tf,fe->te", p.get("b_down")))
         return (x, kv), None
 
     x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, windows, cfg.num_layers)
@@ -107,4 +110,13 @@ def forward(
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     with jax.named_scope("lm_head"):
         logits = jnp.einsum("te,ev->tv", x, head, preferred_element_type=jnp.float32)
+    if cfg.logits_scaling != 1.0:
+        logits = logits / cfg.logits_scaling
     return logits, kv
+
+
+def _scaled_by(multiplier: float):
+    """x -> x * multiplier (Granite's residual branches); the identity when it is 1."""
+    if multiplier == 1.0:
+        return lambda x: x
+    return lambda x: x * jnp.asarray(multiplier, x.dtype)
