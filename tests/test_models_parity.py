@@ -236,3 +236,27 @@ def test_gemma3_text(tmp_path):
         "k_norm": np.zeros_like(loaded.params["k_norm"]),
     }
     assert _control_diff((cfg, no_qk_norm), ids, expected) > TOL
+
+
+def test_gemma2_soft_capping(tmp_path):
+    # Caps low enough to bite on these random logits (scores and logits of ~5-80 unscaled).
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        max_position_embeddings=128, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attn_logit_softcapping=2.0, final_logit_softcapping=5.0, rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
+    loaded, ids, expected = _build(
+        tmp_path, config, transformers.Gemma2ForCausalLM, norm_offset=0.0
+    )
+    cfg = loaded.config
+    assert cfg.sliding_layers == (True, False, True) and cfg.local_rope is None
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (2.0, 5.0)
+    assert "q_norm" not in loaded.params
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL  # stacked + scan
+    assert _control_diff(_with(loaded, attn_logit_softcapping=None), ids, expected) > TOL
+    assert _control_diff(_with(loaded, final_logit_softcapping=None), ids, expected) > TOL
+    assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL

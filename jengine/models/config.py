@@ -19,6 +19,7 @@ FAMILIES = {
     "granite": "llama",  # Llama with embedding / residual / attention / logit multipliers
     "smollm": "llama",
     "gemma3_text": "gemma3",
+    "gemma2": "gemma3",  # Gemma 3's network without q/k norms, with soft-capping (gemma3.py)
     "gemma3": "gemma3",
 }
 
@@ -166,7 +167,9 @@ class ModelConfig:
         elif layer_types:
             sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
         elif FAMILIES[model_type] == "gemma3":
-            pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+            default = 2 if model_type == "gemma2" else 6  # Gemma 2 alternates from layer 0
+            pattern = int(hf.get("sliding_window_pattern",
+                                 hf.get("_sliding_window_pattern", default)))
             sliding_layers = tuple((i + 1) % pattern != 0 for i in range(num_layers))
         else:
             sliding_layers = (True,) * num_layers

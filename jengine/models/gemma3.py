@@ -1,5 +1,9 @@
 """Gemma 3 (text): q/k norms, interleaved sliding-window and global layers with their own rope,
-GeGLU MLP, scaled embeddings, and norms before and after both attention and MLP."""
+GeGLU MLP, scaled embeddings, and norms before and after both attention and MLP.
+
+Gemma 2 is the same network without the q/k norms, with one rope for every layer and
+soft-capped attention scores and final logits (`attn_logit_softcapping`,
+`final_logit_softcapping`, which Gemma 3 leaves unset)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     n, e, f, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     norm = ("layers", "embed")
-    return {
+    specs = {
         "embed": ParamSpec((v, e), ("vocab", "embed")),
         "attn_norm": ParamSpec((n, e), norm, "zeros"),
         "wq": ParamSpec((n, e, h, d), ("layers", "embed", "q_heads", "head_dim")),
@@ -35,6 +39,14 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         "post_mlp_norm": ParamSpec((n, e), norm, "zeros"),
         "final_norm": ParamSpec((e,), ("embed",), "zeros"),
     }
+    if not has_qk_norm(cfg):
+        del specs["q_norm"], specs["k_norm"]
+    return specs
+
+
+def has_qk_norm(cfg: ModelConfig) -> bool:
+    """Gemma 3 normalises every q and k head; Gemma 2 does not."""
+    return cfg.model_type != "gemma2"
 
 
 LAYER_KEYS = (
@@ -69,8 +81,11 @@ def forward(
         x, kv = carry
         p, index, (layer_window, inv_freq) = xs
         h = rms_norm(x, p["attn_norm"], eps, offset=1.0)
-        q = rms_norm(project(h, p["wq"], "te,ehd->thd"), p["q_norm"], eps, offset=1.0)
-        k = rms_norm(project(h, p["wk"], "te,ehd->thd"), p["k_norm"], eps, offset=1.0)
+        q = project(h, p["wq"], "te,ehd->thd")
+        k = project(h, p["wk"], "te,ehd->thd")
+        if "q_norm" in p:
+            q = rms_norm(q, p["q_norm"], eps, offset=1.0)
+            k = rms_norm(k, p["k_norm"], eps, offset=1.0)
         v = project(h, p["wv"], "te,ehd->thd")
         q = apply_rope(q, md.positions, inv_freq)
         k = apply_rope(k, md.positions, inv_freq)
