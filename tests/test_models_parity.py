@@ -206,18 +206,25 @@ def test_smollm2_style_tied_gqa(tmp_path):
     assert _max_diff(loaded, ids, expected) < TOL
 
 
+def _gemma_kwargs(**kw):
+    """3 layers, sliding / full / sliding, head_dim and query_pre_attn_scalar set apart."""
+    base = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "query_pre_attn_scalar": 24, "max_position_embeddings": 128, "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rms_norm_eps": 1e-6,
+    }
+    return {**base, **kw}
+
+
 def test_gemma3_text(tmp_path):
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
-        max_position_embeddings=128, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    config = transformers.Gemma3TextConfig(**_gemma_kwargs(
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
-        rms_norm_eps=1e-6,
-    )
+    ))
     loaded, ids, expected = _build(
         tmp_path, config, transformers.Gemma3ForCausalLM, norm_offset=0.0
     )
@@ -240,14 +247,9 @@ def test_gemma3_text(tmp_path):
 
 def test_gemma2_soft_capping(tmp_path):
     # Caps low enough to bite on these random logits (scores and logits of ~5-80 unscaled).
-    config = transformers.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
-        max_position_embeddings=128, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        attn_logit_softcapping=2.0, final_logit_softcapping=5.0, rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-    )
+    config = transformers.Gemma2Config(**_gemma_kwargs(
+        attn_logit_softcapping=2.0, final_logit_softcapping=5.0, rope_theta=10000.0,
+    ))
     loaded, ids, expected = _build(
         tmp_path, config, transformers.Gemma2ForCausalLM, norm_offset=0.0
     )
