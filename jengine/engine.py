@@ -67,7 +67,7 @@ log = logging.getLogger("jengine")
 # The pinned keyword defaults. A keyword left at its default lets a `config` preset decide.
 _DEFAULTS: dict[str, Any] = dict(
     mesh="tp=1", dtype="auto", attention_backend="auto", kv_cache_dtype="auto",
-    max_model_len=None, max_num_seqs=64,
+    quantization="none", max_model_len=None, max_num_seqs=64,
     max_num_batched_tokens=512, page_size=16, kv_cache_memory="2GiB", enable_prefix_caching=True,
     coordinator=None, num_processes=1, process_id=0, seed=None,
 )
@@ -90,6 +90,7 @@ class Engine:
         dtype: str = "auto",
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        quantization: str = "none",
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
@@ -106,12 +107,16 @@ class Engine:
         """`seed` makes the sampling of requests that set no seed of their own reproducible
         from one engine start to the next (vLLM's `seed`).
 
+        `quantization` ("none" | "int8" | "w8a16" | "fp8") quantizes the projections at load
+        time (jengine/models/quant.py); an unknown mode, or fp8 on CPU, is a ValueError.
+
         Multi-host (`num_processes` > 1, one process per host, the same arguments on each
         but `process_id`): process 0 is the engine; on every other process this constructor
         runs process 0's step programs and returns only when process 0 exits."""
         cfg = build_config(
             model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
-            kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,
