@@ -101,6 +101,8 @@ class EngineCore:
         if loaded is None:
             loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress, lazy=True)
         self.loaded_source = loaded.source
+        if self.quantization == "none":  # a checkpoint converted with --quantization: as stored
+            self.quantization = loaded.quantization
         self.model_config = dataclasses.replace(
             padded_config(loaded.config, self.mesh_spec.tp), attention_backend=backend
         )

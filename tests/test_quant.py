@@ -22,6 +22,8 @@ import pytest
 from paged import run_paged  # tests/paged.py: pytest puts tests/ on sys.path
 from test_sharded_loading import _tiny_llama
 
+from converters import load_source
+from converters.checkpoint import load_checkpoint, save_checkpoint
 from jengine import Engine, SamplingParams
 from jengine.cli import build_parser, engine_kwargs
 from jengine.config import load_config
@@ -237,6 +239,20 @@ def test_int8_engine_greedy_on_tp2_equals_tp1(tiny_padded, tmp_path, lm_head):
             assert wq.q.sharding.spec[1] == "tp" and wq.scale.sharding.spec[1] == "tp"
             assert wq.scale.addressable_shards[0].data.shape == (1, 5, 4)  # 10 padded heads
     assert outputs["tp=2"] == outputs["tp=1"]
+
+
+def test_converted_int8_checkpoint_loads_as_stored(tiny_padded, tmp_path):
+    loaded = load_source(str(tiny_padded), progress=False)
+    out = save_checkpoint(loaded, tmp_path / "int8", quantization="int8")
+    restored = load_checkpoint(out)
+    assert restored.quantization == "int8" and not isinstance(restored.params["embed"], QArray)
+    assert restored.params["wq"].q.dtype == jnp.int8 and restored.params["wq"].mode == "int8"
+    expected, _ = _engine_greedy(str(tiny_padded), _preset(tmp_path, quantization="int8"),
+                                 "tp=1")
+    # No quantization asked: the checkpoint's own; q heads pad 9 -> 10 (scales zero-filled).
+    got, params = _engine_greedy(str(out), _preset(tmp_path), "tp=2")
+    assert _first_wq(params).mode == "int8"
+    assert got == expected
 
 
 def test_bad_quantization_is_a_value_error_before_loading():
