@@ -100,6 +100,7 @@ DOTS = [  # every projection equation the models use: (eq, x shape, w shape, con
     ("tk,ke->te", (6, 32), (32, 16), (0,)),  # wo (heads merged), w_down
     ("te,ef->tf", (6, 32), (32, 48), (0,)),  # w_gate / w_up
     ("te,ve->tv", (6, 32), (40, 32), (1,)),  # tied lm_head (the embedding table)
+    ("te,ef->tf", (1, 32), (32, 48), (0,)),  # one row (a lone decode): padded to two
 ]
 
 
