@@ -1,8 +1,10 @@
 """jengine's converted checkpoint: an Orbax param tree + config + tokenizer in one directory.
 
 Layout:
-  OUT/jengine_model.json   model config (ModelConfig.to_dict), source, generation config
-  OUT/params/              Orbax StandardCheckpointer tree: {param name: array}
+  OUT/jengine_model.json   model config (ModelConfig.to_dict), source, generation config,
+                           quantization of the stored weights (none | int8 | w8a16)
+  OUT/params/              Orbax StandardCheckpointer tree: {param name: array}; a quantized
+                           weight is {"q": int8 array, "scale": float32 per-channel scales}
   OUT/tokenizer/           tokenizer.json, tokenizer_config.json (with the chat template)
 """
 
@@ -18,12 +20,28 @@ import numpy as np
 from converters.errors import ModelLoadError
 from converters.source import CHECKPOINT_MARKER, LoadedModel, numpy_dtype
 from jengine.models import ModelConfig, family_module
+from jengine.models.quant import (
+    QArray,
+    quantize_weight,
+    quantized_names,
+    scale_shape,
+    scale_sharding,
+)
 
 FORMAT_VERSION = 1
 
 
-def save_checkpoint(model: LoadedModel, out: str | Path, *, overwrite: bool = False) -> Path:
-    """Writes `model` to `out` (which must not exist unless `overwrite`)."""
+def save_checkpoint(model: LoadedModel, out: str | Path, *, overwrite: bool = False,
+                    quantization: str = "none", quantize_lm_head: bool = False) -> Path:
+    """Writes `model` to `out` (which must not exist unless `overwrite`).
+
+    With `quantization` int8 or w8a16 the projections (and the lm_head with
+    `quantize_lm_head`) are stored as int8 with their per-channel scales, about a quarter of
+    their float32 bytes, and an engine restores them as they are: no float copy, no
+    re-quantizing at start-up. The mode stored is the engine's default for the checkpoint.
+    """
+    if quantization not in ("none", "int8", "w8a16"):
+        raise ValueError(f"cannot store quantization {quantization!r}; use none, int8 or w8a16")
     import orbax.checkpoint as ocp
 
     out = Path(out).resolve()
@@ -38,13 +56,30 @@ def save_checkpoint(model: LoadedModel, out: str | Path, *, overwrite: bool = Fa
         "source": model.source,
         "generation_config": model.generation_config,
         "dtype": str(next(iter(model.params.values())).dtype),
+        "quantization": quantization,
+        "quantize_lm_head": quantize_lm_head,
     }
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(out / "params", {k: np.asarray(v) for k, v in model.params.items()})
+        ckpt.save(out / "params", _host_tree(model, quantization, quantize_lm_head))
         ckpt.wait_until_finished()
     model.tokenizer.save_pretrained(str(out / "tokenizer"))
     (out / CHECKPOINT_MARKER).write_text(json.dumps(meta, indent=1))
     return out
+
+
+def _host_tree(model: LoadedModel, quantization: str, lm_head: bool) -> dict:
+    """The param tree to store: numpy arrays, quantized weights as {"q", "scale"} pairs
+    (quantized on the host's CPU device, with the engine's own function)."""
+    tree = {k: np.asarray(v) for k, v in model.params.items()}
+    if quantization == "none":
+        return tree
+    cfg = model.config
+    specs = family_module(cfg).param_specs(cfg)
+    with jax.default_device(jax.devices("cpu")[0]):
+        for name in quantized_names(specs, cfg.tie_word_embeddings, lm_head):
+            qa = quantize_weight(tree[name], specs[name].contract, quantization)
+            tree[name] = {"q": np.asarray(qa.q), "scale": np.asarray(qa.scale)}
+    return tree
 
 
 def load_checkpoint(
@@ -61,7 +96,8 @@ def load_checkpoint(
     params = restore_params(path, cfg, shardings, dtype) if restore else {}
     tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
     return LoadedModel(
-        cfg, dict(params), tokenizer, str(path), "checkpoint", meta.get("generation_config", {})
+        cfg, dict(params), tokenizer, str(path), "checkpoint", meta.get("generation_config", {}),
+        quantization=meta.get("quantization", "none"),
     )
 
 
@@ -72,7 +108,8 @@ def restore_params(
 
     `cfg` may be the checkpoint's config with q heads padded for tp (`padded_config`): stored
     arrays then restore into the larger shape with the padding zero-filled by Orbax
-    (`strict=False`), so no host copy of any weight is made either way.
+    (`strict=False`), so no host copy of any weight is made either way. Quantized weights come
+    back as `QArray`s of the stored mode, their scales sharded with their output channels.
 
     Raises:
       ModelLoadError: a param is missing or stored with another shape than the checkpoint's
@@ -83,23 +120,45 @@ def restore_params(
     path = Path(path).resolve()
     specs = family_module(cfg).param_specs(cfg)
     stored = _stored_shapes(path, specs)
+    meta = _read_meta(path)
+    mode = meta.get("quantization", "none")
+    quantized = set() if mode == "none" else set(
+        quantized_names(specs, cfg.tie_word_embeddings, meta.get("quantize_lm_head", False)))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {
-        name: jax.ShapeDtypeStruct(spec.shape, numpy_dtype(dtype),
-                                   sharding=shardings[name] if shardings else device)
-        for name, spec in specs.items()
-    }
-    args = {  # strict=False: Orbax zero-fills a target larger than the stored array
-        name: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype,
-                                   strict=t.shape == stored[name])
-        for name, t in target.items()
-    }
+    target, args = {}, {}
+    for name, spec in specs.items():
+        sharding = shardings[name] if shardings else device
+        if name not in quantized:
+            target[name], args[name] = _target(spec.shape, numpy_dtype(dtype), sharding,
+                                               stored[name])
+            continue
+        contract = spec.contract
+        scales = (scale_sharding(sharding, len(spec.shape), contract)
+                  if isinstance(sharding, jax.sharding.NamedSharding) else sharding)
+        q = _target(spec.shape, np.dtype(np.int8), sharding, stored[name])
+        scale = _target(scale_shape(spec.shape, contract), np.dtype(np.float32), scales,
+                        scale_shape(stored[name], contract))
+        target[name] = {"q": q[0], "scale": scale[0]}
+        args[name] = {"q": q[1], "scale": scale[1]}
     try:
         with ocp.PyTreeCheckpointer() as ckpt:
             restore = ocp.args.PyTreeRestore(item=target, restore_args=args)
-            return dict(ckpt.restore(path / "params", args=restore))
+            params = dict(ckpt.restore(path / "params", args=restore))
     except Exception as e:
         raise ModelLoadError(f"cannot restore params from {path / 'params'}: {e}") from e
+    for name in quantized:
+        params[name] = QArray(q=params[name]["q"], scale=params[name]["scale"], mode=mode)
+    return params
+
+
+def _target(shape, dtype, sharding, stored_shape):
+    """(restore target, Orbax restore args) of one array; strict=False lets Orbax zero-fill a
+    target larger than the stored array (q heads padded for tp)."""
+    import orbax.checkpoint as ocp
+
+    target = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+    return target, ocp.ArrayRestoreArgs(sharding=sharding, global_shape=target.shape,
+                                        dtype=dtype, strict=target.shape == tuple(stored_shape))
 
 
 def _stored_shapes(path: Path, specs: dict) -> dict[str, tuple[int, ...]]:
@@ -116,7 +175,9 @@ def _stored_shapes(path: Path, specs: dict) -> dict[str, tuple[int, ...]]:
     try:
         with ocp.PyTreeCheckpointer() as ckpt:
             tree = ckpt.metadata(path / "params").item_metadata.tree
-        stored = {name: tuple(meta.shape) for name, meta in tree.items()}
+        # A quantized weight is stored as {"q", "scale"}: its shape is q's.
+        stored = {name: tuple((meta["q"] if isinstance(meta, dict) else meta).shape)
+                  for name, meta in tree.items()}
     except Exception as e:
         raise ModelLoadError(f"cannot read params metadata from {path / 'params'}: {e}") from e
     missing = sorted(set(specs) - set(stored))

@@ -31,6 +31,7 @@ class LoadedModel:
     source: str
     kind: str  # "gguf" | "hf" | "checkpoint"
     generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    quantization: str = "none"  # of the stored weights (a checkpoint `jengine convert` quantized)
 
 
 def default_model_path() -> Path:

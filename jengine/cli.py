@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     conv.add_argument("--overwrite", action="store_true")
+    conv.add_argument("--quantization", default="none", choices=["none", "int8", "w8a16"],
+                      help="store the projections as int8 + per-channel scales (~1/4 of f32); "
+                      "engines then load them as stored")
+    conv.add_argument("--quantize-lm-head", action="store_true",
+                      help="with --quantization: the lm_head too")
 
     sub.add_parser("compile", parents=[engine], help="compile every step bucket ahead of time")
 
@@ -216,6 +221,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "family": cfg.family,
         "parameters": cfg.num_params,
         "dtype": str(next(iter(loaded.params.values())).dtype),
+        "quantization": loaded.quantization,  # of the stored weights
         "layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
         "heads": f"{cfg.num_heads} q / {cfg.num_kv_heads} kv, head_dim {cfg.head_dim}",
@@ -236,7 +242,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     loaded = load_source(args.src, dtype=args.dtype, progress=True)
-    out = save_checkpoint(loaded, args.out, overwrite=args.overwrite)
+    out = save_checkpoint(loaded, args.out, overwrite=args.overwrite,
+                          quantization=args.quantization,
+                          quantize_lm_head=args.quantize_lm_head)
     print(f"converted {loaded.source} -> {out} in {time.perf_counter() - start:.1f}s",
           file=sys.stderr)
     return 0

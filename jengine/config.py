@@ -25,6 +25,10 @@ class ModelSection:
     # How layer weights sit in memory: auto = unstacked on CPU (read in place), stacked (one
     # lax.scan over a leading layer axis) elsewhere; see jengine.models.layers.
     layer_layout: str = "auto"
+    # none | int8 (W8A8: int8 weights per output channel, int8 activations per token) | w8a16
+    # (int8 weights, float activations) | fp8 (e4m3 weights; GPU/TPU); see models/quant.py.
+    quantization: str = "none"
+    quantize_lm_head: bool = False  # also the output head (off: it stays in the model dtype)
     seed: int | None = None  # seeds the per-request seeds of requests that give none
 
 

@@ -26,6 +26,7 @@ from jengine.kv_budget import host_kv_budget
 from jengine.logprobs import prompt_targets, ranked, record_prompt_logprobs
 from jengine.models import KVCache, family_module
 from jengine.models.layers import resolve_layer_layout, unstack_layers
+from jengine.models.quant import quantize_params, resolve_quantization
 from jengine.outputs import RequestOutput
 from jengine.page_allocator import PageAllocator
 from jengine.pallas_kernels import resolve_backend
@@ -94,11 +95,14 @@ class EngineCore:
         mesh = self.mesh_spec.replica_mesh(replica) if self.mesh_spec.num_devices > 1 else None
         backend = resolve_backend(cfg.model.attention_backend, jax.default_backend())
         self.layer_layout = resolve_layer_layout(cfg.model.layer_layout, jax.default_backend())
+        self.quantization = resolve_quantization(cfg.model.quantization, jax.default_backend())
         if mesh is not None:  # before any weight is read
             check_divisible(load_config(cfg.model.model), self.mesh_spec.tp)
         if loaded is None:
             loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress, lazy=True)
         self.loaded_source = loaded.source
+        if self.quantization == "none":  # a checkpoint converted with --quantization: as stored
+            self.quantization = loaded.quantization
         self.model_config = dataclasses.replace(
             padded_config(loaded.config, self.mesh_spec.tp), attention_backend=backend
         )
@@ -147,6 +151,11 @@ class EngineCore:
         params = load_params_sharded(
             loaded, self.model_config, rules.param_shardings(specs) if rules else None,
             self.dtype, progress=progress,
+        )
+        # Quantized from the float weights, whatever their source, shard by shard in place.
+        params = quantize_params(
+            params, specs, self.quantization, tied_embeddings=self.model_config.tie_word_embeddings,
+            lm_head=cfg.model.quantize_lm_head, delete_float=True,
         )
         if self.layer_layout == "unstacked":
             params = unstack_layers(params, family.LAYER_KEYS, self.model_config.num_layers,

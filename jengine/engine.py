@@ -82,6 +82,7 @@ class Engine:
         dtype: str | None = None,  # "auto"
         attention_backend: str | None = None,  # "auto"
         kv_cache_dtype: str | None = None,  # "auto"
+        quantization: str | None = None,  # "none"
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,  # 64
         max_num_batched_tokens: int | None = None,  # 512
@@ -98,12 +99,16 @@ class Engine:
         """`seed` makes the sampling of requests that set no seed of their own reproducible
         from one engine start to the next (vLLM's `seed`).
 
+        `quantization` ("none" | "int8" | "w8a16" | "fp8") quantizes the projections at load
+        time (jengine/models/quant.py); an unknown mode, or fp8 on CPU, is a ValueError.
+
         Multi-host (`num_processes` > 1, one process per host, the same arguments on each
         but `process_id`): process 0 is the engine; on every other process this constructor
         runs process 0's step programs and returns only when process 0 exits."""
         cfg = build_config(
             model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
-            kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 
 ENGINE_FLAGS = (
-    "model", "config", "mesh", "dtype", "attention_backend", "kv_cache_dtype", "max_model_len",
-    "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
+    "model", "config", "mesh", "dtype", "attention_backend", "kv_cache_dtype", "quantization",
+    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
     "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
 )
 
@@ -32,6 +32,10 @@ def engine_parent() -> argparse.ArgumentParser:
                    choices=["auto", "reference", "cpu", "pallas_tpu", "pallas_gpu"])
     g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"],
                    help="KV cache element type (auto: the model dtype); sizes the page pool")
+    g.add_argument("--quantization", choices=["none", "int8", "w8a16", "fp8"],
+                   help="int8: int8 weights and activations (W8A8); w8a16: int8 weights only; "
+                   "fp8: e4m3 weights (GPU/TPU). Quantized at load time from any source "
+                   "(default none)")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-seqs", type=int, help="default 64")
     g.add_argument("--max-num-batched-tokens", type=int, help="default 512")

@@ -23,19 +23,20 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     norm = ("layers", "embed")
     specs = {
-        "embed": ParamSpec((v, e), ("vocab", "embed")),
+        "embed": ParamSpec((v, e), ("vocab", "embed"), contract=(1,)),  # tied: also the lm_head
         "attn_norm": ParamSpec((n, e), norm, "zeros"),
-        "wq": ParamSpec((n, e, h, d), ("layers", "embed", "q_heads", "head_dim")),
-        "wk": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
-        "wv": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
+        "wq": ParamSpec((n, e, h, d), ("layers", "embed", "q_heads", "head_dim"), contract=(1,)),
+        "wk": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim"), contract=(1,)),
+        "wv": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim"), contract=(1,)),
         "q_norm": ParamSpec((n, d), ("layers", "head_dim"), "zeros"),
         "k_norm": ParamSpec((n, d), ("layers", "head_dim"), "zeros"),
-        "wo": ParamSpec((n, h, d, e), ("layers", "q_heads", "head_dim", "embed")),
+        "wo": ParamSpec((n, h, d, e), ("layers", "q_heads", "head_dim", "embed"),
+                        contract=(1, 2)),
         "post_attn_norm": ParamSpec((n, e), norm, "zeros"),
         "pre_mlp_norm": ParamSpec((n, e), norm, "zeros"),
-        "w_gate": ParamSpec((n, e, f), ("layers", "embed", "mlp")),
-        "w_up": ParamSpec((n, e, f), ("layers", "embed", "mlp")),
-        "w_down": ParamSpec((n, f, e), ("layers", "mlp", "embed")),
+        "w_gate": ParamSpec((n, e, f), ("layers", "embed", "mlp"), contract=(1,)),
+        "w_up": ParamSpec((n, e, f), ("layers", "embed", "mlp"), contract=(1,)),
+        "w_down": ParamSpec((n, f, e), ("layers", "mlp", "embed"), contract=(1,)),
         "post_mlp_norm": ParamSpec((n, e), norm, "zeros"),
         "final_norm": ParamSpec((e,), ("embed",), "zeros"),
     }
@@ -65,7 +66,7 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step; same contract as `llama.forward`."""
     eps = cfg.rms_norm_eps
-    x = params["embed"][md.token_ids]
+    x = layers.embed_tokens(params["embed"], md.token_ids, params["final_norm"].dtype)
     x = x * jnp.asarray(np.sqrt(cfg.hidden_size), x.dtype)  # [T, E]
     global_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
     local_freq = rope_inv_freq(cfg.local_rope or cfg.rope, cfg.head_dim)
@@ -108,7 +109,7 @@ def forward(
         x = x[md.logits_indices]
     x = rms_norm(x, params["final_norm"], eps, offset=1.0)
     with jax.named_scope("lm_head"):
-        logits = jnp.einsum("te,ve->tv", x, params["embed"], preferred_element_type=jnp.float32)
+        logits = layers.dot("te,ve->tv", x, params["embed"])
     if cfg.final_logit_softcapping:
         cap = cfg.final_logit_softcapping
         logits = cap * jnp.tanh(logits / cap)

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jengine.models import quant
 from jengine.models.config import RopeConfig
+from jengine.models.quant import QArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +26,9 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     init: str = "normal"  # normal | zeros | ones
+    # The axes a projection contracts with the activations (e.g. (1,) for wq [L, E, H, D]);
+    # set on the weights `quantization` may store as int8, one scale per remaining index.
+    contract: tuple[int, ...] = ()
 
 
 class DeclaredModel(nnx.Module):
@@ -85,20 +90,37 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
         return out.astype(x.dtype)
 
 
-def project(x: jax.Array, w: jax.Array, eq: str, bias: jax.Array | None = None) -> jax.Array:
+Weight = jax.Array | QArray  # a float weight, or its quantized form (jengine.models.quant)
+
+
+def dot(eq: str, x: jax.Array, w: Weight) -> jax.Array:
+    """`einsum(eq, x, w)` accumulated and returned in float32; a quantized `w` runs its
+    int8 (or weight-only) dot."""
+    if isinstance(w, QArray):
+        return quant.einsum(eq, x, w)
+    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+
+
+def project(x: jax.Array, w: Weight, eq: str, bias: jax.Array | None = None) -> jax.Array:
     """einsum projection with an optional bias, accumulating in float32."""
     with jax.named_scope("proj"):
-        y = jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        y = dot(eq, x, w).astype(x.dtype)
         return y if bias is None else y + bias
 
 
-def project_heads(attn: jax.Array, wo: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+def embed_tokens(table: Weight, ids: jax.Array, dtype) -> jax.Array:
+    """[T] ids -> [T, E] rows of the embedding table."""
+    return quant.take_rows(table, ids).astype(dtype)
+
+
+def project_heads(attn: jax.Array, wo: Weight, bias: jax.Array | None = None) -> jax.Array:
     """The output projection [T, H, D] x [H, D, E] -> [T, E], as one [T, H*D] x [H*D, E] dot.
 
     Both reshapes are free (row-major), while the 3-D einsum made XLA:CPU pick a [D, H] order
     for the contraction and copy `wo` (and the attention output) into it on every layer."""
     num_tokens = attn.shape[0]
-    return project(attn.reshape(num_tokens, -1), wo.reshape(-1, wo.shape[-1]), "tk,ke->te", bias)
+    return project(attn.reshape(num_tokens, -1), quant.merge_input_axes(wo, 2), "tk,ke->te",
+                   bias)
 
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -122,28 +144,35 @@ def resolve_layer_layout(layout: str, platform: str) -> str:
     return "unstacked" if platform == "cpu" else "stacked"
 
 
-def unstack_layers(params: dict[str, jax.Array], keys: tuple[str, ...], num_layers: int, *,
-                   delete_stacked: bool = False) -> dict[str, jax.Array | tuple]:
+def unstack_layers(params: dict[str, Weight], keys: tuple[str, ...], num_layers: int, *,
+                   delete_stacked: bool = False) -> dict[str, Weight | tuple]:
     """Stacked layer weights [L, ...] -> `params["layers"]`, a tuple of L dicts of [...] arrays
-    (each keeps its shard layout minus the layer axis). `delete_stacked` frees each stacked
-    array once it is split (the caller must not use them again), so loading peaks at the
-    weights plus one stacked tensor rather than twice the weights."""
+    (each keeps its shard layout minus the layer axis; a `QArray` splits its int8 values and
+    scales alike). `delete_stacked` frees each stacked array once it is split (the caller must
+    not use them again), so loading peaks at the weights plus one stacked tensor rather than
+    twice the weights."""
     out = {k: v for k, v in params.items() if k not in keys}
     names = [k for k in keys if k in params]
-    layers: list[dict[str, jax.Array]] = [{} for _ in range(num_layers)]
+    layers: list[dict[str, Weight]] = [{} for _ in range(num_layers)]
     for name in names:
-        stacked = params[name]
-        shardings = None
-        if isinstance(stacked.sharding, jax.sharding.NamedSharding):
-            spec = jax.sharding.PartitionSpec(*tuple(stacked.sharding.spec)[1:])
-            shardings = [jax.sharding.NamedSharding(stacked.sharding.mesh, spec)] * num_layers
-        split = jax.jit(lambda w: [w[i] for i in range(num_layers)], out_shardings=shardings)
-        for i, w in enumerate(split(stacked)):
-            layers[i][name] = w
+        leaves, treedef = jax.tree.flatten(params[name])
+        parts = [_split_layers(leaf, num_layers) for leaf in leaves]
+        for i in range(num_layers):
+            layers[i][name] = treedef.unflatten([p[i] for p in parts])
         if delete_stacked:
-            stacked.delete()
+            for leaf in leaves:
+                leaf.delete()
     out["layers"] = tuple(layers)
     return out
+
+
+def _split_layers(stacked: jax.Array, num_layers: int) -> list[jax.Array]:
+    shardings = None
+    if isinstance(stacked.sharding, jax.sharding.NamedSharding):
+        spec = jax.sharding.PartitionSpec(*tuple(stacked.sharding.spec)[1:])
+        shardings = [jax.sharding.NamedSharding(stacked.sharding.mesh, spec)] * num_layers
+    split = jax.jit(lambda w: [w[i] for i in range(num_layers)], out_shardings=shardings)
+    return split(stacked)
 
 
 def run_layers(

@@ -22,16 +22,19 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     n, e, f, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     specs = {
-        "embed": ParamSpec((v, e), ("vocab", "embed")),
+        # Tied: the lm_head too, contracting the embed axis (quantized only on request).
+        "embed": ParamSpec((v, e), ("vocab", "embed"),
+                           contract=(1,) if cfg.tie_word_embeddings else ()),
         "attn_norm": ParamSpec((n, e), ("layers", "embed"), "ones"),
-        "wq": ParamSpec((n, e, h, d), ("layers", "embed", "q_heads", "head_dim")),
-        "wk": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
-        "wv": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
-        "wo": ParamSpec((n, h, d, e), ("layers", "q_heads", "head_dim", "embed")),
+        "wq": ParamSpec((n, e, h, d), ("layers", "embed", "q_heads", "head_dim"), contract=(1,)),
+        "wk": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim"), contract=(1,)),
+        "wv": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim"), contract=(1,)),
+        "wo": ParamSpec((n, h, d, e), ("layers", "q_heads", "head_dim", "embed"),
+                        contract=(1, 2)),
         "mlp_norm": ParamSpec((n, e), ("layers", "embed"), "ones"),
-        "w_gate": ParamSpec((n, e, f), ("layers", "embed", "mlp")),
-        "w_up": ParamSpec((n, e, f), ("layers", "embed", "mlp")),
-        "w_down": ParamSpec((n, f, e), ("layers", "mlp", "embed")),
+        "w_gate": ParamSpec((n, e, f), ("layers", "embed", "mlp"), contract=(1,)),
+        "w_up": ParamSpec((n, e, f), ("layers", "embed", "mlp"), contract=(1,)),
+        "w_down": ParamSpec((n, f, e), ("layers", "mlp", "embed"), contract=(1,)),
         "final_norm": ParamSpec((e,), ("embed",), "ones"),
     }
     if cfg.qkv_bias:
@@ -48,7 +51,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs["q_norm"] = ParamSpec((n, d), ("layers", "head_dim"), "ones")
         specs["k_norm"] = ParamSpec((n, d), ("layers", "head_dim"), "ones")
     if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((e, v), ("embed", "vocab"))
+        specs["lm_head"] = ParamSpec((e, v), ("embed", "vocab"), contract=(0,))
     return specs
 
 
@@ -68,7 +71,7 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step. Returns float32 logits [S, V] at `md.logits_indices` ([T, V] with
     `all_logits`) and the updated cache."""
-    x = params["embed"][md.token_ids]  # [T, E]
+    x = layers.embed_tokens(params["embed"], md.token_ids, params["final_norm"].dtype)  # [T, E]
     if cfg.embedding_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
     scaled = _scaled_by(cfg.residual_multiplier)
@@ -107,9 +110,11 @@ def forward(
     if not all_logits:
         x = x[md.logits_indices]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     with jax.named_scope("lm_head"):
-        logits = jnp.einsum("te,ev->tv", x, head, preferred_element_type=jnp.float32)
+        if cfg.tie_word_embeddings:
+            logits = layers.dot("te,ve->tv", x, params["embed"])
+        else:
+            logits = layers.dot("te,ev->tv", x, params["lm_head"])
     if cfg.logits_scaling != 1.0:
         logits = logits / cfg.logits_scaling
     return logits, kv
