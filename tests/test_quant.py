@@ -25,8 +25,9 @@ from test_sharded_loading import _tiny_llama
 from converters import load_source
 from converters.checkpoint import load_checkpoint, save_checkpoint
 from jengine import Engine, SamplingParams
-from jengine.cli import build_parser, engine_kwargs
+from jengine.cli import build_parser
 from jengine.config import load_config
+from jengine.engine_flags import engine_kwargs
 from jengine.models import ModelConfig, family_module, quant
 from jengine.models.quant import INT8_REFERENCE, QArray, quantize_params
 
@@ -271,7 +272,10 @@ def test_quantization_config_key_and_cli_flag(tmp_path):
     assert load_config(None, quantization="int8").model.quantization == "int8"
     args = build_parser().parse_args(["generate", "hi", "--quantization", "int8"])
     assert engine_kwargs(args)["quantization"] == "int8"
-    assert build_parser().parse_args(["generate", "hi"]).quantization == "none"
+    # Not given: the preset decides, else the config default "none".
+    assert build_parser().parse_args(["generate", "hi"]).quantization is None
+    assert load_config(str(preset), quantization=None).model.quantization == "w8a16"
+    assert load_config(None).model.quantization == "none"
     with pytest.raises(SystemExit) as exit_info:  # argparse: one usage line + error, status 2
         build_parser().parse_args(["generate", "hi", "--quantization", "int4"])
     assert exit_info.value.code == 2
