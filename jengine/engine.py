@@ -102,9 +102,12 @@ class Engine:
         num_processes: int = 1,
         process_id: int = 0,
         seed: int | None = None,
+        warmup: bool = False,
     ):
         """`seed` makes the sampling of requests that set no seed of their own reproducible
-        from one engine start to the next (vLLM's `seed`).
+        from one engine start to the next (vLLM's `seed`). `warmup=True` builds every bucket's
+        step program up front (what a benchmark wants); by default each is built by the first
+        step that needs it, so a few prompts load or compile only the buckets they use.
 
         Multi-host (`num_processes` > 1, one process per host, the same arguments on each
         but `process_id`): process 0 is the engine; on every other process this constructor
@@ -117,7 +120,7 @@ class Engine:
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,
             seed=seed,
         )
-        self.core = make_core(cfg, progress=progress)
+        self.core = make_core(cfg, progress=progress, warmup=warmup)
         if process_id != 0:
             self.core.follow()
         self.tokenizer = self.core.tokenizer
@@ -286,9 +289,10 @@ class AsyncEngine:
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         progress = kwargs.pop("progress", True)
+        warmup = kwargs.pop("warmup", True)  # a server builds every program before it serves
         config = kwargs.pop("config", None)
         cfg = build_config(model, config, **kwargs)
-        self._start(make_core(cfg, progress=progress))
+        self._start(make_core(cfg, progress=progress, warmup=warmup))
 
     def _start(self, core: EngineCore | ReplicaSet) -> None:
         self.core = core
