@@ -120,7 +120,7 @@ def run_hf(model_source: str, prompts: list[list[int]], output_len: int, dtype: 
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    engine = make_engine(args)
+    engine = make_engine(args, warmup=True)  # compiles are not what a throughput run times
     prompts = make_prompts(engine.tokenizer, args.num_prompts, args.input_len, args.chat)
     print(f"bench: {len(prompts)} prompts x {args.input_len} tokens -> {args.output_len} new",
           file=sys.stderr)

@@ -104,7 +104,7 @@ def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for caching in (False, True):
         kwargs["enable_prefix_caching"] = caching
-        engine = Engine(model, **kwargs)
+        engine = Engine(model, warmup=True, **kwargs)
         name = "cache_on" if caching else "cache_off"
         print(f"bench: prefix cache {'on' if caching else 'off'}", file=sys.stderr)
         result[name] = {"shared_system_prompt": shared_system(engine, args),

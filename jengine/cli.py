@@ -179,15 +179,21 @@ def _sampling(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
     params = _sampling(args)  # validate before loading anything
     engine = make_engine(args)
     prompt = args.prompt
     if args.chat:
         prompt = engine.render_chat([{"role": "user", "content": prompt}])
+    first = None
     for delta in engine.stream(prompt, params):
+        first = first or time.perf_counter()
         sys.stdout.write(delta.outputs[0].text if delta.outputs else "")
         sys.stdout.flush()
     sys.stdout.write("\n")
+    for core in getattr(engine.core, "replicas", [engine.core]):
+        print(f"jengine: first token {(first or start) - start:.1f}s after the engine began "
+              f"({core.phase_summary()})", file=sys.stderr)
     return 0
 
 
@@ -251,14 +257,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from jengine.compilation import default_cache_dir
+    from jengine.executables import ExecutableStore, default_store_dir
 
     start = time.perf_counter()
-    engine = make_engine(args)
+    engine = make_engine(args, warmup=True)
     shapes = engine.core.runner.buckets.shapes()
-    print(f"compiled {len(shapes)} step buckets in {time.perf_counter() - start:.1f}s "
-          f"(warm-up {engine.core.warmup_seconds:.1f}s); cache: {default_cache_dir()}",
-          file=sys.stderr)
+    entries = ExecutableStore(default_store_dir()).entries()
+    size = sum(p.stat().st_size for p in entries) / 2**20
+    print(f"built {len(shapes)} step programs in {time.perf_counter() - start:.1f}s "
+          f"(warm-up {engine.core.warmup_seconds:.1f}s); store: {default_store_dir()} holds "
+          f"{len(entries)} programs, {size:.1f} MiB", file=sys.stderr)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 The count comes from `jax.monitoring` (one `/jax/core/compile/jaxpr_to_mlir_module_duration`
 event per program JAX lowers, whether XLA then compiles it or loads it from the persistent cache),
-so a step shape that was not warmed up shows up here however the engine is driven.
+so a step shape that was not warmed up shows up here however the engine is driven. Programs that
+`jengine.executables` loads without lowering them are added by `record_program_load`: a load
+after ready stalls the batch as surely as a compile does.
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ def install_compile_counter() -> None:
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
+def record_program_load() -> None:
+    """Counts a compiled program obtained without lowering (a stored executable)."""
+    global _count
+    with _lock:
+        _count += 1
+
+
 def compile_count() -> int:
-    """Programs lowered in this process since the counter was installed."""
+    """Programs lowered or loaded in this process since the counter was installed."""
     return _count

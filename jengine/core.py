@@ -22,6 +22,7 @@ from converters import LoadedModel, load_config, load_source
 from jengine.compilation import compile_count, enable_persistent_cache
 from jengine.config import EngineConfig
 from jengine.detokenizer import IncrementalDetokenizer
+from jengine.executables import ExecutableStore, default_store_dir
 from jengine.kv_budget import host_kv_budget
 from jengine.logprobs import prompt_targets, ranked, record_prompt_logprobs
 from jengine.models import KVCache, family_module
@@ -72,15 +73,31 @@ def resolve_dtype(dtype: str) -> str:
     return dtype
 
 
+class _Phases:
+    """Wall seconds between successive `end(name)` calls."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+
 class EngineCore:
     """Owns the model on device, the scheduler, and every in-flight request."""
 
     def __init__(
         self, cfg: EngineConfig, *, progress: bool = True, replica: int = 0,
-        loaded: LoadedModel | None = None,
+        loaded: LoadedModel | None = None, warmup: bool = True,
     ):
         """One engine replica. `replica` picks its devices under `dp` (see jengine.sharding);
-        `loaded` lets data-parallel replicas share one read of the weights from disk."""
+        `loaded` lets data-parallel replicas share one read of the weights from disk.
+        `warmup`: build every bucket's program before returning (a server must not compile
+        while it serves); False builds each on its first step (offline runs that use a few)."""
+        phases = _Phases()
         enable_persistent_cache()
         self.cfg = cfg
         par = cfg.parallel
@@ -100,6 +117,7 @@ class EngineCore:
             check_divisible(load_config(cfg.model.model), self.mesh_spec.tp)
         if loaded is None:
             loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress, lazy=True)
+        phases.end("open model")
         self.loaded_source = loaded.source
         if self.quantization == "none":  # a checkpoint converted with --quantization: as stored
             self.quantization = loaded.quantization
@@ -144,6 +162,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             prefix_cache=self.prefix_cache,
         )
+        phases.end("set up")
         rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
         family = family_module(self.model_config)
         specs = family.param_specs(self.model_config)
@@ -160,11 +179,14 @@ class EngineCore:
         if self.layer_layout == "unstacked":
             params = unstack_layers(params, family.LAYER_KEYS, self.model_config.num_layers,
                                     delete_stacked=True)
+        phases.end("weights")
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,
             buckets=buckets, kv_cache_dtype=self.kv_cache_dtype, rules=rules,
             channel=StepChannel(self.distributed) if self.distributed.num_processes > 1 else None,
+            store=ExecutableStore(default_store_dir()),
         )
+        phases.end("kv cache")
         self.requests: dict[str, RequestState] = {}
         self._rng = random.Random(cfg.model.seed)  # None: seeded from the OS
         self._seq_counter = 0
@@ -172,7 +194,12 @@ class EngineCore:
         self._grammars_lock = threading.Lock()
         self._masks: StepMasks | None = None
         # A multi-host follower compiles as it follows the leader's warm-up steps.
-        self.warmup_seconds = self._warmup(progress) if self.distributed.is_leader else 0.0
+        warm = warmup and self.distributed.is_leader
+        self.warmup_seconds = self._warmup(progress) if warm else 0.0
+        phases.end("step programs")
+        # Seconds per start-up phase, in order (what `jengine generate` prints on stderr).
+        self.start_phases = phases.seconds
+        log.info("engine ready in %.1fs (%s)", sum(phases.seconds.values()), self.phase_summary())
         if self.distributed.num_processes > 1 and self.distributed.is_leader:
             atexit.register(self.runner.stop_followers)
         self.compiles_at_ready = compile_count()
@@ -186,6 +213,13 @@ class EngineCore:
         self.num_steps_ahead = 0  # steps dispatched before the previous step's tokens arrived
 
     # -- set-up ---------------------------------------------------------------------------------
+
+    def phase_summary(self) -> str:
+        """One line: each start-up phase's seconds, and how the step programs were obtained."""
+        r = self.runner
+        parts = [f"{name} {sec:.1f}s" for name, sec in self.start_phases.items()]
+        return (", ".join(parts) + f"; programs: {r.programs_loaded} loaded, "
+                f"{r.programs_compiled} compiled")
 
     def _max_model_len(self, loaded: LoadedModel) -> int:
         limit = loaded.config.max_position_embeddings
@@ -210,8 +244,8 @@ class EngineCore:
         return tuple(sorted(ids))
 
     def _warmup(self, progress: bool) -> float:
-        bar = tqdm(total=len(self.runner.buckets.shapes()), desc="compiling step buckets",
-                   disable=not progress, file=sys.stderr, unit="bucket")
+        bar = tqdm(total=len(self.runner.buckets.shapes()), desc="step programs (load/compile)",
+                   disable=not progress, file=sys.stderr, unit="program")
 
         def tick(done: int, total: int) -> None:
             bar.update(done - bar.n)

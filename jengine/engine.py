@@ -95,9 +95,12 @@ class Engine:
         num_processes: int | None = None,  # 1
         process_id: int | None = None,  # 0
         seed: int | None = None,
+        warmup: bool = False,
     ):
         """`seed` makes the sampling of requests that set no seed of their own reproducible
-        from one engine start to the next (vLLM's `seed`).
+        from one engine start to the next (vLLM's `seed`). `warmup=True` builds every bucket's
+        step program up front (what a benchmark wants); by default each is built by the first
+        step that needs it, so a few prompts load or compile only the buckets they use.
 
         `quantization` ("none" | "int8" | "w8a16" | "fp8") quantizes the projections at load
         time (jengine/models/quant.py); an unknown mode, or fp8 on CPU, is a ValueError.
@@ -114,7 +117,7 @@ class Engine:
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,
             seed=seed,
         )
-        self.core = make_core(cfg, progress=progress)
+        self.core = make_core(cfg, progress=progress, warmup=warmup)
         if cfg.parallel.process_id != 0:
             self.core.follow()
         self.tokenizer = self.core.tokenizer
@@ -283,9 +286,10 @@ class AsyncEngine:
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         progress = kwargs.pop("progress", True)
+        warmup = kwargs.pop("warmup", True)  # a server builds every program before it serves
         config = kwargs.pop("config", None)
         cfg = build_config(model, config, **kwargs)
-        self._start(make_core(cfg, progress=progress))
+        self._start(make_core(cfg, progress=progress, warmup=warmup))
 
     def _start(self, core: EngineCore | ReplicaSet) -> None:
         self.core = core

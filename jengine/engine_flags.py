@@ -56,9 +56,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ENGINE_FLAGS if hasattr(args, k)}
 
 
-def make_engine(args: argparse.Namespace):
-    """An `Engine` from parsed flags."""
+def make_engine(args: argparse.Namespace, *, warmup: bool = False):
+    """An `Engine` from parsed flags (`warmup`: build every bucket's program up front)."""
     from jengine.engine import Engine  # JAX starts here, after the flags are checked
 
     kwargs = engine_kwargs(args)
-    return Engine(kwargs.pop("model"), **kwargs)
+    return Engine(kwargs.pop("model"), warmup=warmup, **kwargs)

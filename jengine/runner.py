@@ -3,28 +3,41 @@
 All `jax.jit` objects of the serving path are built here. One step program is
 `forward (embed -> scanned layers over the paged cache -> last-token logits) -> sample`, with
 the KV cache donated so XLA updates the pages in place. Shapes come from a small set of buckets
-(tokens T, sequences S, pages per sequence P) that `warmup()` compiles up front; sampling
-features that need extra inputs (penalties, logit bias, grammar masks, top logprobs) are step
-variants compiled on first use.
+(tokens T, sequences S, pages per sequence P) that `warmup()` compiles up front (in threads) or
+that the first step of each shape compiles (lazily, for offline use); sampling features that
+need extra inputs (penalties, logit bias, grammar masks, top logprobs) are step variants
+compiled on first use.
+
+Every program is compiled ahead of time (`lower().compile()`) and kept per input signature, so a
+step is dispatched without jit's retracing checks, and an `ExecutableStore` can hand back the
+program a previous process compiled without tracing it again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jengine.batch import ScheduledBatch
+from jengine.compilation import record_program_load
+from jengine.executables import ExecutableStore, compile_fresh, store_key
 from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
 from jengine.pallas_kernels import num_query_blocks, query_blocks
 from jengine.sampler import SamplingArrays, sample
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
+
+log = logging.getLogger("jengine")
 
 MAX_TOP_LOGPROBS = 20
 QUERY_BLOCK = 32  # query rows per block in prefill-heavy steps (see pallas_kernels/reference.py)
@@ -133,11 +146,13 @@ class Runner:
         kv_cache_dtype,
         rules: ShardingRules | None = None,
         channel: StepChannel | None = None,
+        store: ExecutableStore | None = None,
     ):
         """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
         is created on its kv-head sharding and each step's inputs are replicated on the mesh.
         `channel` (multi-host): the leader sends every step's inputs through it; a follower
-        runs `follow()` instead of being driven by a scheduler."""
+        runs `follow()` instead of being driven by a scheduler. `store`: compiled programs
+        are loaded from and saved to it (single-process runs only)."""
         self.cfg = cfg
         self.params = params
         self.page_size = page_size
@@ -191,10 +206,23 @@ class Runner:
         out_shardings = None
         if rules:
             out_shardings = (rules.replicated(), KVCache(k=kv_sharding, v=kv_sharding))
-        self._step = jax.jit(
-            step, donate_argnames=("kv",), static_argnames=("variant",),
-            out_shardings=out_shardings,
-        )
+        self._step_fn = step
+        self._jit_kwargs = dict(donate_argnames=("kv",), static_argnames=("variant",),
+                                out_shardings=out_shardings)
+        self._programs: dict[tuple, jax.stages.Compiled] = {}
+        self._programs_lock = threading.Lock()
+        self._store = store if jax.process_count() == 1 else None
+        self._devices = (tuple(rules.mesh.devices.flat) if rules
+                         else tuple(next(iter(params.values())).devices()))
+        # What decides the step program besides its inputs' shapes (ExecutableStore's key).
+        self._description = {
+            "model": cfg, "kv_cache_dtype": str(kv_cache_dtype), "max_seqs": max_seqs,
+            "state": jax.tree.map(_aval, (params, self.kv)),
+            "out_shardings": repr(out_shardings), "kernel_mesh": repr(self._kernel_mesh),
+        }
+        self.ready = False  # set by warmup(); a program built after it is logged as a stall
+        self.programs_loaded = 0  # from the store
+        self.programs_compiled = 0  # traced, lowered and compiled (or found by XLA's cache)
 
     # -- host -> device --------------------------------------------------------------------------
 
@@ -282,12 +310,76 @@ class Runner:
         md, arrays, targets, feed = self.device_inputs(host)
         if prev_tokens is None:
             prev_tokens = self._no_tokens
+        args = (md, arrays, targets, feed, prev_tokens)
+        out, self.kv = self._program(host, variant, args)(self.params, self.kv, *args)
+        return out
+
+    # -- programs --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _signature(host: tuple, variant: Variant) -> tuple:
+        leaves, tree = jax.tree.flatten(host)
+        return variant, tree, tuple((a.shape, a.dtype.str) for a in leaves)
+
+    def program_key(self, batch: ScheduledBatch, rows: SamplingRows) -> str | None:
+        """The store key of the program `batch` runs (None without a store): equal keys
+        mean the same executable, so anything that changes the program must change it."""
+        if self._store is None:
+            return None
+        return self._key(self._signature(*self.host_inputs(batch, rows)))
+
+    def _key(self, signature: tuple) -> str:
+        variant, tree, shapes = signature
+        described = {"variant": variant, "tree": str(tree), "shapes": shapes}
+        return store_key({**self._description, "inputs": described}, self._devices)
+
+    def _program(self, host: tuple, variant: Variant, args: tuple) -> jax.stages.Compiled:
+        """The compiled step for these inputs' shapes: built once per signature."""
+        signature = self._signature(host, variant)
+        program = self._programs.get(signature)
+        if program is None:
+            program = self._build(signature, args)
+            with self._programs_lock:
+                self._programs[signature] = program
+        return program
+
+    def _build(self, signature: tuple, args: tuple) -> jax.stages.Compiled:
+        """Loads the program from the store, or compiles it (and stores it when fresh)."""
+        start = time.perf_counter()
+        variant = signature[0]
+        key = None
+        if self._store is not None:
+            key = self._key(signature)
+            program = self._store.load(key, self._devices)
+            if program is not None:
+                record_program_load()
+                self._built("loaded", signature, start)
+                return program
+        name = f"step_{key[:16]}" if key else "step"  # a new key misses the persistent cache
         mesh = self._kernel_mesh
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            out, self.kv = self._step(
-                self.params, self.kv, md, arrays, targets, feed, prev_tokens, variant
-            )
-        return out
+            program, fresh = compile_fresh(
+                self._step_fn, name, (self.params, self.kv, *args), {"variant": variant},
+                **self._jit_kwargs)
+        if key is not None and fresh:
+            self._store.save(key, program)
+        self._built("compiled", signature, start)
+        return program
+
+    def _built(self, how: str, signature: tuple, start: float) -> None:
+        """Counts and logs one program built; after ready that is a stall worth a warning."""
+        with self._programs_lock:
+            if how == "loaded":
+                self.programs_loaded += 1
+            else:
+                self.programs_compiled += 1
+        variant, _, shapes = signature
+        t, p = shapes[0][0][1], shapes[1][0][1]  # ints [5, T], page table [S, P]
+        s = shapes[1][0][0]
+        level = logging.WARNING if self.ready else logging.DEBUG
+        log.log(level, "%s step program T=%d S=%d P=%d %s%s in %.2fs", how, t, s, p, variant,
+                " after ready (a shape or variant warm-up missed)" if self.ready else "",
+                time.perf_counter() - start)
 
     def stop_followers(self) -> None:
         """Leader: releases the followers' `follow` loops (at shutdown)."""
@@ -313,16 +405,45 @@ class Runner:
             result.prompt_top_logprobs = np.asarray(prompt[2][:num_tokens])
         return result
 
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> float:
-        """Compiles (or loads from the persistent cache) the base step of every bucket."""
+    def warmup(self, progress: Callable[[int, int], None] | None = None,
+               threads: int | None = None) -> float:
+        """Builds (loads, or compiles in `threads` threads: one per core by default) the base
+        step of every bucket, then runs the smallest once. A multi-host leader instead runs
+        every bucket, one by one, so that its followers compile the same programs."""
         start = time.perf_counter()
         shapes = self.buckets.shapes()
-        for i, (t, s, p) in enumerate(shapes):
-            out = self._launch(*self.host_inputs(_dummy_batch(t, s, p), SamplingRows.empty(s)))
-            jax.block_until_ready(out[0].tokens)
-            if progress:
-                progress(i + 1, len(shapes))
+        if self._channel is not None:
+            for i, shape in enumerate(shapes):
+                self._run_dummy(shape)
+                if progress:
+                    progress(i + 1, len(shapes))
+        else:
+            with ThreadPoolExecutor(threads or os.cpu_count() or 1,
+                                    thread_name_prefix="jengine-compile") as pool:
+                futures = [pool.submit(self._build_dummy, shape) for shape in shapes]
+                for i, future in enumerate(as_completed(futures)):
+                    future.result()
+                    if progress:
+                        progress(i + 1, len(shapes))
+            self._run_dummy(shapes[0])
+        self.ready = True
         return time.perf_counter() - start
+
+    def program(self, batch: ScheduledBatch, rows: SamplingRows) -> jax.stages.Compiled:
+        """The compiled step program that `batch` runs (built if need be): what warm-up
+        builds, and what profiles read the HLO of."""
+        host, variant = self.host_inputs(batch, rows)
+        md, arrays, targets, feed = self.device_inputs(host)
+        return self._program(host, variant, (md, arrays, targets, feed, self._no_tokens))
+
+    def _build_dummy(self, shape: tuple[int, int, int]) -> None:
+        t, s, p = shape
+        self.program(_dummy_batch(t, s, p), SamplingRows.empty(s))
+
+    def _run_dummy(self, shape: tuple[int, int, int]) -> None:
+        t, s, p = shape
+        out = self._launch(*self.host_inputs(_dummy_batch(t, s, p), SamplingRows.empty(s)))
+        jax.block_until_ready(out[0].tokens)
 
 
 def _dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
@@ -409,6 +530,10 @@ class SamplingRows:
             mask=self.allowed_mask is not None,
         )
         return arrays, variant
+
+
+def _aval(a: jax.Array) -> tuple:
+    return (a.shape, a.dtype.str, repr(a.sharding))
 
 
 def _next_pow2(n: int) -> int:

@@ -109,10 +109,7 @@ def main() -> None:
         batch = synthetic_batch(args.seqs, 1, args.context - 1, runner.page_size)
     rows = SamplingRows.empty(batch.num_seqs)
     runner.execute(batch, rows)
-    host, variant = runner.host_inputs(batch, rows)
-    md, arrays, targets, feed = runner.device_inputs(host)
-    hlo = runner._step.lower(runner.params, runner.kv, md, arrays, targets, feed,
-                             runner._no_tokens, variant).compile().as_text()
+    hlo = runner.program(batch, rows).as_text()
     parts = instruction_parts(hlo)
 
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="jengine-trace-")

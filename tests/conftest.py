@@ -87,7 +87,7 @@ def smol_engine():
     """The default model (SmolLM2-135M-Instruct, f32) behind the real Engine, test buckets."""
     from jengine import Engine
 
-    return Engine(config="test", progress=False)
+    return Engine(config="test", progress=False, warmup=True)
 
 
 @pytest.fixture(scope="session")

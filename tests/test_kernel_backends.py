@@ -62,7 +62,7 @@ def test_test_preset_prefills_in_blocks_without_recompiling(tiny, backend):
     kernels block on device and get no host blocks. Same greedy tokens as ONE_BUCKET's
     per-token steps, and no program compiled after warm-up."""
     path, prompts, expected = tiny
-    engine = Engine(path, config="test", attention_backend=backend, progress=False)
+    engine = Engine(path, config="test", attention_backend=backend, progress=False, warmup=True)
     runner = engine.core.runner
     assert runner.buckets.blocked(64) and not runner.buckets.blocked(16)
     assert _greedy(engine, prompts, 6) == expected  # the first step holds 59 prompt tokens

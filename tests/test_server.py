@@ -598,6 +598,7 @@ def test_metrics_parse_and_move(server):
     before = server.metrics()
     for name in ("jengine_num_requests_running", "jengine_num_requests_waiting",
                  "jengine_kv_pages_used", "jengine_kv_pages_total", "jengine_compiles_since_ready",
+                 "jengine_compiles_after_ready_total",
                  "jengine_time_to_first_token_seconds_count",
                  "jengine_inter_token_latency_seconds_count", "jengine_prompt_tokens_total",
                  "jengine_generation_tokens_total"):
@@ -616,6 +617,7 @@ def test_metrics_parse_and_move(server):
     assert moved("jengine_inter_token_latency_seconds_count") == 4
     assert moved("jengine_requests_total{finish_reason=length}") == 1
     assert moved("jengine_e2e_request_latency_seconds_count") == 1
+    assert moved("jengine_compiles_after_ready_total") == 0  # warm-up built the base programs
 
 
 def test_repeated_prefix_reports_cached_tokens_and_metrics(server):

@@ -84,6 +84,10 @@ class _EngineCollector(Collector):
         yield _gauge("jengine_compiles_since_ready",
                      "XLA programs compiled after warm-up (anything but 0 is a missed bucket).",
                      stats.compiles_since_ready)
+        yield _counter("jengine_compiles_after_ready",
+                       "Step programs (and any other XLA programs) compiled or loaded after "
+                       "the engine turned ready; each stalls its batch. Logged with its shape.",
+                       stats.compiles_since_ready)
         yield _gauge("jengine_preemptions", "Sequences preempted (recomputed) so far.",
                      stats.num_preemptions)
         yield _counter("jengine_prefix_cache_queries",

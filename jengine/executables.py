@@ -1,0 +1,194 @@
+"""`ExecutableStore`: compiled step programs on disk, loaded on a warm start without retracing.
+
+JAX's persistent compilation cache already skips XLA's compile on a warm start, but its key is a
+hash of the lowered module, so every start still traces and lowers each program in Python
+(most of the ~1.4 s per SmolLM2 bucket on a 2-core CPU) before it can look the entry up. This
+store keys a serialized executable (`jax.experimental.serialize_executable`) by everything that
+decides the program *without* tracing it: the caller's description (model config, parameter and
+KV shapes/dtypes/shardings, input shapes, variant) plus this process's environment (jax/jaxlib
+versions, platform and its version, device kinds and ids, CPU model and flags, XLA flags, the
+sources the step is traced from and the native kernels). A changed part means a different key,
+never a stale program.
+
+Why a fresh compile is needed before saving: XLA:CPU does not keep the object code of an
+executable it *deserialized* (a persistent-cache hit), so serializing that one again gives a blob
+that loads but fails at dispatch with "Function <first kernel> not found" (`wrapped_iota` in the
+earlier report). `compile_fresh` names the module after the store key, so the persistent cache
+cannot hit for a program this store has not saved, and it checks JAX's cache-hit event anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import os
+import pickle
+import platform
+import threading
+from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+log = logging.getLogger("jengine")
+
+FORMAT = 1  # bump when what a file holds changes
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()
+_listener_lock = threading.Lock()
+_listening = False
+
+
+def default_store_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jengine" / "executables"
+
+
+# The parts of the package that step programs are traced from (a program is only as current
+# as the code that traced it). An edit elsewhere (server, scheduler) keeps the stored programs;
+# code that starts running inside a jitted step must be listed here.
+TRACED_SOURCES = ("runner.py", "sampler.py", "models", "pallas_kernels", "sharding")
+
+
+@cache
+def _sources_digest() -> str:
+    """A digest of TRACED_SOURCES' Python, C++ and native libraries (milliseconds to hash)."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in TRACED_SOURCES:
+        top = root / name
+        for path in sorted(top.rglob("*")) if top.is_dir() else [top]:
+            if path.suffix in (".py", ".so", ".cc", ".h") and "__pycache__" not in path.parts:
+                h.update(str(path.relative_to(root)).encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@cache
+def _cpu_description() -> dict[str, str]:
+    """XLA:CPU compiles for the host's instruction set; a program built with AVX-512 must not
+    load on a machine without it."""
+    info = {"machine": platform.machine(), "processor": platform.processor()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "flags", "Features") and key not in info:
+            info[key] = " ".join(sorted(value.split())) if key != "model name" else value.strip()
+    return info
+
+
+def environment(devices: Sequence[jax.Device]) -> dict[str, Any]:
+    """Everything outside the program's own description that decides the executable."""
+    backend = devices[0].client
+    return {
+        "format": FORMAT,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": backend.platform,
+        "platform_version": backend.platform_version,
+        "devices": [(d.id, d.device_kind, d.process_index) for d in devices],
+        "num_devices": jax.device_count(),
+        "cpu": _cpu_description(),
+        "env": {k: os.environ.get(k, "") for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
+        "x64": jax.config.jax_enable_x64,
+        "matmul_precision": str(jax.config.jax_default_matmul_precision),
+        "sources": _sources_digest(),
+    }
+
+
+def store_key(description: Any, devices: Sequence[jax.Device]) -> str:
+    """A hex digest of `description` (anything `repr`-able: dataclasses, tuples, shapes) and the
+    environment. `repr` of frozen dataclasses and dtypes is stable across processes."""
+    text = json.dumps({"program": description, "environment": environment(devices)},
+                      default=repr, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _HIT_EVENT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+def _listen_for_cache_hits() -> None:
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+
+
+def compile_fresh(fun: Callable, name: str, args: tuple, kwargs: dict, **jit_kwargs
+                  ) -> tuple[jax.stages.Compiled, bool]:
+    """AOT-compiles `fun` for `args` as a module called `name` (a store key's prefix keeps the
+    persistent cache from serving it). Returns the executable and whether it is safe to
+    serialize (False when the persistent cache served it anyway)."""
+    _listen_for_cache_hits()
+
+    def program(*a, **k):
+        return fun(*a, **k)
+
+    program.__signature__ = inspect.signature(fun)  # donate/static argnames find their args
+    program.__name__ = program.__qualname__ = name
+    before = getattr(_hits, "count", 0)
+    compiled = jax.jit(program, **jit_kwargs).lower(*args, **kwargs).compile()
+    return compiled, getattr(_hits, "count", 0) == before
+
+
+@dataclasses.dataclass
+class ExecutableStore:
+    """One file per program, `<dir>/<key>.jex`: the pickled (executable, in/out trees)."""
+
+    path: Path
+
+    def __post_init__(self):
+        self.path = Path(self.path)
+
+    def _file(self, key: str) -> Path:
+        return self.path / f"{key}.jex"
+
+    def load(self, key: str, devices: Sequence[jax.Device]) -> jax.stages.Compiled | None:
+        """The stored executable for `key` on `devices`, or None (absent or unreadable; an
+        unreadable file is removed so that the next save replaces it)."""
+        file = self._file(key)
+        try:
+            blob = file.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(blob)
+            return serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, backend=devices[0].client,
+                execution_devices=list(devices))
+        except Exception as e:  # noqa: BLE001 - a bad entry costs a compile, never a start
+            log.warning("dropping unreadable compiled program %s: %s: %s", file.name,
+                        type(e).__name__, e)
+            file.unlink(missing_ok=True)
+            return None
+
+    def save(self, key: str, compiled: jax.stages.Compiled) -> int:
+        """Writes atomically (a reader never sees half a file); returns the bytes written, 0
+        where the backend cannot serialize (the program then compiles again next start)."""
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+        except (ValueError, NotImplementedError) as e:
+            log.debug("cannot store a compiled program: %s", e)
+            return 0
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_bytes(blob)
+        os.replace(tmp, self._file(key))
+        return len(blob)
+
+    def entries(self) -> list[Path]:
+        return sorted(self.path.glob("*.jex")) if self.path.exists() else []

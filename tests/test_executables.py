@@ -1,0 +1,153 @@
+"""Compiled step programs on disk (jengine/executables.py): they survive a restart, a changed
+model, dtype, mesh or jax version never loads a stale one, an executable that XLA's persistent
+cache served is never stored (XLA:CPU drops its code: "Function ... not found" at dispatch), and
+offline engines build only the buckets they use while a program built after ready is counted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_sharding import _tiny_llama
+
+from jengine import Engine, SamplingParams
+from jengine.core import EngineCore
+from jengine.engine import build_config
+from jengine.executables import ExecutableStore, compile_fresh, store_key
+from jengine.runner import SamplingRows, _dummy_batch
+
+REPO = Path(__file__).resolve().parents[1]
+ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+# One engine start in a fresh interpreter: how its programs were obtained, and its tokens.
+START = """
+import json, sys
+from jengine import Engine, SamplingParams
+engine = Engine(sys.argv[1], config=sys.argv[2], warmup=True, progress=False)
+out = engine.generate([[5, 9, 17, 33]], SamplingParams(max_tokens=6, temperature=0,
+                                                       ignore_eos=True))
+runner = engine.core.runner
+print(json.dumps({"loaded": runner.programs_loaded, "compiled": runner.programs_compiled,
+                  "tokens": out[0].outputs[0].token_ids}))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    _tiny_llama(path)
+    return str(path)
+
+
+def _start(model: str, cache_home: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CACHE_HOME": str(cache_home)}
+    run = subprocess.run([sys.executable, "-c", START, model, ONE_BUCKET], capture_output=True,
+                         text=True, timeout=600, cwd=REPO, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_programs_survive_a_restart(tiny, tmp_path):
+    """The second process loads the first one's program (native attention kernel included:
+    its FFI target is registered before anything is deserialized) and gives the same tokens."""
+    cold = _start(tiny, tmp_path)
+    warm = _start(tiny, tmp_path)
+    assert (cold["compiled"], cold["loaded"]) == (1, 0)
+    assert (warm["compiled"], warm["loaded"]) == (0, 1)
+    assert warm["tokens"] == cold["tokens"]
+    assert len(list((tmp_path / "jengine" / "executables").glob("*.jex"))) == 1
+
+
+def _key(model: str, **kwargs) -> str:
+    core = EngineCore(build_config(model, ONE_BUCKET, **kwargs), progress=False, warmup=False)
+    return core.runner.program_key(_dummy_batch(16, 16, 32), SamplingRows.empty(16))
+
+
+def test_the_key_changes_with_model_dtype_mesh_and_jax_version(tiny, tmp_path, monkeypatch):
+    base = _key(tiny)
+    assert _key(tiny) == base  # a restart finds its programs
+    # The same shapes with another norm epsilon: only the config tells the programs apart.
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 10 * config["rms_norm_eps"]
+    (other / "config.json").write_text(json.dumps(config))
+    changed = {
+        "model": _key(str(other)),
+        "dtype": _key(tiny, dtype="bfloat16"),
+        "kv dtype": _key(tiny, kv_cache_dtype="bfloat16"),
+        "mesh": _key(tiny, mesh="tp=2"),
+        "backend": _key(tiny, attention_backend="reference"),
+    }
+    monkeypatch.setattr(jax, "__version__", jax.__version__ + ".post1")
+    changed["jax version"] = _key(tiny)
+    assert len(set(changed.values()) | {base}) == len(changed) + 1, changed
+
+
+def test_the_key_covers_the_devices():
+    devices = jax.devices()
+    assert store_key("p", devices[:1]) != store_key("p", devices[1:2])
+    assert store_key("p", devices[:2]) != store_key("p", devices[:1])
+    assert store_key("p", devices[:1]) != store_key("q", devices[:1])
+
+
+def _program(x, *, scale: int):
+    return x * scale + jnp.arange(x.shape[0], dtype=x.dtype)
+
+
+def test_a_program_the_persistent_cache_served_is_not_stored(tmp_path):
+    """conftest turns the persistent cache on: a second compile of one module is served by it,
+    and XLA:CPU cannot serialize what it deserialized, so only the fresh one may be stored."""
+    name = f"probe_{uuid.uuid4().hex[:12]}"  # a module the cache has never seen
+    x = jnp.ones((64,), jnp.float32)
+    first, fresh = compile_fresh(_program, name, (x,), {"scale": 3}, static_argnames=("scale",))
+    again, fresh_again = compile_fresh(_program, name, (x,), {"scale": 3},
+                                       static_argnames=("scale",))
+    assert fresh and not fresh_again
+    store = ExecutableStore(tmp_path)
+    assert store.save("k", first) > 0
+    loaded = ExecutableStore(tmp_path).load("k", jax.devices()[:1])
+    np.testing.assert_array_equal(loaded(x), first(x))
+    np.testing.assert_array_equal(again(x), first(x))
+
+
+def test_an_unreadable_entry_is_dropped(tmp_path):
+    store = ExecutableStore(tmp_path)
+    (tmp_path / "bad.jex").write_bytes(b"not a program")
+    assert store.load("bad", jax.devices()[:1]) is None
+    assert not (tmp_path / "bad.jex").exists()
+    assert store.load("absent", jax.devices()[:1]) is None
+
+
+def test_an_offline_engine_builds_only_the_buckets_it_uses(tiny):
+    lazy = Engine(tiny, config="test", progress=False)
+    runner = lazy.core.runner
+    assert runner.programs_loaded + runner.programs_compiled == 0
+    prompts = [[5, 9, 17], [40, 41, 42, 43]]
+    tokens = [o.outputs[0].token_ids for o in lazy.generate(prompts, GREEDY)]
+    built = runner.programs_loaded + runner.programs_compiled
+    assert 1 <= built < len(runner.buckets.shapes())  # decodes and a short prefill: T=16 only
+    warm = Engine(tiny, config="test", progress=False, warmup=True)
+    assert [o.outputs[0].token_ids for o in warm.generate(prompts, GREEDY)] == tokens
+
+
+def test_a_program_built_after_ready_is_counted_and_logged(tiny, caplog):
+    engine = Engine(tiny, config=ONE_BUCKET, progress=False, warmup=True)
+    assert engine.core.compiles_since_ready == 0
+    with caplog.at_level(logging.WARNING, logger="jengine"):
+        engine.generate([[5, 9, 17]], SamplingParams(max_tokens=2, logprobs=2))
+    assert engine.core.compiles_since_ready == 1
+    [record] = [r for r in caplog.records if "after ready" in r.getMessage()]
+    assert "T=16 S=16 P=32" in record.getMessage()
+    assert "num_top_logprobs=2" in record.getMessage()
