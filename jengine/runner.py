@@ -213,7 +213,7 @@ class Runner:
         self._programs_lock = threading.Lock()
         self._store = store if jax.process_count() == 1 else None
         self._devices = (tuple(rules.mesh.devices.flat) if rules
-                         else tuple(next(iter(params.values())).devices()))
+                         else tuple(jax.tree.leaves(params)[0].devices()))  # QArrays too
         # What decides the step program besides its inputs' shapes (ExecutableStore's key).
         self._description = {
             "model": cfg, "kv_cache_dtype": str(kv_cache_dtype), "max_seqs": max_seqs,
