@@ -5,6 +5,11 @@ which pads it to a bucket and moves it to the device in one transfer. Nothing he
 
 Token layout: the flat token axis holds, in order, the query tokens of every scheduled sequence
 (decodes first, then prefill chunks); sequence `i` owns tokens `cu_q_lens[i]:cu_q_lens[i+1]`.
+
+Row layout: the sampler draws one token per *row*. A sequence has one row (its last query token),
+or `1 + spec_lens[i]` when it verifies proposed tokens (jengine/speculative.py): its last
+`1 + spec_lens[i]` query tokens each get a row, in order; sequence `i` owns rows
+`row_starts[i]:row_starts[i+1]`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class ScheduledBatch:
       sample: [S] bool True when the sequence's last query token yields a sampled token
         (False for a prefill chunk that does not reach the end of the prompt).
       seqs: [S] the scheduler's `Sequence` objects (host bookkeeping; never sent to the device).
+      spec_lens: [S] int32 proposed tokens each sequence verifies this step (the last ones of
+        its query tokens), or None when none does.
     """
 
     seq_ids: list[int]
@@ -41,6 +48,7 @@ class ScheduledBatch:
     page_table: np.ndarray
     sample: np.ndarray
     seqs: list = dataclasses.field(default_factory=list, repr=False)  # the Sequence objects
+    spec_lens: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -54,3 +62,33 @@ class ScheduledBatch:
     def cu_q_lens(self) -> np.ndarray:
         """[S + 1] int32 start of each sequence's tokens on the flat axis."""
         return np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32)
+
+    @property
+    def rows_per_seq(self) -> np.ndarray:
+        """[S] int32 sampled rows of each sequence (1 + its proposed tokens)."""
+        ones = np.ones((self.num_seqs,), np.int32)
+        return ones if self.spec_lens is None else ones + self.spec_lens
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_seqs if self.spec_lens is None else int(self.rows_per_seq.sum())
+
+    @property
+    def row_starts(self) -> np.ndarray:
+        """[S + 1] int32 first row of each sequence."""
+        return np.concatenate([[0], np.cumsum(self.rows_per_seq)]).astype(np.int32)
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        """[R] int32 the query token whose logits each row samples from."""
+        ends = self.cu_q_lens[1:]
+        if self.spec_lens is None:
+            return ends - 1
+        rows = self.rows_per_seq
+        back = np.arange(self.num_rows) - np.repeat(self.row_starts[1:], rows)  # -rows_i .. -1
+        return (np.repeat(ends, rows) + back).astype(np.int32)
+
+    @property
+    def row_seq(self) -> np.ndarray:
+        """[R] int32 the sequence of each row."""
+        return np.repeat(np.arange(self.num_seqs, dtype=np.int32), self.rows_per_seq)

@@ -54,6 +54,17 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (jengine/speculative.py): off unless `method` is set."""
+
+    method: str | None = None  # None (off) | "ngram" (prompt lookup) | "draft" (not yet built)
+    num_tokens: int = 3  # proposed tokens per step (4 query rows: a CPU step's cheap size)
+    ngram_min: int = 1  # the shortest suffix the n-gram proposer matches
+    ngram_max: int = 4  # the longest, tried first
+    draft_model: str | None = None  # the proposer model of method "draft"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     mesh: str = "tp=1"
     # Multi-host (jax.distributed): the coordinator's HOST:PORT, the process count, this rank.
@@ -101,6 +112,7 @@ class EngineConfig:
     model: ModelSection = ModelSection()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
 
@@ -108,13 +120,18 @@ class EngineConfig:
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
 _SECTION_TYPES = {
     "model": ModelSection, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "parallel": ParallelConfig, "server": ServerConfig,
+    "speculative": SpeculativeConfig, "parallel": ParallelConfig, "server": ServerConfig,
+}
+# Keyword (Engine / CLI flag) names that differ from their config key: name -> (section, key).
+_ALIASES = {
+    "speculative": ("speculative", "method"),
+    "num_speculative_tokens": ("speculative", "num_tokens"),
 }
 
 
 def load_config(name_or_path: str | None, **overrides: Any) -> EngineConfig:
     """Reads a preset by name (`configs/<name>.yaml`) or path, then applies keyword overrides
-    (each a field name of any section; None values are ignored)."""
+    (each a field name of any section, or an `_ALIASES` name; None values are ignored)."""
     data: dict[str, dict[str, Any]] = {}
     if name_or_path:
         path = Path(name_or_path)
@@ -126,6 +143,11 @@ def load_config(name_or_path: str | None, **overrides: Any) -> EngineConfig:
         unknown = set(data) - set(_SECTION_TYPES)
         if unknown:
             raise ValueError(f"unknown config sections {sorted(unknown)} in {path}")
+    for name, (section, key) in _ALIASES.items():
+        if overrides.get(name) is not None:
+            data.setdefault(section, {})
+            data[section] = {**(data[section] or {}), key: overrides[name]}
+    overrides = {k: v for k, v in overrides.items() if k not in _ALIASES}
     sections = {}
     for section, cls in _SECTION_TYPES.items():
         values = dict(data.get(section) or {})

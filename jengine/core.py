@@ -45,6 +45,7 @@ from jengine.sharding import (
     padded_config,
 )
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
+from jengine.speculative import NgramProposer
 from jengine.stats import EngineStats
 from jengine.structured import Grammar, GrammarCompiler
 from jengine.structured.bitmask import StepMasks
@@ -161,6 +162,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             prefix_cache=self.prefix_cache,
+            proposer=_proposer(cfg),
         )
         phases.end("set up")
         rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
@@ -281,6 +283,9 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             compiles_since_ready=self.compiles_since_ready,
+            spec_num_drafts=self.scheduler.spec_counters.num_drafts,
+            spec_num_draft_tokens=self.scheduler.spec_counters.num_draft_tokens,
+            spec_num_accepted_tokens=self.scheduler.spec_counters.num_accepted_tokens,
         )
         if cache is not None:
             c = cache.stats
@@ -457,22 +462,21 @@ class EngineCore:
             self._inflight = self._launch(prev=(out, sampled))
             self.num_steps_ahead += self._inflight is not None
         t0 = time.perf_counter()
-        result = self.runner.fetch(out, batch.num_seqs, batch.num_tokens)
+        result = self.runner.fetch(out, batch.num_rows, batch.num_tokens)
         self.device_seconds += time.perf_counter() - t0
         self.num_steps += 1
         if result.prompt_logprobs is not None:
             record_prompt_logprobs(batch, result, self.requests, self._piece)
-        self.scheduler.finalize(sampled, result.tokens)
+        counts = self.scheduler.finalize(sampled, result.tokens)
         updated = [seq for seq, _ in sampled]
         self._advance_grammars(updated)
-        index = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
         touched: dict[str, RequestState] = {}
-        for seq in updated:
+        for (seq, row), count in zip(sampled, counts):
             state = self.requests.get(seq.request_id)
-            if state is None or state.error is not None:
+            if state is None or state.error is not None or count == 0:
                 continue
             try:
-                self._emit_token(state, state.samples[seq.index], result, index[seq.seq_id])
+                self._emit_tokens(state, state.samples[seq.index], result, row, count)
             except Exception as e:  # noqa: BLE001 - one request's failure is that request's
                 self._fail_request(state, e)
             touched[seq.request_id] = state
@@ -506,10 +510,11 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
-        rows = self._sampling_rows(batch.seqs)
+        rows = self._sampling_rows(batch)
         rows.prompt_targets = prompt_targets(batch, self.requests)
         if self._masks is not None:
-            rows.allowed_mask = self._masks.build(batch.seqs, batch.sample)
+            mask = self._masks.build(batch.seqs, batch.sample)  # [S, W]; proposals: no grammar
+            rows.allowed_mask = mask if batch.spec_lens is None else mask[batch.row_seq]
         feed = self._feed(batch, prev[1]) if prev is not None else None
         t0 = time.perf_counter()
         out = self.runner.launch(batch, rows, feed, prev[0] if feed is not None else None)
@@ -535,8 +540,10 @@ class EngineCore:
         mask from it; penalties read the token history from the host)."""
         if not self.cfg.scheduler.async_scheduling or self.distributed.num_processes > 1:
             return False
+        # A sequence that may speculate proposes from its last token, so it must be known.
         return not any(seq.matcher is not None or seq.params.uses_token_history
-                       or seq.bad_words for seq, _ in sampled)
+                       or seq.bad_words or self.scheduler.may_speculate(seq)
+                       for seq, _ in sampled)
 
     def _advance_grammars(self, updated: list[Sequence]) -> None:
         """Feeds each constrained sequence its new token; a completed grammar ends it ("stop")."""
@@ -556,34 +563,54 @@ class EngineCore:
             elif seq.matcher.is_stopped:
                 self.scheduler.finish(seq, "stop")
 
-    def _emit_token(self, state: RequestState, sample: SampleState, result: StepResult,
-                    row: int) -> None:
+    def _emit_tokens(self, state: RequestState, sample: SampleState, result: StepResult,
+                     row: int, count: int) -> None:
+        """Hands the sequence's `count` new tokens (rows `row`, `row + 1`, ...) to its output,
+        one at a time: a stop string ends it at the token that completes it, and any accepted
+        tokens after that one are dropped, as plain decoding would never have made them."""
         seq = sample.seq
-        token = seq.output_ids[-1]
         if state.first_token_time is None:
             state.first_token_time = time.perf_counter()
-        sample.new_ids.append(token)
-        if state.params.logprobs is not None:
-            top = result.top_ids is not None
-            sample.new_logprobs.append(ranked(
-                token, result.logprobs[row], result.top_ids[row] if top else None,
-                result.top_logprobs[row] if top else None, state.params.logprobs, self._piece,
-            ))
-        delta = sample.detok.add_tokens([token])
-        text = delta.text
-        if delta.stop_string is not None:
-            self.scheduler.finish(seq, "stop", delta.stop_string)
-        elif seq.is_finished:
-            text += sample.detok.flush().text
-        sample.new_text += text
-        sample.text += text
+        first = len(seq.output_ids) - count
+        for j in range(count):
+            token = seq.output_ids[first + j]
+            r = row + j
+            sample.new_ids.append(token)
+            if state.params.logprobs is not None:
+                top = result.top_ids is not None
+                sample.new_logprobs.append(ranked(
+                    token, result.logprobs[r], result.top_ids[r] if top else None,
+                    result.top_logprobs[r] if top else None, state.params.logprobs,
+                    self._piece,
+                ))
+            delta = sample.detok.add_tokens([token])
+            text = delta.text
+            last = j == count - 1
+            if delta.stop_string is not None:
+                del seq.output_ids[first + j + 1:]
+                self.scheduler.finish(seq, "stop", delta.stop_string)
+                last = True
+            elif last and seq.is_finished:
+                text += sample.detok.flush().text
+            sample.new_text += text
+            sample.text += text
+            if last:
+                break
         if seq.is_finished:
             sample.finish_reason, sample.stop_reason = seq.finish_reason, seq.stop_reason
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def _sampling_rows(self, seqs: list[Sequence]) -> SamplingRows:
+    def _sampling_rows(self, batch) -> SamplingRows:
+        """One row per sampled row of `batch`: a verifying sequence's row j draws its output
+        token len(output_ids) + j, with that step's key (jengine/speculative.py)."""
+        seqs = batch.seqs
+        offsets = np.zeros((batch.num_rows,), np.int32)
+        if batch.spec_lens is not None:
+            row_seq = batch.row_seq
+            seqs = [seqs[i] for i in row_seq]
+            offsets = np.arange(batch.num_rows, dtype=np.int32) - batch.row_starts[row_seq]
         n = len(seqs)
         ps = [s.params for s in seqs]
         rows = SamplingRows(
@@ -595,7 +622,7 @@ class EngineCore:
             frequency_penalty=np.asarray([p.frequency_penalty for p in ps], np.float32),
             repetition_penalty=np.asarray([p.repetition_penalty for p in ps], np.float32),
             seeds=np.asarray([s.seed for s in seqs], np.uint32),
-            steps=np.asarray([len(s.output_ids) for s in seqs], np.int32),
+            steps=np.asarray([len(s.output_ids) for s in seqs], np.int32) + offsets,
         )
         if any(p.logprobs is not None for p in ps):
             rows.num_top_logprobs = 20
@@ -624,6 +651,19 @@ class EngineCore:
         if not p.ignore_eos:
             stops |= set(self.eos_token_ids)
         return stops
+
+
+def _proposer(cfg: EngineConfig) -> NgramProposer | None:
+    """The proposer of `cfg.speculative` (None: speculation off)."""
+    spec = cfg.speculative
+    if spec.method is None:
+        return None
+    if spec.method == "draft":
+        raise ValueError("speculative 'draft' (a draft model) is not supported yet; use 'ngram'")
+    if spec.method != "ngram":
+        raise ValueError(f"unknown speculative method {spec.method!r}; use 'ngram'")
+    return NgramProposer(num_tokens=spec.num_tokens, ngram_min=spec.ngram_min,
+                         ngram_max=spec.ngram_max)
 
 
 def _bad_word_tokens(seq: Sequence) -> set[int]:

@@ -83,6 +83,9 @@ class Engine:
         attention_backend: str | None = None,  # "auto"
         kv_cache_dtype: str | None = None,  # "auto"
         quantization: str | None = None,  # "none"
+        speculative: str | None = None,  # None (off) | "ngram"
+        num_speculative_tokens: int | None = None,  # 3
+        draft_model: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,  # 64
         max_num_batched_tokens: int | None = None,  # 512
@@ -105,13 +108,19 @@ class Engine:
         `quantization` ("none" | "int8" | "w8a16" | "fp8") quantizes the projections at load
         time (jengine/models/quant.py); an unknown mode, or fp8 on CPU, is a ValueError.
 
+        `speculative="ngram"` proposes `num_speculative_tokens` tokens per decode by prompt
+        lookup and verifies them in the same step (jengine/speculative.py); outputs are those
+        of plain decoding, greedy or sampled. `"draft"` (a `draft_model` proposing) is not built
+        yet and raises ValueError.
+
         Multi-host (`num_processes` > 1, one process per host, the same arguments on each
         but `process_id`): process 0 is the engine; on every other process this constructor
         runs process 0's step programs and returns only when process 0 exits."""
         cfg = build_config(
             model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+            draft_model=draft_model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,

@@ -10,8 +10,9 @@ import argparse
 
 ENGINE_FLAGS = (
     "model", "config", "mesh", "dtype", "attention_backend", "kv_cache_dtype", "quantization",
-    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
-    "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
+    "speculative", "num_speculative_tokens", "draft_model", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "page_size", "kv_cache_memory", "enable_prefix_caching",
+    "coordinator", "num_processes", "process_id", "seed",
 )
 
 
@@ -36,6 +37,12 @@ def engine_parent() -> argparse.ArgumentParser:
                    help="int8: int8 weights and activations (W8A8); w8a16: int8 weights only; "
                    "fp8: e4m3 weights (GPU/TPU). Quantized at load time from any source "
                    "(default none)")
+    g.add_argument("--speculative", choices=["ngram", "draft"],
+                   help="speculative decoding: ngram = prompt lookup, verified in the same step "
+                   "(outputs unchanged); draft = a draft model (not built yet). Default off")
+    g.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="tokens proposed per decode step (default 3)")
+    g.add_argument("--draft-model", help="the draft model of --speculative draft")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-seqs", type=int, help="default 64")
     g.add_argument("--max-num-batched-tokens", type=int, help="default 512")

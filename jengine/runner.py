@@ -73,8 +73,10 @@ class Buckets:
             pages=pages,
         )
 
-    def pick(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
-        t = _first_at_least(self.tokens, max(num_tokens, num_seqs, 1))
+    def pick(self, num_tokens: int, num_rows: int, num_pages: int) -> tuple[int, int, int]:
+        """The bucket of a batch; `num_rows` (sampled rows, at least one per sequence) sizes S,
+        which is both the page table's rows and the sampler's."""
+        t = _first_at_least(self.tokens, max(num_tokens, num_rows, 1))
         return t, self.seqs_for(t), _first_at_least(self.pages, num_pages)
 
     def seqs_for(self, t: int) -> int:
@@ -231,8 +233,10 @@ class Runner:
     ) -> tuple[tuple, Variant]:
         """The padded step inputs as NumPy (what a multi-host leader broadcasts). `feed` [n_tok]:
         per token, the previous step's row whose sampled token it takes (-1: its own id)."""
-        t, s, p = self.buckets.pick(batch.num_tokens, batch.num_seqs, batch.page_table.shape[1])
-        n_tok, n_seq = batch.num_tokens, batch.num_seqs
+        n_tok, n_seq, n_row = batch.num_tokens, batch.num_seqs, batch.num_rows
+        t, s, p = self.buckets.pick(n_tok, n_row, batch.page_table.shape[1])
+        if s < n_row:
+            raise ValueError(f"{n_row} sampled rows exceed the sequence bucket {s} of {t} tokens")
         ints = np.zeros((5, t), np.int32)
         ints[4] = -1
         if feed is not None:
@@ -244,7 +248,7 @@ class Runner:
         page_table = np.zeros((s, p), np.int32)
         page_table[:n_seq, : batch.page_table.shape[1]] = batch.page_table
         logits_idx = np.zeros((s,), np.int32)
-        logits_idx[:n_seq] = batch.cu_q_lens[1:] - 1
+        logits_idx[:n_row] = batch.logits_indices
         host_arrays, variant = rows.padded(s)
         blocks = None  # only the reference backend reads them; the kernels block on device
         if self.cfg.attention_backend == "reference" and self.buckets.blocked(t):

@@ -15,6 +15,12 @@ instead of computing it twice. Every page enters the cache in the step that fill
 outlive their sequences (finished, aborted or preempted: a recompute finds its own pages
 again). Cached pages that nobody holds count as free: `_allocate` evicts them when the free
 list runs short.
+
+With a proposer (speculative decoding, jengine/speculative.py), decodes whose last token is known
+then get proposed tokens appended to their query, from what the token budget, the row limit
+(`max_num_seqs` sampled rows in all) and free pages leave after every decode and prefill chunk
+has its share: speculation only ever uses room nothing else wanted. `finalize` keeps the
+confirmed proposals and the bonus token, and gives back pages that only rejected ones needed.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from jengine.batch import ScheduledBatch
 from jengine.page_allocator import PageAllocator
 from jengine.prefix_cache import PrefixCache
 from jengine.sequence import PENDING, Sequence, SequenceStatus
+from jengine.speculative import NgramProposer, SpecCounters, SpecState, num_accepted
 
 
 class Scheduler:
@@ -41,8 +48,11 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         prefix_cache: PrefixCache | None = None,
+        proposer: NgramProposer | None = None,
     ):
         self.allocator = allocator
+        self.proposer = proposer
+        self.spec_counters = SpecCounters()
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -136,7 +146,52 @@ class Scheduler:
             # Nothing fits: the pages the queue's head needs may be held by waiting forked
             # siblings (`_fork`), which nothing else would ever release. Drop them and retry.
             return self.schedule() if self._release_waiting_pages() else None
+        if self.proposer is not None:
+            self._speculate(chosen, budget)
         return self._build_batch(chosen)
+
+    # -- speculative decoding --------------------------------------------------------------------
+
+    def may_speculate(self, seq: Sequence) -> bool:
+        """Whether `seq` may verify proposals when its last token is known. Not: grammars (the
+        mask of each row would need the grammar advanced over the proposals), penalties and bad
+        words (they read the token history, which proposals would change per row), and a
+        sequence still short of min_tokens (its stop tokens are banned by the step count)."""
+        p = seq.params
+        return (self.proposer is not None and seq.matcher is None and not p.uses_token_history
+                and not seq.bad_words and len(seq.output_ids) >= p.min_tokens)
+
+    def _speculate(self, chosen: list[tuple[Sequence, int]], budget: int) -> None:
+        """Appends proposals to the chosen decodes, within the room left: `budget` tokens,
+        `max_num_seqs` rows in all, and free pages (speculation never preempts or evicts)."""
+        rows = len(chosen)
+        for i, (seq, n) in enumerate(chosen):
+            room = min(budget, self.max_num_seqs - rows)
+            if room <= 0:
+                break
+            if (n != 1 or seq.num_uncomputed != 1 or seq.output_ids[-1:] in ([], [PENDING])
+                    or not self.may_speculate(seq)):
+                continue
+            if seq.spec is None:
+                seq.spec = SpecState()
+            if not seq.spec.may_propose():
+                continue
+            limit = min(room, seq.max_tokens - len(seq.output_ids) - 1,
+                        self.max_model_len - seq.num_tokens - 1)
+            proposal = self.proposer.propose(seq.tokens(0, seq.num_tokens), limit)
+            need = self.allocator.pages_for(seq.num_tokens + len(proposal)) - len(seq.pages)
+            if need > 0:
+                if need <= self.allocator.num_free:
+                    seq.pages += self.allocator.allocate(need)
+                else:  # only what the pages it holds can take
+                    held = len(seq.pages) * self.allocator.page_size
+                    proposal = proposal[: held - seq.num_tokens]
+            if not proposal:
+                continue
+            seq.spec.proposal = proposal
+            chosen[i] = (seq, 1 + len(proposal))
+            rows += len(proposal)
+            budget -= len(proposal)
 
     def _fair_waiting(self) -> list[Sequence]:
         """The waiting queue in admission order, fair between requests: a request with many
@@ -283,16 +338,19 @@ class Scheduler:
         q_lens, kv_lens, sample = [], [], []
         width = max(len(seq.pages) for seq, _ in chosen)
         page_table = np.zeros((len(chosen), width), np.int32)
+        spec_lens = np.zeros((len(chosen),), np.int32)
         for i, (seq, n) in enumerate(chosen):
             start = seq.num_computed
             pos = np.arange(start, start + n, dtype=np.int32)
             pages = np.asarray(seq.pages, np.int32)
-            tokens.extend(seq.tokens(start, start + n))
+            proposal = seq.spec.proposal if seq.spec is not None else []
+            spec_lens[i] = len(proposal)
+            tokens.extend(seq.tokens(start, start + n - len(proposal)) + proposal)
             positions.append(pos)
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
             q_lens.append(n)
             kv_lens.append(start + n)
-            sample.append(start + n == seq.num_tokens)
+            sample.append(start + n - len(proposal) == seq.num_tokens)
             page_table[i, : len(seq.pages)] = pages
         return ScheduledBatch(
             seq_ids=[seq.seq_id for seq, _ in chosen],
@@ -304,13 +362,14 @@ class Scheduler:
             page_table=page_table,
             sample=np.asarray(sample, bool),
             seqs=[seq for seq, _ in chosen],
+            spec_lens=spec_lens if spec_lens.any() else None,
         )
 
     # -- after the step ----------------------------------------------------------------------------
 
     def postprocess(self, batch: ScheduledBatch, tokens: np.ndarray) -> list[Sequence]:
         """Appends sampled tokens and applies token-level stops. Returns the sequences that
-        received a token this step (finished ones included)."""
+        received a token this step (finished ones included). `tokens`: [R] one per row."""
         sampled = self.advance(batch)
         self.finalize(sampled, tokens)
         return [seq for seq, _ in sampled]
@@ -319,13 +378,16 @@ class Scheduler:
         """The first half of `postprocess`, possible before the step's tokens are known: the
         computed counts move on and every sampling sequence gets a `PENDING` token, so the next
         step can be scheduled while this one runs. Length limits need no token and finish
-        sequences here. Returns (sequence, batch row) of each sampling sequence."""
+        sequences here. Returns (sequence, its first row) of each sampling sequence. Proposals
+        are not counted as computed here: `finalize` does it for those it accepts."""
         sampled = []
+        rows = batch.row_starts
+        spec_lens = batch.spec_lens if batch.spec_lens is not None else np.zeros(batch.num_seqs)
         for i, seq in enumerate(batch.seqs):
             if seq.is_finished:  # aborted while the step ran
                 continue
             full_before = seq.num_computed // self.allocator.page_size
-            seq.num_computed += int(batch.q_lens[i])
+            seq.num_computed += int(batch.q_lens[i] - spec_lens[i])
             if (self.prefix_cache is not None
                     and seq.num_computed // self.allocator.page_size > full_before):
                 # Pages this step fills are cached now: the next step, which may reuse them,
@@ -335,22 +397,61 @@ class Scheduler:
                 continue
             first = not seq.output_ids
             seq.output_ids.append(PENDING)
-            sampled.append((seq, i))
+            sampled.append((seq, int(rows[i])))
             if first and seq.pending_forks:
                 self._fork(seq)
             if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.finish(seq, "length")
         return sampled
 
-    def finalize(self, sampled: list[tuple[Sequence, int]], tokens: np.ndarray) -> None:
+    def finalize(self, sampled: list[tuple[Sequence, int]], tokens: np.ndarray) -> list[int]:
         """The second half: each PENDING token becomes the sampled one, then stop tokens apply
-        (a stop token on the last allowed position still reports "stop", as it would have)."""
+        (a stop token on the last allowed position still reports "stop", as it would have).
+        A verifying sequence then keeps each further row's token while the row before it drew
+        the proposal it was fed. Returns how many tokens each of `sampled` received."""
+        counts = []
         for seq, row in sampled:
             if seq.finish_reason == "abort":
+                counts.append(0)
                 continue
             token = int(tokens[row])
             seq.output_ids[-1] = token
             self._check_stop(seq, token)
+            proposal = seq.spec.proposal if seq.spec is not None else []
+            counts.append(1 + (self._accept(seq, proposal, tokens[row:row + len(proposal) + 1])
+                               if proposal else 0))
+        return counts
+
+    def _accept(self, seq: Sequence, proposal: list[int], drawn: np.ndarray) -> int:
+        """Appends the drawn tokens after the confirmed proposals (stopping where the sequence
+        finishes), caches the pages they fill and frees the pages only rejected proposals
+        used. Returns the tokens appended."""
+        confirmed = num_accepted(proposal, drawn)
+        added = 0
+        ps = self.allocator.page_size
+        full_before = seq.num_computed // ps
+        while added < confirmed and not seq.is_finished:
+            seq.num_computed += 1  # the proposal's K/V, written this step, is now the token's
+            token = int(drawn[added + 1])
+            seq.output_ids.append(token)
+            added += 1
+            if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, "length")
+            self._check_stop(seq, token)
+        c = self.spec_counters
+        c.num_drafts += 1
+        c.num_draft_tokens += len(proposal)
+        c.num_accepted_tokens += added
+        seq.spec.verified(added)
+        if seq.is_finished:
+            return added
+        if self.prefix_cache is not None and seq.num_computed // ps > full_before:
+            self._cache_pages(seq)
+        keep = self.allocator.pages_for(seq.num_tokens)
+        if len(seq.pages) > keep:
+            self.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
+        return added
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params

@@ -26,6 +26,9 @@ class EngineStats:
       prefix_cache_evicted_pages: cached pages evicted to make room.
       prefix_cache_duplicate_pages: pages computed twice because two requests prefilled the
         same prefix at once (one copy is kept).
+      spec_num_drafts: speculative verifications (a decode step of one sequence with proposals).
+      spec_num_draft_tokens: tokens proposed in them.
+      spec_num_accepted_tokens: proposed tokens the target model confirmed.
     """
 
     num_requests_running: int = 0
@@ -41,6 +44,9 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_evicted_pages: int = 0
     prefix_cache_duplicate_pages: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -50,6 +56,17 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         """Hit tokens over looked-up tokens (0 before any lookup)."""
         return self.prefix_cache_hit_tokens / max(self.prefix_cache_query_tokens, 1)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over proposed tokens (0 before any proposal)."""
+        return self.spec_num_accepted_tokens / max(self.spec_num_draft_tokens, 1)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying step yields on average: the accepted proposals plus the one token
+        every step makes (1.0 before any verification)."""
+        return 1 + self.spec_num_accepted_tokens / max(self.spec_num_drafts, 1)
 
     @classmethod
     def total(cls, parts: list[EngineStats]) -> EngineStats:

@@ -64,17 +64,39 @@ class FakeRunner:
         self.positions = np.full(num_pages * page_size, -1, np.int64)
 
     def __call__(self, batch: ScheduledBatch) -> np.ndarray:
+        """[R] one token per sampled row (a verifying sequence has one row per query token)."""
         self.tokens[batch.slot_mapping] = batch.token_ids
         self.positions[batch.slot_mapping] = batch.positions
-        out = np.full(batch.num_seqs, GARBAGE, np.int32)
+        out = np.full(batch.num_rows, GARBAGE, np.int32)
         ps = self.page_size
-        for i, seq in enumerate(batch.seqs):
+        for r, (i, t) in enumerate(zip(batch.row_seq, batch.logits_indices)):
             if not batch.sample[i]:
                 continue
-            pos = np.arange(batch.kv_lens[i])
+            pos = np.arange(batch.positions[t] + 1)
             slots = batch.page_table[i, pos // ps] * ps + pos % ps
             assert (self.positions[slots] == pos).all(), "context slot holds another position"
-            out[i] = next_token(self.tokens[slots], seq.seed)
+            out[r] = next_token(self.tokens[slots], batch.seqs[i].seed)
+        return out
+
+
+class OracleProposer:
+    """Proposes what `next_token` would generate for seed `seed`, with the token at a random
+    place swapped for a wrong one half of the time: every count of accepted tokens happens."""
+
+    def __init__(self, num_tokens: int, seed: int = 0, rng_seed: int = 0):
+        self.num_tokens, self.seed = num_tokens, seed
+        self.rng = np.random.default_rng(rng_seed)
+        self.proposed: list[list[int]] = []
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        k = min(self.num_tokens, limit)
+        if k <= 0:
+            return []
+        out = solo_tokens(tokens, self.seed, k)
+        if self.rng.random() < 0.5:
+            j = int(self.rng.integers(k))
+            out[j] = (out[j] + 1) % VOCAB or 1
+        self.proposed.append(out)
         return out
 
 
@@ -91,6 +113,7 @@ class Harness:
         max_model_len: int = 64,
         eos_token_ids: tuple[int, ...] = (EOS,),
         prefix_caching: bool = False,
+        proposer=None,
     ):
         self.allocator = PageAllocator(num_pages, page_size)
         self.cache = PrefixCache(self.allocator) if prefix_caching else None
@@ -101,6 +124,7 @@ class Harness:
             max_model_len=max_model_len,
             eos_token_ids=eos_token_ids,
             prefix_cache=self.cache,
+            proposer=proposer,
         )
         self.runner = FakeRunner(num_pages, page_size)
         self.max_model_len = max_model_len
@@ -158,8 +182,9 @@ class Harness:
         """`candidates`: the sequences that were due a decode, with their preemption counts."""
         sched, ps = self.scheduler, self.allocator.page_size
         num_seqs = batch.num_seqs
-        assert 1 <= num_seqs <= sched.max_num_seqs
+        assert 1 <= num_seqs <= batch.num_rows <= sched.max_num_seqs
         assert batch.num_tokens <= sched.max_num_batched_tokens
+        spec = batch.spec_lens if batch.spec_lens is not None else np.zeros(num_seqs, int)
         assert batch.seq_ids == [s.seq_id for s in batch.seqs]
         assert len(set(batch.seq_ids)) == num_seqs
         for arr, shape in [(batch.token_ids, (batch.num_tokens,)),
@@ -191,14 +216,17 @@ class Harness:
 
         for i, seq in enumerate(batch.seqs):
             assert seq.status is SequenceStatus.RUNNING and seq in sched.running
-            start, q = seq.num_computed, int(batch.q_lens[i])
+            start, q, k = seq.num_computed, int(batch.q_lens[i]), int(spec[i])
             lo, hi = cu[i], cu[i + 1]
-            assert q >= 1 and (not is_decode[i] or q == 1)
+            assert q >= 1 and (not is_decode[i] or q == 1 + k)
+            assert k == 0 or (q == 1 + k and start + 1 == seq.num_tokens)  # proposals: decodes
             pos = np.arange(start, start + q)
             assert (batch.positions[lo:hi] == pos).all()
-            assert batch.token_ids[lo:hi].tolist() == seq.tokens(start, start + q)
-            assert batch.kv_lens[i] == start + q <= seq.num_tokens
-            assert bool(batch.sample[i]) == (start + q == seq.num_tokens)
+            proposal = seq.spec.proposal if k else []
+            assert len(proposal) == k
+            assert batch.token_ids[lo:hi].tolist() == seq.tokens(start, start + q - k) + proposal
+            assert batch.kv_lens[i] == start + q <= seq.num_tokens + k
+            assert bool(batch.sample[i]) == (start + q - k == seq.num_tokens)
             assert len(seq.pages) == self.allocator.pages_for(start + q), "pages over/under"
             assert batch.page_table[i, : len(seq.pages)].tolist() == seq.pages
             assert (batch.page_table[i, len(seq.pages):] == 0).all()

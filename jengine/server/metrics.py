@@ -111,6 +111,20 @@ class _EngineCollector(Collector):
         yield _counter("jengine_prefix_cache_duplicate_pages",
                        "KV pages computed twice because two requests prefilled the same prefix "
                        "at once.", stats.prefix_cache_duplicate_pages)
+        yield _counter("jengine_spec_decode_num_drafts",
+                       "Speculative verifications (one sequence's decode step with proposals).",
+                       stats.spec_num_drafts)
+        yield _counter("jengine_spec_decode_num_draft_tokens",
+                       "Tokens proposed for speculative verification.",
+                       stats.spec_num_draft_tokens)
+        yield _counter("jengine_spec_decode_num_accepted_tokens",
+                       "Proposed tokens the model confirmed.", stats.spec_num_accepted_tokens)
+        yield _gauge("jengine_spec_decode_acceptance_rate",
+                     "Accepted over proposed tokens since start-up.",
+                     stats.spec_acceptance_rate)
+        yield _gauge("jengine_spec_decode_mean_accepted_length",
+                     "Tokens per verifying step (accepted proposals + 1) since start-up.",
+                     stats.spec_mean_accepted_length)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -1,0 +1,228 @@
+"""Speculative decoding: the n-gram proposer, the scheduler's verification bookkeeping (fake
+runner, tests/scheduler_harness.py), and the real engine's outputs with and without it."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from kv_pool import small_kv_pool
+from scheduler_harness import (
+    EOS,
+    Harness,
+    OracleProposer,
+    check_against_solo,
+    params,
+    prompt_of,
+)
+
+from jengine.speculative import NgramProposer, num_accepted
+
+# -- the proposer ---------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    p = NgramProposer(num_tokens=3, ngram_min=1, ngram_max=3)
+    # The suffix [5, 6] occurs at 1 (followed by 7 8 9) and at 6 (followed by 1 2 3): latest wins.
+    assert p.propose([4, 5, 6, 7, 8, 9, 5, 6, 1, 2, 3, 0, 5, 6], limit=10) == [1, 2, 3]
+    # Longer matches are tried first: [0, 5, 6] beats the later [5, 6] alone.
+    assert p.propose([0, 5, 6, 9, 9, 5, 6, 1, 0, 5, 6], limit=10) == [9, 9, 5]
+    assert p.propose([1, 2, 3, 1, 2], limit=10) == [3, 1, 2]
+    assert p.propose([1, 2, 3, 1, 2], limit=1) == [3]
+    assert p.propose([1, 2, 3, 4], limit=10) == []  # nothing repeats
+    assert p.propose([7], limit=10) == []
+    assert p.propose([1, 2, 1, 2], limit=0) == []
+    # At the end of the text: only the tokens there are.
+    assert p.propose([3, 1, 2, 3], limit=10) == [1, 2, 3]
+
+
+def test_ngram_min_bounds_the_match():
+    p = NgramProposer(num_tokens=2, ngram_min=2, ngram_max=2)
+    assert p.propose([1, 9, 3, 1], limit=5) == []  # only a 1-gram matches
+    assert p.propose([1, 9, 3, 1, 9], limit=5) == [3, 1]
+
+
+@pytest.mark.parametrize("bad", [dict(num_tokens=0), dict(num_tokens=2, ngram_min=0),
+                                 dict(num_tokens=2, ngram_min=3, ngram_max=2)])
+def test_ngram_rejects_bad_settings(bad):
+    with pytest.raises(ValueError):
+        NgramProposer(**bad)
+
+
+def test_num_accepted_is_the_matching_prefix():
+    assert num_accepted([4, 5, 6], np.array([4, 5, 6, 7])) == 3
+    assert num_accepted([4, 5, 6], np.array([4, 9, 6, 7])) == 1
+    assert num_accepted([4, 5, 6], np.array([1, 5, 6, 7])) == 0
+
+
+# -- the scheduler, with a fake model -------------------------------------------------------------
+
+
+def _cached_pages_hold_their_tokens(h: Harness) -> None:
+    """Every page in the prefix cache holds, in the fake KV cache, exactly the tokens its key
+    says: no proposal the model rejected was ever cached."""
+    ps = h.allocator.page_size
+    for node in h.cache._iter_nodes():
+        for key, page in zip(node.keys, node.pages):
+            slots = page * ps + np.arange(ps)
+            assert h.runner.tokens[slots].tolist() == list(key)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("num_pages", [200, 13])  # 13: preemption by recompute
+def test_verification_leaves_every_output_unchanged(prefix_caching, num_pages):
+    proposer = OracleProposer(num_tokens=3)
+    kw = dict(page_size=4, max_num_seqs=16, max_num_batched_tokens=32, max_model_len=40)
+    h = Harness(num_pages=num_pages, proposer=proposer, prefix_caching=prefix_caching, **kw)
+    specs = {}
+    for i in range(8):
+        prompt = prompt_of(4 + 2 * i, salt=i % 3)
+        p = params(max_tokens=[1, 2, 7, 12, 16, 20][i] if i < 6 else None,
+                   n=2 if i == 3 else 1, ignore_eos=i != 5)
+        specs[f"r{i}"] = (prompt, p, 0)
+        h.add(f"r{i}", prompt, p, 0)
+
+    def on_step(_):
+        h.check_pages()
+        for seq in h.scheduler.running:  # pages that only rejected proposals needed are gone
+            assert len(seq.pages) <= h.allocator.pages_for(seq.num_tokens)
+        if prefix_caching:
+            _cached_pages_hold_their_tokens(h)
+
+    h.run(on_step=on_step)
+    check_against_solo(h, specs, **kw)
+    if num_pages < 200:
+        assert h.scheduler.num_preemptions > 0
+    c = h.scheduler.spec_counters
+    assert c.num_drafts > 10 and 0 < c.num_accepted_tokens < c.num_draft_tokens
+    spans = collections.Counter(len(b.spec_lens.nonzero()[0]) for b in h.batches
+                                if b.spec_lens is not None)
+    assert max(spans) > 1  # several sequences verified in one step
+
+
+def test_speculation_stays_within_the_budgets():
+    """Proposals use only the tokens and rows the decodes and prefills left: a full batch of
+    decodes gets none, and a prefill is never pushed out by them."""
+    h = Harness(proposer=OracleProposer(num_tokens=4), max_num_seqs=4,
+                max_num_batched_tokens=8, page_size=4, max_model_len=64)
+    for i in range(4):
+        h.add(f"r{i}", prompt_of(6, salt=i), params(max_tokens=12, ignore_eos=True))
+    h.run()  # the harness checks rows <= max_num_seqs and tokens <= the budget every step
+    full = [b for b in h.batches if b.num_seqs == 4]
+    assert full and all(b.spec_lens is None for b in full)
+    assert any(b.spec_lens is not None for b in h.batches)  # the stragglers speculate
+
+
+def test_eos_and_length_inside_an_accepted_run():
+    """A stop token or max_tokens reached among the accepted tokens ends the sequence there."""
+    proposer = OracleProposer(num_tokens=4)
+    proposer.rng = np.random.default_rng(1)
+    kw = dict(page_size=4, max_model_len=64)
+    h = Harness(proposer=proposer, **kw)
+    specs = {}
+    for i in range(12):
+        prompt = prompt_of(4 + i, salt=i)
+        p = params(max_tokens=3 + i % 5, stop_token_ids=[7, 11] if i % 3 else None)
+        specs[f"r{i}"] = (prompt, p, 0)
+        h.add(f"r{i}", prompt, p, 0)
+    h.run()
+    check_against_solo(h, specs, **kw)
+    reasons = {h.result(r)[0][1] for r in specs}
+    assert reasons == {"stop", "length"}
+    assert EOS == 0
+
+
+# -- the real engine ------------------------------------------------------------------------------
+
+REPETITIVE = [
+    "Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,",
+    "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+]
+FREE = ["Tell me about the moon.", "Why is the sky blue?"]
+
+
+@pytest.fixture(scope="module")
+def spec_engine():
+    """The test preset with n-gram speculation (the step programs are smol_engine's)."""
+    from jengine import Engine
+
+    return Engine(config="test", speculative="ngram", num_speculative_tokens=3, progress=False)
+
+
+def _fields(out):
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+
+
+def test_engine_greedy_is_unchanged_by_speculation(smol_engine, spec_engine):
+    from jengine import SamplingParams
+
+    cases = [(p, SamplingParams(max_tokens=40, temperature=0)) for p in REPETITIVE + FREE]
+    cases += [
+        (REPETITIVE[1], SamplingParams(max_tokens=40, temperature=0, stop=["mat. The"])),
+        (REPETITIVE[0], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[28])),
+        (REPETITIVE[2], SamplingParams(max_tokens=5, temperature=0, logprobs=2)),
+    ]
+    prompts = [p for p, _ in cases]
+    sps = [sp for _, sp in cases]
+    want = smol_engine.generate(prompts, sps)
+    before = spec_engine.stats()
+    with small_kv_pool(spec_engine.core, 14):  # 13 usable pages for 9 long requests: preempts
+        got = spec_engine.generate(prompts, sps)
+    for g, w in zip(got, want):
+        assert _fields(g) == _fields(w)
+    logprobs = got[-1].outputs[0].logprobs
+    for g, w in zip(logprobs, want[-1].outputs[0].logprobs):
+        assert g.keys() == w.keys()
+        for t in g:
+            assert g[t].logprob == pytest.approx(w[t].logprob, abs=1e-4)
+    after = spec_engine.stats()
+    assert after.num_preemptions > before.num_preemptions
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert 0 < accepted < drafted
+    assert spec_engine.core.allocator.num_used - spec_engine.core.allocator.num_evictable == 0
+
+
+def test_engine_seeded_sampling_is_unchanged_by_speculation(smol_engine, spec_engine):
+    """Each row draws with its own output index's key, so a seeded request samples the same
+    tokens with speculation as without."""
+    from jengine import SamplingParams
+
+    sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7, n=3)
+    want = smol_engine.generate([REPETITIVE[1]], sp)
+    got = spec_engine.generate([REPETITIVE[1]], sp)
+    assert _fields(got[0]) == _fields(want[0])
+
+
+def test_engine_sampled_distribution_matches_the_model(smol_engine, spec_engine):
+    """Two-sample chi-square test (significance 0.001) of the first three sampled tokens, with
+    and without speculation, over disjoint seeds: equal distributions pass."""
+    from scipy.stats import chi2_contingency
+
+    from jengine import SamplingParams
+
+    prompt = "a b c a b c a b c a b"
+    n = 120
+
+    def draws(engine, first_seed):
+        # One request of 4 samples at a time (4 x 4 rows fill the 16-row test preset, so all
+        # may speculate), seeds never reused.
+        outs = [engine.generate(prompt, SamplingParams(
+            max_tokens=3, temperature=0.6, n=4, seed=first_seed + 4 * i))[0]
+            for i in range(n // 4)]
+        return collections.Counter(tuple(c.token_ids) for o in outs for c in o.outputs)
+
+    before = spec_engine.stats()
+    a = draws(spec_engine, 0)
+    after = spec_engine.stats()
+    b = draws(smol_engine, 1_000_003)
+    assert after.spec_num_drafts - before.spec_num_drafts > n // 2
+    assert after.spec_num_accepted_tokens - before.spec_num_accepted_tokens > 0
+    common = [k for k in a.keys() | b.keys() if a[k] + b[k] >= 10]
+    table = [[a[k] for k in common] + [n - sum(a[k] for k in common)],
+             [b[k] for k in common] + [n - sum(b[k] for k in common)]]
+    assert len(common) >= 2
+    p_value = chi2_contingency(np.asarray(table) + 0.5).pvalue
+    assert p_value > 1e-3, (table, p_value)
