@@ -45,7 +45,7 @@ from jengine.sharding import (
     padded_config,
 )
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
-from jengine.speculative import NgramProposer
+from jengine.speculative import NgramProposer, StepCosts
 from jengine.stats import EngineStats
 from jengine.structured import Grammar, GrammarCompiler
 from jengine.structured.bitmask import StepMasks
@@ -189,6 +189,10 @@ class EngineCore:
             store=ExecutableStore(default_store_dir()),
         )
         phases.end("kv cache")
+        if self.scheduler.proposer is not None:
+            self.scheduler.step_costs = StepCosts(
+                lambda n: self.runner.buckets.pick(n, 1, 1)[0])
+        self._last_done = 0.0  # when the last fetched step's outputs reached the host
         self.requests: dict[str, RequestState] = {}
         self._rng = random.Random(cfg.model.seed)  # None: seeded from the OS
         self._seq_counter = 0
@@ -453,7 +457,7 @@ class EngineCore:
                 if self.requests and not self.scheduler.has_work:
                     raise RuntimeError("requests are pending but the scheduler has no work")
                 return []
-        batch, out = self._inflight
+        batch, out, launched = self._inflight
         self._inflight = None
         sampled = self.scheduler.advance(batch)
         if self._can_run_ahead(sampled):
@@ -463,7 +467,13 @@ class EngineCore:
             self.num_steps_ahead += self._inflight is not None
         t0 = time.perf_counter()
         result = self.runner.fetch(out, batch.num_rows, batch.num_tokens)
-        self.device_seconds += time.perf_counter() - t0
+        done = time.perf_counter()
+        self.device_seconds += done - t0
+        if self.scheduler.step_costs is not None:
+            # The device ran this step from its launch or the previous step's end, if later.
+            self.scheduler.step_costs.observe(batch.num_tokens,
+                                              done - max(launched, self._last_done))
+        self._last_done = done
         self.num_steps += 1
         if result.prompt_logprobs is not None:
             record_prompt_logprobs(batch, result, self.requests, self._piece)
@@ -519,7 +529,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.runner.launch(batch, rows, feed, prev[0] if feed is not None else None)
         self.device_seconds += time.perf_counter() - t0
-        return batch, out
+        return batch, out, t0
 
     @staticmethod
     def _feed(batch, sampled: list[tuple[Sequence, int]]) -> np.ndarray | None:

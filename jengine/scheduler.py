@@ -33,7 +33,14 @@ from jengine.batch import ScheduledBatch
 from jengine.page_allocator import PageAllocator
 from jengine.prefix_cache import PrefixCache
 from jengine.sequence import PENDING, Sequence, SequenceStatus
-from jengine.speculative import NgramProposer, SpecCounters, SpecState, num_accepted
+from jengine.speculative import (
+    NgramProposer,
+    SpecCounters,
+    SpecState,
+    StepCosts,
+    best_cap,
+    num_accepted,
+)
 
 
 class Scheduler:
@@ -53,6 +60,8 @@ class Scheduler:
         self.allocator = allocator
         self.proposer = proposer
         self.spec_counters = SpecCounters()
+        # Measured step seconds per token bucket (the engine fills it); None: verify everything.
+        self.step_costs: StepCosts | None = None
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -153,32 +162,45 @@ class Scheduler:
     # -- speculative decoding --------------------------------------------------------------------
 
     def may_speculate(self, seq: Sequence) -> bool:
-        """Whether `seq` may verify proposals when its last token is known. Not: grammars (the
+        """Whether `seq` may verify proposals when its last token is known (so its next step
+        waits for that token: no async scheduling), unless it pauses. Not: grammars (the
         mask of each row would need the grammar advanced over the proposals), penalties and bad
         words (they read the token history, which proposals would change per row), and a
         sequence still short of min_tokens (its stop tokens are banned by the step count)."""
         p = seq.params
         return (self.proposer is not None and seq.matcher is None and not p.uses_token_history
-                and not seq.bad_words and len(seq.output_ids) >= p.min_tokens)
+                and not seq.bad_words and len(seq.output_ids) >= p.min_tokens
+                and (seq.spec is None or seq.spec.may_propose()))
 
     def _speculate(self, chosen: list[tuple[Sequence, int]], budget: int) -> None:
         """Appends proposals to the chosen decodes, within the room left: `budget` tokens,
-        `max_num_seqs` rows in all, and free pages (speculation never preempts or evicts)."""
-        rows = len(chosen)
+        `max_num_seqs` rows in all, and free pages (speculation never preempts or evicts).
+        With step costs measured (`step_costs`), proposals are cut to the length that gives the
+        most expected tokens per second, which is none where verifying costs more than it
+        gains (`jengine.speculative.best_cap`)."""
+        candidates = []
         for i, (seq, n) in enumerate(chosen):
-            room = min(budget, self.max_num_seqs - rows)
-            if room <= 0:
-                break
             if (n != 1 or seq.num_uncomputed != 1 or seq.output_ids[-1:] in ([], [PENDING])
                     or not self.may_speculate(seq)):
                 continue
             if seq.spec is None:
                 seq.spec = SpecState()
-            if not seq.spec.may_propose():
-                continue
-            limit = min(room, seq.max_tokens - len(seq.output_ids) - 1,
+            limit = min(seq.max_tokens - len(seq.output_ids) - 1,
                         self.max_model_len - seq.num_tokens - 1)
             proposal = self.proposer.propose(seq.tokens(0, seq.num_tokens), limit)
+            if proposal:
+                candidates.append((i, seq, proposal))
+            else:
+                seq.spec.found_nothing()
+        if not candidates:
+            return
+        tokens = sum(n for _, n in chosen)
+        sampling = sum(1 for seq, n in chosen if seq.num_computed + n == seq.num_tokens)
+        cap = best_cap(tokens, sampling, [(len(p), seq.spec.acceptance)
+                                          for _, seq, p in candidates], self.step_costs)
+        rows = len(chosen)
+        for i, seq, proposal in candidates:
+            proposal = proposal[:max(0, min(cap, budget, self.max_num_seqs - rows))]
             need = self.allocator.pages_for(seq.num_tokens + len(proposal)) - len(seq.pages)
             if need > 0:
                 if need <= self.allocator.num_free:
@@ -187,6 +209,7 @@ class Scheduler:
                     held = len(seq.pages) * self.allocator.page_size
                     proposal = proposal[: held - seq.num_tokens]
             if not proposal:
+                seq.spec.decline()
                 continue
             seq.spec.proposal = proposal
             chosen[i] = (seq, 1 + len(proposal))
@@ -395,6 +418,8 @@ class Scheduler:
                 self._cache_pages(seq)
             if not batch.sample[i]:
                 continue
+            if seq.spec is not None:
+                seq.spec.tick()
             first = not seq.output_ids
             seq.output_ids.append(PENDING)
             sampled.append((seq, int(rows[i])))

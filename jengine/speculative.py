@@ -31,6 +31,16 @@ from numpy.lib.stride_tricks import sliding_window_view
 # `BACKOFF_STEPS` steps (a plain decode each), so text the proposer cannot predict costs little.
 MISSES_BEFORE_BACKOFF = 4
 BACKOFF_STEPS = 16
+# A sequence whose proposer found nothing, or whose proposal the cost model left out, waits this
+# many steps before it proposes again. A waiting sequence lets the engine schedule its next step
+# before this one's token is back (async scheduling), which a proposing one cannot.
+NO_PROPOSAL_PAUSE = 4
+# Each sequence's acceptance estimate (per proposed token) starts here and follows its own
+# verifications with this weight; a sequence left out for `REEXPLORE_STEPS` steps by the cost
+# model gets the prior back, so a change in the text can turn speculation on again.
+ACCEPTANCE_PRIOR = 0.6
+ACCEPTANCE_WEIGHT = 0.3
+REEXPLORE_STEPS = 32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,19 +88,97 @@ class SpecState:
     proposal: list[int] = dataclasses.field(default_factory=list)
     misses: int = 0
     paused: int = 0
+    acceptance: float = ACCEPTANCE_PRIOR  # estimated chance that a proposed token is accepted
+    declined: int = 0  # steps in a row the cost model chose not to verify its proposal
 
     def may_propose(self) -> bool:
-        if self.paused > 0:
-            self.paused -= 1
-            return False
-        return True
+        return self.paused == 0
+
+    def tick(self) -> None:
+        """One step of the sequence went by."""
+        self.paused = max(0, self.paused - 1)
+
+    def found_nothing(self) -> None:
+        self.paused = NO_PROPOSAL_PAUSE
 
     def verified(self, accepted: int) -> None:
         """Records how many of `proposal` the step accepted, and clears it."""
-        self.proposal = []
+        # Tokens after the first rejection were never tried: the run of `accepted` successes
+        # and one failure (if any) is what the estimate learns from.
+        tried = min(len(self.proposal), accepted + 1)
+        rate = accepted / max(tried, 1)
+        self.acceptance += ACCEPTANCE_WEIGHT * (rate - self.acceptance)
+        self.proposal, self.declined = [], 0
         self.misses = 0 if accepted else self.misses + 1
         if self.misses >= MISSES_BEFORE_BACKOFF:
             self.misses, self.paused = 0, BACKOFF_STEPS
+
+    def decline(self) -> None:
+        """The cost model left this proposal out; after a while the estimate starts over."""
+        self.proposal = []
+        self.declined += 1
+        self.paused = NO_PROPOSAL_PAUSE
+        if self.declined * NO_PROPOSAL_PAUSE >= REEXPLORE_STEPS:
+            self.declined, self.acceptance = 0, ACCEPTANCE_PRIOR
+
+
+def expected_tokens(length: int, acceptance: float) -> float:
+    """Tokens a verification of `length` proposals yields on average when each is accepted
+    with probability `acceptance` until the first rejection: 1 + a + a^2 + ... + a^length."""
+    return sum(acceptance ** j for j in range(length + 1))
+
+
+class StepCosts:
+    """Measured seconds of a step per token bucket (an exponential average), so the scheduler
+    can weigh the tokens a verification may gain against what its larger step costs here: on
+    XLA:CPU a step of 4 query tokens costs well over a step of 1 (small-row dots run far below
+    memory speed), on an accelerator about the same."""
+
+    WEIGHT = 0.2
+
+    def __init__(self, bucket_of):
+        self._bucket_of = bucket_of  # num_tokens -> the token bucket that runs them
+        self._seconds: dict[int, float] = {}
+        self._seen: set[int] = set()
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Records one step. A bucket's first step is not counted: it may have built (compiled
+        or loaded) its program."""
+        t = self._bucket_of(num_tokens)
+        if t not in self._seen:
+            self._seen.add(t)
+            return
+        old = self._seconds.get(t)
+        self._seconds[t] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+
+    def estimate(self, num_tokens: int) -> float | None:
+        """Seconds of a step of `num_tokens`; an unmeasured bucket is taken to cost what the
+        nearest measured smaller one does (optimism, so it gets tried and measured). None
+        before any measurement."""
+        t = self._bucket_of(num_tokens)
+        if t in self._seconds:
+            return self._seconds[t]
+        smaller = [b for b in self._seconds if b < t]
+        return self._seconds[max(smaller)] if smaller else None
+
+
+def best_cap(base_tokens: int, base_rows: int, proposals: list[tuple[int, float]],
+             costs: StepCosts | None) -> int:
+    """How many proposed tokens each verifying sequence may run this step (0: none), chosen to
+    maximise expected tokens per second of step time. `proposals`: (length, acceptance) of
+    each candidate; `base_tokens`/`base_rows`: the step's query tokens and sampled sequences
+    without speculation. Without cost figures every proposal runs whole."""
+    longest = max((n for n, _ in proposals), default=0)
+    if costs is None or costs.estimate(base_tokens) is None:
+        return longest
+    best, best_rate = 0, base_rows / costs.estimate(base_tokens)
+    for cap in range(1, longest + 1):
+        extra = sum(min(n, cap) for n, _ in proposals)
+        gain = sum(expected_tokens(min(n, cap), a) - 1 for n, a in proposals)
+        seconds = costs.estimate(base_tokens + extra)
+        if seconds is not None and (base_rows + gain) / seconds > best_rate:
+            best, best_rate = cap, (base_rows + gain) / seconds
+    return best
 
 
 def num_accepted(proposal: list[int], drawn: np.ndarray) -> int:

@@ -17,7 +17,13 @@ from scheduler_harness import (
     prompt_of,
 )
 
-from jengine.speculative import NgramProposer, num_accepted
+from jengine.speculative import (
+    NgramProposer,
+    StepCosts,
+    best_cap,
+    expected_tokens,
+    num_accepted,
+)
 
 # -- the proposer ---------------------------------------------------------------------------------
 
@@ -54,6 +60,21 @@ def test_num_accepted_is_the_matching_prefix():
     assert num_accepted([4, 5, 6], np.array([4, 5, 6, 7])) == 3
     assert num_accepted([4, 5, 6], np.array([4, 9, 6, 7])) == 1
     assert num_accepted([4, 5, 6], np.array([1, 5, 6, 7])) == 0
+
+
+def test_cost_model_verifies_only_where_it_pays():
+    buckets = (1, 2, 4, 8)
+    costs = StepCosts(lambda n: next(b for b in buckets if b >= n))
+    assert best_cap(1, 1, [(3, 0.9)], costs) == 3  # nothing measured: verify everything
+    for t, seconds in ((1, 0.050), (1, 0.050), (4, 0.9), (4, 0.060), (8, 0.150), (8, 0.150)):
+        costs.observe(t, seconds)  # the first of each bucket (a compile, 0.9 s) is not counted
+    assert costs.estimate(3) == pytest.approx(0.060)
+    assert costs.estimate(2) == pytest.approx(0.050)  # unmeasured: the smaller one's
+    assert best_cap(1, 1, [(3, 0.9)], costs) == 3  # 3.4 tokens for 1.2x the time
+    assert best_cap(1, 1, [(3, 0.05)], costs) == 1  # a 2-token step costs no more
+    assert best_cap(4, 4, [(3, 0.9)], costs) == 0  # 5-8 tokens cost 2.5x for at most 1.6x more
+    assert best_cap(5, 5, [(3, 0.9)], costs) == 3  # already in the 8-token bucket: free
+    assert expected_tokens(0, 0.5) == 1 and expected_tokens(2, 0.5) == pytest.approx(1.75)
 
 
 # -- the scheduler, with a fake model -------------------------------------------------------------
