@@ -105,7 +105,7 @@ def main() -> None:
     results: dict[tuple[str, str], list] = {}
     outputs: dict[tuple[str, str], list] = {}
     for name, (kind, prompts) in cases.items():
-        for name_e, engine in engines.items():  # warm pages and programs for this case
+        for engine in engines.values():  # warm pages and programs for this case
             (single_stream if kind == "single" else concurrent)(engine, prompts[:1], sp)
         for _ in range(args.rounds):
             for name_e, engine in engines.items():
@@ -121,8 +121,8 @@ def main() -> None:
                 results.setdefault((name, name_e), []).append((rate, tpot, drafts, accepted,
                                                                proposed))
                 outputs[(name, name_e)] = outs
-    print(f"| case | engine | tok/s | TPOT ms | vs off | accepted / proposed | tokens per "
-          f"verify step | greedy text |")
+    print("| case | engine | tok/s | TPOT ms | vs off | accepted / proposed | tokens per "
+          "verify step | greedy text |")
     print("|---|---|---|---|---|---|---|---|")
     for name in cases:
         base = statistics.median(r[0] for r in results[(name, "off")])

@@ -51,6 +51,26 @@ def test_a_flag_equal_to_its_default_still_beats_the_preset(tmp_path):
     assert server_config(args, cfg.server) == ServerConfig()
 
 
+def test_speculative_settings_from_keywords_flags_and_presets(tmp_path):
+    from jengine.core import _proposer
+
+    cfg = build_config(None, "test", speculative="ngram", num_speculative_tokens=5)
+    assert (cfg.speculative.method, cfg.speculative.num_tokens) == ("ngram", 5)
+    assert _proposer(cfg).num_tokens == 5
+    assert _proposer(build_config(None, "test")) is None  # off by default
+    _, cfg = _cli_config(["generate", "hi", "--speculative", "ngram",
+                          "--num-speculative-tokens", "2"])
+    assert (cfg.speculative.method, cfg.speculative.num_tokens) == ("ngram", 2)
+    preset = tmp_path / "s.yaml"
+    preset.write_text("speculative:\n  method: ngram\n  ngram_min: 2\n  ngram_max: 3\n")
+    proposer = _proposer(build_config(None, str(preset)))
+    assert (proposer.ngram_min, proposer.ngram_max, proposer.num_tokens) == (2, 3, 3)
+    for bad in (dict(speculative="draft", draft_model="x"), dict(speculative="medusa"),
+                dict(speculative="ngram", num_speculative_tokens=0)):
+        with pytest.raises(ValueError):
+            _proposer(build_config(None, "test", **bad))
+
+
 def _imports(path: Path) -> set[str]:
     """Every module `path` imports, at any depth of the file (function-local imports too)."""
     names: set[str] = set()
@@ -90,6 +110,7 @@ def test_nothing_imports_the_command_line_module():
 
 # Host-side modules: plain Python and NumPy, testable without compiling anything.
 HOST_MODULES = ("jengine.scheduler", "jengine.sequence", "jengine.batch", "jengine.page_allocator",
+                "jengine.speculative",
                 "jengine.prefix_cache", "jengine.detokenizer", "jengine.sampling_params",
                 "jengine.outputs")
 

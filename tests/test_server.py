@@ -601,7 +601,10 @@ def test_metrics_parse_and_move(server):
                  "jengine_compiles_after_ready_total",
                  "jengine_time_to_first_token_seconds_count",
                  "jengine_inter_token_latency_seconds_count", "jengine_prompt_tokens_total",
-                 "jengine_generation_tokens_total"):
+                 "jengine_generation_tokens_total", "jengine_spec_decode_num_drafts_total",
+                 "jengine_spec_decode_num_draft_tokens_total",
+                 "jengine_spec_decode_num_accepted_tokens_total",
+                 "jengine_spec_decode_acceptance_rate"):
         assert name in before, name
     assert before["jengine_kv_pages_total"] > 0
     r = server.client().completions.create(model=MODEL, prompt="One two three", max_tokens=5,
