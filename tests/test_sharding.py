@@ -92,6 +92,8 @@ def test_smollm2_tensor_parallel_matches_one_device(smol_engine):
         engine = Engine(config=ONE_BUCKET, mesh=f"tp={tp}", warmup=True)
         try:
             assert _greedy(engine, PROMPTS) == expected, f"tp={tp}"
+            if tp == 2:
+                _speculation_keeps_outputs(engine, smol_engine)
             cfg = engine.core.model_config
             assert cfg.num_heads == -(-9 // tp) * tp and len(cfg.kv_head_map) == cfg.num_heads
             _per_device_table(engine, tp)
@@ -103,6 +105,22 @@ def test_smollm2_tensor_parallel_matches_one_device(smol_engine):
             assert engine.core.compiles_since_ready == 0
         finally:
             del engine
+
+
+def _speculation_keeps_outputs(engine: Engine, smol_engine: Engine) -> None:
+    """n-gram speculation on the sharded engine (its one bucket makes every verification cost
+    nothing extra, so proposals run): greedy outputs stay the one-device engine's."""
+    from jengine.speculative import NgramProposer
+
+    prompts = PROMPTS + ["1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", "la la la la la la la"]
+    want = _greedy(smol_engine, prompts)
+    sched = engine.core.scheduler
+    sched.proposer = NgramProposer(num_tokens=3)
+    try:
+        assert _greedy(engine, prompts) == want
+        assert sched.spec_counters.num_accepted_tokens > 0
+    finally:
+        sched.proposer = None
 
 
 def _tiny_llama(path) -> None:
