@@ -178,8 +178,11 @@ class Scheduler:
         With step costs measured (`step_costs`), proposals are cut to the length that gives the
         most expected tokens per second, which is none where verifying costs more than it
         gains (`jengine.speculative.best_cap`)."""
+        room = min(budget, self.max_num_seqs - len(chosen))  # rows and tokens alike
         candidates = []
         for i, (seq, n) in enumerate(chosen):
+            if len(candidates) >= room:
+                break  # the proposer's host work only for sequences that can verify
             if (n != 1 or seq.num_uncomputed != 1 or seq.output_ids[-1:] in ([], [PENDING])
                     or not self.may_speculate(seq)):
                 continue
