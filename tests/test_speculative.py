@@ -227,18 +227,19 @@ def test_engine_sampled_distribution_matches_the_model(smol_engine, spec_engine)
     prompt = "a b c a b c a b c a b"
     n = 120
 
-    def draws(engine, first_seed):
-        # One request of 4 samples at a time (4 x 4 rows fill the 16-row test preset, so all
-        # may speculate), seeds never reused.
-        outs = [engine.generate(prompt, SamplingParams(
-            max_tokens=3, temperature=0.6, n=4, seed=first_seed + 4 * i))[0]
-            for i in range(n // 4)]
+    def draws(engine, first_seed, one_by_one):
+        # Requests of 4 samples (4 x 4 rows fill the 16-row test preset, so all may speculate
+        # when they run one at a time), seeds never reused.
+        sps = [SamplingParams(max_tokens=3, temperature=0.6, n=4, seed=first_seed + 4 * i)
+               for i in range(n // 4)]
+        outs = ([engine.generate(prompt, sp)[0] for sp in sps] if one_by_one
+                else engine.generate([prompt] * len(sps), sps))
         return collections.Counter(tuple(c.token_ids) for o in outs for c in o.outputs)
 
     before = spec_engine.stats()
-    a = draws(spec_engine, 0)
+    a = draws(spec_engine, 0, one_by_one=True)
     after = spec_engine.stats()
-    b = draws(smol_engine, 1_000_003)
+    b = draws(smol_engine, 1_000_003, one_by_one=False)
     assert after.spec_num_drafts - before.spec_num_drafts > n // 2
     assert after.spec_num_accepted_tokens - before.spec_num_accepted_tokens > 0
     common = [k for k in a.keys() | b.keys() if a[k] + b[k] >= 10]
