@@ -91,12 +91,14 @@ class EngineCore:
 
     def __init__(
         self, cfg: EngineConfig, *, progress: bool = True, replica: int = 0,
-        loaded: LoadedModel | None = None, warmup: bool = True,
+        loaded: LoadedModel | None = None, warmup: bool = True, require_warm: bool = False,
     ):
         """One engine replica. `replica` picks its devices under `dp` (see jengine.sharding);
         `loaded` lets data-parallel replicas share one read of the weights from disk.
         `warmup`: build every bucket's program before returning (a server must not compile
-        while it serves); False builds each on its first step (offline runs that use a few)."""
+        while it serves); False builds each on its first step (offline runs that use a few).
+        `require_warm` (implies `warmup`): raise `ProgramsNotStoredError` rather than compile
+        any of them (`jengine serve --require-warm`)."""
         phases = _Phases()
         enable_persistent_cache()
         self.cfg = cfg
@@ -194,8 +196,8 @@ class EngineCore:
         self._grammars_lock = threading.Lock()
         self._masks: StepMasks | None = None
         # A multi-host follower compiles as it follows the leader's warm-up steps.
-        warm = warmup and self.distributed.is_leader
-        self.warmup_seconds = self._warmup(progress) if warm else 0.0
+        warm = (warmup or require_warm) and self.distributed.is_leader
+        self.warmup_seconds = self._warmup(progress, require_warm) if warm else 0.0
         phases.end("step programs")
         # Seconds per start-up phase, in order (what `jengine generate` prints on stderr).
         self.start_phases = phases.seconds
@@ -243,15 +245,17 @@ class EngineCore:
             ids.add(int(loaded.tokenizer.eos_token_id))
         return tuple(sorted(ids))
 
-    def _warmup(self, progress: bool) -> float:
+    def _warmup(self, progress: bool, require_stored: bool) -> float:
         bar = tqdm(total=len(self.runner.buckets.shapes()), desc="step programs (load/compile)",
                    disable=not progress, file=sys.stderr, unit="program")
 
         def tick(done: int, total: int) -> None:
             bar.update(done - bar.n)
 
-        seconds = self.runner.warmup(tick)
-        bar.close()
+        try:
+            seconds = self.runner.warmup(tick, require_stored=require_stored)
+        finally:
+            bar.close()
         return seconds
 
     @property

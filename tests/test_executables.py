@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 from test_sharding import _tiny_llama
 
+import jengine.core
 from jengine import Engine, SamplingParams
 from jengine.core import EngineCore
 from jengine.engine import build_config
-from jengine.executables import ExecutableStore, compile_fresh, store_key
+from jengine.executables import ExecutableStore, ProgramsNotStoredError, compile_fresh, store_key
 from jengine.runner import SamplingRows, _dummy_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,3 +152,28 @@ def test_a_program_built_after_ready_is_counted_and_logged(tiny, caplog):
     [record] = [r for r in caplog.records if "after ready" in r.getMessage()]
     assert "T=16 S=16 P=32" in record.getMessage()
     assert "num_top_logprobs=2" in record.getMessage()
+
+
+def test_require_warm_refuses_to_compile_until_the_programs_are_stored(tiny, tmp_path,
+                                                                       monkeypatch):
+    """`serve --require-warm`: an empty store stops the start before anything is built; once
+    a warm-up has stored the program, the same start loads it and compiles nothing."""
+    store = tmp_path / "store"
+    monkeypatch.setattr(jengine.core, "default_store_dir", lambda: store)
+    # A model XLA's persistent cache has never seen (its epsilon is unique to this run): a
+    # program that cache served would not be stored.
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model)
+    config = json.loads((model / "config.json").read_text())
+    config["rms_norm_eps"] *= 1 + uuid.uuid4().int % 10**6 / 10**7
+    (model / "config.json").write_text(json.dumps(config))
+    cfg = build_config(str(model), ONE_BUCKET)
+    with pytest.raises(ProgramsNotStoredError, match="1 of 1 step programs are not stored"):
+        EngineCore(cfg, progress=False, require_warm=True)
+    assert not store.exists()  # it failed before compiling anything
+    filled = EngineCore(cfg, progress=False, warmup=True)
+    assert filled.runner.programs_compiled == 1
+    [key] = filled.runner.warmup_keys()
+    assert ExecutableStore(store).size(key) > 0
+    warm = EngineCore(cfg, progress=False, require_warm=True)
+    assert (warm.runner.programs_loaded, warm.runner.programs_compiled) == (1, 0)
