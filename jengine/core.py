@@ -166,21 +166,7 @@ class EngineCore:
         )
         phases.end("set up")
         rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
-        family = family_module(self.model_config)
-        specs = family.param_specs(self.model_config)
-        # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
-        params = load_params_sharded(
-            loaded, self.model_config, rules.param_shardings(specs) if rules else None,
-            self.dtype, progress=progress,
-        )
-        # Quantized from the float weights, whatever their source, shard by shard in place.
-        params = quantize_params(
-            params, specs, self.quantization, tied_embeddings=self.model_config.tie_word_embeddings,
-            lm_head=cfg.model.quantize_lm_head, delete_float=True,
-        )
-        if self.layer_layout == "unstacked":
-            params = unstack_layers(params, family.LAYER_KEYS, self.model_config.num_layers,
-                                    delete_stacked=True)
+        params = self._place_weights(loaded, rules, progress)
         phases.end("weights")
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,
@@ -215,6 +201,37 @@ class EngineCore:
         self.num_steps_ahead = 0  # steps dispatched before the previous step's tokens arrived
 
     # -- set-up ---------------------------------------------------------------------------------
+
+    def _place_weights(self, loaded: LoadedModel, rules: ShardingRules | None,
+                       progress: bool) -> dict:
+        """`loaded`'s weights on the devices, quantized and in the model's layer layout."""
+        cfg = self.model_config
+        family = family_module(cfg)
+        specs = family.param_specs(cfg)
+        host = {name: loaded.params.get(name) for name in specs}
+        if (rules is None and self.quantization == "none" and self.layer_layout == "unstacked"
+                and loaded.kind != "checkpoint"
+                and all(w is not None and tuple(w.shape) == specs[name].shape
+                        for name, w in host.items())):
+            # One device, float weights on the host: split the layers there (views) and place
+            # each once. Placing the stacks and splitting them on the device costs a jitted
+            # split per weight and a second copy of every layer (~1 s for SmolLM2 on CPU).
+            stacked = {name: np.asarray(w) for name, w in host.items()}
+            return jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers))
+        # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
+        params = load_params_sharded(
+            loaded, cfg, rules.param_shardings(specs) if rules else None, self.dtype,
+            progress=progress,
+        )
+        # Quantized from the float weights, whatever their source, shard by shard in place.
+        params = quantize_params(
+            params, specs, self.quantization, tied_embeddings=cfg.tie_word_embeddings,
+            lm_head=self.cfg.model.quantize_lm_head, delete_float=True,
+        )
+        if self.layer_layout == "unstacked":
+            params = unstack_layers(params, family.LAYER_KEYS, cfg.num_layers,
+                                    delete_stacked=True)
+        return params
 
     def phase_summary(self) -> str:
         """One line: each start-up phase's seconds, and how the step programs were obtained."""
