@@ -1,20 +1,24 @@
 """GGUF files: header -> HF-style config, tensors -> dequantized HF-named arrays, tokenizer.
 
-The `gguf` package (llama.cpp's own reader) parses the file and dequantizes every block format
-it knows (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, ...). llama.cpp permutes the
+`converters.gguf_reader` parses the file and dequantizes it (with the `gguf` package, llama.cpp's
+own, for the block formats it does not vectorise itself: Q5_0, Q4_K, Q5_K, Q6_K, ...), several
+tensors at a time in threads (NumPy releases the GIL). llama.cpp permutes the
 q/k projections of `llama`-architecture files for its interleaved rope; that is undone here so
 the model sees HF's layout, and Gemma's norm weights are stored as (1 + w), so 1 is subtracted.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from converters.errors import ModelLoadError
+from converters.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo, dequantize
 
 _ARCH_TO_MODEL_TYPE = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -45,18 +49,14 @@ class GGUFModel:
     """An opened GGUF file. Raises `ModelLoadError` if it is missing, truncated or corrupt."""
 
     def __init__(self, path: str | Path):
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
-        except Exception as e:  # the reader raises ValueError/IndexError/... on a bad file
+            self.reader = GGUFReader(self.path)
+        except (GGUFFormatError, OSError) as e:
             raise ModelLoadError(f"corrupt or truncated GGUF file {self.path}: {e}") from e
-        self.meta = {
-            k: f.contents() for k, f in self.reader.fields.items() if not k.startswith("GGUF.")
-        }
+        self.meta = self.reader.metadata
         self.arch = self.meta.get("general.architecture")
         if self.arch not in _ARCH_TO_MODEL_TYPE:
             raise ModelLoadError(
@@ -94,7 +94,7 @@ class GGUFModel:
         if freqs is not None:  # llama3 scaling, stored by llama.cpp as inv_freq divisors
             cfg["rope_scaling"] = {
                 "rope_type": "freq_factors",
-                "freq_factors": np.asarray(freqs.data, np.float32).reshape(-1).tolist(),
+                "freq_factors": self._dequantize(freqs).reshape(-1).tolist(),
             }
         elif scaling and scaling != "none":
             cfg["rope_scaling"] = {
@@ -115,33 +115,41 @@ class GGUFModel:
             cfg["use_sliding_window"] = False
         return cfg
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Yields (HF key, float32 array in HF's [out, in] layout), one tensor at a time."""
-        import gguf
-
+    def tensors(self, threads: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+        """Yields (HF key, float32 array in HF's [out, in] layout) in file order, dequantized
+        `threads` tensors at a time (one per core by default)."""
         cfg = self.hf_config()
-        for t in self.reader.tensors:
-            if t.name == "rope_freqs.weight":  # folded into the rope config (hf_config)
-                continue
-            key = self._hf_name(t.name)
-            try:
-                w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            except NotImplementedError as e:
-                raise ModelLoadError(
-                    f"unsupported quantization type {t.tensor_type.name} for tensor {t.name} "
-                    f"in {self.path.name}"
-                ) from e
-            expected = tuple(int(n) for n in reversed(t.shape))
-            if w.size != int(np.prod(expected)):
-                raise ModelLoadError(f"corrupt tensor {t.name} in {self.path.name}")
-            w = w.reshape(expected)
-            permuted = t.name.endswith(("attn_q.weight", "attn_k.weight"))
-            if self.arch in ("llama", "mistral") and permuted:
-                n = cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"]
-                w = _unpermute_rope(w, n)
-            if self.arch == "gemma3" and t.name.endswith("norm.weight"):
-                w = w - 1.0
-            yield key, w
+        infos = [t for t in self.reader.tensors if t.name != "rope_freqs.weight"]  # in the config
+        for t in infos:
+            self._hf_name(t.name)  # an unknown tensor fails before any work
+        threads = threads or os.cpu_count() or 1
+        window = 2 * threads  # tensors dequantized ahead of the consumer, at most
+        with ThreadPoolExecutor(threads, thread_name_prefix="jengine-gguf") as pool:
+            pending = [pool.submit(self._hf_tensor, t, cfg) for t in infos[:window]]
+            for i in range(len(infos)):
+                if i + window < len(infos):
+                    pending.append(pool.submit(self._hf_tensor, infos[i + window], cfg))
+                yield pending[i].result()
+                pending[i] = None  # the consumer owns the array now
+
+    def _dequantize(self, t: TensorInfo) -> np.ndarray:
+        try:
+            return dequantize(t, self.reader.data(t))
+        except NotImplementedError as e:
+            raise ModelLoadError(
+                f"unsupported quantization type {t.tensor_type.name} for tensor {t.name} "
+                f"in {self.path.name}"
+            ) from e
+
+    def _hf_tensor(self, t: TensorInfo, cfg: dict[str, Any]) -> tuple[str, np.ndarray]:
+        w = self._dequantize(t)
+        permuted = t.name.endswith(("attn_q.weight", "attn_k.weight"))
+        if self.arch in ("llama", "mistral") and permuted:
+            n = cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"]
+            w = _unpermute_rope(w, n)
+        if self.arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0
+        return self._hf_name(t.name), w
 
     def _hf_name(self, name: str) -> str:
         if name in _TENSOR_NAMES:

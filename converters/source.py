@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +127,11 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
     gg = GGUFModel(path)
     cfg = _config_from_hf(gg.hf_config())
     count = len(gg.reader.tensors)
-    params = assemble_params(cfg, gg.tensors(), dtype, total=count, progress=progress)
-    return LoadedModel(cfg, params, gg.tokenizer(), str(path), "gguf")
+    # The tokenizer (~2 s, most of it importing transformers) is built while NumPy dequantizes.
+    with ThreadPoolExecutor(1, thread_name_prefix="jengine-tokenizer") as pool:
+        tokenizer = pool.submit(gg.tokenizer)
+        params = assemble_params(cfg, gg.tensors(), dtype, total=count, progress=progress)
+        return LoadedModel(cfg, params, tokenizer.result(), str(path), "gguf")
 
 
 def _load_hf_dir(path: Path, dtype: str, progress: bool, lazy: bool = False) -> LoadedModel:
@@ -195,22 +200,30 @@ def assemble_params(
     total: int | None = None,
     progress: bool = True,
 ) -> dict[str, np.ndarray]:
-    """Places HF-named tensors into jengine's stacked param arrays, asserting every shape."""
+    """Places HF-named tensors into jengine's stacked param arrays, asserting every shape.
+
+    The copies run in a thread per core: writing fresh pages costs more than the transposes
+    themselves (page faults), and NumPy's copy releases the GIL."""
     specs = family_module(cfg).param_specs(cfg)
     np_dtype = numpy_dtype(dtype)
-    params = {name: np.zeros(spec.shape, np_dtype) for name, spec in specs.items()}
+    params = {name: np.empty(spec.shape, np_dtype) for name, spec in specs.items()}
     filled: set[tuple[str, int | None]] = set()
-    for key, w in tqdm(tensors, total=total, desc="loading weights", disable=not progress,
-                       unit="tensor", leave=False):
-        entry = tables.place(cfg, specs, key, w.shape)
-        if entry is None:
-            continue
-        name, layer, transform = entry
+
+    def put(name: str, layer: int | None, transform, w: np.ndarray) -> None:
         value = transform(np.asarray(w, dtype=np.float32), cfg)
-        if layer is None:
-            params[name][...] = value
-        else:
-            params[name][layer] = value
-        filled.add((name, layer))
-    tables.check_complete(cfg, specs, filled)
+        params[name][... if layer is None else layer] = value
+
+    with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jengine-place") as pool:
+        copies = []
+        for key, w in tqdm(tensors, total=total, desc="loading weights", disable=not progress,
+                           unit="tensor", leave=False):
+            entry = tables.place(cfg, specs, key, w.shape)
+            if entry is None:
+                continue
+            name, layer, transform = entry
+            copies.append(pool.submit(put, name, layer, transform, w))
+            filled.add((name, layer))
+        tables.check_complete(cfg, specs, filled)  # every slot is written: np.empty is safe
+        for copy in copies:
+            copy.result()
     return params

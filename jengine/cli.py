@@ -62,6 +62,9 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-credentials", action="store_true")
     p.add_argument("--ssl-keyfile")
     p.add_argument("--ssl-certfile")
+    p.add_argument("--require-warm", action="store_true",
+                   help="exit with an error instead of compiling a step program that "
+                   "`jengine compile` (same flags) has not stored")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="log each request at DEBUG instead of INFO")
     p.add_argument("--uvicorn-log-level",
@@ -261,12 +264,21 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     engine = make_engine(args, warmup=True)
-    shapes = engine.core.runner.buckets.shapes()
-    entries = ExecutableStore(default_store_dir()).entries()
+    store = ExecutableStore(default_store_dir())
+    for core in engine.core.replicas:
+        runner = core.runner
+        sizes = [store.size(key) for key in runner.warmup_keys() if key is not None]
+        stored = [n for n in sizes if n is not None]
+        unstored = len(sizes) - len(stored)
+        print(f"serve will load {len(stored)} step programs, {sum(stored) / 2**20:.1f} MiB "
+              f"({runner.programs_compiled} compiled now, {runner.programs_loaded} stored "
+              "before)" + (f"; {unstored} could not be stored and will compile at every start"
+                           if unstored else ""), file=sys.stderr)
+    entries = store.entries()
     size = sum(p.stat().st_size for p in entries) / 2**20
-    print(f"built {len(shapes)} step programs in {time.perf_counter() - start:.1f}s "
-          f"(warm-up {engine.core.warmup_seconds:.1f}s); store: {default_store_dir()} holds "
-          f"{len(entries)} programs, {size:.1f} MiB", file=sys.stderr)
+    print(f"done in {time.perf_counter() - start:.1f}s (warm-up "
+          f"{engine.core.warmup_seconds:.1f}s); {store.path} holds {len(entries)} programs, "
+          f"{size:.1f} MiB in all", file=sys.stderr)
     return 0
 
 

@@ -92,12 +92,14 @@ class EngineCore:
 
     def __init__(
         self, cfg: EngineConfig, *, progress: bool = True, replica: int = 0,
-        loaded: LoadedModel | None = None, warmup: bool = True,
+        loaded: LoadedModel | None = None, warmup: bool = True, require_warm: bool = False,
     ):
         """One engine replica. `replica` picks its devices under `dp` (see jengine.sharding);
         `loaded` lets data-parallel replicas share one read of the weights from disk.
         `warmup`: build every bucket's program before returning (a server must not compile
-        while it serves); False builds each on its first step (offline runs that use a few)."""
+        while it serves); False builds each on its first step (offline runs that use a few).
+        `require_warm` (implies `warmup`): raise `ProgramsNotStoredError` rather than compile
+        any of them (`jengine serve --require-warm`)."""
         phases = _Phases()
         enable_persistent_cache()
         self.cfg = cfg
@@ -166,21 +168,7 @@ class EngineCore:
         )
         phases.end("set up")
         rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
-        family = family_module(self.model_config)
-        specs = family.param_specs(self.model_config)
-        # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
-        params = load_params_sharded(
-            loaded, self.model_config, rules.param_shardings(specs) if rules else None,
-            self.dtype, progress=progress,
-        )
-        # Quantized from the float weights, whatever their source, shard by shard in place.
-        params = quantize_params(
-            params, specs, self.quantization, tied_embeddings=self.model_config.tie_word_embeddings,
-            lm_head=cfg.model.quantize_lm_head, delete_float=True,
-        )
-        if self.layer_layout == "unstacked":
-            params = unstack_layers(params, family.LAYER_KEYS, self.model_config.num_layers,
-                                    delete_stacked=True)
+        params = self._place_weights(loaded, rules, progress)
         phases.end("weights")
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,
@@ -200,8 +188,8 @@ class EngineCore:
         self._grammars_lock = threading.Lock()
         self._masks: StepMasks | None = None
         # A multi-host follower compiles as it follows the leader's warm-up steps.
-        warm = warmup and self.distributed.is_leader
-        self.warmup_seconds = self._warmup(progress) if warm else 0.0
+        warm = (warmup or require_warm) and self.distributed.is_leader
+        self.warmup_seconds = self._warmup(progress, require_warm) if warm else 0.0
         phases.end("step programs")
         # Seconds per start-up phase, in order (what `jengine generate` prints on stderr).
         self.start_phases = phases.seconds
@@ -219,6 +207,37 @@ class EngineCore:
         self.num_steps_ahead = 0  # steps dispatched before the previous step's tokens arrived
 
     # -- set-up ---------------------------------------------------------------------------------
+
+    def _place_weights(self, loaded: LoadedModel, rules: ShardingRules | None,
+                       progress: bool) -> dict:
+        """`loaded`'s weights on the devices, quantized and in the model's layer layout."""
+        cfg = self.model_config
+        family = family_module(cfg)
+        specs = family.param_specs(cfg)
+        host = {name: loaded.params.get(name) for name in specs}
+        if (rules is None and self.quantization == "none" and self.layer_layout == "unstacked"
+                and loaded.kind != "checkpoint"
+                and all(w is not None and tuple(w.shape) == specs[name].shape
+                        for name, w in host.items())):
+            # One device, float weights on the host: split the layers there (views) and place
+            # each once. Placing the stacks and splitting them on the device costs a jitted
+            # split per weight and a second copy of every layer (~1 s for SmolLM2 on CPU).
+            stacked = {name: np.asarray(w) for name, w in host.items()}
+            return jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers))
+        # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
+        params = load_params_sharded(
+            loaded, cfg, rules.param_shardings(specs) if rules else None, self.dtype,
+            progress=progress,
+        )
+        # Quantized from the float weights, whatever their source, shard by shard in place.
+        params = quantize_params(
+            params, specs, self.quantization, tied_embeddings=cfg.tie_word_embeddings,
+            lm_head=self.cfg.model.quantize_lm_head, delete_float=True,
+        )
+        if self.layer_layout == "unstacked":
+            params = unstack_layers(params, family.LAYER_KEYS, cfg.num_layers,
+                                    delete_stacked=True)
+        return params
 
     def phase_summary(self) -> str:
         """One line: each start-up phase's seconds, and how the step programs were obtained."""
@@ -249,15 +268,17 @@ class EngineCore:
             ids.add(int(loaded.tokenizer.eos_token_id))
         return tuple(sorted(ids))
 
-    def _warmup(self, progress: bool) -> float:
+    def _warmup(self, progress: bool, require_stored: bool) -> float:
         bar = tqdm(total=len(self.runner.buckets.shapes()), desc="step programs (load/compile)",
                    disable=not progress, file=sys.stderr, unit="program")
 
         def tick(done: int, total: int) -> None:
             bar.update(done - bar.n)
 
-        seconds = self.runner.warmup(tick)
-        bar.close()
+        try:
+            seconds = self.runner.warmup(tick, require_stored=require_stored)
+        finally:
+            bar.close()
         return seconds
 
     @property

@@ -296,9 +296,10 @@ class AsyncEngine:
     def __init__(self, model: str | None = None, **kwargs: Any):
         progress = kwargs.pop("progress", True)
         warmup = kwargs.pop("warmup", True)  # a server builds every program before it serves
+        require_warm = kwargs.pop("require_warm", False)  # ... and may refuse to compile any
         config = kwargs.pop("config", None)
         cfg = build_config(model, config, **kwargs)
-        self._start(make_core(cfg, progress=progress, warmup=warmup))
+        self._start(make_core(cfg, progress=progress, warmup=warmup, require_warm=require_warm))
 
     def _start(self, core: EngineCore | ReplicaSet) -> None:
         self.core = core

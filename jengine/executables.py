@@ -145,6 +145,10 @@ def compile_fresh(fun: Callable, name: str, args: tuple, kwargs: dict, **jit_kwa
     return compiled, getattr(_hits, "count", 0) == before
 
 
+class ProgramsNotStoredError(ValueError):
+    """A start that must not compile (`serve --require-warm`) found programs missing."""
+
+
 @dataclasses.dataclass
 class ExecutableStore:
     """One file per program, `<dir>/<key>.jex`: the pickled (executable, in/out trees)."""
@@ -189,6 +193,13 @@ class ExecutableStore:
         tmp.write_bytes(blob)
         os.replace(tmp, self._file(key))
         return len(blob)
+
+    def size(self, key: str) -> int | None:
+        """The stored file's bytes, or None when `key` has no file."""
+        try:
+            return self._file(key).stat().st_size
+        except FileNotFoundError:
+            return None
 
     def entries(self) -> list[Path]:
         return sorted(self.path.glob("*.jex")) if self.path.exists() else []

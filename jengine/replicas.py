@@ -33,27 +33,29 @@ def choose_replica(cached: list[int], loads: list[int], slack: int) -> int:
     return max(candidates, key=lambda i: (cached[i], -loads[i], -i))
 
 
-def make_core(cfg: EngineConfig, *, progress: bool = True,
-              warmup: bool = True) -> EngineCore | ReplicaSet:
+def make_core(cfg: EngineConfig, *, progress: bool = True, warmup: bool = True,
+              require_warm: bool = False) -> EngineCore | ReplicaSet:
     """One EngineCore, or a ReplicaSet when the mesh asks for dp > 1."""
     spec = MeshSpec.parse(cfg.parallel.mesh)
     if spec.dp == 1:
-        return EngineCore(cfg, progress=progress, warmup=warmup)
+        return EngineCore(cfg, progress=progress, warmup=warmup, require_warm=require_warm)
     if cfg.parallel.num_processes > 1:
         raise ValueError("dp > 1 across several processes is not supported yet; use tp")
-    return ReplicaSet(cfg, progress=progress, warmup=warmup)
+    return ReplicaSet(cfg, progress=progress, warmup=warmup, require_warm=require_warm)
 
 
 class ReplicaSet:
     """Data-parallel replicas with `EngineCore`'s interface (what Engine and the server use)."""
 
-    def __init__(self, cfg: EngineConfig, *, progress: bool = True, warmup: bool = True):
+    def __init__(self, cfg: EngineConfig, *, progress: bool = True, warmup: bool = True,
+                 require_warm: bool = False):
         spec = MeshSpec.parse(cfg.parallel.mesh)
         spec.check_devices()  # before any weight is read
         loaded = load_source(cfg.model.model, dtype=resolve_dtype(cfg.model.dtype),
                              progress=progress, lazy=True)
         self.replicas: list[EngineCore] = [
-            EngineCore(cfg, progress=progress, replica=r, loaded=loaded, warmup=warmup)
+            EngineCore(cfg, progress=progress, replica=r, loaded=loaded, warmup=warmup,
+                       require_warm=require_warm)
             for r in range(spec.dp)
         ]
         self._owner: dict[str, EngineCore] = {}

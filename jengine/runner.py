@@ -30,7 +30,12 @@ import numpy as np
 
 from jengine.batch import ScheduledBatch
 from jengine.compilation import record_program_load
-from jengine.executables import ExecutableStore, compile_fresh, store_key
+from jengine.executables import (
+    ExecutableStore,
+    ProgramsNotStoredError,
+    compile_fresh,
+    store_key,
+)
 from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
 from jengine.pallas_kernels import num_query_blocks, query_blocks
 from jengine.sampler import SamplingArrays, sample
@@ -410,12 +415,19 @@ class Runner:
         return result
 
     def warmup(self, progress: Callable[[int, int], None] | None = None,
-               threads: int | None = None) -> float:
+               threads: int | None = None, *, require_stored: bool = False) -> float:
         """Builds (loads, or compiles in `threads` threads: one per core by default) the base
         step of every bucket, then runs the smallest once. A multi-host leader instead runs
-        every bucket, one by one, so that its followers compile the same programs."""
+        every bucket, one by one, so that its followers compile the same programs.
+
+        Raises:
+          ProgramsNotStoredError: with `require_stored`, some program is not in the store
+            (checked before anything is built) or could not be loaded from it.
+        """
         start = time.perf_counter()
         shapes = self.buckets.shapes()
+        if require_stored:
+            self._check_stored(shapes)
         if self._channel is not None:
             for i, shape in enumerate(shapes):
                 self._run_dummy(shape)
@@ -430,8 +442,31 @@ class Runner:
                     if progress:
                         progress(i + 1, len(shapes))
             self._run_dummy(shapes[0])
+        if require_stored and self.programs_compiled:
+            raise ProgramsNotStoredError(
+                f"{self.programs_compiled} step programs were compiled: their stored files "
+                "could not be loaded (see the warnings above); run `jengine compile` again")
         self.ready = True
         return time.perf_counter() - start
+
+    def warmup_keys(self) -> list[str | None]:
+        """The store key of each program `warmup` builds, in `buckets.shapes()` order: what
+        `jengine compile` stores and `serve --require-warm` needs (None without a store)."""
+        return [self.program_key(_dummy_batch(t, s, p), SamplingRows.empty(s))
+                for t, s, p in self.buckets.shapes()]
+
+    def _check_stored(self, shapes: list[tuple[int, int, int]]) -> None:
+        if self._store is None:
+            raise ProgramsNotStoredError(
+                "--require-warm needs the executable store, which multi-process runs do not use")
+        missing = [shape for shape, key in zip(shapes, self.warmup_keys(), strict=True)
+                   if self._store.size(key) is None]
+        if missing:
+            t, s, p = missing[0]
+            raise ProgramsNotStoredError(
+                f"{len(missing)} of {len(shapes)} step programs are not stored in "
+                f"{self._store.path} (the first: T={t} S={s} P={p}); run `jengine compile` "
+                "with the same model and engine flags first")
 
     def program(self, batch: ScheduledBatch, rows: SamplingRows) -> jax.stages.Compiled:
         """The compiled step program that `batch` runs (built if need be): what warm-up

@@ -23,13 +23,12 @@ enable_persistent_cache()
 
 @pytest.fixture(scope="session", autouse=True)
 def _default_gguf_parsed_once():
-    """One `gguf.GGUFReader` per session for the bundled SmolLM2 file, which nearly every engine,
-    tokenizer and oracle in the suite opens (a mesh engine twice: config check, then weights).
-
-    gguf-py's parse takes seconds (a numpy view per vocabulary string, 49k of them) and dominates
-    an engine's start once its programs are in the compilation cache. A reader opened with
-    mode "r" is read-only, so sharing it changes nothing that is read; other files (the tests'
-    own GGUFs, Gemma, a truncated copy) and other modes still get a fresh parse each time."""
+    """One `gguf.GGUFReader` per session for the bundled SmolLM2 file, which the HF transformers
+    oracles open (jengine itself reads GGUF with `converters.gguf_reader`, in a fraction of a
+    second). gguf-py's parse takes seconds (a numpy view per vocabulary string, 49k of them),
+    and transformers opens the file for its config, its tokenizer and its weights. A reader
+    opened with mode "r" is read-only, so sharing it changes nothing that is read; other files
+    (the tests' own GGUFs, Gemma, a truncated copy) and other modes still get a fresh parse."""
     import gguf
 
     from converters.errors import ModelLoadError

@@ -1,7 +1,8 @@
-"""Compiled step programs on disk (jengine/executables.py): they survive a restart, a changed
-model, dtype, mesh or jax version never loads a stale one, an executable that XLA's persistent
-cache served is never stored (XLA:CPU drops its code: "Function ... not found" at dispatch), and
-offline engines build only the buckets they use while a program built after ready is counted."""
+"""Compiled step programs on disk (jengine/executables.py): they survive a restart, a start
+that must not compile (`--require-warm`) refuses an empty store, a changed model, dtype, mesh or
+jax version never loads a stale one, an executable that XLA's persistent cache served is never
+stored (XLA:CPU drops its code: "Function ... not found" at dispatch), and offline engines build
+only the buckets they use while a program built after ready is counted."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ import numpy as np
 import pytest
 from test_sharding import _tiny_llama
 
+import jengine.core
 from jengine import Engine, SamplingParams
 from jengine.core import EngineCore
 from jengine.engine import build_config
-from jengine.executables import ExecutableStore, compile_fresh, store_key
+from jengine.executables import ExecutableStore, ProgramsNotStoredError, compile_fresh, store_key
 from jengine.runner import SamplingRows, _dummy_batch
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
+TWO_BUCKETS = str(Path(__file__).with_name("two_buckets.yaml"))
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 # One engine start in a fresh interpreter: how its programs were obtained, and its tokens.
@@ -58,15 +61,39 @@ def _start(model: str, cache_home: Path) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_programs_survive_a_restart(tiny, tmp_path):
-    """The second process loads the first one's program (native attention kernel included:
-    its FFI target is registered before anything is deserialized) and gives the same tokens."""
-    cold = _start(tiny, tmp_path)
-    warm = _start(tiny, tmp_path)
-    assert (cold["compiled"], cold["loaded"]) == (1, 0)
+def _unseen_model(tiny: str, path: Path) -> str:
+    """A copy of `tiny` that XLA's persistent cache has never seen (its norm epsilon is unique
+    to this run), so that its program compiles fresh and can be stored."""
+    shutil.copytree(tiny, path)
+    config = json.loads((path / "config.json").read_text())
+    config["rms_norm_eps"] *= 1 + uuid.uuid4().int % 10**6 / 10**7
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_programs_survive_a_restart(tiny, tmp_path, monkeypatch):
+    """`--require-warm` refuses an empty store before anything is built; a warm-up stores the
+    program; then a second process (native attention kernel included: its FFI target is
+    registered before anything is deserialized) and `--require-warm` load it and give the same
+    tokens."""
+    store = tmp_path / "jengine" / "executables"  # where the second process's store lives
+    monkeypatch.setattr(jengine.core, "default_store_dir", lambda: store)
+    model = _unseen_model(tiny, tmp_path / "model")
+    cfg = build_config(model, ONE_BUCKET)
+    with pytest.raises(ProgramsNotStoredError, match="1 of 1 step programs are not stored"):
+        EngineCore(cfg, progress=False, require_warm=True)
+    assert not store.exists()  # it failed before compiling anything
+    cold = Engine(model, config=ONE_BUCKET, warmup=True, progress=False)
+    assert (cold.core.runner.programs_compiled, cold.core.runner.programs_loaded) == (1, 0)
+    tokens = cold.generate([[5, 9, 17, 33]], GREEDY)[0].outputs[0].token_ids
+    [key] = cold.core.runner.warmup_keys()
+    assert ExecutableStore(store).size(key) > 0
+    again = EngineCore(cfg, progress=False, require_warm=True)
+    assert (again.runner.programs_loaded, again.runner.programs_compiled) == (1, 0)
+    warm = _start(model, tmp_path)
     assert (warm["compiled"], warm["loaded"]) == (0, 1)
-    assert warm["tokens"] == cold["tokens"]
-    assert len(list((tmp_path / "jengine" / "executables").glob("*.jex"))) == 1
+    assert warm["tokens"] == tokens
+    assert len(list(store.glob("*.jex"))) == 1
 
 
 def _key(model: str, **kwargs) -> str:
@@ -131,14 +158,14 @@ def test_an_unreadable_entry_is_dropped(tmp_path):
 
 
 def test_an_offline_engine_builds_only_the_buckets_it_uses(tiny):
-    lazy = Engine(tiny, config="test", progress=False)
+    lazy = Engine(tiny, config=TWO_BUCKETS, progress=False)
     runner = lazy.core.runner
     assert runner.programs_loaded + runner.programs_compiled == 0
     prompts = [[5, 9, 17], [40, 41, 42, 43]]
     tokens = [o.outputs[0].token_ids for o in lazy.generate(prompts, GREEDY)]
     built = runner.programs_loaded + runner.programs_compiled
-    assert 1 <= built < len(runner.buckets.shapes())  # decodes and a short prefill: T=16 only
-    warm = Engine(tiny, config="test", progress=False, warmup=True)
+    assert built == 1 < len(runner.buckets.shapes())  # decodes and a 7-token prefill: T=8
+    warm = Engine(tiny, config=TWO_BUCKETS, progress=False, warmup=True)
     assert [o.outputs[0].token_ids for o in warm.generate(prompts, GREEDY)] == tokens
 
 
@@ -151,3 +178,4 @@ def test_a_program_built_after_ready_is_counted_and_logged(tiny, caplog):
     [record] = [r for r in caplog.records if "after ready" in r.getMessage()]
     assert "T=16 S=16 P=32" in record.getMessage()
     assert "num_top_logprobs=2" in record.getMessage()
+

@@ -383,6 +383,23 @@ def _gguf_logits_diff(path, model) -> float:
     return float(np.abs(got - expected).max())
 
 
+def test_header_reads_as_gguf_py_reads_it(tiny_llama_gguf, quant_file):
+    """converters.gguf_reader against llama.cpp's own reader: every metadata value (strings,
+    string and number arrays: the tokenizer's vocabulary, merges, scores, token types) and every
+    tensor's name, shape, type and bytes."""
+    for path in (tiny_llama_gguf[0], quant_file[0]):
+        theirs = gguf.GGUFReader(str(path))
+        ours = GGUFModel(path).reader
+        expected = {k: f.contents() for k, f in theirs.fields.items()
+                    if not k.startswith("GGUF.")}
+        assert ours.metadata == expected
+        assert [(t.name, t.shape, t.tensor_type) for t in ours.tensors] == [
+            (t.name, tuple(int(n) for n in reversed(t.shape)), t.tensor_type)
+            for t in theirs.tensors]
+        for mine, t in zip(ours.tensors, theirs.tensors, strict=True):
+            assert ours.data(mine).tobytes() == np.asarray(t.data).tobytes(), t.name
+
+
 def test_gguf_qk_permutation_is_undone(tiny_llama_gguf):
     path, _, state = tiny_llama_gguf
     got = dict(GGUFModel(path).tensors())

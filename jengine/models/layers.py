@@ -150,7 +150,7 @@ def unstack_layers(params: dict[str, Weight], keys: tuple[str, ...], num_layers:
     (each keeps its shard layout minus the layer axis; a `QArray` splits its int8 values and
     scales alike). `delete_stacked` frees each stacked array once it is split (the caller must
     not use them again), so loading peaks at the weights plus one stacked tensor rather than
-    twice the weights."""
+    twice the weights. NumPy arrays split into views (nothing is copied)."""
     out = {k: v for k, v in params.items() if k not in keys}
     names = [k for k in keys if k in params]
     layers: list[dict[str, Weight]] = [{} for _ in range(num_layers)]
@@ -161,12 +161,15 @@ def unstack_layers(params: dict[str, Weight], keys: tuple[str, ...], num_layers:
             layers[i][name] = treedef.unflatten([p[i] for p in parts])
         if delete_stacked:
             for leaf in leaves:
-                leaf.delete()
+                if isinstance(leaf, jax.Array):
+                    leaf.delete()
     out["layers"] = tuple(layers)
     return out
 
 
-def _split_layers(stacked: jax.Array, num_layers: int) -> list[jax.Array]:
+def _split_layers(stacked: jax.Array | np.ndarray, num_layers: int) -> list[jax.Array]:
+    if isinstance(stacked, np.ndarray):  # host weights: views, placed later
+        return list(stacked)
     shardings = None
     if isinstance(stacked.sharding, jax.sharding.NamedSharding):
         spec = jax.sharding.PartitionSpec(*tuple(stacked.sharding.spec)[1:])

@@ -268,7 +268,9 @@ def serve(args: argparse.Namespace) -> int:
     _configure_logging(config.uvicorn_log_level)
     app = create_app(
         None, config, model_name=served_model_name(cfg.model.model),
-        load_engine=lambda: AsyncEngine(model, config=preset, progress=True, **kwargs),
+        load_engine=lambda: AsyncEngine(model, config=preset, progress=True,
+                                        require_warm=bool(getattr(args, "require_warm", False)),
+                                        **kwargs),
         drain_timeout=drain_timeout,
     )
     state: ServerState = app.state.server
