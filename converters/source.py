@@ -199,18 +199,11 @@ def assemble_params(
     specs = family_module(cfg).param_specs(cfg)
     np_dtype = numpy_dtype(dtype)
     params = {name: np.zeros(spec.shape, np_dtype) for name, spec in specs.items()}
-    filled: set[tuple[str, int | None]] = set()
+    filled: set[tuple[str, tuple[int, ...]]] = set()
     for key, w in tqdm(tensors, total=total, desc="loading weights", disable=not progress,
                        unit="tensor", leave=False):
-        entry = tables.place(cfg, specs, key, w.shape)
-        if entry is None:
-            continue
-        name, layer, transform = entry
-        value = transform(np.asarray(w, dtype=np.float32), cfg)
-        if layer is None:
-            params[name][...] = value
-        else:
-            params[name][layer] = value
-        filled.add((name, layer))
+        for target in tables.place(cfg, specs, key, w.shape):
+            params[target.name][target.index] = target.convert(np.asarray(w, np.float32), cfg)
+            filled.add((target.name, target.index))
     tables.check_complete(cfg, specs, filled)
     return params

@@ -79,8 +79,15 @@ _o_in = Transform(  # [E, H*D] -> [H, D, E]
 
 
 _LAYER = r"model\.layers\.(\d+)\."
+_EXPERT = r"\.experts\.(\d+)\."  # the second group: an expert index (layer, expert)
 
-_COMMON: list[tuple[str, str, Transform]] = [
+# (HF key pattern, param name(s), transform). Groups in the pattern index the param's leading
+# axes: the layer, then (MoE) the expert. Several names split one HF tensor along its first
+# (output) axis into consecutive blocks, one per param, each as wide as that param's spec
+# needs (Phi-3's qkv_proj -> wq, wk, wv); the whole tensor's shape is asserted.
+Rule = tuple[str, str | tuple[str, ...], Transform]
+
+_COMMON: list[Rule] = [
     (r"model\.embed_tokens\.weight", "embed", _same),
     (r"model\.norm\.weight", "final_norm", _same),
     (_LAYER + r"input_layernorm\.weight", "attn_norm", _same),
@@ -93,7 +100,7 @@ _COMMON: list[tuple[str, str, Transform]] = [
     (_LAYER + r"mlp\.down_proj\.weight", "w_down", _t),
 ]
 
-TABLES: dict[str, list[tuple[str, str, Transform]]] = {
+TABLES: dict[str, list[Rule]] = {
     "llama": _COMMON
     + [
         (r"lm_head\.weight", "lm_head", _t),
@@ -107,6 +114,28 @@ TABLES: dict[str, list[tuple[str, str, Transform]]] = {
         (_LAYER + r"mlp\.down_proj\.bias", "b_down", _same),
         (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _same),
         (_LAYER + r"self_attn\.k_norm\.weight", "k_norm", _same),
+        # Phi-3: fused projections.
+        (_LAYER + r"self_attn\.qkv_proj\.weight", ("wq", "wk", "wv"), _heads_in),
+        (_LAYER + r"mlp\.gate_up_proj\.weight", ("w_gate", "w_up"), _t),
+        # OLMo 2: norms on the sub-layer outputs.
+        (_LAYER + r"post_feedforward_layernorm\.weight", "post_mlp_norm", _same),
+        # Mixtral's sparse MLP.
+        (_LAYER + r"block_sparse_moe\.gate\.weight", "router", _t),
+        (_LAYER + r"block_sparse_moe" + _EXPERT + r"w1\.weight", "we_gate", _t),
+        (_LAYER + r"block_sparse_moe" + _EXPERT + r"w3\.weight", "we_up", _t),
+        (_LAYER + r"block_sparse_moe" + _EXPERT + r"w2\.weight", "we_down", _t),
+        # Qwen3-MoE's.
+        (_LAYER + r"mlp\.gate\.weight", "router", _t),
+        (_LAYER + r"mlp" + _EXPERT + r"gate_proj\.weight", "we_gate", _t),
+        (_LAYER + r"mlp" + _EXPERT + r"up_proj\.weight", "we_up", _t),
+        (_LAYER + r"mlp" + _EXPERT + r"down_proj\.weight", "we_down", _t),
+    ],
+    # OLMo 2 (model_type): its post_attention_layernorm normalises the attention output, and
+    # its q/k norm weights span every head ([H*D] -> [H, D]).
+    "olmo2": [
+        (_LAYER + r"post_attention_layernorm\.weight", "post_attn_norm", _same),
+        (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _heads_bias),
+        (_LAYER + r"self_attn\.k_norm\.weight", "k_norm", _heads_bias),
     ],
     "gemma3": _COMMON
     + [
@@ -132,8 +161,37 @@ def canonical_key(key: str) -> str:
     return key
 
 
-def lookup(cfg: ModelConfig, key: str) -> tuple[str, int | None, Transform] | None:
-    """(param name, layer index or None, transform) for an HF key; None for ignorable keys.
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one HF tensor, or one block of its rows, goes in a jengine param."""
+
+    name: str
+    index: tuple[int, ...]  # leading indices into the param: (), (layer,) or (layer, expert)
+    transform: Transform
+    rows: slice | None = None  # the HF rows (first axis) this param takes of a fused tensor
+
+    def convert(self, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        """The whole HF tensor -> this param's value at `index`."""
+        return self.transform(w if self.rows is None else w[self.rows], cfg)
+
+    def source_index(self, index: Index, head_dim: int) -> tuple[Index, Index]:
+        """`Transform.source_index`, with the row block's offset added to the HF rows."""
+        src, post = self.transform.source_index(index, head_dim)
+        if self.rows is None:
+            return src, post
+        first = src[0]
+        start = self.rows.start + (first.start or 0)
+        stop = self.rows.stop if first.stop is None else self.rows.start + first.stop
+        return (slice(start, stop),) + tuple(src[1:]), post
+
+
+def _table(cfg: ModelConfig) -> list[Rule]:
+    """The family's rules, after any of the model type's own (the first match wins)."""
+    return TABLES.get(cfg.model_type, []) + TABLES[cfg.family]
+
+
+def lookup(cfg: ModelConfig, key: str) -> tuple[tuple[str, ...], tuple[int, ...], Transform] | None:
+    """(param names, leading indices, transform) for an HF key; None for ignorable keys.
 
     Raises:
       KeyError: the key is neither mapped nor known to be ignorable.
@@ -141,22 +199,24 @@ def lookup(cfg: ModelConfig, key: str) -> tuple[str, int | None, Transform] | No
     key = canonical_key(key)
     if _IGNORED.match(key):
         return None
-    for pattern, name, transform in TABLES[cfg.family]:
+    for pattern, names, transform in _table(cfg):
         m = re.fullmatch(pattern, key)
         if m:
-            return name, (int(m.group(1)) if m.groups() else None), transform
+            names = (names,) if isinstance(names, str) else names
+            return names, tuple(int(g) for g in m.groups()), transform
     raise KeyError(key)
 
 
 def place(
     cfg: ModelConfig, specs: dict[str, ParamSpec], key: str, shape: tuple[int, ...]
-) -> tuple[str, int | None, Transform] | None:
-    """Where HF tensor `key` of `shape` goes: (param, layer or None, transform); None when
-    jengine does not need it (ignorable keys, an lm_head tied to the embedding).
+) -> list[Placement]:
+    """Where HF tensor `key` of `shape` goes: one `Placement` per param it fills (several for
+    a fused tensor); [] when jengine does not need it (ignorable keys, an lm_head tied to the
+    embedding).
 
     Raises:
-      ModelLoadError: the key fits no param of this config, names a layer past the last one, or
-        has the wrong shape.
+      ModelLoadError: the key fits no param of this config, names a layer or expert past the
+        last one, or has the wrong shape.
     """
     try:
         entry = lookup(cfg, key)
@@ -165,34 +225,53 @@ def place(
             f"unexpected weight {key!r} for architecture {cfg.model_type}"
         ) from None
     if entry is None:
-        return None
-    name, layer, transform = entry
-    if name == "lm_head" and cfg.tie_word_embeddings:
-        return None
-    if name not in specs:
-        raise ModelLoadError(f"weight {key!r} does not fit this {cfg.model_type} config")
-    spec_shape = specs[name].shape[1:] if layer is not None else specs[name].shape
-    expected = transform.source_shape(spec_shape, cfg.head_dim)
-    if tuple(shape) != expected:
+        return []
+    names, index, transform = entry
+    if names == ("lm_head",) and cfg.tie_word_embeddings:
+        return []
+    for name in names:
+        if name not in specs:
+            raise ModelLoadError(f"weight {key!r} does not fit this {cfg.model_type} config")
+        bounds = specs[name].shape[:len(index)]
+        if any(i >= n for i, n in zip(index, bounds)):
+            raise ModelLoadError(
+                f"weight {key!r} names index {index} past {specs[name].axes[:len(index)]} "
+                f"of size {bounds}"
+            )
+    parts = [transform.source_shape(specs[n].shape[len(index):], cfg.head_dim) for n in names]
+    expected = (sum(p[0] for p in parts),) + tuple(parts[0][1:])
+    if tuple(shape) != expected or any(p[1:] != parts[0][1:] for p in parts):
         raise ModelLoadError(
-            f"weight {key!r} has shape {tuple(shape)}; expected {expected} for {name}"
+            f"weight {key!r} has shape {tuple(shape)}; expected {expected} for {'+'.join(names)}"
         )
-    if layer is not None and layer >= cfg.num_layers:
-        raise ModelLoadError(f"weight {key!r} names layer {layer} of {cfg.num_layers}")
-    return entry
+    if len(names) == 1:
+        return [Placement(names[0], index, transform)]
+    starts = np.cumsum([0] + [p[0] for p in parts])
+    return [Placement(name, index, transform, slice(int(a), int(b)))
+            for name, a, b in zip(names, starts[:-1], starts[1:])]
 
 
 def check_complete(
-    cfg: ModelConfig, specs: dict[str, ParamSpec], filled: set[tuple[str, int | None]]
+    cfg: ModelConfig, specs: dict[str, ParamSpec], filled: set[tuple[str, tuple[int, ...]]]
 ) -> None:
-    """ModelLoadError naming every param some (param, layer) of which no HF tensor filled."""
+    """ModelLoadError naming every param some (param, leading index) of which no HF tensor
+    filled."""
     missing = [
         name for name, spec in specs.items()
-        if any((name, i) not in filled for i in _layer_indices(spec, cfg))
+        if any((name, i) not in filled for i in leading_indices(spec))
     ]
     if missing:
         raise ModelLoadError(f"checkpoint is missing weights for {', '.join(sorted(missing))}")
 
 
-def _layer_indices(spec: ParamSpec, cfg: ModelConfig) -> list[int | None]:
-    return list(range(cfg.num_layers)) if spec.axes[0] == "layers" else [None]
+def leading_indices(spec: ParamSpec) -> list[tuple[int, ...]]:
+    """Every index an HF tensor fills of this param: (layer,), (layer, expert), or ()."""
+    lead = leading_axes(spec)
+    return [tuple(int(i) for i in ix) for ix in np.ndindex(*spec.shape[:lead])]
+
+
+def leading_axes(spec: ParamSpec) -> int:
+    """How many leading axes of the param index separate HF tensors (layers, experts)."""
+    if spec.axes[:2] == ("layers", "experts"):
+        return 2
+    return 1 if spec.axes[0] == "layers" else 0

@@ -14,10 +14,13 @@ perturbs logits of magnitude 5-80 by 2e-6..2e-5 (measured) over these 2-3 layer 
 any single feature the negative controls switch off (each moved logits by 0.36-6).
 
 Negative controls prove the features are really exercised: switching one off in our config
-(sliding window, llama3 rope scaling, Gemma's local rope theta and query_pre_attn_scalar),
-zeroing Qwen2's q/k/v biases, dropping Gemma's or Qwen3's learned q/k norm weights, or
-resetting one of Granite's multipliers must push the difference above `TOL` (they run prefill
-only: one compiled program each).
+(sliding window, llama3 rope scaling, Gemma's local rope theta and query_pre_attn_scalar,
+Phi-3's partial rotary, the MoE top-k renormalisation), zeroing Qwen2's q/k/v biases,
+dropping Gemma's, Qwen3's or OLMo 2's learned q/k norm weights, resetting one of Granite's
+multipliers, or exchanging what a mapping must keep apart (two MoE experts, Phi-3's k and v
+blocks of the fused qkv_proj or its gate and up halves, OLMo 2's two post-norms) must push the
+difference above `TOL` (they run prefill only: one compiled program each). MoE routing itself
+is tested token for token in tests/test_moe.py.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from converters import load_source
 from jengine.models import ModelConfig
+from jengine.sharding import pad_query_heads
 
 TOL = 2e-4
 VOCAB = 96
@@ -71,12 +75,16 @@ def _randomize(model: torch.nn.Module, *, norm_offset: float) -> None:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
-def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0):
-    """Saves a random model to tmp_path; returns (its loaded jengine form, ids, HF logits)."""
+def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0, edit=None):
+    """Saves a random model to tmp_path; returns (its loaded jengine form, ids, HF logits).
+    `edit(model)` may change the randomized torch model before it is saved."""
     torch.manual_seed(0)
     config._attn_implementation = "eager"
     model = model_cls(config).eval()
     _randomize(model, norm_offset=norm_offset)
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
     model.save_pretrained(tmp_path)
     _save_tokenizer(tmp_path)
     ids = np.random.default_rng(2).integers(3, VOCAB, SEQ_LEN).tolist()
@@ -262,3 +270,88 @@ def test_gemma2_soft_capping(tmp_path):
     assert _control_diff(_with(loaded, attn_logit_softcapping=None), ids, expected) > TOL
     assert _control_diff(_with(loaded, final_logit_softcapping=None), ids, expected) > TOL
     assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
+
+
+def _swapped_experts(params, a: int, b: int) -> dict:
+    """Params with experts a and b exchanged in every expert weight (not in the router)."""
+    out = dict(params)
+    for name in ("we_gate", "we_up", "we_down"):
+        w = np.array(params[name])
+        w[:, [a, b]] = w[:, [b, a]]
+        out[name] = w
+    return out
+
+
+def test_mixtral_moe(tmp_path):
+    # 8 experts, top 2: a prefill chunk of 7 tokens (14 picks) runs every expert densely, a
+    # decode step (2 picks) gathers its two experts; most experts get no token there.
+    config = transformers.MixtralConfig(**_llama_kwargs(
+        num_local_experts=8, num_experts_per_tok=2, rope_theta=1e4,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.MixtralForCausalLM)
+    cfg = loaded.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 96)
+    assert cfg.norm_topk_prob and "w_gate" not in loaded.params
+    assert loaded.params["we_gate"].shape == (2, 8, 64, 96)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL  # stacked + scan
+    swapped = _swapped_experts(loaded.params, 0, 5)
+    assert _control_diff((cfg, swapped), ids, expected) > TOL
+    assert _control_diff(_with(loaded, norm_topk_prob=False), ids, expected) > TOL
+
+
+def test_qwen3_moe(tmp_path):
+    # HF's default norm_topk_prob=False: the top-k probabilities are used as they are.
+    config = transformers.Qwen3MoeConfig(**_llama_kwargs(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=32,
+        rope_theta=1e6,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Qwen3MoeForCausalLM)
+    cfg = loaded.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 3, 32)
+    assert cfg.qk_norm and not cfg.norm_topk_prob
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, norm_topk_prob=True), ids, expected) > TOL
+    assert _control_diff((cfg, _swapped_experts(loaded.params, 2, 7)), ids, expected) > TOL
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["decoder_sparse_step"] = 2  # dense MLPs on every other layer: refused, not misloaded
+    with pytest.raises(ValueError, match="dense MLP"):
+        ModelConfig.from_hf(hf)
+
+
+def test_phi3_fused_projections_and_partial_rotary(tmp_path):
+    # Phi-4-mini's layout: one qkv_proj and one gate_up_proj per layer, rope on 3/4 of each
+    # head (12 of 16 dims). kv heads (2) differ from q heads (4), so a wrong split offset
+    # would misalign every block after wq.
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}
+    config = transformers.Phi3Config(**_llama_kwargs(rope_parameters=rope, pad_token_id=0))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Phi3ForCausalLM)
+    cfg = loaded.config
+    assert cfg.rotary_dim == 12 and loaded.params["wk"].shape == (2, 64, 2, 16)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, partial_rotary_factor=1.0), ids, expected) > TOL
+    swapped = {**loaded.params, "wk": loaded.params["wv"], "wv": loaded.params["wk"]}
+    assert _control_diff((cfg, swapped), ids, expected) > TOL
+    gate_up = {**loaded.params, "w_gate": loaded.params["w_up"], "w_up": loaded.params["w_gate"]}
+    assert _control_diff((cfg, gate_up), ids, expected) > TOL
+
+
+def test_olmo2_post_norms_and_full_width_qk_norm(tmp_path):
+    config = transformers.Olmo2Config(**_llama_kwargs(rope_theta=1e4, pad_token_id=0))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Olmo2ForCausalLM)
+    cfg = loaded.config
+    assert cfg.post_norms and cfg.qk_norm_full and "attn_norm" not in loaded.params
+    assert loaded.params["q_norm"].shape == (2, 4, 16)  # [L, H, D]: one weight per q dim
+    assert _max_diff(loaded, ids, expected) < TOL
+    swapped = {**loaded.params, "post_attn_norm": loaded.params["post_mlp_norm"],
+               "post_mlp_norm": loaded.params["post_attn_norm"]}
+    assert _control_diff((cfg, swapped), ids, expected) > TOL
+    plain = {**loaded.params, "q_norm": np.ones_like(loaded.params["q_norm"])}
+    assert _control_diff((cfg, plain), ids, expected) > TOL
+    # Under tp=8 the 2 kv heads replicate and the 4 q heads pad to 8 zero-filled heads: the
+    # norm's mean must still be over the 4 real heads' width.
+    padded_cfg, padded = pad_query_heads(cfg, loaded.params, 8)
+    assert padded_cfg.padded_heads == 4 and padded["q_norm"].shape == (2, 8, 16)
+    assert _control_diff((padded_cfg, padded), ids, expected) < TOL
+    counted = dataclasses.replace(padded_cfg, padded_heads=0)
+    assert _control_diff((counted, padded), ids, expected) > TOL

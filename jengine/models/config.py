@@ -17,6 +17,10 @@ FAMILIES = {
     "qwen2": "llama",
     "qwen3": "llama",  # Llama with an RMSNorm on every q and k head (`qk_norm`)
     "granite": "llama",  # Llama with embedding / residual / attention / logit multipliers
+    "mixtral": "llama",  # Mistral with a sparse MoE MLP (top-k of softmax, renormalised)
+    "qwen3_moe": "llama",  # Qwen3 with a sparse MoE MLP (top-k of softmax, `norm_topk_prob`)
+    "phi3": "llama",  # fused qkv_proj / gate_up_proj in the checkpoint; partial rotary (Phi-4-mini)
+    "olmo2": "llama",  # norms after attention and MLP (not before), q/k norm over the full width
     "smollm": "llama",
     "gemma3_text": "gemma3",
     "gemma2": "gemma3",  # Gemma 3's network without q/k norms, with soft-capping (gemma3.py)
@@ -85,6 +89,18 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm (weight x, over head_dim) on each q and k head
+    # OLMo 2: RMSNorm over the whole projected q (H*D) and k (K*D) width, before rope; and the
+    # layer norms on the attention / MLP outputs instead of their inputs.
+    qk_norm_full: bool = False
+    post_norms: bool = False
+    partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims (Phi-4-mini)
+    # Sparse MoE MLP (Mixtral, Qwen3-MoE) on every layer when num_experts > 0: each token runs
+    # the `num_experts_per_tok` experts of highest softmax router probability, weighted by
+    # those probabilities (renormalised to sum 1 with `norm_topk_prob`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # width of one expert's MLP
+    norm_topk_prob: bool = False
     # Granite's scalars: embeddings x embedding_multiplier, each residual branch x
     # residual_multiplier, softmax scale = attention_multiplier, logits / logits_scaling.
     embedding_multiplier: float = 1.0
@@ -101,6 +117,7 @@ class ModelConfig:
     # Set only under tensor parallelism with replicated kv heads (jengine.sharding): num_heads
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
+    padded_heads: int = 0  # how many of num_heads are those zero heads (OLMo 2's norm skips them)
     # The attention implementation the forward pass calls (resolved by the engine, never auto).
     attention_backend: str = "reference"  # reference | cpu | pallas_tpu | pallas_gpu
 
@@ -116,10 +133,17 @@ class ModelConfig:
         return float(scalar) ** -0.5
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def num_params(self) -> int:
         e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = e * (q + 2 * kv) + q * e + 3 * e * f + 2 * e
+        mlp = 3 * e * f
+        if self.num_experts:
+            mlp = self.num_experts * (3 * e * self.moe_intermediate_size + e)
+        per_layer = e * (q + 2 * kv) + q * e + mlp + 2 * e
         head = 0 if self.tie_word_embeddings else e * v
         return v * e + self.num_layers * per_layer + e + head
 
@@ -160,7 +184,8 @@ class ModelConfig:
         rope, local_rope = _rope_from_hf(hf)
         sliding_window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
-        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window",
+                                                                         False):
             sliding_window = None
         if sliding_window is None:
             sliding_layers = (False,) * num_layers
@@ -196,8 +221,12 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm_full=model_type == "olmo2",
+            post_norms=model_type == "olmo2",
+            partial_rotary_factor=_partial_rotary_factor(hf),
             **_granite_scalars(hf) if model_type == "granite" else {},
+            **_moe_from_hf(hf, model_type, num_layers),
             sliding_window=None if sliding_window is None else int(sliding_window),
             sliding_layers=sliding_layers,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if is_gemma else None,
@@ -206,6 +235,41 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _partial_rotary_factor(hf: dict[str, Any]) -> float:
+    """transformers 5 keeps it in `rope_parameters`, 4.x at the top level."""
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+
+
+def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of a Mixtral or Qwen3-MoE config ({} for dense families).
+
+    Raises:
+      ValueError: a Qwen3-MoE config with dense MLP layers among the sparse ones
+        (`decoder_sparse_step` > 1 or `mlp_only_layers`): every layer here is sparse.
+    """
+    if model_type == "mixtral":
+        return {
+            "num_experts": int(hf["num_local_experts"]),
+            "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+            "moe_intermediate_size": int(hf["intermediate_size"]),
+            "norm_topk_prob": True,
+        }
+    if model_type != "qwen3_moe":
+        return {}
+    dense = [i for i in range(num_layers) if i in (hf.get("mlp_only_layers") or [])
+             or (i + 1) % int(hf.get("decoder_sparse_step", 1)) != 0]
+    if dense:
+        raise ValueError(f"Qwen3-MoE layers {dense} have a dense MLP; jengine runs Qwen3-MoE "
+                         "only with every layer sparse (decoder_sparse_step 1, no mlp_only_layers)")
+    return {
+        "num_experts": int(hf.get("num_experts") or hf["num_local_experts"]),
+        "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+        "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+    }
 
 
 def _granite_scalars(hf: dict[str, Any]) -> dict[str, float]:

@@ -79,14 +79,19 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates [T, H, D] by position, HF's rotate-half layout (first half / second half)."""
+    """Rotates [T, H, D] by position, HF's rotate-half layout (first half / second half).
+
+    With fewer frequencies than D / 2 (partial rotary, R = 2 * len(inv_freq) < D) only the
+    first R dims turn and the rest pass through, as HF's Phi-3 does."""
     with jax.named_scope("rope"):
-        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
         cos = jnp.cos(angles)[:, None, :]
         sin = jnp.sin(angles)[:, None, :]
         x32 = x.astype(jnp.float32)
-        x1, x2 = jnp.split(x32, 2, axis=-1)
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        rotary = 2 * inv_freq.shape[-1]
+        x1, x2 = jnp.split(x32[..., :rotary], 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary:]],
+                              axis=-1)
         return out.astype(x.dtype)
 
 
