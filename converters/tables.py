@@ -100,6 +100,14 @@ _COMMON: list[Rule] = [
     (_LAYER + r"mlp\.down_proj\.weight", "w_down", _t),
 ]
 
+_POST_NORMS: list[Rule] = [
+    (_LAYER + r"post_attention_layernorm\.weight", "post_attn_norm", _same),
+]
+_OLMO2: list[Rule] = _POST_NORMS + [
+    (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _heads_bias),
+    (_LAYER + r"self_attn\.k_norm\.weight", "k_norm", _heads_bias),
+]
+
 TABLES: dict[str, list[Rule]] = {
     "llama": _COMMON
     + [
@@ -130,13 +138,12 @@ TABLES: dict[str, list[Rule]] = {
         (_LAYER + r"mlp" + _EXPERT + r"up_proj\.weight", "we_up", _t),
         (_LAYER + r"mlp" + _EXPERT + r"down_proj\.weight", "we_down", _t),
     ],
-    # OLMo 2 (model_type): its post_attention_layernorm normalises the attention output, and
-    # its q/k norm weights span every head ([H*D] -> [H, D]).
-    "olmo2": [
-        (_LAYER + r"post_attention_layernorm\.weight", "post_attn_norm", _same),
-        (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _heads_bias),
-        (_LAYER + r"self_attn\.k_norm\.weight", "k_norm", _heads_bias),
-    ],
+    # OLMo 2 / 3 (by model type): the post_attention_layernorm normalises the attention
+    # output, and the q/k norm weights span every head ([H*D] -> [H, D]). EXAONE 4 has the
+    # post-norms with Qwen3's per-head q/k norms.
+    "olmo2": _OLMO2,
+    "olmo3": _OLMO2,
+    "exaone4": _POST_NORMS,
     "gemma3": _COMMON
     + [
         (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _same),

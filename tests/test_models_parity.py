@@ -355,3 +355,69 @@ def test_olmo2_post_norms_and_full_width_qk_norm(tmp_path):
     assert _control_diff((padded_cfg, padded), ids, expected) < TOL
     counted = dataclasses.replace(padded_cfg, padded_heads=0)
     assert _control_diff((counted, padded), ids, expected) > TOL
+
+
+def test_ministral_per_layer_sliding_window(tmp_path):
+    config = transformers.MinistralConfig(**_llama_kwargs(
+        head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        rope_theta=1e4,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.MinistralForCausalLM)
+    assert loaded.config.sliding_layers == (True, False)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, sliding_layers=(True, True)), ids, expected) > TOL
+
+
+def test_seed_oss_qkv_bias_without_o_bias(tmp_path):
+    # Seed-OSS-36B's own switches: q/k/v biases on (attention_bias), o_proj's off.
+    config = transformers.SeedOssConfig(**_llama_kwargs(
+        attention_bias=True, attention_out_bias=False, rope_theta=1e4,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.SeedOssForCausalLM)
+    assert loaded.config.qkv_bias and not loaded.config.o_bias
+    assert _max_diff(loaded, ids, expected) < TOL
+    zeroed = {**loaded.params, "bk": np.zeros_like(loaded.params["bk"])}
+    assert _control_diff((loaded.config, zeroed), ids, expected) > TOL
+
+
+def test_smollm3_no_rope_layers(tmp_path):
+    config = transformers.SmolLM3Config(**_llama_kwargs(
+        no_rope_layer_interval=2, rope_theta=1e4, pad_token_id=0,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.SmolLM3ForCausalLM)
+    assert loaded.config.rope_layers == (True, False)  # layer 1 has no rope
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, rope_layers=()), ids, expected) > TOL
+
+
+def test_olmo3_sliding_layers_with_their_own_rope(tmp_path):
+    config = transformers.Olmo3Config(**_llama_kwargs(
+        num_hidden_layers=3, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        pad_token_id=0,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Olmo3ForCausalLM)
+    cfg = loaded.config
+    assert cfg.sliding_layers == (True, False, True) and cfg.local_rope.theta == 10.0
+    assert cfg.post_norms and cfg.qk_norm_full
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, local_rope=None), ids, expected) > TOL
+    assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
+
+
+def test_exaone4_post_norms_per_head_qk_norm_and_global_nope(tmp_path):
+    # sliding_window_pattern 3: layers 0, 1 slide with rope; layer 2 is global without rope.
+    config = transformers.Exaone4Config(**_llama_kwargs(
+        num_hidden_layers=3, sliding_window=WINDOW, sliding_window_pattern=3, rope_theta=1e4,
+        pad_token_id=0,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Exaone4ForCausalLM)
+    cfg = loaded.config
+    assert cfg.sliding_layers == (True, True, False) and cfg.rope_layers == (True, True, False)
+    assert cfg.post_norms and cfg.qk_norm and loaded.params["q_norm"].shape == (3, 16)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, rope_layers=()), ids, expected) > TOL
+    plain = {**loaded.params, "k_norm": np.ones_like(loaded.params["k_norm"])}
+    assert _control_diff((cfg, plain), ids, expected) > TOL

@@ -21,6 +21,11 @@ FAMILIES = {
     "qwen3_moe": "llama",  # Qwen3 with a sparse MoE MLP (top-k of softmax, `norm_topk_prob`)
     "phi3": "llama",  # fused qkv_proj / gate_up_proj in the checkpoint; partial rotary (Phi-4-mini)
     "olmo2": "llama",  # norms after attention and MLP (not before), q/k norm over the full width
+    "olmo3": "llama",  # OLMo 2 with sliding-window layers (their own rope when configured)
+    "exaone4": "llama",  # OLMo 2's post-norms, Qwen3's per-head q/k norm, no rope on global layers
+    "ministral": "llama",  # Mistral with per-layer sliding windows (`layer_types`)
+    "seed_oss": "llama",  # Llama with q/k/v biases and a separate o_proj bias switch
+    "smollm3": "llama",  # Llama without rope on every 4th layer (`no_rope_layers`)
     "smollm": "llama",
     "gemma3_text": "gemma3",
     "gemma2": "gemma3",  # Gemma 3's network without q/k norms, with soft-capping (gemma3.py)
@@ -94,6 +99,7 @@ class ModelConfig:
     qk_norm_full: bool = False
     post_norms: bool = False
     partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims (Phi-4-mini)
+    rope_layers: tuple[bool, ...] = ()  # per layer: False where no rope applies (NoPE); () = all
     # Sparse MoE MLP (Mixtral, Qwen3-MoE) on every layer when num_experts > 0: each token runs
     # the `num_experts_per_tok` experts of highest softmax router probability, weighted by
     # those probabilities (renormalised to sum 1 with `norm_topk_prob`).
@@ -160,6 +166,7 @@ class ModelConfig:
                     rope["freq_factors"] = tuple(rope["freq_factors"])
                 d[key] = RopeConfig(**rope)
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
+        d["rope_layers"] = tuple(d.get("rope_layers", ()))
         if d.get("kv_head_map") is not None:
             d["kv_head_map"] = tuple(d["kv_head_map"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
@@ -184,13 +191,14 @@ class ModelConfig:
         rope, local_rope = _rope_from_hf(hf)
         sliding_window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
-        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window",
-                                                                         False):
+        if model_type in _USE_SLIDING_WINDOW and not hf.get("use_sliding_window", False):
             sliding_window = None
         if sliding_window is None:
             sliding_layers = (False,) * num_layers
         elif layer_types:
             sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+        elif model_type == "exaone4":
+            sliding_layers = _exaone4_sliding(hf.get("sliding_window_pattern", 4), num_layers)
         elif FAMILIES[model_type] == "gemma3":
             default = 2 if model_type == "gemma2" else 6  # Gemma 2 alternates from layer 0
             pattern = int(hf.get("sliding_window_pattern",
@@ -219,12 +227,13 @@ class ModelConfig:
             local_rope=local_rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=attention_bias and model_type != "qwen2",
+            o_bias=bool(hf.get("attention_out_bias", attention_bias)) and model_type != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            qk_norm_full=model_type == "olmo2",
-            post_norms=model_type == "olmo2",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4"),
+            qk_norm_full=model_type in ("olmo2", "olmo3"),
+            post_norms=model_type in ("olmo2", "olmo3", "exaone4"),
             partial_rotary_factor=_partial_rotary_factor(hf),
+            rope_layers=_rope_layers(hf, model_type, sliding_layers),
             **_granite_scalars(hf) if model_type == "granite" else {},
             **_moe_from_hf(hf, model_type, num_layers),
             sliding_window=None if sliding_window is None else int(sliding_window),
@@ -235,6 +244,29 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+# Families whose sliding window applies only with `use_sliding_window` set.
+_USE_SLIDING_WINDOW = ("qwen2", "qwen3", "qwen3_moe", "smollm3")
+
+
+def _exaone4_sliding(pattern: int | None, num_layers: int) -> tuple[bool, ...]:
+    """EXAONE 4's `sliding_window_pattern` p without `layer_types`: every p-th layer global."""
+    p = int(pattern or 0)
+    return tuple(bool(p) and (i + 1) % p != 0 for i in range(num_layers))
+
+
+def _rope_layers(hf: dict[str, Any], model_type: str,
+                 sliding_layers: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Per layer, whether rope applies: SmolLM3's `no_rope_layers` (1 = rope), EXAONE 4's
+    global layers of a hybrid model go without; () when every layer has rope."""
+    if model_type == "smollm3" and hf.get("no_rope_layers") is not None:
+        flags = tuple(bool(f) for f in hf["no_rope_layers"])
+    elif model_type == "exaone4" and any(sliding_layers):
+        flags = sliding_layers
+    else:
+        return ()
+    return () if all(flags) else flags
 
 
 def _partial_rotary_factor(hf: dict[str, Any]) -> float:

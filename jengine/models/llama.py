@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jengine.models import layers, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
@@ -86,16 +87,18 @@ def forward(
     if cfg.embedding_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
     scaled = _scaled_by(cfg.residual_multiplier)
-    inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.rotary_dim))
     window = cfg.sliding_window
-    windows = jnp.asarray(
-        [window if (window and s) else jnp.iinfo(jnp.int32).max for s in cfg.sliding_layers],
-        jnp.int32,
+    per_layer = (
+        jnp.asarray(  # [L] window per layer
+            [window if (window and s) else jnp.iinfo(jnp.int32).max for s in cfg.sliding_layers],
+            jnp.int32,
+        ),
+        jnp.asarray(_layer_inv_freq(cfg)),  # [L, R/2]
     )
 
     def layer(carry, xs):
         x, kv = carry
-        p, index, layer_window = xs
+        p, index, (layer_window, inv_freq) = xs
         h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         q = project(h, p["wq"], "te,ehd->thd", p.get("bq"))
         k = project(h, p["wk"], "te,ehd->thd", p.get("bk"))
@@ -124,7 +127,7 @@ def forward(
         x = x + scaled(out)
         return (x, kv), None
 
-    x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, windows, cfg.num_layers)
+    x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, per_layer, cfg.num_layers)
     if not all_logits:
         x = x[md.logits_indices]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -136,6 +139,17 @@ def forward(
     if cfg.logits_scaling != 1.0:
         logits = logits / cfg.logits_scaling
     return logits, kv
+
+
+def _layer_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[L, R/2] rope frequencies per layer: the sliding layers' own rope where the config has
+    one (OLMo 3), zeros where no rope applies (SmolLM3's and EXAONE 4's NoPE layers: a zero
+    angle turns nothing, exactly)."""
+    full = rope_inv_freq(cfg.rope, cfg.rotary_dim)
+    local = rope_inv_freq(cfg.local_rope, cfg.rotary_dim) if cfg.local_rope else full
+    sliding = cfg.sliding_layers or (False,) * cfg.num_layers
+    rope = cfg.rope_layers or (True,) * cfg.num_layers
+    return np.stack([(local if s else full) * r for s, r in zip(sliding, rope, strict=True)])
 
 
 def _mlp(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
