@@ -2,7 +2,8 @@
 
 One frozen dataclass covers every supported family; the family picks the model file
 (`jengine/models/llama.py` or `gemma3.py`) and the switches pick the features (rope scaling,
-attention/MLP biases, tied embeddings, per-layer sliding windows, Gemma's extra norms).
+partial and per-layer rope, attention/MLP biases, tied embeddings, per-layer sliding windows,
+q/k norms, norm placement, Gemma's extra norms, the MoE MLP).
 """
 
 from __future__ import annotations
