@@ -40,7 +40,8 @@ NOTES: dict[str, tuple[str, str | None]] = {
                 "test_granite_multipliers"),
     "smollm": ("Llama architecture (as SmolLM2, tested as `llama`)", None),
     "smollm3": ("no rope on every n-th layer (`no_rope_layers`)", "test_smollm3_no_rope_layers"),
-    "phi3": ("fused qkv_proj / gate_up_proj, partial rotary (no longrope yet)",
+    "phi3": ("fused qkv_proj / gate_up_proj, partial rotary, longrope (short factors: context "
+             "up to original_max_position_embeddings)",
              "test_phi3_fused_projections_and_partial_rotary"),
     "olmo2": ("post-norms, q/k norm over the full width",
               "test_olmo2_post_norms_and_full_width_qk_norm"),

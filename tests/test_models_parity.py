@@ -421,3 +421,34 @@ def test_exaone4_post_norms_per_head_qk_norm_and_global_nope(tmp_path):
     assert _control_diff(_with(loaded, rope_layers=()), ids, expected) > TOL
     plain = {**loaded.params, "k_norm": np.ones_like(loaded.params["k_norm"])}
     assert _control_diff((cfg, plain), ids, expected) > TOL
+
+
+def test_phi3_longrope(tmp_path):
+    # Phi-3-mini-128k / Phi-4-mini's longrope within the original context (64 here): every
+    # frequency divided by its short factor, q and k's rotated dims scaled by the attention
+    # factor sqrt(1 + ln(128 / 64) / ln(64)) = 1.08.
+    short = np.random.default_rng(4).uniform(1.0, 3.0, 6).round(3).tolist()
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+            "short_factor": short, "long_factor": [f * 4 for f in short]}
+    config = transformers.Phi3Config(**_llama_kwargs(
+        rope_parameters=rope, original_max_position_embeddings=64, pad_token_id=0,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Phi3ForCausalLM)
+    cfg = loaded.config
+    assert cfg.rope.rope_type == "longrope" and cfg.rope.freq_factors == tuple(short)
+    assert cfg.rope.attention_factor == pytest.approx((1 + np.log(2) / np.log(64)) ** 0.5)
+    assert cfg.max_position_embeddings == 64  # where HF would switch to the long factors
+    # transformers 4.x spelling (Phi-3-mini-128k's config.json): "su" in rope_scaling, the
+    # theta, the partial rotary factor and the original context at the top level.
+    legacy = json.loads((tmp_path / "config.json").read_text())
+    legacy["rope_scaling"] = dict(legacy.pop("rope_parameters"), type="su")
+    legacy["rope_theta"] = legacy["rope_scaling"].pop("rope_theta")
+    legacy["partial_rotary_factor"] = legacy["rope_scaling"].pop("partial_rotary_factor")
+    for key in ("rope_type", "original_max_position_embeddings"):
+        del legacy["rope_scaling"][key]
+    assert ModelConfig.from_hf(legacy) == cfg
+    assert _max_diff(loaded, ids, expected) < TOL
+    unscaled = dataclasses.replace(cfg.rope, attention_factor=1.0)
+    assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
+    plain = dataclasses.replace(cfg.rope, rope_type="default")
+    assert _control_diff(_with(loaded, rope=plain), ids, expected) > TOL

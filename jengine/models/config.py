@@ -9,6 +9,7 @@ q/k norms, norm placement, Gemma's extra norms, the MoE MLP).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 # HF `model_type` -> jengine family. Everything mapped to "llama" runs through models/llama.py.
@@ -34,7 +35,9 @@ FAMILIES = {
 }
 
 # "freq_factors": explicit per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+# "longrope" (Phi-3 / Phi-4-mini; "su" is its old name): the short factors only, so the context
+# is capped at `original_max_position_embeddings`, past which HF switches to the long factors.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "su")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +51,7 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] | None = None  # [D/2] divisors of inv_freq ("freq_factors")
+    attention_factor: float = 1.0  # scales the rotated dims of q and k (longrope's cos/sin scale)
 
     @classmethod
     def from_hf(cls, params: dict[str, Any] | None, theta: float | None = None) -> RopeConfig:
@@ -58,6 +62,8 @@ class RopeConfig:
                 f"unsupported rope scaling type {rope_type!r}; "
                 f"jengine supports {SUPPORTED_ROPE_TYPES}"
             )
+        if rope_type in ("longrope", "su"):
+            return cls._longrope(params, theta)
         return cls(
             theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
             rope_type=rope_type,
@@ -71,6 +77,27 @@ class RopeConfig:
                 tuple(float(f) for f in params["freq_factors"])
                 if params.get("freq_factors") is not None else None
             ),
+        )
+
+
+    @classmethod
+    def _longrope(cls, params: dict[str, Any], theta: float | None) -> RopeConfig:
+        """HF's longrope for sequences within `original_max_position_embeddings`: inv_freq
+        divided by `short_factor`, cos/sin scaled by `attention_factor` (given, or HF's
+        sqrt(1 + ln(factor) / ln(original)) with factor = max / original positions; the caller
+        puts `max_position_embeddings` into `params` for that)."""
+        original = int(params["original_max_position_embeddings"])
+        factor = params.get("factor") or params["max_position_embeddings"] / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(
+                1 + math.log(factor) / math.log(original))
+        return cls(
+            theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
+            rope_type="longrope",
+            original_max_position_embeddings=original,
+            freq_factors=tuple(float(f) for f in params["short_factor"]),
+            attention_factor=float(attention),
         )
 
 
@@ -222,7 +249,9 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=(
+                rope.original_max_position_embeddings if rope.rope_type == "longrope"
+                else int(hf.get("max_position_embeddings", 2048))),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=rope,
             local_rope=local_rope,
@@ -321,9 +350,14 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
         full = RopeConfig.from_hf(params["full_attention"])
         local = params.get("sliding_attention")
         return full, RopeConfig.from_hf(local) if local else None
+    # Longrope's factors depend on these two top-level fields (Phi-3 keeps them there).
+    positions = {key: hf[key] for key in ("original_max_position_embeddings",
+                                          "max_position_embeddings") if key in hf}
     if params:
-        return RopeConfig.from_hf(params, hf.get("rope_theta")), None
-    rope = RopeConfig.from_hf(hf.get("rope_scaling"), hf.get("rope_theta", 10000.0))
+        return RopeConfig.from_hf({**positions, **params}, hf.get("rope_theta")), None
+    scaling = hf.get("rope_scaling")
+    scaling = {**positions, **scaling} if scaling else None
+    rope = RopeConfig.from_hf(scaling, hf.get("rope_theta", 10000.0))
     local = None
     if "rope_local_base_freq" in hf:
         local = RopeConfig(theta=float(hf["rope_local_base_freq"]))

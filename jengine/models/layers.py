@@ -60,7 +60,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     # float32 throughout, as HF computes it, so positions far out round the same way.
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv = np.float32(1.0) / (np.float32(rope.theta) ** exponent)
-    if rope.rope_type == "freq_factors":
+    if rope.rope_type in ("freq_factors", "longrope"):
         inv = inv / np.asarray(rope.freq_factors, np.float32)
     elif rope.rope_type == "linear":
         inv = inv / rope.factor
@@ -78,15 +78,19 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               scale: float = 1.0) -> jax.Array:
     """Rotates [T, H, D] by position, HF's rotate-half layout (first half / second half).
 
     With fewer frequencies than D / 2 (partial rotary, R = 2 * len(inv_freq) < D) only the
-    first R dims turn and the rest pass through, as HF's Phi-3 does."""
+    first R dims turn and the rest pass through, as HF's Phi-3 does. `scale` multiplies cos and
+    sin (longrope's attention factor): the rotated dims grow by it, the others do not."""
     with jax.named_scope("rope"):
         angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
         cos = jnp.cos(angles)[:, None, :]
         sin = jnp.sin(angles)[:, None, :]
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
         x32 = x.astype(jnp.float32)
         rotary = 2 * inv_freq.shape[-1]
         x1, x2 = jnp.split(x32[..., :rotary], 2, axis=-1)

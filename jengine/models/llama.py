@@ -109,8 +109,8 @@ def forward(
         if cfg.qk_norm_full:
             q = _rms_norm_heads(q, p["q_norm"], cfg.rms_norm_eps, cfg.num_heads - cfg.padded_heads)
             k = _rms_norm_heads(k, p["k_norm"], cfg.rms_norm_eps, cfg.num_kv_heads)
-        q = apply_rope(q, md.positions, inv_freq)
-        k = apply_rope(k, md.positions, inv_freq)
+        q = apply_rope(q, md.positions, inv_freq, cfg.rope.attention_factor)
+        k = apply_rope(k, md.positions, inv_freq, cfg.rope.attention_factor)
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
