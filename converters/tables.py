@@ -71,6 +71,11 @@ _heads_bias = Transform(  # [H*D] -> [H, D]
     source_index=lambda idx, d: ((_rows(idx[0], d),), (_ALL, idx[1])),
     source_shape=lambda shape, d: (shape[0] * shape[1],),
 )
+_single_row = Transform(  # [1, E] -> [E] (a Linear with one output)
+    apply=lambda w, cfg: w[0],
+    source_index=lambda idx, d: ((_ALL, idx[0]), ()),
+    source_shape=lambda shape, d: (1, shape[0]),
+)
 _o_in = Transform(  # [E, H*D] -> [H, D, E]
     apply=lambda w, cfg: w.T.reshape(-1, cfg.head_dim, w.shape[0]),
     source_index=lambda idx, d: ((idx[2], _rows(idx[0], d)), (_ALL, idx[1], _ALL)),
@@ -132,11 +137,16 @@ TABLES: dict[str, list[Rule]] = {
         (_LAYER + r"block_sparse_moe" + _EXPERT + r"w1\.weight", "we_gate", _t),
         (_LAYER + r"block_sparse_moe" + _EXPERT + r"w3\.weight", "we_up", _t),
         (_LAYER + r"block_sparse_moe" + _EXPERT + r"w2\.weight", "we_down", _t),
-        # Qwen3-MoE's.
+        # Qwen2-MoE's and Qwen3-MoE's.
         (_LAYER + r"mlp\.gate\.weight", "router", _t),
         (_LAYER + r"mlp" + _EXPERT + r"gate_proj\.weight", "we_gate", _t),
         (_LAYER + r"mlp" + _EXPERT + r"up_proj\.weight", "we_up", _t),
         (_LAYER + r"mlp" + _EXPERT + r"down_proj\.weight", "we_down", _t),
+        # Qwen2-MoE's shared expert and its gate.
+        (_LAYER + r"mlp\.shared_expert\.gate_proj\.weight", "ws_gate", _t),
+        (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", "ws_up", _t),
+        (_LAYER + r"mlp\.shared_expert\.down_proj\.weight", "ws_down", _t),
+        (_LAYER + r"mlp\.shared_expert_gate\.weight", "ws_router", _single_row),
     ],
     # OLMo 2 / 3 (by model type): the post_attention_layernorm normalises the attention
     # output, and the q/k norm weights span every head ([H*D] -> [H, D]). EXAONE 4 has the

@@ -35,6 +35,8 @@ NOTES: dict[str, tuple[str, str | None]] = {
     "qwen3": ("per-head q/k RMSNorm", "test_qwen3_qk_norm"),
     "qwen3_moe": ("MoE (top-k of softmax, `norm_topk_prob`), per-head q/k norm",
                   "test_qwen3_moe"),
+    "qwen2_moe": ("MoE with a sigmoid-gated shared expert, q/k/v biases",
+                  "test_qwen2_moe_shared_expert"),
     "mixtral": ("MoE (top-k of softmax, renormalised)", "test_mixtral_moe"),
     "granite": ("embedding / residual / attention / logit multipliers",
                 "test_granite_multipliers"),

@@ -452,3 +452,18 @@ def test_phi3_longrope(tmp_path):
     assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
     plain = dataclasses.replace(cfg.rope, rope_type="default")
     assert _control_diff(_with(loaded, rope=plain), ids, expected) > TOL
+
+
+def test_qwen2_moe_shared_expert(tmp_path):
+    config = transformers.Qwen2MoeConfig(**_llama_kwargs(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, rope_theta=1e6,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Qwen2MoeForCausalLM)
+    cfg = loaded.config
+    assert cfg.qkv_bias and cfg.shared_expert_intermediate_size == 48
+    assert loaded.params["ws_router"].shape == (2, 64)
+    assert _max_diff(loaded, ids, expected) < TOL
+    ungated = {**loaded.params, "ws_router": np.zeros_like(loaded.params["ws_router"])}
+    assert _control_diff((cfg, ungated), ids, expected) > TOL  # sigmoid(0) = 1/2 everywhere
+    assert _control_diff((cfg, _swapped_experts(loaded.params, 1, 6)), ids, expected) > TOL

@@ -21,6 +21,7 @@ FAMILIES = {
     "granite": "llama",  # Llama with embedding / residual / attention / logit multipliers
     "mixtral": "llama",  # Mistral with a sparse MoE MLP (top-k of softmax, renormalised)
     "qwen3_moe": "llama",  # Qwen3 with a sparse MoE MLP (top-k of softmax, `norm_topk_prob`)
+    "qwen2_moe": "llama",  # Qwen2 with a sparse MoE MLP plus a sigmoid-gated shared expert
     "phi3": "llama",  # fused qkv_proj / gate_up_proj in the checkpoint; partial rotary (Phi-4-mini)
     "olmo2": "llama",  # norms after attention and MLP (not before), q/k norm over the full width
     "olmo3": "llama",  # OLMo 2 with sliding-window layers (their own rope when configured)
@@ -135,6 +136,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # width of one expert's MLP
     norm_topk_prob: bool = False
+    # Qwen2-MoE: one more MLP every token runs, scaled by sigmoid(h . shared gate vector).
+    shared_expert_intermediate_size: int = 0
     # Granite's scalars: embeddings x embedding_multiplier, each residual branch x
     # residual_multiplier, softmax scale = attention_multiplier, logits / logits_scaling.
     embedding_multiplier: float = 1.0
@@ -177,6 +180,8 @@ class ModelConfig:
         mlp = 3 * e * f
         if self.num_experts:
             mlp = self.num_experts * (3 * e * self.moe_intermediate_size + e)
+            mlp += 3 * e * self.shared_expert_intermediate_size + (
+                e if self.shared_expert_intermediate_size else 0)
         per_layer = e * (q + 2 * kv) + q * e + mlp + 2 * e
         head = 0 if self.tie_word_embeddings else e * v
         return v * e + self.num_layers * per_layer + e + head
@@ -256,7 +261,8 @@ class ModelConfig:
             rope=rope,
             local_rope=local_rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
+            qkv_bias=(model_type == "qwen2" or attention_bias
+                      or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
             o_bias=bool(hf.get("attention_out_bias", attention_bias)) and model_type != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4"),
@@ -277,7 +283,7 @@ class ModelConfig:
 
 
 # Families whose sliding window applies only with `use_sliding_window` set.
-_USE_SLIDING_WINDOW = ("qwen2", "qwen3", "qwen3_moe", "smollm3")
+_USE_SLIDING_WINDOW = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
 
 
 def _exaone4_sliding(pattern: int | None, num_layers: int) -> tuple[bool, ...]:
@@ -306,10 +312,10 @@ def _partial_rotary_factor(hf: dict[str, Any]) -> float:
 
 
 def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The MoE fields of a Mixtral or Qwen3-MoE config ({} for dense families).
+    """The MoE fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config ({} for dense families).
 
     Raises:
-      ValueError: a Qwen3-MoE config with dense MLP layers among the sparse ones
+      ValueError: a Qwen2/3-MoE config with dense MLP layers among the sparse ones
         (`decoder_sparse_step` > 1 or `mlp_only_layers`): every layer here is sparse.
     """
     if model_type == "mixtral":
@@ -319,14 +325,15 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[s
             "moe_intermediate_size": int(hf["intermediate_size"]),
             "norm_topk_prob": True,
         }
-    if model_type != "qwen3_moe":
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
         return {}
     dense = [i for i in range(num_layers) if i in (hf.get("mlp_only_layers") or [])
              or (i + 1) % int(hf.get("decoder_sparse_step", 1)) != 0]
     if dense:
-        raise ValueError(f"Qwen3-MoE layers {dense} have a dense MLP; jengine runs Qwen3-MoE "
+        raise ValueError(f"MoE layers {dense} have a dense MLP; jengine runs {model_type} "
                          "only with every layer sparse (decoder_sparse_step 1, no mlp_only_layers)")
     return {
+        "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size", 0)),
         "num_experts": int(hf.get("num_experts") or hf["num_local_experts"]),
         "num_experts_per_tok": int(hf["num_experts_per_tok"]),
         "moe_intermediate_size": int(hf["moe_intermediate_size"]),

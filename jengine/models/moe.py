@@ -1,11 +1,12 @@
-"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE.
+"""The sparse mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Routing is HF's, step for step: router logits [T, X] -> softmax in float32 -> the top
 `num_experts_per_tok` probabilities (`lax.top_k`: exactly k, ties broken towards the lower
 expert index; `torch.topk` on CPU follows no index rule for exact ties, so under an exact tie
 the two may keep different, equally weighted experts) -> renormalised to sum 1 where the
 family does (`norm_topk_prob`: always for Mixtral, a config switch for Qwen3-MoE). Each token's
-output is the weighted sum of its chosen experts' SwiGLU MLPs.
+output is the weighted sum of its chosen experts' SwiGLU MLPs, plus (Qwen2-MoE) a shared
+expert's MLP that every token runs, scaled by sigmoid(h . `ws_router`).
 
 The experts are three stacked weights with a logical `experts` axis, `we_gate`/`we_up`
 [L, X, E, F] and `we_down` [L, X, F, E]. Two exact ways compute them, picked statically from the
@@ -40,15 +41,24 @@ from jengine.models.layers import ParamSpec, dot
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     """The router and the stacked experts of every layer."""
     n, e, x, f = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    return {
+    specs = {
         "router": ParamSpec((n, e, x), ("layers", "embed", "experts")),
         "we_gate": ParamSpec((n, x, e, f), ("layers", "experts", "embed", "mlp")),
         "we_up": ParamSpec((n, x, e, f), ("layers", "experts", "embed", "mlp")),
         "we_down": ParamSpec((n, x, f, e), ("layers", "experts", "mlp", "embed")),
     }
+    shared = cfg.shared_expert_intermediate_size
+    if shared:
+        specs.update({
+            "ws_router": ParamSpec((n, e), ("layers", "embed")),
+            "ws_gate": ParamSpec((n, e, shared), ("layers", "embed", "mlp")),
+            "ws_up": ParamSpec((n, e, shared), ("layers", "embed", "mlp")),
+            "ws_down": ParamSpec((n, shared, e), ("layers", "mlp", "embed")),
+        })
+    return specs
 
 
-LAYER_KEYS = ("router", "we_gate", "we_up", "we_down")
+LAYER_KEYS = ("router", "we_gate", "we_up", "we_down", "ws_router", "ws_gate", "ws_up", "ws_down")
 
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -67,8 +77,21 @@ def moe_mlp(h: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig) -> jax.Arra
         experts, weights = route(h, p["router"], cfg)
         num_tokens, k = experts.shape
         if num_tokens * k <= cfg.num_experts:
-            return _gather_experts(h, p, experts, weights)
-        return _dense_experts(h, p, experts, weights, cfg.num_experts)
+            out = _gather_experts(h, p, experts, weights)
+        else:
+            out = _dense_experts(h, p, experts, weights, cfg.num_experts)
+        if "ws_router" in p:
+            out = out + _shared_expert(h, p)
+        return out
+
+
+def _shared_expert(h, p) -> jax.Array:
+    """Qwen2-MoE's shared expert: a SwiGLU MLP gated per token by sigmoid(h . ws_router)."""
+    gate = dot("te,ef->tf", h, p["ws_gate"]).astype(h.dtype)
+    up = dot("te,ef->tf", h, p["ws_up"]).astype(h.dtype)
+    mlp = dot("tf,fe->te", jax.nn.silu(gate) * up, p["ws_down"]).astype(h.dtype)
+    scale = jax.nn.sigmoid(dot("te,e->t", h, p["ws_router"]).astype(h.dtype))
+    return mlp * scale[:, None]
 
 
 def _gather_experts(h, p, experts, weights) -> jax.Array:
