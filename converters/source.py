@@ -204,6 +204,7 @@ def assemble_params(
                        unit="tensor", leave=False):
         for target in tables.place(cfg, specs, key, w.shape):
             params[target.name][target.index] = target.convert(np.asarray(w, np.float32), cfg)
-            filled.add((target.name, target.index))
+            filled.update((target.name, i) for i in tables.covered(specs[target.name],
+                                                                   target.index))
     tables.check_complete(cfg, specs, filled)
     return params

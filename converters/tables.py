@@ -71,6 +71,11 @@ _heads_bias = Transform(  # [H*D] -> [H, D]
     source_index=lambda idx, d: ((_rows(idx[0], d),), (_ALL, idx[1])),
     source_shape=lambda shape, d: (shape[0] * shape[1],),
 )
+_experts_t = Transform(  # all experts of a layer in one tensor: [X, out, in] -> [X, in, out]
+    apply=lambda w, cfg: np.swapaxes(w, 1, 2),
+    source_index=lambda idx, d: ((idx[0], idx[2], idx[1]), ()),
+    source_shape=lambda shape, d: (shape[0], shape[2], shape[1]),
+)
 _single_row = Transform(  # [1, E] -> [E] (a Linear with one output)
     apply=lambda w, cfg: w[0],
     source_index=lambda idx, d: ((_ALL, idx[0]), ()),
@@ -142,6 +147,10 @@ TABLES: dict[str, list[Rule]] = {
         (_LAYER + r"mlp" + _EXPERT + r"gate_proj\.weight", "we_gate", _t),
         (_LAYER + r"mlp" + _EXPERT + r"up_proj\.weight", "we_up", _t),
         (_LAYER + r"mlp" + _EXPERT + r"down_proj\.weight", "we_down", _t),
+        # GGUF's (llama.cpp's) MoE layout: each weight of all a layer's experts in one tensor.
+        (_LAYER + r"mlp\.experts\.gate_proj\.weight", "we_gate", _experts_t),
+        (_LAYER + r"mlp\.experts\.up_proj\.weight", "we_up", _experts_t),
+        (_LAYER + r"mlp\.experts\.down_proj\.weight", "we_down", _experts_t),
         # Qwen2-MoE's shared expert and its gate.
         (_LAYER + r"mlp\.shared_expert\.gate_proj\.weight", "ws_gate", _t),
         (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", "ws_up", _t),
@@ -279,6 +288,12 @@ def check_complete(
     ]
     if missing:
         raise ModelLoadError(f"checkpoint is missing weights for {', '.join(sorted(missing))}")
+
+
+def covered(spec: ParamSpec, index: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The leading indices a tensor placed at `index` fills: itself, or every expert of a
+    layer when one tensor holds them all (`index` = (layer,) of a [L, X, ...] param)."""
+    return [i for i in leading_indices(spec) if i[:len(index)] == index]
 
 
 def leading_indices(spec: ParamSpec) -> list[tuple[int, ...]]:

@@ -284,7 +284,29 @@ GGUF_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_proj.weight": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj.weight": "ffn_up_exps.weight",
+    "mlp.experts.down_proj.weight": "ffn_down_exps.weight",
 }
+
+
+MOE = {"experts": 8, "top_k": 2, "width": 32}
+
+
+def _llama_cpp_experts(state: dict, width: int) -> dict:
+    """transformers' in-memory experts (gate_up_proj [X, 2F, E], down_proj [X, E, F]) as
+    llama.cpp's converter writes them: one stacked tensor per weight, [X, out, in]."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith("experts.gate_up_proj"):
+            out[key.replace("gate_up_proj", "gate_proj.weight")] = value[:, :width]
+            out[key.replace("gate_up_proj", "up_proj.weight")] = value[:, width:]
+        elif key.endswith("experts.down_proj"):
+            out[key + ".weight"] = value
+        else:
+            out[key] = value
+    return out
 
 
 def _gguf_name(hf_key: str) -> str:
@@ -330,6 +352,12 @@ def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama"):
         head_dim = 32
         config = transformers.Qwen3Config(**kwargs, head_dim=head_dim)
         model_cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3moe":  # llama.cpp's graph renormalises the top-k weights: so does HF here
+        config = transformers.Qwen3MoeConfig(**kwargs, num_experts=MOE["experts"],
+                                             num_experts_per_tok=MOE["top_k"],
+                                             moe_intermediate_size=MOE["width"],
+                                             norm_topk_prob=True)
+        model_cls = transformers.Qwen3MoeForCausalLM
     else:
         config = transformers.LlamaConfig(**kwargs)
         model_cls = transformers.LlamaForCausalLM
@@ -350,6 +378,11 @@ def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama"):
     if head_dim != hidden // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        w.add_expert_count(MOE["experts"])
+        w.add_expert_used_count(MOE["top_k"])
+        w.add_expert_feed_forward_length(MOE["width"])
+        state = _llama_cpp_experts(state, MOE["width"])
     # A byte-level BPE vocabulary: printable characters, two merges of them, bos and eos.
     w.add_tokenizer_model("gpt2")
     w.add_token_list([chr(33 + i) for i in range(vocab - 4)] + ['!"', "#$", "<s>", "</s>"])
@@ -409,6 +442,15 @@ def test_gguf_qwen3(tmp_path):
     loaded = load_source(str(path), dtype="float32", progress=False)
     assert loaded.config.model_type == "qwen3" and loaded.config.qk_norm
     assert loaded.config.head_dim == 32
+    assert _gguf_logits_diff(path, model) < TOL
+
+
+def test_gguf_qwen3_moe(tmp_path):
+    # llama.cpp's layout: a router per layer and each expert weight stacked [X, out, in].
+    path, model, _ = _tiny_llama_gguf(tmp_path / "qwen3moe.gguf", arch="qwen3moe")
+    cfg = load_source(str(path), dtype="float32", progress=False).config
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert cfg.moe_intermediate_size == 32 and cfg.norm_topk_prob and cfg.qk_norm
     assert _gguf_logits_diff(path, model) < TOL
 
 
