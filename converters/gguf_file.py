@@ -20,6 +20,9 @@ _ARCH_TO_MODEL_TYPE = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text",
 }
+# The model type of an architecture's files that carry experts (llama.cpp writes Mixtral as
+# `llama` with `llama.expert_count` set).
+_ARCH_WITH_EXPERTS = {"llama": "mixtral"}
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -127,6 +130,13 @@ class GGUFModel:
             # llama.cpp's qwen3moe graph renormalises the top-k weights (norm_w = true) and
             # writes no key for it.
             cfg["norm_topk_prob"] = bool(self._get("expert_weights_norm", True))
+        if self.arch in _ARCH_WITH_EXPERTS and self._get("expert_count"):
+            cfg["model_type"] = _ARCH_WITH_EXPERTS[self.arch]
+            cfg["num_local_experts"] = int(self._get("expert_count"))
+            cfg["num_experts_per_tok"] = int(self._get("expert_used_count"))
+            width = self._get("expert_feed_forward_length")
+            if width is not None:
+                cfg["intermediate_size"] = int(width)
         return cfg
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:

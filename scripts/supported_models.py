@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from converters.gguf_file import _ARCH_TO_MODEL_TYPE
+from converters.gguf_file import _ARCH_TO_MODEL_TYPE, _ARCH_WITH_EXPERTS
 from jengine.models import _FAMILIES
 from jengine.models.config import FAMILIES
 
@@ -62,14 +62,16 @@ NOTES: dict[str, tuple[str, str | None]] = {
 
 def rows() -> list[tuple[str, str, str, str, str]]:
     """(model_type, files, GGUF arch, parity test, features) per supported model type."""
-    gguf = {model_type: arch for arch, model_type in _ARCH_TO_MODEL_TYPE.items()}
+    gguf = {model_type: f"`{arch}`" for arch, model_type in _ARCH_TO_MODEL_TYPE.items()}
+    gguf.update({model_type: f"`{arch}` with experts"
+                 for arch, model_type in _ARCH_WITH_EXPERTS.items()})
     out = []
     for model_type, family in FAMILIES.items():
         features, test = NOTES[model_type]
         files = [f"`{_FAMILIES[family].__name__.replace('.', '/')}.py`"]
         if "MoE" in features:
             files.append("`jengine/models/moe.py`")
-        arch = f"`{gguf[model_type]}`" if model_type in gguf else "-"
+        arch = gguf.get(model_type, "-")
         out.append((f"`{model_type}`", " + ".join(files), arch,
                     f"`{test}`" if test else "no", features))
     return out
