@@ -28,7 +28,7 @@ class HFTensor:
 
     handle: object  # safetensors safe_open(..., framework="numpy")
     key: str
-    target: tables.Placement  # which param (and which rows of a fused tensor) it fills
+    target: tables.Placement  # which param (and which block of a fused tensor) it fills
     nbytes: int  # of the whole tensor
 
 
@@ -46,7 +46,9 @@ class LazyParam:
         self.shape = shape
         self.dtype = dtype
         self.cfg = cfg
-        self.lead = lead  # leading axes that index HF tensors: 0, 1 (layers), 2 (+ experts)
+        # Leading axes that index HF tensors: 0, 1 (layers; also a layer's stacked experts),
+        # 2 (layers, then one tensor per expert).
+        self.lead = lead
         self.sources = sources  # one per leading index, in row-major order
         self.reads: dict[str, list[int]] = defaultdict(list)  # HF key -> bytes of each read
 
@@ -120,9 +122,11 @@ def open_hf_params(cfg: ModelConfig, files: list[Path], dtype: np.dtype) -> dict
             for target in tables.place(cfg, specs, key, shape):
                 nbytes = int(np.prod(shape)) * itemsize
                 found[target.name][target.index] = HFTensor(handle, key, target, nbytes)
-    tables.check_complete(cfg, specs, {(n, i) for n, found_at in found.items() for i in found_at})
+    tables.check_complete(cfg, specs, {(n, i) for n, found_at in found.items()
+                                       for at in found_at for i in tables.covered(specs[n], at)})
     params = {}
     for name, spec in specs.items():
-        sources = [found[name][i] for i in tables.leading_indices(spec)]
-        params[name] = LazyParam(spec.shape, dtype, cfg, tables.leading_axes(spec), sources)
+        lead = len(next(iter(found[name])))
+        sources = [found[name][tuple(int(j) for j in i)] for i in np.ndindex(*spec.shape[:lead])]
+        params[name] = LazyParam(spec.shape, dtype, cfg, lead, sources)
     return params

@@ -36,6 +36,9 @@ class Transform:
     source_index: Callable[[Index, int], tuple[Index, Index]]
     # jengine per-layer shape -> the HF shape it must come from
     source_shape: Callable[[tuple[int, ...], int], tuple[int, ...]]
+    # The HF axis along which a fused tensor stacks the params it feeds (Phi-3's qkv_proj: 0,
+    # its output rows; Granite-MoE's input_linear [X, 2F, E]: 1).
+    split_axis: int = 0
 
     def __call__(self, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         return self.apply(w, cfg)
@@ -76,6 +79,7 @@ _experts_t = Transform(  # all experts of a layer in one tensor: [X, out, in] ->
     source_index=lambda idx, d: ((idx[0], idx[2], idx[1]), ()),
     source_shape=lambda shape, d: (shape[0], shape[2], shape[1]),
 )
+_experts_fused_t = dataclasses.replace(_experts_t, split_axis=1)  # [X, 2F, E] -> 2 x [X, E, F]
 _single_row = Transform(  # [1, E] -> [E] (a Linear with one output)
     apply=lambda w, cfg: w[0],
     source_index=lambda idx, d: ((_ALL, idx[0]), ()),
@@ -92,9 +96,10 @@ _LAYER = r"model\.layers\.(\d+)\."
 _EXPERT = r"\.experts\.(\d+)\."  # the second group: an expert index (layer, expert)
 
 # (HF key pattern, param name(s), transform). Groups in the pattern index the param's leading
-# axes: the layer, then (MoE) the expert. Several names split one HF tensor along its first
-# (output) axis into consecutive blocks, one per param, each as wide as that param's spec
-# needs (Phi-3's qkv_proj -> wq, wk, wv); the whole tensor's shape is asserted.
+# axes: the layer, then (MoE) the expert. Several names split one HF tensor along the
+# transform's `split_axis` (its output axis) into consecutive blocks, one per param, each as
+# wide as that param's spec needs (Phi-3's qkv_proj -> wq, wk, wv); the whole tensor's shape
+# is asserted.
 Rule = tuple[str, str | tuple[str, ...], Transform]
 
 _COMMON: list[Rule] = [
@@ -151,6 +156,11 @@ TABLES: dict[str, list[Rule]] = {
         (_LAYER + r"mlp\.experts\.gate_proj\.weight", "we_gate", _experts_t),
         (_LAYER + r"mlp\.experts\.up_proj\.weight", "we_up", _experts_t),
         (_LAYER + r"mlp\.experts\.down_proj\.weight", "we_down", _experts_t),
+        # Granite-MoE's: all experts of a layer in one tensor, gate and up fused.
+        (_LAYER + r"block_sparse_moe\.router\.layer\.weight", "router", _t),
+        (_LAYER + r"block_sparse_moe\.input_linear\.weight", ("we_gate", "we_up"),
+         _experts_fused_t),
+        (_LAYER + r"block_sparse_moe\.output_linear\.weight", "we_down", _experts_t),
         # Qwen2-MoE's shared expert and its gate.
         (_LAYER + r"mlp\.shared_expert\.gate_proj\.weight", "ws_gate", _t),
         (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", "ws_up", _t),
@@ -189,26 +199,30 @@ def canonical_key(key: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where one HF tensor, or one block of its rows, goes in a jengine param."""
+    """Where one HF tensor, or one block of it, goes in a jengine param."""
 
     name: str
     index: tuple[int, ...]  # leading indices into the param: (), (layer,) or (layer, expert)
     transform: Transform
-    rows: slice | None = None  # the HF rows (first axis) this param takes of a fused tensor
+    # The block this param takes of a fused tensor, along `transform.split_axis`.
+    block: slice | None = None
 
     def convert(self, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         """The whole HF tensor -> this param's value at `index`."""
-        return self.transform(w if self.rows is None else w[self.rows], cfg)
+        if self.block is not None:
+            w = w[(_ALL,) * self.transform.split_axis + (self.block,)]
+        return self.transform(w, cfg)
 
     def source_index(self, index: Index, head_dim: int) -> tuple[Index, Index]:
-        """`Transform.source_index`, with the row block's offset added to the HF rows."""
+        """`Transform.source_index`, with the block's offset added on the split axis."""
         src, post = self.transform.source_index(index, head_dim)
-        if self.rows is None:
+        if self.block is None:
             return src, post
-        first = src[0]
-        start = self.rows.start + (first.start or 0)
-        stop = self.rows.stop if first.stop is None else self.rows.start + first.stop
-        return (slice(start, stop),) + tuple(src[1:]), post
+        axis = self.transform.split_axis
+        cut = src[axis]
+        start = self.block.start + (cut.start or 0)
+        stop = self.block.stop if cut.stop is None else self.block.start + cut.stop
+        return src[:axis] + (slice(start, stop),) + tuple(src[axis + 1:]), post
 
 
 def _table(cfg: ModelConfig) -> list[Rule]:
@@ -265,14 +279,17 @@ def place(
                 f"of size {bounds}"
             )
     parts = [transform.source_shape(specs[n].shape[len(index):], cfg.head_dim) for n in names]
-    expected = (sum(p[0] for p in parts),) + tuple(parts[0][1:])
-    if tuple(shape) != expected or any(p[1:] != parts[0][1:] for p in parts):
+    axis = transform.split_axis
+    sizes = [p[axis] for p in parts]
+    expected = parts[0][:axis] + (sum(sizes),) + parts[0][axis + 1:]
+    others = {p[:axis] + p[axis + 1:] for p in parts}
+    if tuple(shape) != expected or len(others) != 1:
         raise ModelLoadError(
             f"weight {key!r} has shape {tuple(shape)}; expected {expected} for {'+'.join(names)}"
         )
     if len(names) == 1:
         return [Placement(names[0], index, transform)]
-    starts = np.cumsum([0] + [p[0] for p in parts])
+    starts = np.cumsum([0] + sizes)
     return [Placement(name, index, transform, slice(int(a), int(b)))
             for name, a, b in zip(names, starts[:-1], starts[1:])]
 

@@ -38,6 +38,8 @@ NOTES: dict[str, tuple[str, str | None]] = {
     "qwen2_moe": ("MoE with a sigmoid-gated shared expert, q/k/v biases",
                   "test_qwen2_moe_shared_expert"),
     "mixtral": ("MoE (top-k of softmax, renormalised)", "test_mixtral_moe"),
+    "granitemoe": ("MoE (softmax of the top-k logits), fused stacked experts, Granite's "
+                   "multipliers", "test_granitemoe"),
     "granite": ("embedding / residual / attention / logit multipliers",
                 "test_granite_multipliers"),
     "smollm": ("Llama architecture (as SmolLM2, tested as `llama`)", None),

@@ -467,3 +467,22 @@ def test_qwen2_moe_shared_expert(tmp_path):
     ungated = {**loaded.params, "ws_router": np.zeros_like(loaded.params["ws_router"])}
     assert _control_diff((cfg, ungated), ids, expected) > TOL  # sigmoid(0) = 1/2 everywhere
     assert _control_diff((cfg, _swapped_experts(loaded.params, 1, 6)), ids, expected) > TOL
+
+
+def test_granitemoe(tmp_path):
+    # One input_linear [X, 2F, E] per layer holds every expert's gate and up rows; the router
+    # is a softmax over the top-k logits (= renormalised top-k probabilities).
+    config = transformers.GraniteMoeConfig(**_llama_kwargs(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, rope_theta=1e4,
+        embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05,
+        logits_scaling=2.5,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.GraniteMoeForCausalLM)
+    cfg = loaded.config
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 32, True)
+    assert cfg.residual_multiplier == 0.4
+    assert _max_diff(loaded, ids, expected) < TOL
+    gate_up = {**loaded.params, "we_gate": loaded.params["we_up"],
+               "we_up": loaded.params["we_gate"]}
+    assert _control_diff((cfg, gate_up), ids, expected) > TOL
+    assert _control_diff((cfg, _swapped_experts(loaded.params, 3, 4)), ids, expected) > TOL

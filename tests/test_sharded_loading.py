@@ -188,7 +188,8 @@ def test_checkpoint_missing_weight_or_wrong_shape_is_a_clear_error(tmp_path):
 
 
 def _tiny_fused_or_moe(path, model_type: str) -> None:
-    """A random Phi-3 (fused qkv_proj / gate_up_proj) or Mixtral (per-expert tensors)."""
+    """A random Phi-3 (fused qkv_proj / gate_up_proj), Mixtral (per-expert tensors) or
+    Granite-MoE (all experts of a layer in one tensor, gate and up fused on axis 1)."""
     import torch
 
     torch.manual_seed(0)
@@ -196,6 +197,9 @@ def _tiny_fused_or_moe(path, model_type: str) -> None:
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
     if model_type == "phi3":
         model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0))
+    elif model_type == "granitemoe":
+        model = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
     else:
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2))
@@ -205,7 +209,7 @@ def _tiny_fused_or_moe(path, model_type: str) -> None:
     ).save_pretrained(path)
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "mixtral"])
+@pytest.mark.parametrize("model_type", ["phi3", "mixtral", "granitemoe"])
 def test_lazy_load_of_fused_and_expert_tensors(tmp_path, model_type):
     # A fused tensor feeds several params, each reading only its own rows; an expert weight
     # [L, X, E, F] is read per (layer, expert), each device its columns of each expert.
@@ -223,5 +227,7 @@ def test_lazy_load_of_fused_and_expert_tensors(tmp_path, model_type):
     assert reads == sizes  # every byte of every HF tensor read once, fused ones included
     if model_type == "phi3":
         assert sum("qkv_proj" in key for key in sizes) == 2
-    else:
+    elif model_type == "mixtral":
         assert sum(".experts." in key for key in sizes) == 2 * 4 * 3
+    else:
+        assert sum("input_linear" in key for key in sizes) == 2

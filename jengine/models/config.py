@@ -19,6 +19,7 @@ FAMILIES = {
     "qwen2": "llama",
     "qwen3": "llama",  # Llama with an RMSNorm on every q and k head (`qk_norm`)
     "granite": "llama",  # Llama with embedding / residual / attention / logit multipliers
+    "granitemoe": "llama",  # Granite with a sparse MoE MLP (softmax over the top-k logits)
     "mixtral": "llama",  # Mistral with a sparse MoE MLP (top-k of softmax, renormalised)
     "qwen3_moe": "llama",  # Qwen3 with a sparse MoE MLP (top-k of softmax, `norm_topk_prob`)
     "qwen2_moe": "llama",  # Qwen2 with a sparse MoE MLP plus a sigmoid-gated shared expert
@@ -270,7 +271,7 @@ class ModelConfig:
             post_norms=model_type in ("olmo2", "olmo3", "exaone4"),
             partial_rotary_factor=_partial_rotary_factor(hf),
             rope_layers=_rope_layers(hf, model_type, sliding_layers),
-            **_granite_scalars(hf) if model_type == "granite" else {},
+            **_granite_scalars(hf) if model_type in ("granite", "granitemoe") else {},
             **_moe_from_hf(hf, model_type, num_layers),
             sliding_window=None if sliding_window is None else int(sliding_window),
             sliding_layers=sliding_layers,
@@ -318,7 +319,7 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[s
       ValueError: a Qwen2/3-MoE config with dense MLP layers among the sparse ones
         (`decoder_sparse_step` > 1 or `mlp_only_layers`): every layer here is sparse.
     """
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "granitemoe"):  # Granite-MoE: softmax of the top-k logits
         return {
             "num_experts": int(hf["num_local_experts"]),
             "num_experts_per_tok": int(hf["num_experts_per_tok"]),

@@ -1,10 +1,11 @@
-"""The sparse mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The sparse mixture-of-experts MLP of Mixtral, Qwen2-MoE, Qwen3-MoE and Granite-MoE.
 
 Routing is HF's, step for step: router logits [T, X] -> softmax in float32 -> the top
 `num_experts_per_tok` probabilities (`lax.top_k`: exactly k, ties broken towards the lower
 expert index; `torch.topk` on CPU follows no index rule for exact ties, so under an exact tie
 the two may keep different, equally weighted experts) -> renormalised to sum 1 where the
-family does (`norm_topk_prob`: always for Mixtral, a config switch for Qwen3-MoE). Each token's
+family does (`norm_topk_prob`: always for Mixtral; Granite-MoE's softmax over the top-k
+logits is the same weights; a config switch for Qwen2/3-MoE). Each token's
 output is the weighted sum of its chosen experts' SwiGLU MLPs, plus (Qwen2-MoE) a shared
 expert's MLP that every token runs, scaled by sigmoid(h . `ws_router`).
 
