@@ -391,20 +391,27 @@ def test_smollm3_no_rope_layers(tmp_path):
 
 
 def test_olmo3_sliding_layers_with_their_own_rope(tmp_path):
+    # As OLMo 3's long-context models: yarn on the global layer only, so the rope's attention
+    # factor differs per layer.
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+            "original_max_position_embeddings": 16}
     config = transformers.Olmo3Config(**_llama_kwargs(
         num_hidden_layers=3, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                         "full_attention": yarn},
         pad_token_id=0,
     ))
     loaded, ids, expected = _build(tmp_path, config, transformers.Olmo3ForCausalLM)
     cfg = loaded.config
     assert cfg.sliding_layers == (True, False, True) and cfg.local_rope.theta == 10.0
+    assert cfg.rope.rope_type == "yarn" and cfg.local_rope.attention_factor == 1.0
     assert cfg.post_norms and cfg.qk_norm_full
     assert _max_diff(loaded, ids, expected) < TOL
     assert _control_diff(_with(loaded, local_rope=None), ids, expected) > TOL
     assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
+    unscaled = dataclasses.replace(cfg.rope, attention_factor=1.0)
+    assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
 
 
 def test_exaone4_post_norms_per_head_qk_norm_and_global_nope(tmp_path):
@@ -486,3 +493,20 @@ def test_granitemoe(tmp_path):
                "we_up": loaded.params["we_gate"]}
     assert _control_diff((cfg, gate_up), ids, expected) > TOL
     assert _control_diff((cfg, _swapped_experts(loaded.params, 3, 4)), ids, expected) > TOL
+
+
+def test_qwen3_yarn(tmp_path):
+    # Qwen3's long-context setting: yarn factor 4 over an original context of 16, so all but
+    # the fastest dims are interpolated and q/k's rotated dims scale by 0.1 ln 4 + 1.
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+            "original_max_position_embeddings": 16}
+    config = transformers.Qwen3Config(**_llama_kwargs(head_dim=32, rope_parameters=rope))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Qwen3ForCausalLM)
+    cfg = loaded.config
+    assert cfg.rope.rope_type == "yarn"
+    assert cfg.rope.attention_factor == pytest.approx(0.1 * np.log(4) + 1)
+    assert _max_diff(loaded, ids, expected) < TOL
+    unscaled = dataclasses.replace(cfg.rope, attention_factor=1.0)
+    assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
+    untruncated = dataclasses.replace(cfg.rope, truncate=False)
+    assert _control_diff(_with(loaded, rope=untruncated), ids, expected) > TOL

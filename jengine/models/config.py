@@ -39,7 +39,8 @@ FAMILIES = {
 # "freq_factors": explicit per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF.
 # "longrope" (Phi-3 / Phi-4-mini; "su" is its old name): the short factors only, so the context
 # is capped at `original_max_position_embeddings`, past which HF switches to the long factors.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "su")
+# "yarn": static YaRN (HF's `_compute_yarn_parameters`), attention factor included.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "su", "yarn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,7 +54,10 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] | None = None  # [D/2] divisors of inv_freq ("freq_factors")
-    attention_factor: float = 1.0  # scales the rotated dims of q and k (longrope's cos/sin scale)
+    attention_factor: float = 1.0  # scales the rotated dims of q and k (longrope's, yarn's)
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated dims
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the ramp's bounds outwards (HF's default)
 
     @classmethod
     def from_hf(cls, params: dict[str, Any] | None, theta: float | None = None) -> RopeConfig:
@@ -66,6 +70,8 @@ class RopeConfig:
             )
         if rope_type in ("longrope", "su"):
             return cls._longrope(params, theta)
+        if rope_type == "yarn":
+            return cls._yarn(params, theta)
         return cls(
             theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
             rope_type=rope_type,
@@ -100,6 +106,33 @@ class RopeConfig:
             original_max_position_embeddings=original,
             freq_factors=tuple(float(f) for f in params["short_factor"]),
             attention_factor=float(attention),
+        )
+
+
+    @classmethod
+    def _yarn(cls, params: dict[str, Any], theta: float | None) -> RopeConfig:
+        """HF's static YaRN: its attention factor given, or from `mscale` / `mscale_all_dim`,
+        or 0.1 * ln(factor) + 1."""
+        original = int(params.get("original_max_position_embeddings")
+                       or params["max_position_embeddings"])
+        factor = float(params.get("factor") or params["max_position_embeddings"] / original)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = params.get("attention_factor")
+        if attention is None:
+            m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+            attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        return cls(
+            theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
+            rope_type="yarn",
+            factor=factor,
+            original_max_position_embeddings=original,
+            attention_factor=float(attention),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
         )
 
 
@@ -223,6 +256,8 @@ class ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
         rope, local_rope = _rope_from_hf(hf)
+        if FAMILIES[model_type] == "gemma3" and rope.rope_type in ("yarn", "longrope"):
+            raise ValueError(f"rope scaling {rope.rope_type!r} is not built for {model_type}")
         sliding_window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
         if model_type in _USE_SLIDING_WINDOW and not hf.get("use_sliding_window", False):

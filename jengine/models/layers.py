@@ -75,11 +75,35 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    elif rope.rope_type == "yarn":
+        inv = _yarn_inv_freq(inv, rope, head_dim)
     return inv.astype(np.float32)
 
 
+def _yarn_inv_freq(inv: np.ndarray, rope: RopeConfig, dim: int) -> np.ndarray:
+    """YaRN: frequencies below the ramp interpolated (divided by `factor`), above it kept,
+    blended linearly across it; the ramp's bounds are the dims that turn `beta_fast` and
+    `beta_slow` times over the original context (HF's `find_correction_range`)."""
+    def turns_dim(turns: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = turns_dim(rope.beta_fast), turns_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float32)
+    keep = np.float32(1) - ramp
+    pos = np.float32(rope.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    interpolated = np.float32(1.0) / (np.float32(rope.factor) * pos)
+    return interpolated * (np.float32(1) - keep) + inv * keep
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
-               scale: float = 1.0) -> jax.Array:
+               scale: float | jax.Array = 1.0) -> jax.Array:
     """Rotates [T, H, D] by position, HF's rotate-half layout (first half / second half).
 
     With fewer frequencies than D / 2 (partial rotary, R = 2 * len(inv_freq) < D) only the
@@ -89,7 +113,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
         angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
         cos = jnp.cos(angles)[:, None, :]
         sin = jnp.sin(angles)[:, None, :]
-        if scale != 1.0:
+        if not (isinstance(scale, float) and scale == 1.0):  # a float, or a traced [] array
             cos, sin = cos * scale, sin * scale
         x32 = x.astype(jnp.float32)
         rotary = 2 * inv_freq.shape[-1]

@@ -95,10 +95,17 @@ def forward(
         ),
         jnp.asarray(_layer_inv_freq(cfg)),  # [L, R/2]
     )
+    # The rope's cos/sin scale (longrope's, yarn's attention factor): a constant when every
+    # layer shares it, else per layer (OLMo 3's yarn on its global layers only).
+    scales = _layer_rope_scale(cfg)
+    uniform = float(scales[0]) if (scales == scales[0]).all() else None
+    if uniform is None:
+        per_layer = per_layer + (jnp.asarray(scales),)
 
     def layer(carry, xs):
         x, kv = carry
-        p, index, (layer_window, inv_freq) = xs
+        p, index, (layer_window, inv_freq, *scale) = xs
+        rope_scale = uniform if uniform is not None else scale[0]
         h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         q = project(h, p["wq"], "te,ehd->thd", p.get("bq"))
         k = project(h, p["wk"], "te,ehd->thd", p.get("bk"))
@@ -109,8 +116,8 @@ def forward(
         if cfg.qk_norm_full:
             q = _rms_norm_heads(q, p["q_norm"], cfg.rms_norm_eps, cfg.num_heads - cfg.padded_heads)
             k = _rms_norm_heads(k, p["k_norm"], cfg.rms_norm_eps, cfg.num_kv_heads)
-        q = apply_rope(q, md.positions, inv_freq, cfg.rope.attention_factor)
-        k = apply_rope(k, md.positions, inv_freq, cfg.rope.attention_factor)
+        q = apply_rope(q, md.positions, inv_freq, rope_scale)
+        k = apply_rope(k, md.positions, inv_freq, rope_scale)
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
@@ -150,6 +157,14 @@ def _layer_inv_freq(cfg: ModelConfig) -> np.ndarray:
     sliding = cfg.sliding_layers or (False,) * cfg.num_layers
     rope = cfg.rope_layers or (True,) * cfg.num_layers
     return np.stack([(local if s else full) * r for s, r in zip(sliding, rope, strict=True)])
+
+
+def _layer_rope_scale(cfg: ModelConfig) -> np.ndarray:
+    """[L] the attention factor of the rope each layer uses (see `_layer_inv_freq`)."""
+    local = cfg.local_rope or cfg.rope
+    sliding = cfg.sliding_layers or (False,) * cfg.num_layers
+    return np.asarray([(local if s else cfg.rope).attention_factor for s in sliding],
+                      np.float32)
 
 
 def _mlp(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
