@@ -127,6 +127,16 @@ def test_gather_and_dense_strategies_agree():
     np.testing.assert_allclose(np.asarray(dense), want, rtol=1e-4, atol=1e-4)
 
 
+def test_info_reports_the_experts(tmp_path, capsys):
+    from jengine.cli import main
+
+    _build(tmp_path, _qwen3_moe_config(), transformers.Qwen3MoeForCausalLM)
+    assert main(["info", str(tmp_path)]) == 0
+    fields = dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert fields["architecture"] == "qwen3_moe"
+    assert fields["experts"] == "8 (2 per token), width 32"
+
+
 def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     ids = list(prompt)
     with torch.no_grad():
