@@ -22,8 +22,11 @@ from converters.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo, dequ
 
 _ARCH_TO_MODEL_TYPE = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-    "gemma3": "gemma3_text",
+    "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text",
 }
+# The model type of an architecture's files that carry experts (llama.cpp writes Mixtral as
+# `llama` with `llama.expert_count` set).
+_ARCH_WITH_EXPERTS = {"llama": "mixtral"}
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -42,6 +45,11 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "post_ffw_norm": "post_feedforward_layernorm",
+    # MoE: the router, and each weight of all experts stacked in one tensor [X, out, in].
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 
 
@@ -77,7 +85,8 @@ class GGUFModel:
             "model_type": _ARCH_TO_MODEL_TYPE[self.arch],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
-            "intermediate_size": int(self._get("feed_forward_length")),
+            **({"intermediate_size": int(self._get("feed_forward_length"))}
+               if self._get("feed_forward_length") is not None else {}),
             "num_hidden_layers": int(self._get("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._get("attention.head_count_kv", heads)),
@@ -111,8 +120,23 @@ class GGUFModel:
             cfg["query_pre_attn_scalar"] = cfg["head_dim"]
             cfg["rope_local_base_freq"] = 10000.0
             cfg["sliding_window_pattern"] = 6
-        if self.arch in ("qwen2", "qwen3"):
+        if self.arch in ("qwen2", "qwen3", "qwen3moe"):
             cfg["use_sliding_window"] = False
+        if self.arch == "qwen3moe":
+            cfg["num_experts"] = int(self._get("expert_count"))
+            cfg["num_experts_per_tok"] = int(self._get("expert_used_count"))
+            cfg["moe_intermediate_size"] = int(self._get("expert_feed_forward_length"))
+            cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
+            # llama.cpp's qwen3moe graph renormalises the top-k weights (norm_w = true) and
+            # writes no key for it.
+            cfg["norm_topk_prob"] = bool(self._get("expert_weights_norm", True))
+        if self.arch in _ARCH_WITH_EXPERTS and self._get("expert_count"):
+            cfg["model_type"] = _ARCH_WITH_EXPERTS[self.arch]
+            cfg["num_local_experts"] = int(self._get("expert_count"))
+            cfg["num_experts_per_tok"] = int(self._get("expert_used_count"))
+            width = self._get("expert_feed_forward_length")
+            if width is not None:
+                cfg["intermediate_size"] = int(width)
         return cfg
 
     def tensors(self, threads: int | None = None) -> Iterator[tuple[str, np.ndarray]]:

@@ -28,12 +28,13 @@ class HFTensor:
 
     handle: object  # safetensors safe_open(..., framework="numpy")
     key: str
-    transform: tables.Transform
+    target: tables.Placement  # which param (and which block of a fused tensor) it fills
     nbytes: int  # of the whole tensor
 
 
 class LazyParam:
-    """One jengine param, stacked over layers, read from safetensors slice by slice.
+    """One jengine param, stacked over layers (and experts), read from safetensors slice by
+    slice.
 
     Array-like as far as loading needs: `shape`, `dtype`, `param[index]` (a tuple of slices, one
     per dim, as `jax.make_array_from_callback` passes them) reads only that slice, and
@@ -41,12 +42,14 @@ class LazyParam:
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, cfg: ModelConfig,
-                 layered: bool, sources: list[HFTensor]):
+                 lead: int, sources: list[HFTensor]):
         self.shape = shape
         self.dtype = dtype
         self.cfg = cfg
-        self.layered = layered
-        self.sources = sources  # one per layer (layered), else one
+        # Leading axes that index HF tensors: 0, 1 (layers; also a layer's stacked experts),
+        # 2 (layers, then one tensor per expert).
+        self.lead = lead
+        self.sources = sources  # one per leading index, in row-major order
         self.reads: dict[str, list[int]] = defaultdict(list)  # HF key -> bytes of each read
 
     @property
@@ -55,11 +58,14 @@ class LazyParam:
 
     def __getitem__(self, index) -> np.ndarray:
         index = normalize_index(index, self.shape)
-        if not self.layered:
+        if not self.lead:
             return self._read(self.sources[0], index)
         out = np.empty(tuple(s.stop - s.start for s in index), self.dtype)
-        for i, layer in enumerate(range(index[0].start, index[0].stop)):
-            out[i] = self._read(self.sources[layer], index[1:])
+        lead_shape = self.shape[:self.lead]
+        for at in np.ndindex(*(s.stop - s.start for s in index[:self.lead])):
+            source = np.ravel_multi_index(
+                tuple(s.start + i for s, i in zip(index, at)), lead_shape)
+            out[at] = self._read(self.sources[source], index[self.lead:])
         return out
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
@@ -67,10 +73,10 @@ class LazyParam:
         return whole if dtype is None else whole.astype(dtype)
 
     def _read(self, source: HFTensor, index: tuple[slice, ...]) -> np.ndarray:
-        src_index, post = source.transform.source_index(index, self.cfg.head_dim)
+        src_index, post = source.target.source_index(index, self.cfg.head_dim)
         w = source.handle.get_slice(source.key)[src_index]
         self.reads[source.key].append(w.nbytes)
-        value = source.transform(np.asarray(w, dtype=np.float32), self.cfg)[post]
+        value = source.target.transform(np.asarray(w, dtype=np.float32), self.cfg)[post]
         return value.astype(self.dtype)
 
 
@@ -102,7 +108,7 @@ def open_hf_params(cfg: ModelConfig, files: list[Path], dtype: np.dtype) -> dict
     from safetensors import safe_open
 
     specs = family_module(cfg).param_specs(cfg)
-    found: dict[str, dict[int | None, HFTensor]] = defaultdict(dict)
+    found: dict[str, dict[tuple[int, ...], HFTensor]] = defaultdict(dict)
     for file in files:
         try:
             handle = safe_open(str(file), framework="numpy")
@@ -113,15 +119,14 @@ def open_hf_params(cfg: ModelConfig, files: list[Path], dtype: np.dtype) -> dict
         except Exception as e:
             raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
         for key, (shape, itemsize) in headers.items():
-            entry = tables.place(cfg, specs, key, shape)
-            if entry is not None:
-                name, layer, transform = entry
+            for target in tables.place(cfg, specs, key, shape):
                 nbytes = int(np.prod(shape)) * itemsize
-                found[name][layer] = HFTensor(handle, key, transform, nbytes)
-    tables.check_complete(cfg, specs, {(n, i) for n, layers in found.items() for i in layers})
+                found[target.name][target.index] = HFTensor(handle, key, target, nbytes)
+    tables.check_complete(cfg, specs, {(n, i) for n, found_at in found.items()
+                                       for at in found_at for i in tables.covered(specs[n], at)})
     params = {}
     for name, spec in specs.items():
-        layered = spec.axes[0] == "layers"
-        order = range(cfg.num_layers) if layered else [None]
-        params[name] = LazyParam(spec.shape, dtype, cfg, layered, [found[name][i] for i in order])
+        lead = len(next(iter(found[name])))
+        sources = [found[name][tuple(int(j) for j in i)] for i in np.ndindex(*spec.shape[:lead])]
+        params[name] = LazyParam(spec.shape, dtype, cfg, lead, sources)
     return params

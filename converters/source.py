@@ -207,22 +207,19 @@ def assemble_params(
     specs = family_module(cfg).param_specs(cfg)
     np_dtype = numpy_dtype(dtype)
     params = {name: np.empty(spec.shape, np_dtype) for name, spec in specs.items()}
-    filled: set[tuple[str, int | None]] = set()
+    filled: set[tuple[str, tuple[int, ...]]] = set()
 
-    def put(name: str, layer: int | None, transform, w: np.ndarray) -> None:
-        value = transform(np.asarray(w, dtype=np.float32), cfg)
-        params[name][... if layer is None else layer] = value
+    def put(target, w: np.ndarray) -> None:
+        params[target.name][target.index] = target.convert(np.asarray(w, np.float32), cfg)
 
     with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jengine-place") as pool:
         copies = []
         for key, w in tqdm(tensors, total=total, desc="loading weights", disable=not progress,
                            unit="tensor", leave=False):
-            entry = tables.place(cfg, specs, key, w.shape)
-            if entry is None:
-                continue
-            name, layer, transform = entry
-            copies.append(pool.submit(put, name, layer, transform, w))
-            filled.add((name, layer))
+            for target in tables.place(cfg, specs, key, w.shape):
+                copies.append(pool.submit(put, target, w))
+                filled.update((target.name, i) for i in tables.covered(specs[target.name],
+                                                                       target.index))
         tables.check_complete(cfg, specs, filled)  # every slot is written: np.empty is safe
         for copy in copies:
             copy.result()

@@ -36,6 +36,9 @@ class Transform:
     source_index: Callable[[Index, int], tuple[Index, Index]]
     # jengine per-layer shape -> the HF shape it must come from
     source_shape: Callable[[tuple[int, ...], int], tuple[int, ...]]
+    # The HF axis along which a fused tensor stacks the params it feeds (Phi-3's qkv_proj: 0,
+    # its output rows; Granite-MoE's input_linear [X, 2F, E]: 1).
+    split_axis: int = 0
 
     def __call__(self, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         return self.apply(w, cfg)
@@ -71,6 +74,17 @@ _heads_bias = Transform(  # [H*D] -> [H, D]
     source_index=lambda idx, d: ((_rows(idx[0], d),), (_ALL, idx[1])),
     source_shape=lambda shape, d: (shape[0] * shape[1],),
 )
+_experts_t = Transform(  # all experts of a layer in one tensor: [X, out, in] -> [X, in, out]
+    apply=lambda w, cfg: np.swapaxes(w, 1, 2),
+    source_index=lambda idx, d: ((idx[0], idx[2], idx[1]), ()),
+    source_shape=lambda shape, d: (shape[0], shape[2], shape[1]),
+)
+_experts_fused_t = dataclasses.replace(_experts_t, split_axis=1)  # [X, 2F, E] -> 2 x [X, E, F]
+_single_row = Transform(  # [1, E] -> [E] (a Linear with one output)
+    apply=lambda w, cfg: w[0],
+    source_index=lambda idx, d: ((_ALL, idx[0]), ()),
+    source_shape=lambda shape, d: (1, shape[0]),
+)
 _o_in = Transform(  # [E, H*D] -> [H, D, E]
     apply=lambda w, cfg: w.T.reshape(-1, cfg.head_dim, w.shape[0]),
     source_index=lambda idx, d: ((idx[2], _rows(idx[0], d)), (_ALL, idx[1], _ALL)),
@@ -79,8 +93,16 @@ _o_in = Transform(  # [E, H*D] -> [H, D, E]
 
 
 _LAYER = r"model\.layers\.(\d+)\."
+_EXPERT = r"\.experts\.(\d+)\."  # the second group: an expert index (layer, expert)
 
-_COMMON: list[tuple[str, str, Transform]] = [
+# (HF key pattern, param name(s), transform). Groups in the pattern index the param's leading
+# axes: the layer, then (MoE) the expert. Several names split one HF tensor along the
+# transform's `split_axis` (its output axis) into consecutive blocks, one per param, each as
+# wide as that param's spec needs (Phi-3's qkv_proj -> wq, wk, wv); the whole tensor's shape
+# is asserted.
+Rule = tuple[str, str | tuple[str, ...], Transform]
+
+_COMMON: list[Rule] = [
     (r"model\.embed_tokens\.weight", "embed", _same),
     (r"model\.norm\.weight", "final_norm", _same),
     (_LAYER + r"input_layernorm\.weight", "attn_norm", _same),
@@ -93,7 +115,15 @@ _COMMON: list[tuple[str, str, Transform]] = [
     (_LAYER + r"mlp\.down_proj\.weight", "w_down", _t),
 ]
 
-TABLES: dict[str, list[tuple[str, str, Transform]]] = {
+_POST_NORMS: list[Rule] = [
+    (_LAYER + r"post_attention_layernorm\.weight", "post_attn_norm", _same),
+]
+_OLMO2: list[Rule] = _POST_NORMS + [
+    (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _heads_bias),
+    (_LAYER + r"self_attn\.k_norm\.weight", "k_norm", _heads_bias),
+]
+
+TABLES: dict[str, list[Rule]] = {
     "llama": _COMMON
     + [
         (r"lm_head\.weight", "lm_head", _t),
@@ -107,7 +137,42 @@ TABLES: dict[str, list[tuple[str, str, Transform]]] = {
         (_LAYER + r"mlp\.down_proj\.bias", "b_down", _same),
         (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _same),
         (_LAYER + r"self_attn\.k_norm\.weight", "k_norm", _same),
+        # Phi-3: fused projections.
+        (_LAYER + r"self_attn\.qkv_proj\.weight", ("wq", "wk", "wv"), _heads_in),
+        (_LAYER + r"mlp\.gate_up_proj\.weight", ("w_gate", "w_up"), _t),
+        # OLMo 2: norms on the sub-layer outputs.
+        (_LAYER + r"post_feedforward_layernorm\.weight", "post_mlp_norm", _same),
+        # Mixtral's sparse MLP.
+        (_LAYER + r"block_sparse_moe\.gate\.weight", "router", _t),
+        (_LAYER + r"block_sparse_moe" + _EXPERT + r"w1\.weight", "we_gate", _t),
+        (_LAYER + r"block_sparse_moe" + _EXPERT + r"w3\.weight", "we_up", _t),
+        (_LAYER + r"block_sparse_moe" + _EXPERT + r"w2\.weight", "we_down", _t),
+        # Qwen2-MoE's and Qwen3-MoE's.
+        (_LAYER + r"mlp\.gate\.weight", "router", _t),
+        (_LAYER + r"mlp" + _EXPERT + r"gate_proj\.weight", "we_gate", _t),
+        (_LAYER + r"mlp" + _EXPERT + r"up_proj\.weight", "we_up", _t),
+        (_LAYER + r"mlp" + _EXPERT + r"down_proj\.weight", "we_down", _t),
+        # GGUF's (llama.cpp's) MoE layout: each weight of all a layer's experts in one tensor.
+        (_LAYER + r"mlp\.experts\.gate_proj\.weight", "we_gate", _experts_t),
+        (_LAYER + r"mlp\.experts\.up_proj\.weight", "we_up", _experts_t),
+        (_LAYER + r"mlp\.experts\.down_proj\.weight", "we_down", _experts_t),
+        # Granite-MoE's: all experts of a layer in one tensor, gate and up fused.
+        (_LAYER + r"block_sparse_moe\.router\.layer\.weight", "router", _t),
+        (_LAYER + r"block_sparse_moe\.input_linear\.weight", ("we_gate", "we_up"),
+         _experts_fused_t),
+        (_LAYER + r"block_sparse_moe\.output_linear\.weight", "we_down", _experts_t),
+        # Qwen2-MoE's shared expert and its gate.
+        (_LAYER + r"mlp\.shared_expert\.gate_proj\.weight", "ws_gate", _t),
+        (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", "ws_up", _t),
+        (_LAYER + r"mlp\.shared_expert\.down_proj\.weight", "ws_down", _t),
+        (_LAYER + r"mlp\.shared_expert_gate\.weight", "ws_router", _single_row),
     ],
+    # OLMo 2 / 3 (by model type): the post_attention_layernorm normalises the attention
+    # output, and the q/k norm weights span every head ([H*D] -> [H, D]). EXAONE 4 has the
+    # post-norms with Qwen3's per-head q/k norms.
+    "olmo2": _OLMO2,
+    "olmo3": _OLMO2,
+    "exaone4": _POST_NORMS,
     "gemma3": _COMMON
     + [
         (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _same),
@@ -132,8 +197,41 @@ def canonical_key(key: str) -> str:
     return key
 
 
-def lookup(cfg: ModelConfig, key: str) -> tuple[str, int | None, Transform] | None:
-    """(param name, layer index or None, transform) for an HF key; None for ignorable keys.
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one HF tensor, or one block of it, goes in a jengine param."""
+
+    name: str
+    index: tuple[int, ...]  # leading indices into the param: (), (layer,) or (layer, expert)
+    transform: Transform
+    # The block this param takes of a fused tensor, along `transform.split_axis`.
+    block: slice | None = None
+
+    def convert(self, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        """The whole HF tensor -> this param's value at `index`."""
+        if self.block is not None:
+            w = w[(_ALL,) * self.transform.split_axis + (self.block,)]
+        return self.transform(w, cfg)
+
+    def source_index(self, index: Index, head_dim: int) -> tuple[Index, Index]:
+        """`Transform.source_index`, with the block's offset added on the split axis."""
+        src, post = self.transform.source_index(index, head_dim)
+        if self.block is None:
+            return src, post
+        axis = self.transform.split_axis
+        cut = src[axis]
+        start = self.block.start + (cut.start or 0)
+        stop = self.block.stop if cut.stop is None else self.block.start + cut.stop
+        return src[:axis] + (slice(start, stop),) + tuple(src[axis + 1:]), post
+
+
+def _table(cfg: ModelConfig) -> list[Rule]:
+    """The family's rules, after any of the model type's own (the first match wins)."""
+    return TABLES.get(cfg.model_type, []) + TABLES[cfg.family]
+
+
+def lookup(cfg: ModelConfig, key: str) -> tuple[tuple[str, ...], tuple[int, ...], Transform] | None:
+    """(param names, leading indices, transform) for an HF key; None for ignorable keys.
 
     Raises:
       KeyError: the key is neither mapped nor known to be ignorable.
@@ -141,22 +239,24 @@ def lookup(cfg: ModelConfig, key: str) -> tuple[str, int | None, Transform] | No
     key = canonical_key(key)
     if _IGNORED.match(key):
         return None
-    for pattern, name, transform in TABLES[cfg.family]:
+    for pattern, names, transform in _table(cfg):
         m = re.fullmatch(pattern, key)
         if m:
-            return name, (int(m.group(1)) if m.groups() else None), transform
+            names = (names,) if isinstance(names, str) else names
+            return names, tuple(int(g) for g in m.groups()), transform
     raise KeyError(key)
 
 
 def place(
     cfg: ModelConfig, specs: dict[str, ParamSpec], key: str, shape: tuple[int, ...]
-) -> tuple[str, int | None, Transform] | None:
-    """Where HF tensor `key` of `shape` goes: (param, layer or None, transform); None when
-    jengine does not need it (ignorable keys, an lm_head tied to the embedding).
+) -> list[Placement]:
+    """Where HF tensor `key` of `shape` goes: one `Placement` per param it fills (several for
+    a fused tensor); [] when jengine does not need it (ignorable keys, an lm_head tied to the
+    embedding).
 
     Raises:
-      ModelLoadError: the key fits no param of this config, names a layer past the last one, or
-        has the wrong shape.
+      ModelLoadError: the key fits no param of this config, names a layer or expert past the
+        last one, or has the wrong shape.
     """
     try:
         entry = lookup(cfg, key)
@@ -165,34 +265,62 @@ def place(
             f"unexpected weight {key!r} for architecture {cfg.model_type}"
         ) from None
     if entry is None:
-        return None
-    name, layer, transform = entry
-    if name == "lm_head" and cfg.tie_word_embeddings:
-        return None
-    if name not in specs:
-        raise ModelLoadError(f"weight {key!r} does not fit this {cfg.model_type} config")
-    spec_shape = specs[name].shape[1:] if layer is not None else specs[name].shape
-    expected = transform.source_shape(spec_shape, cfg.head_dim)
-    if tuple(shape) != expected:
+        return []
+    names, index, transform = entry
+    if names == ("lm_head",) and cfg.tie_word_embeddings:
+        return []
+    for name in names:
+        if name not in specs:
+            raise ModelLoadError(f"weight {key!r} does not fit this {cfg.model_type} config")
+        bounds = specs[name].shape[:len(index)]
+        if any(i >= n for i, n in zip(index, bounds)):
+            raise ModelLoadError(
+                f"weight {key!r} names index {index} past {specs[name].axes[:len(index)]} "
+                f"of size {bounds}"
+            )
+    parts = [transform.source_shape(specs[n].shape[len(index):], cfg.head_dim) for n in names]
+    axis = transform.split_axis
+    sizes = [p[axis] for p in parts]
+    expected = parts[0][:axis] + (sum(sizes),) + parts[0][axis + 1:]
+    others = {p[:axis] + p[axis + 1:] for p in parts}
+    if tuple(shape) != expected or len(others) != 1:
         raise ModelLoadError(
-            f"weight {key!r} has shape {tuple(shape)}; expected {expected} for {name}"
+            f"weight {key!r} has shape {tuple(shape)}; expected {expected} for {'+'.join(names)}"
         )
-    if layer is not None and layer >= cfg.num_layers:
-        raise ModelLoadError(f"weight {key!r} names layer {layer} of {cfg.num_layers}")
-    return entry
+    if len(names) == 1:
+        return [Placement(names[0], index, transform)]
+    starts = np.cumsum([0] + sizes)
+    return [Placement(name, index, transform, slice(int(a), int(b)))
+            for name, a, b in zip(names, starts[:-1], starts[1:])]
 
 
 def check_complete(
-    cfg: ModelConfig, specs: dict[str, ParamSpec], filled: set[tuple[str, int | None]]
+    cfg: ModelConfig, specs: dict[str, ParamSpec], filled: set[tuple[str, tuple[int, ...]]]
 ) -> None:
-    """ModelLoadError naming every param some (param, layer) of which no HF tensor filled."""
+    """ModelLoadError naming every param some (param, leading index) of which no HF tensor
+    filled."""
     missing = [
         name for name, spec in specs.items()
-        if any((name, i) not in filled for i in _layer_indices(spec, cfg))
+        if any((name, i) not in filled for i in leading_indices(spec))
     ]
     if missing:
         raise ModelLoadError(f"checkpoint is missing weights for {', '.join(sorted(missing))}")
 
 
-def _layer_indices(spec: ParamSpec, cfg: ModelConfig) -> list[int | None]:
-    return list(range(cfg.num_layers)) if spec.axes[0] == "layers" else [None]
+def covered(spec: ParamSpec, index: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The leading indices a tensor placed at `index` fills: itself, or every expert of a
+    layer when one tensor holds them all (`index` = (layer,) of a [L, X, ...] param)."""
+    return [i for i in leading_indices(spec) if i[:len(index)] == index]
+
+
+def leading_indices(spec: ParamSpec) -> list[tuple[int, ...]]:
+    """Every index an HF tensor fills of this param: (layer,), (layer, expert), or ()."""
+    lead = leading_axes(spec)
+    return [tuple(int(i) for i in ix) for ix in np.ndindex(*spec.shape[:lead])]
+
+
+def leading_axes(spec: ParamSpec) -> int:
+    """How many leading axes of the param index separate HF tensors (layers, experts)."""
+    if spec.axes[:2] == ("layers", "experts"):
+        return 2
+    return 1 if spec.axes[0] == "layers" else 0

@@ -240,6 +240,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         "tied_embeddings": cfg.tie_word_embeddings,
         "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
     }
+    if cfg.rope.rope_type != "default":
+        info["rope"] = f"{cfg.rope.rope_type}, theta {cfg.rope.theta:g}"
+    if cfg.num_experts:
+        shared = cfg.shared_expert_intermediate_size
+        info["experts"] = (f"{cfg.num_experts} ({cfg.num_experts_per_tok} per token), "
+                           f"width {cfg.moe_intermediate_size}"
+                           + (f", shared {shared}" if shared else ""))
     for k, v in info.items():
         print(f"{k:16} {v}")
     return 0

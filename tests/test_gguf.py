@@ -284,7 +284,29 @@ GGUF_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_proj.weight": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj.weight": "ffn_up_exps.weight",
+    "mlp.experts.down_proj.weight": "ffn_down_exps.weight",
 }
+
+
+MOE = {"experts": 8, "top_k": 2, "width": 32}
+
+
+def _llama_cpp_experts(state: dict, width: int) -> dict:
+    """transformers' in-memory experts (gate_up_proj [X, 2F, E], down_proj [X, E, F]) as
+    llama.cpp's converter writes them: one stacked tensor per weight, [X, out, in]."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith("experts.gate_up_proj"):
+            out[key.replace("gate_up_proj", "gate_proj.weight")] = value[:, :width]
+            out[key.replace("gate_up_proj", "up_proj.weight")] = value[:, width:]
+        elif key.endswith("experts.down_proj"):
+            out[key + ".weight"] = value
+        else:
+            out[key] = value
+    return out
 
 
 def _gguf_name(hf_key: str) -> str:
@@ -313,11 +335,13 @@ def _llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama"):
+def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama", *,
+                    mixtral: bool = False):
     """A random HF Llama (GQA 4q/2kv) written as an F32 GGUF the way llama.cpp converts it:
     q/k rows permuted, llama3 rope scaling (if any) as a `rope_freqs.weight` tensor. With
     `arch="qwen3"`: a Qwen3 (q/k norms, head_dim 32 apart from hidden // heads), not permuted
-    (llama.cpp permutes only its `llama` architecture)."""
+    (llama.cpp permutes only its `llama` architecture). `arch="qwen3moe"` or `mixtral` (a
+    `llama` file): 8 experts, top 2, stacked per layer as llama.cpp writes them."""
     heads, kv_heads, hidden, vocab = 4, 2, 64, 96
     kwargs = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2,
@@ -330,6 +354,17 @@ def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama"):
         head_dim = 32
         config = transformers.Qwen3Config(**kwargs, head_dim=head_dim)
         model_cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3moe":  # llama.cpp's graph renormalises the top-k weights: so does HF here
+        config = transformers.Qwen3MoeConfig(**kwargs, num_experts=MOE["experts"],
+                                             num_experts_per_tok=MOE["top_k"],
+                                             moe_intermediate_size=MOE["width"],
+                                             norm_topk_prob=True)
+        model_cls = transformers.Qwen3MoeForCausalLM
+    elif mixtral:  # llama.cpp writes Mixtral as a `llama` file with experts
+        kwargs["intermediate_size"] = MOE["width"]
+        config = transformers.MixtralConfig(**kwargs, num_local_experts=MOE["experts"],
+                                            num_experts_per_tok=MOE["top_k"])
+        model_cls = transformers.MixtralForCausalLM
     else:
         config = transformers.LlamaConfig(**kwargs)
         model_cls = transformers.LlamaForCausalLM
@@ -345,11 +380,16 @@ def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama"):
 
     w = gguf.GGUFWriter(str(path), arch)
     theta = (rope or {}).get("rope_theta", 10000.0)
-    _add_llama_header(w, hidden=hidden, ffn=96, layers=2, heads=heads, kv_heads=kv_heads,
-                      rope_theta=theta)
+    _add_llama_header(w, hidden=hidden, ffn=MOE["width"] if mixtral else 96, layers=2,
+                      heads=heads, kv_heads=kv_heads, rope_theta=theta)
     if head_dim != hidden // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "qwen3moe" or mixtral:
+        w.add_expert_count(MOE["experts"])
+        w.add_expert_used_count(MOE["top_k"])
+        w.add_expert_feed_forward_length(MOE["width"])
+        state = _llama_cpp_experts(state, MOE["width"])
     # A byte-level BPE vocabulary: printable characters, two merges of them, bos and eos.
     w.add_tokenizer_model("gpt2")
     w.add_token_list([chr(33 + i) for i in range(vocab - 4)] + ['!"', "#$", "<s>", "</s>"])
@@ -426,6 +466,23 @@ def test_gguf_qwen3(tmp_path):
     loaded = load_source(str(path), dtype="float32", progress=False)
     assert loaded.config.model_type == "qwen3" and loaded.config.qk_norm
     assert loaded.config.head_dim == 32
+    assert _gguf_logits_diff(path, model) < TOL
+
+
+def test_gguf_qwen3_moe(tmp_path):
+    # llama.cpp's layout: a router per layer and each expert weight stacked [X, out, in].
+    path, model, _ = _tiny_llama_gguf(tmp_path / "qwen3moe.gguf", arch="qwen3moe")
+    cfg = load_source(str(path), dtype="float32", progress=False).config
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert cfg.moe_intermediate_size == 32 and cfg.norm_topk_prob and cfg.qk_norm
+    assert _gguf_logits_diff(path, model) < TOL
+
+
+def test_gguf_mixtral(tmp_path):
+    # A `llama` GGUF with expert tensors is Mixtral; its q/k rows are permuted like Llama's.
+    path, model, _ = _tiny_llama_gguf(tmp_path / "mixtral.gguf", mixtral=True)
+    cfg = load_source(str(path), dtype="float32", progress=False).config
+    assert (cfg.model_type, cfg.num_experts, cfg.moe_intermediate_size) == ("mixtral", 8, 32)
     assert _gguf_logits_diff(path, model) < TOL
 
 

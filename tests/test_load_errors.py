@@ -139,3 +139,26 @@ def test_safetensors_missing_a_weight(tmp_path):
     save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="checkpoint is missing weights for w_up"):
         load_source(str(tmp_path), progress=False)
+
+
+def test_fused_and_expert_tensors_of_the_wrong_shape_are_clear_errors():
+    from converters import tables
+    from jengine.models import ModelConfig, family_module
+
+    phi3 = ModelConfig.from_hf(transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0).to_dict())
+    specs = family_module(phi3).param_specs(phi3)
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    parts = tables.place(phi3, specs, qkv, (32 + 2 * 16, 32))  # q 4x8 rows, k and v 2x8 each
+    assert [(p.name, p.block) for p in parts] == [
+        ("wq", slice(0, 32)), ("wk", slice(32, 48)), ("wv", slice(48, 64))]
+    with pytest.raises(ModelLoadError, match=r"expected \(64, 32\) for wq\+wk\+wv"):
+        tables.place(phi3, specs, qkv, (96, 32))  # as if kv heads were q heads
+    mixtral = ModelConfig.from_hf(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4).to_dict())
+    specs = family_module(mixtral).param_specs(mixtral)
+    with pytest.raises(ModelLoadError, match="past"):  # expert 4 of 4
+        tables.place(mixtral, specs, "model.layers.1.block_sparse_moe.experts.4.w1.weight",
+                     (48, 32))

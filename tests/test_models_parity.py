@@ -14,10 +14,13 @@ perturbs logits of magnitude 5-80 by 2e-6..2e-5 (measured) over these 2-3 layer 
 any single feature the negative controls switch off (each moved logits by 0.36-6).
 
 Negative controls prove the features are really exercised: switching one off in our config
-(sliding window, llama3 rope scaling, Gemma's local rope theta and query_pre_attn_scalar),
-zeroing Qwen2's q/k/v biases, dropping Gemma's or Qwen3's learned q/k norm weights, or
-resetting one of Granite's multipliers must push the difference above `TOL` (they run prefill
-only: one compiled program each).
+(sliding window, llama3 rope scaling, Gemma's local rope theta and query_pre_attn_scalar,
+Phi-3's partial rotary, the MoE top-k renormalisation), zeroing Qwen2's q/k/v biases,
+dropping Gemma's, Qwen3's or OLMo 2's learned q/k norm weights, resetting one of Granite's
+multipliers, or exchanging what a mapping must keep apart (two MoE experts, Phi-3's k and v
+blocks of the fused qkv_proj or its gate and up halves, OLMo 2's two post-norms) must push the
+difference above `TOL` (they run prefill only: one compiled program each). MoE routing itself
+is tested token for token in tests/test_moe.py.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from converters import load_source
 from jengine.models import ModelConfig
+from jengine.sharding import pad_query_heads
 
 TOL = 2e-4
 VOCAB = 96
@@ -71,12 +75,16 @@ def _randomize(model: torch.nn.Module, *, norm_offset: float) -> None:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
-def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0):
-    """Saves a random model to tmp_path; returns (its loaded jengine form, ids, HF logits)."""
+def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0, edit=None):
+    """Saves a random model to tmp_path; returns (its loaded jengine form, ids, HF logits).
+    `edit(model)` may change the randomized torch model before it is saved."""
     torch.manual_seed(0)
     config._attn_implementation = "eager"
     model = model_cls(config).eval()
     _randomize(model, norm_offset=norm_offset)
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
     model.save_pretrained(tmp_path)
     _save_tokenizer(tmp_path)
     ids = np.random.default_rng(2).integers(3, VOCAB, SEQ_LEN).tolist()
@@ -262,3 +270,243 @@ def test_gemma2_soft_capping(tmp_path):
     assert _control_diff(_with(loaded, attn_logit_softcapping=None), ids, expected) > TOL
     assert _control_diff(_with(loaded, final_logit_softcapping=None), ids, expected) > TOL
     assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
+
+
+def _swapped_experts(params, a: int, b: int) -> dict:
+    """Params with experts a and b exchanged in every expert weight (not in the router)."""
+    out = dict(params)
+    for name in ("we_gate", "we_up", "we_down"):
+        w = np.array(params[name])
+        w[:, [a, b]] = w[:, [b, a]]
+        out[name] = w
+    return out
+
+
+def test_mixtral_moe(tmp_path):
+    # 8 experts, top 2: a prefill chunk of 7 tokens (14 picks) runs every expert densely, a
+    # decode step (2 picks) gathers its two experts; most experts get no token there.
+    config = transformers.MixtralConfig(**_llama_kwargs(
+        num_local_experts=8, num_experts_per_tok=2, rope_theta=1e4,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.MixtralForCausalLM)
+    cfg = loaded.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 96)
+    assert cfg.norm_topk_prob and "w_gate" not in loaded.params
+    assert loaded.params["we_gate"].shape == (2, 8, 64, 96)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL  # stacked + scan
+    swapped = _swapped_experts(loaded.params, 0, 5)
+    assert _control_diff((cfg, swapped), ids, expected) > TOL
+    assert _control_diff(_with(loaded, norm_topk_prob=False), ids, expected) > TOL
+
+
+def test_qwen3_moe(tmp_path):
+    # HF's default norm_topk_prob=False: the top-k probabilities are used as they are.
+    config = transformers.Qwen3MoeConfig(**_llama_kwargs(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=32,
+        rope_theta=1e6,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Qwen3MoeForCausalLM)
+    cfg = loaded.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 3, 32)
+    assert cfg.qk_norm and not cfg.norm_topk_prob
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, norm_topk_prob=True), ids, expected) > TOL
+    assert _control_diff((cfg, _swapped_experts(loaded.params, 2, 7)), ids, expected) > TOL
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["decoder_sparse_step"] = 2  # dense MLPs on every other layer: refused, not misloaded
+    with pytest.raises(ValueError, match="dense MLP"):
+        ModelConfig.from_hf(hf)
+
+
+def test_phi3_fused_projections_and_partial_rotary(tmp_path):
+    # Phi-4-mini's layout: one qkv_proj and one gate_up_proj per layer, rope on 3/4 of each
+    # head (12 of 16 dims). kv heads (2) differ from q heads (4), so a wrong split offset
+    # would misalign every block after wq.
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}
+    config = transformers.Phi3Config(**_llama_kwargs(rope_parameters=rope, pad_token_id=0))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Phi3ForCausalLM)
+    cfg = loaded.config
+    assert cfg.rotary_dim == 12 and loaded.params["wk"].shape == (2, 64, 2, 16)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, partial_rotary_factor=1.0), ids, expected) > TOL
+    swapped = {**loaded.params, "wk": loaded.params["wv"], "wv": loaded.params["wk"]}
+    assert _control_diff((cfg, swapped), ids, expected) > TOL
+    gate_up = {**loaded.params, "w_gate": loaded.params["w_up"], "w_up": loaded.params["w_gate"]}
+    assert _control_diff((cfg, gate_up), ids, expected) > TOL
+
+
+def test_olmo2_post_norms_and_full_width_qk_norm(tmp_path):
+    config = transformers.Olmo2Config(**_llama_kwargs(rope_theta=1e4, pad_token_id=0))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Olmo2ForCausalLM)
+    cfg = loaded.config
+    assert cfg.post_norms and cfg.qk_norm_full and "attn_norm" not in loaded.params
+    assert loaded.params["q_norm"].shape == (2, 4, 16)  # [L, H, D]: one weight per q dim
+    assert _max_diff(loaded, ids, expected) < TOL
+    swapped = {**loaded.params, "post_attn_norm": loaded.params["post_mlp_norm"],
+               "post_mlp_norm": loaded.params["post_attn_norm"]}
+    assert _control_diff((cfg, swapped), ids, expected) > TOL
+    plain = {**loaded.params, "q_norm": np.ones_like(loaded.params["q_norm"])}
+    assert _control_diff((cfg, plain), ids, expected) > TOL
+    # Under tp=8 the 2 kv heads replicate and the 4 q heads pad to 8 zero-filled heads: the
+    # norm's mean must still be over the 4 real heads' width.
+    padded_cfg, padded = pad_query_heads(cfg, loaded.params, 8)
+    assert padded_cfg.padded_heads == 4 and padded["q_norm"].shape == (2, 8, 16)
+    assert _control_diff((padded_cfg, padded), ids, expected) < TOL
+    counted = dataclasses.replace(padded_cfg, padded_heads=0)
+    assert _control_diff((counted, padded), ids, expected) > TOL
+
+
+def test_ministral_per_layer_sliding_window(tmp_path):
+    config = transformers.MinistralConfig(**_llama_kwargs(
+        head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        rope_theta=1e4,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.MinistralForCausalLM)
+    assert loaded.config.sliding_layers == (True, False)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, sliding_layers=(True, True)), ids, expected) > TOL
+
+
+def test_seed_oss_qkv_bias_without_o_bias(tmp_path):
+    # Seed-OSS-36B's own switches: q/k/v biases on (attention_bias), o_proj's off.
+    config = transformers.SeedOssConfig(**_llama_kwargs(
+        attention_bias=True, attention_out_bias=False, rope_theta=1e4,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.SeedOssForCausalLM)
+    assert loaded.config.qkv_bias and not loaded.config.o_bias
+    assert _max_diff(loaded, ids, expected) < TOL
+    zeroed = {**loaded.params, "bk": np.zeros_like(loaded.params["bk"])}
+    assert _control_diff((loaded.config, zeroed), ids, expected) > TOL
+
+
+def test_smollm3_no_rope_layers(tmp_path):
+    config = transformers.SmolLM3Config(**_llama_kwargs(
+        no_rope_layer_interval=2, rope_theta=1e4, pad_token_id=0,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.SmolLM3ForCausalLM)
+    assert loaded.config.rope_layers == (True, False)  # layer 1 has no rope
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, rope_layers=()), ids, expected) > TOL
+
+
+def test_olmo3_sliding_layers_with_their_own_rope(tmp_path):
+    # As OLMo 3's long-context models: yarn on the global layer only, so the rope's attention
+    # factor differs per layer.
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+            "original_max_position_embeddings": 16}
+    config = transformers.Olmo3Config(**_llama_kwargs(
+        num_hidden_layers=3, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                         "full_attention": yarn},
+        pad_token_id=0,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Olmo3ForCausalLM)
+    cfg = loaded.config
+    assert cfg.sliding_layers == (True, False, True) and cfg.local_rope.theta == 10.0
+    assert cfg.rope.rope_type == "yarn" and cfg.local_rope.attention_factor == 1.0
+    assert cfg.post_norms and cfg.qk_norm_full
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, local_rope=None), ids, expected) > TOL
+    assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
+    unscaled = dataclasses.replace(cfg.rope, attention_factor=1.0)
+    assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
+
+
+def test_exaone4_post_norms_per_head_qk_norm_and_global_nope(tmp_path):
+    # sliding_window_pattern 3: layers 0, 1 slide with rope; layer 2 is global without rope.
+    config = transformers.Exaone4Config(**_llama_kwargs(
+        num_hidden_layers=3, sliding_window=WINDOW, sliding_window_pattern=3, rope_theta=1e4,
+        pad_token_id=0,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Exaone4ForCausalLM)
+    cfg = loaded.config
+    assert cfg.sliding_layers == (True, True, False) and cfg.rope_layers == (True, True, False)
+    assert cfg.post_norms and cfg.qk_norm and loaded.params["q_norm"].shape == (3, 16)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _control_diff(_with(loaded, rope_layers=()), ids, expected) > TOL
+    plain = {**loaded.params, "k_norm": np.ones_like(loaded.params["k_norm"])}
+    assert _control_diff((cfg, plain), ids, expected) > TOL
+
+
+def test_phi3_longrope(tmp_path):
+    # Phi-3-mini-128k / Phi-4-mini's longrope within the original context (64 here): every
+    # frequency divided by its short factor, q and k's rotated dims scaled by the attention
+    # factor sqrt(1 + ln(128 / 64) / ln(64)) = 1.08.
+    short = np.random.default_rng(4).uniform(1.0, 3.0, 6).round(3).tolist()
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+            "short_factor": short, "long_factor": [f * 4 for f in short]}
+    config = transformers.Phi3Config(**_llama_kwargs(
+        rope_parameters=rope, original_max_position_embeddings=64, pad_token_id=0,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Phi3ForCausalLM)
+    cfg = loaded.config
+    assert cfg.rope.rope_type == "longrope" and cfg.rope.freq_factors == tuple(short)
+    assert cfg.rope.attention_factor == pytest.approx((1 + np.log(2) / np.log(64)) ** 0.5)
+    assert cfg.max_position_embeddings == 64  # where HF would switch to the long factors
+    # transformers 4.x spelling (Phi-3-mini-128k's config.json): "su" in rope_scaling, the
+    # theta, the partial rotary factor and the original context at the top level.
+    legacy = json.loads((tmp_path / "config.json").read_text())
+    legacy["rope_scaling"] = dict(legacy.pop("rope_parameters"), type="su")
+    legacy["rope_theta"] = legacy["rope_scaling"].pop("rope_theta")
+    legacy["partial_rotary_factor"] = legacy["rope_scaling"].pop("partial_rotary_factor")
+    for key in ("rope_type", "original_max_position_embeddings"):
+        del legacy["rope_scaling"][key]
+    assert ModelConfig.from_hf(legacy) == cfg
+    assert _max_diff(loaded, ids, expected) < TOL
+    unscaled = dataclasses.replace(cfg.rope, attention_factor=1.0)
+    assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
+    plain = dataclasses.replace(cfg.rope, rope_type="default")
+    assert _control_diff(_with(loaded, rope=plain), ids, expected) > TOL
+
+
+def test_qwen2_moe_shared_expert(tmp_path):
+    config = transformers.Qwen2MoeConfig(**_llama_kwargs(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, rope_theta=1e6,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Qwen2MoeForCausalLM)
+    cfg = loaded.config
+    assert cfg.qkv_bias and cfg.shared_expert_intermediate_size == 48
+    assert loaded.params["ws_router"].shape == (2, 64)
+    assert _max_diff(loaded, ids, expected) < TOL
+    ungated = {**loaded.params, "ws_router": np.zeros_like(loaded.params["ws_router"])}
+    assert _control_diff((cfg, ungated), ids, expected) > TOL  # sigmoid(0) = 1/2 everywhere
+    assert _control_diff((cfg, _swapped_experts(loaded.params, 1, 6)), ids, expected) > TOL
+
+
+def test_granitemoe(tmp_path):
+    # One input_linear [X, 2F, E] per layer holds every expert's gate and up rows; the router
+    # is a softmax over the top-k logits (= renormalised top-k probabilities).
+    config = transformers.GraniteMoeConfig(**_llama_kwargs(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, rope_theta=1e4,
+        embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05,
+        logits_scaling=2.5,
+    ))
+    loaded, ids, expected = _build(tmp_path, config, transformers.GraniteMoeForCausalLM)
+    cfg = loaded.config
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 32, True)
+    assert cfg.residual_multiplier == 0.4
+    assert _max_diff(loaded, ids, expected) < TOL
+    gate_up = {**loaded.params, "we_gate": loaded.params["we_up"],
+               "we_up": loaded.params["we_gate"]}
+    assert _control_diff((cfg, gate_up), ids, expected) > TOL
+    assert _control_diff((cfg, _swapped_experts(loaded.params, 3, 4)), ids, expected) > TOL
+
+
+def test_qwen3_yarn(tmp_path):
+    # Qwen3's long-context setting: yarn factor 4 over an original context of 16, so all but
+    # the fastest dims are interpolated and q/k's rotated dims scale by 0.1 ln 4 + 1.
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+            "original_max_position_embeddings": 16}
+    config = transformers.Qwen3Config(**_llama_kwargs(head_dim=32, rope_parameters=rope))
+    loaded, ids, expected = _build(tmp_path, config, transformers.Qwen3ForCausalLM)
+    cfg = loaded.config
+    assert cfg.rope.rope_type == "yarn"
+    assert cfg.rope.attention_factor == pytest.approx(0.1 * np.log(4) + 1)
+    assert _max_diff(loaded, ids, expected) < TOL
+    unscaled = dataclasses.replace(cfg.rope, attention_factor=1.0)
+    assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
+    untruncated = dataclasses.replace(cfg.rope, truncate=False)
+    assert _control_diff(_with(loaded, rope=untruncated), ids, expected) > TOL

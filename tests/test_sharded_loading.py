@@ -185,3 +185,49 @@ def test_checkpoint_missing_weight_or_wrong_shape_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match=r"param w_gate has shape \(2, 64, 32\); expected "
                        r"\(2, 64, 64\)"):
         load_params_sharded(loaded, loaded.config, None, "float32")
+
+
+def _tiny_fused_or_moe(path, model_type: str) -> None:
+    """A random Phi-3 (fused qkv_proj / gate_up_proj), Mixtral (per-expert tensors) or
+    Granite-MoE (all experts of a layer in one tensor, gate and up fused on axis 1)."""
+    import torch
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+    if model_type == "phi3":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0))
+    elif model_type == "granitemoe":
+        model = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
+    model.save_pretrained(path)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=_word_tokenizer(), unk_token="t0"
+    ).save_pretrained(path)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "mixtral", "granitemoe"])
+def test_lazy_load_of_fused_and_expert_tensors(tmp_path, model_type):
+    # A fused tensor feeds several params, each reading only its own rows; an expert weight
+    # [L, X, E, F] is read per (layer, expert), each device its columns of each expert.
+    _tiny_fused_or_moe(tmp_path, model_type)
+    eager = load_source(str(tmp_path), progress=False)
+    cfg, expected = pad_query_heads(eager.config, eager.params, 2)
+    lazy = load_source(str(tmp_path), progress=False, lazy=True)
+    _assert_equal(load_params_sharded(lazy, cfg, _shardings(cfg, 2), "float32"), expected)
+    reads: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for param in lazy.params.values():
+        for source in param.sources:
+            reads[source.key] = reads.get(source.key, 0) + sum(param.reads[source.key])
+            sizes[source.key] = source.nbytes
+    assert reads == sizes  # every byte of every HF tensor read once, fused ones included
+    if model_type == "phi3":
+        assert sum("qkv_proj" in key for key in sizes) == 2
+    elif model_type == "mixtral":
+        assert sum(".experts." in key for key in sizes) == 2 * 4 * 3
+    else:
+        assert sum("input_linear" in key for key in sizes) == 2

@@ -230,3 +230,33 @@ def test_data_parallel_replicas_match_one_device_and_share_the_load(smol_engine)
         assert core.stats().prefix_cache_hit_tokens >= 64
     finally:
         del engine
+
+
+def test_olmo2_full_width_qk_norm_under_tp_matches_one_device(tmp_path):
+    # OLMo 2 normalises q over all heads at once. At tp=8 its 4 q heads pad to 8 (2 kv heads
+    # replicate), so the norm's sum runs across devices and must skip the zero heads.
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.Olmo2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    model = transformers.Olmo2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:  # learned, uneven norm weights
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
+    model.save_pretrained(tmp_path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(
+        tmp_path)
+    prompts = [np.random.default_rng(1).integers(3, 96, n).tolist() for n in (6, 30)]
+    outputs = {}
+    for mesh in ("tp=1", "tp=8"):
+        engine = Engine(str(tmp_path), config=ONE_BUCKET, mesh=mesh)
+        outputs[mesh] = _greedy(engine, prompts)
+        if mesh == "tp=8":
+            assert engine.core.model_config.padded_heads == 4
+        del engine
+    assert outputs["tp=8"] == outputs["tp=1"]

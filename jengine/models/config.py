@@ -2,12 +2,14 @@
 
 One frozen dataclass covers every supported family; the family picks the model file
 (`jengine/models/llama.py` or `gemma3.py`) and the switches pick the features (rope scaling,
-attention/MLP biases, tied embeddings, per-layer sliding windows, Gemma's extra norms).
+partial and per-layer rope, attention/MLP biases, tied embeddings, per-layer sliding windows,
+q/k norms, norm placement, Gemma's extra norms, the MoE MLP).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 # HF `model_type` -> jengine family. Everything mapped to "llama" runs through models/llama.py.
@@ -17,6 +19,17 @@ FAMILIES = {
     "qwen2": "llama",
     "qwen3": "llama",  # Llama with an RMSNorm on every q and k head (`qk_norm`)
     "granite": "llama",  # Llama with embedding / residual / attention / logit multipliers
+    "granitemoe": "llama",  # Granite with a sparse MoE MLP (softmax over the top-k logits)
+    "mixtral": "llama",  # Mistral with a sparse MoE MLP (top-k of softmax, renormalised)
+    "qwen3_moe": "llama",  # Qwen3 with a sparse MoE MLP (top-k of softmax, `norm_topk_prob`)
+    "qwen2_moe": "llama",  # Qwen2 with a sparse MoE MLP plus a sigmoid-gated shared expert
+    "phi3": "llama",  # fused qkv_proj / gate_up_proj in the checkpoint; partial rotary (Phi-4-mini)
+    "olmo2": "llama",  # norms after attention and MLP (not before), q/k norm over the full width
+    "olmo3": "llama",  # OLMo 2 with sliding-window layers (their own rope when configured)
+    "exaone4": "llama",  # OLMo 2's post-norms, Qwen3's per-head q/k norm, no rope on global layers
+    "ministral": "llama",  # Mistral with per-layer sliding windows (`layer_types`)
+    "seed_oss": "llama",  # Llama with q/k/v biases and a separate o_proj bias switch
+    "smollm3": "llama",  # Llama without rope on every 4th layer (`no_rope_layers`)
     "smollm": "llama",
     "gemma3_text": "gemma3",
     "gemma2": "gemma3",  # Gemma 3's network without q/k norms, with soft-capping (gemma3.py)
@@ -24,7 +37,10 @@ FAMILIES = {
 }
 
 # "freq_factors": explicit per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+# "longrope" (Phi-3 / Phi-4-mini; "su" is its old name): the short factors only, so the context
+# is capped at `original_max_position_embeddings`, past which HF switches to the long factors.
+# "yarn": static YaRN (HF's `_compute_yarn_parameters`), attention factor included.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "su", "yarn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +54,10 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] | None = None  # [D/2] divisors of inv_freq ("freq_factors")
+    attention_factor: float = 1.0  # scales the rotated dims of q and k (longrope's, yarn's)
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated dims
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the ramp's bounds outwards (HF's default)
 
     @classmethod
     def from_hf(cls, params: dict[str, Any] | None, theta: float | None = None) -> RopeConfig:
@@ -48,6 +68,10 @@ class RopeConfig:
                 f"unsupported rope scaling type {rope_type!r}; "
                 f"jengine supports {SUPPORTED_ROPE_TYPES}"
             )
+        if rope_type in ("longrope", "su"):
+            return cls._longrope(params, theta)
+        if rope_type == "yarn":
+            return cls._yarn(params, theta)
         return cls(
             theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
             rope_type=rope_type,
@@ -61,6 +85,54 @@ class RopeConfig:
                 tuple(float(f) for f in params["freq_factors"])
                 if params.get("freq_factors") is not None else None
             ),
+        )
+
+
+    @classmethod
+    def _longrope(cls, params: dict[str, Any], theta: float | None) -> RopeConfig:
+        """HF's longrope for sequences within `original_max_position_embeddings`: inv_freq
+        divided by `short_factor`, cos/sin scaled by `attention_factor` (given, or HF's
+        sqrt(1 + ln(factor) / ln(original)) with factor = max / original positions; the caller
+        puts `max_position_embeddings` into `params` for that)."""
+        original = int(params["original_max_position_embeddings"])
+        factor = params.get("factor") or params["max_position_embeddings"] / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(
+                1 + math.log(factor) / math.log(original))
+        return cls(
+            theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
+            rope_type="longrope",
+            original_max_position_embeddings=original,
+            freq_factors=tuple(float(f) for f in params["short_factor"]),
+            attention_factor=float(attention),
+        )
+
+
+    @classmethod
+    def _yarn(cls, params: dict[str, Any], theta: float | None) -> RopeConfig:
+        """HF's static YaRN: its attention factor given, or from `mscale` / `mscale_all_dim`,
+        or 0.1 * ln(factor) + 1."""
+        original = int(params.get("original_max_position_embeddings")
+                       or params["max_position_embeddings"])
+        factor = float(params.get("factor") or params["max_position_embeddings"] / original)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = params.get("attention_factor")
+        if attention is None:
+            m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+            attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        return cls(
+            theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
+            rope_type="yarn",
+            factor=factor,
+            original_max_position_embeddings=original,
+            attention_factor=float(attention),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
         )
 
 
@@ -85,6 +157,21 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm (weight x, over head_dim) on each q and k head
+    # OLMo 2: RMSNorm over the whole projected q (H*D) and k (K*D) width, before rope; and the
+    # layer norms on the attention / MLP outputs instead of their inputs.
+    qk_norm_full: bool = False
+    post_norms: bool = False
+    partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims (Phi-4-mini)
+    rope_layers: tuple[bool, ...] = ()  # per layer: False where no rope applies (NoPE); () = all
+    # Sparse MoE MLP (Mixtral, Qwen3-MoE) on every layer when num_experts > 0: each token runs
+    # the `num_experts_per_tok` experts of highest softmax router probability, weighted by
+    # those probabilities (renormalised to sum 1 with `norm_topk_prob`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # width of one expert's MLP
+    norm_topk_prob: bool = False
+    # Qwen2-MoE: one more MLP every token runs, scaled by sigmoid(h . shared gate vector).
+    shared_expert_intermediate_size: int = 0
     # Granite's scalars: embeddings x embedding_multiplier, each residual branch x
     # residual_multiplier, softmax scale = attention_multiplier, logits / logits_scaling.
     embedding_multiplier: float = 1.0
@@ -101,6 +188,7 @@ class ModelConfig:
     # Set only under tensor parallelism with replicated kv heads (jengine.sharding): num_heads
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
+    padded_heads: int = 0  # how many of num_heads are those zero heads (OLMo 2's norm skips them)
     # The attention implementation the forward pass calls (resolved by the engine, never auto).
     attention_backend: str = "reference"  # reference | cpu | pallas_tpu | pallas_gpu
 
@@ -116,10 +204,19 @@ class ModelConfig:
         return float(scalar) ** -0.5
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def num_params(self) -> int:
         e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = e * (q + 2 * kv) + q * e + 3 * e * f + 2 * e
+        mlp = 3 * e * f
+        if self.num_experts:
+            mlp = self.num_experts * (3 * e * self.moe_intermediate_size + e)
+            mlp += 3 * e * self.shared_expert_intermediate_size + (
+                e if self.shared_expert_intermediate_size else 0)
+        per_layer = e * (q + 2 * kv) + q * e + mlp + 2 * e
         head = 0 if self.tie_word_embeddings else e * v
         return v * e + self.num_layers * per_layer + e + head
 
@@ -136,6 +233,7 @@ class ModelConfig:
                     rope["freq_factors"] = tuple(rope["freq_factors"])
                 d[key] = RopeConfig(**rope)
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
+        d["rope_layers"] = tuple(d.get("rope_layers", ()))
         if d.get("kv_head_map") is not None:
             d["kv_head_map"] = tuple(d["kv_head_map"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
@@ -158,14 +256,18 @@ class ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
         rope, local_rope = _rope_from_hf(hf)
+        if FAMILIES[model_type] == "gemma3" and rope.rope_type in ("yarn", "longrope"):
+            raise ValueError(f"rope scaling {rope.rope_type!r} is not built for {model_type}")
         sliding_window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
-        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        if model_type in _USE_SLIDING_WINDOW and not hf.get("use_sliding_window", False):
             sliding_window = None
         if sliding_window is None:
             sliding_layers = (False,) * num_layers
         elif layer_types:
             sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+        elif model_type == "exaone4":
+            sliding_layers = _exaone4_sliding(hf.get("sliding_window_pattern", 4), num_layers)
         elif FAMILIES[model_type] == "gemma3":
             default = 2 if model_type == "gemma2" else 6  # Gemma 2 alternates from layer 0
             pattern = int(hf.get("sliding_window_pattern",
@@ -188,16 +290,24 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=(
+                rope.original_max_position_embeddings if rope.rope_type == "longrope"
+                else int(hf.get("max_position_embeddings", 2048))),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=rope,
             local_rope=local_rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=attention_bias and model_type != "qwen2",
+            qkv_bias=(model_type == "qwen2" or attention_bias
+                      or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
+            o_bias=bool(hf.get("attention_out_bias", attention_bias)) and model_type != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
-            **_granite_scalars(hf) if model_type == "granite" else {},
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4"),
+            qk_norm_full=model_type in ("olmo2", "olmo3"),
+            post_norms=model_type in ("olmo2", "olmo3", "exaone4"),
+            partial_rotary_factor=_partial_rotary_factor(hf),
+            rope_layers=_rope_layers(hf, model_type, sliding_layers),
+            **_granite_scalars(hf) if model_type in ("granite", "granitemoe") else {},
+            **_moe_from_hf(hf, model_type, num_layers),
             sliding_window=None if sliding_window is None else int(sliding_window),
             sliding_layers=sliding_layers,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if is_gemma else None,
@@ -206,6 +316,65 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+# Families whose sliding window applies only with `use_sliding_window` set.
+_USE_SLIDING_WINDOW = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
+
+
+def _exaone4_sliding(pattern: int | None, num_layers: int) -> tuple[bool, ...]:
+    """EXAONE 4's `sliding_window_pattern` p without `layer_types`: every p-th layer global."""
+    p = int(pattern or 0)
+    return tuple(bool(p) and (i + 1) % p != 0 for i in range(num_layers))
+
+
+def _rope_layers(hf: dict[str, Any], model_type: str,
+                 sliding_layers: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Per layer, whether rope applies: SmolLM3's `no_rope_layers` (1 = rope), EXAONE 4's
+    global layers of a hybrid model go without; () when every layer has rope."""
+    if model_type == "smollm3" and hf.get("no_rope_layers") is not None:
+        flags = tuple(bool(f) for f in hf["no_rope_layers"])
+    elif model_type == "exaone4" and any(sliding_layers):
+        flags = sliding_layers
+    else:
+        return ()
+    return () if all(flags) else flags
+
+
+def _partial_rotary_factor(hf: dict[str, Any]) -> float:
+    """transformers 5 keeps it in `rope_parameters`, 4.x at the top level."""
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+
+
+def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config ({} for dense families).
+
+    Raises:
+      ValueError: a Qwen2/3-MoE config with dense MLP layers among the sparse ones
+        (`decoder_sparse_step` > 1 or `mlp_only_layers`): every layer here is sparse.
+    """
+    if model_type in ("mixtral", "granitemoe"):  # Granite-MoE: softmax of the top-k logits
+        return {
+            "num_experts": int(hf["num_local_experts"]),
+            "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+            "moe_intermediate_size": int(hf["intermediate_size"]),
+            "norm_topk_prob": True,
+        }
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    dense = [i for i in range(num_layers) if i in (hf.get("mlp_only_layers") or [])
+             or (i + 1) % int(hf.get("decoder_sparse_step", 1)) != 0]
+    if dense:
+        raise ValueError(f"MoE layers {dense} have a dense MLP; jengine runs {model_type} "
+                         "only with every layer sparse (decoder_sparse_step 1, no mlp_only_layers)")
+    return {
+        "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size", 0)),
+        "num_experts": int(hf.get("num_experts") or hf["num_local_experts"]),
+        "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+        "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+    }
 
 
 def _granite_scalars(hf: dict[str, Any]) -> dict[str, float]:
@@ -224,9 +393,14 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
         full = RopeConfig.from_hf(params["full_attention"])
         local = params.get("sliding_attention")
         return full, RopeConfig.from_hf(local) if local else None
+    # Longrope's factors depend on these two top-level fields (Phi-3 keeps them there).
+    positions = {key: hf[key] for key in ("original_max_position_embeddings",
+                                          "max_position_embeddings") if key in hf}
     if params:
-        return RopeConfig.from_hf(params, hf.get("rope_theta")), None
-    rope = RopeConfig.from_hf(hf.get("rope_scaling"), hf.get("rope_theta", 10000.0))
+        return RopeConfig.from_hf({**positions, **params}, hf.get("rope_theta")), None
+    scaling = hf.get("rope_scaling")
+    scaling = {**positions, **scaling} if scaling else None
+    rope = RopeConfig.from_hf(scaling, hf.get("rope_theta", 10000.0))
     local = None
     if "rope_local_base_freq" in hf:
         local = RopeConfig(theta=float(hf["rope_local_base_freq"]))

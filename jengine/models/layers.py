@@ -60,7 +60,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     # float32 throughout, as HF computes it, so positions far out round the same way.
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv = np.float32(1.0) / (np.float32(rope.theta) ** exponent)
-    if rope.rope_type == "freq_factors":
+    if rope.rope_type in ("freq_factors", "longrope"):
         inv = inv / np.asarray(rope.freq_factors, np.float32)
     elif rope.rope_type == "linear":
         inv = inv / rope.factor
@@ -75,18 +75,51 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    elif rope.rope_type == "yarn":
+        inv = _yarn_inv_freq(inv, rope, head_dim)
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates [T, H, D] by position, HF's rotate-half layout (first half / second half)."""
+def _yarn_inv_freq(inv: np.ndarray, rope: RopeConfig, dim: int) -> np.ndarray:
+    """YaRN: frequencies below the ramp interpolated (divided by `factor`), above it kept,
+    blended linearly across it; the ramp's bounds are the dims that turn `beta_fast` and
+    `beta_slow` times over the original context (HF's `find_correction_range`)."""
+    def turns_dim(turns: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = turns_dim(rope.beta_fast), turns_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float32)
+    keep = np.float32(1) - ramp
+    pos = np.float32(rope.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    interpolated = np.float32(1.0) / (np.float32(rope.factor) * pos)
+    return interpolated * (np.float32(1) - keep) + inv * keep
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               scale: float | jax.Array = 1.0) -> jax.Array:
+    """Rotates [T, H, D] by position, HF's rotate-half layout (first half / second half).
+
+    With fewer frequencies than D / 2 (partial rotary, R = 2 * len(inv_freq) < D) only the
+    first R dims turn and the rest pass through, as HF's Phi-3 does. `scale` multiplies cos and
+    sin (longrope's attention factor): the rotated dims grow by it, the others do not."""
     with jax.named_scope("rope"):
-        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
         cos = jnp.cos(angles)[:, None, :]
         sin = jnp.sin(angles)[:, None, :]
+        if not (isinstance(scale, float) and scale == 1.0):  # a float, or a traced [] array
+            cos, sin = cos * scale, sin * scale
         x32 = x.astype(jnp.float32)
-        x1, x2 = jnp.split(x32, 2, axis=-1)
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        rotary = 2 * inv_freq.shape[-1]
+        x1, x2 = jnp.split(x32[..., :rotary], 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary:]],
+                              axis=-1)
         return out.astype(x.dtype)
 
 

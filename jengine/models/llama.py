@@ -1,5 +1,5 @@
-"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3 (dense), Granite 3 and SmolLM2
-through config switches.
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Granite 3, SmolLM2, Phi-3,
+OLMo 2, and the MoE Mixtral and Qwen3-MoE (`jengine/models/moe.py`) through config switches.
 
 Every layer weight is declared with a leading `layers` axis; the layers run under `jax.lax.scan`
 with the stacked KV cache in the carry (each layer updates its pages in place), or, with the
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jengine.models import layers
+from jengine.models import layers, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
@@ -37,6 +38,13 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         "w_down": ParamSpec((n, f, e), ("layers", "mlp", "embed"), contract=(1,)),
         "final_norm": ParamSpec((e,), ("embed",), "ones"),
     }
+    if cfg.num_experts:
+        del specs["w_gate"], specs["w_up"], specs["w_down"]
+        specs.update(moe.param_specs(cfg))
+    if cfg.post_norms:  # OLMo 2 normalises the sub-layer outputs, not their inputs
+        del specs["attn_norm"], specs["mlp_norm"]
+        specs["post_attn_norm"] = ParamSpec((n, e), ("layers", "embed"), "ones")
+        specs["post_mlp_norm"] = ParamSpec((n, e), ("layers", "embed"), "ones")
     if cfg.qkv_bias:
         specs["bq"] = ParamSpec((n, h, d), ("layers", "q_heads", "head_dim"), "zeros")
         specs["bk"] = ParamSpec((n, k, d), ("layers", "kv_heads", "head_dim"), "zeros")
@@ -50,6 +58,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     if cfg.qk_norm:
         specs["q_norm"] = ParamSpec((n, d), ("layers", "head_dim"), "ones")
         specs["k_norm"] = ParamSpec((n, d), ("layers", "head_dim"), "ones")
+    if cfg.qk_norm_full:  # one weight per (head, dim): shards and pads with the heads
+        specs["q_norm"] = ParamSpec((n, h, d), ("layers", "q_heads", "head_dim"), "ones")
+        specs["k_norm"] = ParamSpec((n, k, d), ("layers", "kv_heads", "head_dim"), "ones")
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((e, v), ("embed", "vocab"), contract=(0,))
     return specs
@@ -58,6 +69,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
 LAYER_KEYS = (
     "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
     "bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "q_norm", "k_norm",
+    "post_attn_norm", "post_mlp_norm", *moe.LAYER_KEYS,
 )
 
 
@@ -75,38 +87,54 @@ def forward(
     if cfg.embedding_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
     scaled = _scaled_by(cfg.residual_multiplier)
-    inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
     window = cfg.sliding_window
-    windows = jnp.asarray(
-        [window if (window and s) else jnp.iinfo(jnp.int32).max for s in cfg.sliding_layers],
-        jnp.int32,
+    per_layer = (
+        jnp.asarray(  # [L] window per layer
+            [window if (window and s) else jnp.iinfo(jnp.int32).max for s in cfg.sliding_layers],
+            jnp.int32,
+        ),
+        jnp.asarray(_layer_inv_freq(cfg)),  # [L, R/2]
     )
+    # The rope's cos/sin scale (longrope's, yarn's attention factor): a constant when every
+    # layer shares it, else per layer (OLMo 3's yarn on its global layers only).
+    scales = _layer_rope_scale(cfg)
+    uniform = float(scales[0]) if (scales == scales[0]).all() else None
+    if uniform is None:
+        per_layer = per_layer + (jnp.asarray(scales),)
 
     def layer(carry, xs):
         x, kv = carry
-        p, index, layer_window = xs
-        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        p, index, (layer_window, inv_freq, *scale) = xs
+        rope_scale = uniform if uniform is not None else scale[0]
+        h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         q = project(h, p["wq"], "te,ehd->thd", p.get("bq"))
         k = project(h, p["wk"], "te,ehd->thd", p.get("bk"))
         v = project(h, p["wv"], "te,ehd->thd", p.get("bv"))
         if cfg.qk_norm:  # per head, before rope
             q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, md.positions, inv_freq)
-        k = apply_rope(k, md.positions, inv_freq)
+        if cfg.qk_norm_full:
+            q = _rms_norm_heads(q, p["q_norm"], cfg.rms_norm_eps, cfg.num_heads - cfg.padded_heads)
+            k = _rms_norm_heads(k, p["k_norm"], cfg.rms_norm_eps, cfg.num_kv_heads)
+        q = apply_rope(q, md.positions, inv_freq, rope_scale)
+        k = apply_rope(k, md.positions, inv_freq, rope_scale)
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
         )
-        x = x + scaled(layers.project_heads(attn, p["wo"], p.get("bo")))
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"))
-        up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"))
-        x = x + scaled(project(jax.nn.silu(gate) * up, p["w_down"], "tf,fe->te", p.get("b_down")))
+        attn = layers.project_heads(attn, p["wo"], p.get("bo"))
+        if cfg.post_norms:
+            attn = rms_norm(attn, p["post_attn_norm"], cfg.rms_norm_eps)
+        x = x + scaled(attn)
+        h = x if cfg.post_norms else rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        out = moe.moe_mlp(h, p, cfg) if cfg.num_experts else _mlp(h, p)
+        if cfg.post_norms:
+            out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps)
+        x = x + scaled(out)
         return (x, kv), None
 
-    x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, windows, cfg.num_layers)
+    x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, per_layer, cfg.num_layers)
     if not all_logits:
         x = x[md.logits_indices]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -118,6 +146,43 @@ def forward(
     if cfg.logits_scaling != 1.0:
         logits = logits / cfg.logits_scaling
     return logits, kv
+
+
+def _layer_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[L, R/2] rope frequencies per layer: the sliding layers' own rope where the config has
+    one (OLMo 3), zeros where no rope applies (SmolLM3's and EXAONE 4's NoPE layers: a zero
+    angle turns nothing, exactly)."""
+    full = rope_inv_freq(cfg.rope, cfg.rotary_dim)
+    local = rope_inv_freq(cfg.local_rope, cfg.rotary_dim) if cfg.local_rope else full
+    sliding = cfg.sliding_layers or (False,) * cfg.num_layers
+    rope = cfg.rope_layers or (True,) * cfg.num_layers
+    return np.stack([(local if s else full) * r for s, r in zip(sliding, rope, strict=True)])
+
+
+def _layer_rope_scale(cfg: ModelConfig) -> np.ndarray:
+    """[L] the attention factor of the rope each layer uses (see `_layer_inv_freq`)."""
+    local = cfg.local_rope or cfg.rope
+    sliding = cfg.sliding_layers or (False,) * cfg.num_layers
+    return np.asarray([(local if s else cfg.rope).attention_factor for s in sliding],
+                      np.float32)
+
+
+def _mlp(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    """The dense SwiGLU MLP [T, E] -> [T, E]."""
+    gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"))
+    up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"))
+    return project(jax.nn.silu(gate) * up, p["w_down"], "tf,fe->te", p.get("b_down"))
+
+
+def _rms_norm_heads(x: jax.Array, weight: jax.Array, eps: float, real_heads: int) -> jax.Array:
+    """OLMo 2's RMSNorm over all heads of a token at once ([T, H, D], weight [H, D]).
+
+    The mean of squares divides by the real heads' width: q heads zero-padded for tp
+    (`ModelConfig.padded_heads`) add nothing to the sum and must not count in the mean."""
+    with jax.named_scope("norm"):
+        x32 = x.astype(jnp.float32)
+        mean_sq = jnp.sum(x32 * x32, axis=(1, 2), keepdims=True) / (real_heads * x.shape[-1])
+        return weight * (x32 * jax.lax.rsqrt(mean_sq + eps)).astype(x.dtype)
 
 
 def _scaled_by(multiplier: float):

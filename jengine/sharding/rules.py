@@ -19,12 +19,10 @@ import dataclasses
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jengine.models import family_module
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec
 from jengine.sharding.mesh import TP
-
-# Which weights carry q heads, and on which axis (after the leading `layers` axis).
-_Q_HEAD_PARAMS = {"wq": 2, "bq": 1, "wo": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +39,7 @@ class ShardingRules:
         return cls(mesh=mesh, kv_heads_sharded=cfg.num_kv_heads % tp == 0)
 
     def axis(self, logical: str) -> str | None:
-        if logical in ("q_heads", "mlp", "vocab"):
+        if logical in ("q_heads", "mlp", "vocab"):  # `mlp` includes each MoE expert's columns
             return TP
         if logical == "kv_heads":
             return TP if self.kv_heads_sharded else None
@@ -67,6 +65,10 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(
             f"tp={tp} does not divide the MLP width {cfg.intermediate_size} of this model"
         )
+    if cfg.num_experts and cfg.moe_intermediate_size % tp:
+        raise ValueError(
+            f"tp={tp} does not divide the expert MLP width {cfg.moe_intermediate_size}"
+        )
     if cfg.vocab_size % tp:
         raise ValueError(f"tp={tp} does not divide the vocabulary size {cfg.vocab_size}")
 
@@ -81,7 +83,8 @@ def padded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     padded = -(-heads // tp) * tp
     group = heads // cfg.num_kv_heads
     kv_map = tuple(h // group if h < heads else 0 for h in range(padded))
-    return dataclasses.replace(cfg, num_heads=padded, kv_head_map=kv_map)
+    return dataclasses.replace(cfg, num_heads=padded, kv_head_map=kv_map,
+                               padded_heads=padded - heads)
 
 
 def pad_query_heads(
@@ -98,10 +101,9 @@ def pad_query_heads(
     if padded_cfg is cfg:
         return cfg, params
     out = dict(params)
-    for name, axis in _Q_HEAD_PARAMS.items():
-        if name in params:
-            w = params[name]
-            widths = [(0, 0)] * w.ndim
-            widths[axis] = (0, padded_cfg.num_heads - cfg.num_heads)
-            out[name] = np.pad(w, widths)
+    for name, spec in family_module(cfg).param_specs(cfg).items():
+        if "q_heads" in spec.axes:  # wq, wo, bq, OLMo 2's q_norm
+            widths = [(0, 0)] * len(spec.shape)
+            widths[spec.axes.index("q_heads")] = (0, padded_cfg.num_heads - cfg.num_heads)
+            out[name] = np.pad(params[name], widths)
     return padded_cfg, out

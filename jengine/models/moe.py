@@ -1,0 +1,115 @@
+"""The sparse mixture-of-experts MLP of Mixtral, Qwen2-MoE, Qwen3-MoE and Granite-MoE.
+
+Routing is HF's, step for step: router logits [T, X] -> softmax in float32 -> the top
+`num_experts_per_tok` probabilities (`lax.top_k`: exactly k, ties broken towards the lower
+expert index; `torch.topk` on CPU follows no index rule for exact ties, so under an exact tie
+the two may keep different, equally weighted experts) -> renormalised to sum 1 where the
+family does (`norm_topk_prob`: always for Mixtral; Granite-MoE's softmax over the top-k
+logits is the same weights; a config switch for Qwen2/3-MoE). Each token's
+output is the weighted sum of its chosen experts' SwiGLU MLPs, plus (Qwen2-MoE) a shared
+expert's MLP that every token runs, scaled by sigmoid(h . `ws_router`).
+
+The experts are three stacked weights with a logical `experts` axis, `we_gate`/`we_up`
+[L, X, E, F] and `we_down` [L, X, F, E]. Two exact ways compute them, picked statically from the
+bucket's token count T (both give HF's sums; only float32 rounding differs):
+- `gather` (T * k <= X, decode-sized steps): each of the T * k (token, expert) pairs gathers its
+  expert's weights and runs one small matmul: reads T * k experts instead of all X.
+- `dense` (larger steps): every token through every expert, [T, X, F], combined with a [T, X]
+  weight matrix that is zero off the chosen experts. It does X / k times the useful work, but
+  it is plain batched matmuls. A sort by expert + grouped matmul (`lax.ragged_dot`) would do
+  only the useful work, but XLA:CPU lowers `ragged_dot` to a masked dot over all experts.
+Measured on XLA:CPU (`scripts/moe_bench.py`, X=64, k=8, E=1024, F=384, median ms per layer,
+2 shared cores): T=1 gather 69 / dense 403 / ragged 468; T=4 152 / 353 / 409; T=8 (T*k = X)
+692 / 682 / 644; T=16 641 / 501 / 738; T=64 2386 / 755 / 1841. Gather wins while T*k < X,
+the three meet at T*k = X, dense wins beyond; ragged never wins there.
+
+Under tensor parallelism the experts shard on their MLP axis (`mlp` -> tp): every device holds
+every expert's slice of columns, computes its part of each expert's MLP for all tokens, and the
+`we_down` contraction over the sharded F axis ends in one all-reduce, as the dense MLP does.
+The router is replicated, so every device routes identically. (An `ep` mesh axis would shard
+`experts` instead; not built.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jengine.models.config import ModelConfig
+from jengine.models.layers import ParamSpec, dot
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """The router and the stacked experts of every layer."""
+    n, e, x, f = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    specs = {
+        "router": ParamSpec((n, e, x), ("layers", "embed", "experts")),
+        "we_gate": ParamSpec((n, x, e, f), ("layers", "experts", "embed", "mlp")),
+        "we_up": ParamSpec((n, x, e, f), ("layers", "experts", "embed", "mlp")),
+        "we_down": ParamSpec((n, x, f, e), ("layers", "experts", "mlp", "embed")),
+    }
+    shared = cfg.shared_expert_intermediate_size
+    if shared:
+        specs.update({
+            "ws_router": ParamSpec((n, e), ("layers", "embed")),
+            "ws_gate": ParamSpec((n, e, shared), ("layers", "embed", "mlp")),
+            "ws_up": ParamSpec((n, e, shared), ("layers", "embed", "mlp")),
+            "ws_down": ParamSpec((n, shared, e), ("layers", "mlp", "embed")),
+        })
+    return specs
+
+
+LAYER_KEYS = ("router", "we_gate", "we_up", "we_down", "ws_router", "ws_gate", "ws_up", "ws_down")
+
+
+def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """[T, E] -> (chosen experts [T, k] int32, their weights [T, k] float32), as HF routes."""
+    logits = dot("te,ex->tx", h, router).astype(h.dtype)  # HF's router runs in the model dtype
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts, weights
+
+
+def moe_mlp(h: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
+    """[T, E] -> [T, E]: the routed experts' SwiGLU MLPs, weighted and summed per token."""
+    with jax.named_scope("moe"):
+        experts, weights = route(h, p["router"], cfg)
+        num_tokens, k = experts.shape
+        if num_tokens * k <= cfg.num_experts:
+            out = _gather_experts(h, p, experts, weights)
+        else:
+            out = _dense_experts(h, p, experts, weights, cfg.num_experts)
+        if "ws_router" in p:
+            out = out + _shared_expert(h, p)
+        return out
+
+
+def _shared_expert(h, p) -> jax.Array:
+    """Qwen2-MoE's shared expert: a SwiGLU MLP gated per token by sigmoid(h . ws_router)."""
+    gate = dot("te,ef->tf", h, p["ws_gate"]).astype(h.dtype)
+    up = dot("te,ef->tf", h, p["ws_up"]).astype(h.dtype)
+    mlp = dot("tf,fe->te", jax.nn.silu(gate) * up, p["ws_down"]).astype(h.dtype)
+    scale = jax.nn.sigmoid(dot("te,e->t", h, p["ws_router"]).astype(h.dtype))
+    return mlp * scale[:, None]
+
+
+def _gather_experts(h, p, experts, weights) -> jax.Array:
+    """Each (token, chosen expert) pair through that expert's gathered weights."""
+    gate = dot("te,tkef->tkf", h, p["we_gate"][experts])  # [T, k, F]
+    up = dot("te,tkef->tkf", h, p["we_up"][experts])
+    act = jax.nn.silu(gate.astype(h.dtype)) * up.astype(h.dtype)
+    out = dot("tkf,tkfe->tke", act, p["we_down"][experts])  # [T, k, E]
+    return jnp.einsum("tke,tk->te", out, weights).astype(h.dtype)
+
+
+def _dense_experts(h, p, experts, weights, num_experts: int) -> jax.Array:
+    """Every token through every expert; the [T, X] combine matrix is zero off the chosen ones."""
+    gate = dot("te,xef->txf", h, p["we_gate"])  # [T, X, F]
+    up = dot("te,xef->txf", h, p["we_up"])
+    act = jax.nn.silu(gate.astype(h.dtype)) * up.astype(h.dtype)
+    combine = jnp.einsum("tk,tkx->tx", weights,
+                         jax.nn.one_hot(experts, num_experts, dtype=jnp.float32))
+    act = act * combine[:, :, None].astype(h.dtype)  # unchosen experts contribute exact zeros
+    return dot("txf,xfe->te", act, p["we_down"]).astype(h.dtype)

@@ -1,0 +1,33 @@
+"""docs/models.md's supported-models table is what scripts/supported_models.py generates from
+the code's registries, every supported `model_type` has a row, and every parity test a row
+names exists."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import test_models_parity
+
+from jengine.models.config import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "supported_models", ROOT / "scripts" / "supported_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_table_is_generated_and_complete():
+    script = _script()
+    assert set(script.NOTES) == set(FAMILIES)  # a new model_type needs its row
+    text = script.DOC.read_text()
+    assert script.updated(text) == text, "run: python -P scripts/supported_models.py"
+    tested = [test for _, test in script.NOTES.values() if test]
+    for name in tested:
+        assert callable(getattr(test_models_parity, name, None)), name
+    assert len(tested) >= 15
