@@ -519,6 +519,8 @@ class EngineCore:
             if state.finished:
                 state.finish_time = time.perf_counter()
                 del self.requests[rid]
+        if not self.requests:
+            self._last_done = 0.0  # idle from here: the next step's wait is not a host gap
         return outputs
 
     def _fail_request(self, state: RequestState, error: Exception) -> None:
@@ -550,6 +552,9 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.runner.launch(batch, rows, feed, prev[0] if feed is not None else None)
         self.device_seconds += time.perf_counter() - t0
+        costs = self.scheduler.step_costs
+        if costs is not None and prev is None and self._last_done:
+            costs.observe_gap(t0 - self._last_done)  # nothing ran on the device meanwhile
         return batch, out, t0
 
     @staticmethod

@@ -34,6 +34,7 @@ from jengine.page_allocator import PageAllocator
 from jengine.prefix_cache import PrefixCache
 from jengine.sequence import PENDING, Sequence, SequenceStatus
 from jengine.speculative import (
+    DECLINED_PAUSE,
     NgramProposer,
     SpecCounters,
     SpecState,
@@ -62,6 +63,7 @@ class Scheduler:
         self.spec_counters = SpecCounters()
         # Measured step seconds per token bucket (the engine fills it); None: verify everything.
         self.step_costs: StepCosts | None = None
+        self._spec_paused = 0  # steps left in which nobody proposes (DECLINED_PAUSE)
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -170,7 +172,7 @@ class Scheduler:
         p = seq.params
         return (self.proposer is not None and seq.matcher is None and not p.uses_token_history
                 and not seq.bad_words and len(seq.output_ids) >= p.min_tokens
-                and (seq.spec is None or seq.spec.may_propose()))
+                and self._spec_paused == 0 and (seq.spec is None or seq.spec.may_propose()))
 
     def _speculate(self, chosen: list[tuple[Sequence, int]], budget: int) -> None:
         """Appends proposals to the chosen decodes, within the room left: `budget` tokens,
@@ -178,6 +180,9 @@ class Scheduler:
         With step costs measured (`step_costs`), proposals are cut to the length that gives the
         most expected tokens per second, which is none where verifying costs more than it
         gains (`jengine.speculative.best_cap`)."""
+        if self._spec_paused > 0:
+            self._spec_paused -= 1
+            return
         room = min(budget, self.max_num_seqs - len(chosen))  # rows and tokens alike
         candidates = []
         for i, (seq, n) in enumerate(chosen):
@@ -201,6 +206,8 @@ class Scheduler:
         sampling = sum(1 for seq, n in chosen if seq.num_computed + n == seq.num_tokens)
         cap = best_cap(tokens, sampling, [(len(p), seq.spec.acceptance)
                                           for _, seq, p in candidates], self.step_costs)
+        if cap == 0:
+            self._spec_paused = DECLINED_PAUSE
         rows = len(chosen)
         for i, seq, proposal in candidates:
             proposal = proposal[:max(0, min(cap, budget, self.max_num_seqs - rows))]

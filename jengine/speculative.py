@@ -35,6 +35,9 @@ BACKOFF_STEPS = 16
 # many steps before it proposes again. A waiting sequence lets the engine schedule its next step
 # before this one's token is back (async scheduling), which a proposing one cannot.
 NO_PROPOSAL_PAUSE = 4
+# When the cost model turns every proposal of a step down, nobody proposes for this many steps
+# (so the engine keeps running ahead), then it weighs the batch again.
+DECLINED_PAUSE = 6
 # Each sequence's acceptance estimate (per proposed token) starts here and follows its own
 # verifications with this weight; a sequence left out for `REEXPLORE_STEPS` steps by the cost
 # model gets the prior back, so a change in the text can turn speculation on again.
@@ -140,6 +143,7 @@ class StepCosts:
         self._bucket_of = bucket_of  # num_tokens -> the token bucket that runs them
         self._seconds: dict[int, float] = {}
         self._seen: set[int] = set()
+        self.gap: float | None = None  # host seconds between steps run one after the other
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Records one step. A bucket's first step is not counted: it may have built (compiled
@@ -150,6 +154,11 @@ class StepCosts:
             return
         old = self._seconds.get(t)
         self._seconds[t] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+
+    def observe_gap(self, seconds: float) -> None:
+        """Records the host's time between one step's outputs and the next launch when they
+        did not overlap: what a verifying step pays on top, since it cannot run ahead."""
+        self.gap = seconds if self.gap is None else self.gap + self.WEIGHT * (seconds - self.gap)
 
     def estimate(self, num_tokens: int) -> float | None:
         """Seconds of a step of `num_tokens`; an unmeasured bucket is taken to cost what the
@@ -176,6 +185,8 @@ def best_cap(base_tokens: int, base_rows: int, proposals: list[tuple[int, float]
         extra = sum(min(n, cap) for n, _ in proposals)
         gain = sum(expected_tokens(min(n, cap), a) - 1 for n, a in proposals)
         seconds = costs.estimate(base_tokens + extra)
+        if seconds is not None:
+            seconds += costs.gap or 0.0  # a verifying step waits for the host
         if seconds is not None and (base_rows + gain) / seconds > best_rate:
             best, best_rate = cap, (base_rows + gain) / seconds
     return best
