@@ -55,7 +55,7 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
-    """Speculative decoding (jengine/speculative.py): off unless `method` is set."""
+    """Speculative decoding (jengine/scheduling/speculative.py): off unless `method` is set."""
 
     method: str | None = None  # None (off) | "ngram" (prompt lookup) | "draft" (not yet built)
     num_tokens: int = 3  # proposed tokens per step (4 query rows: a CPU step's cheap size)

@@ -41,11 +41,11 @@ def measure(backend: str, reps: int) -> dict[str, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    from jengine.batch import ScheduledBatch
     from jengine.models import ModelConfig
     from jengine.models.attention import attend
     from jengine.models.config import RopeConfig
-    from jengine.runner import Buckets, Runner, SamplingRows
+    from jengine.runtime.runner import Buckets, Runner, SamplingRows
+    from jengine.scheduling.batch import ScheduledBatch
 
     cfg = ModelConfig(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -13,7 +13,7 @@ from test_sharding import _tiny_llama
 
 from jengine import Engine, SamplingParams
 from jengine.pallas_kernels import cpu
-from jengine.runner import QUERY_BLOCK, SamplingRows, _dummy_batch
+from jengine.runtime.runner import QUERY_BLOCK, SamplingRows, _dummy_batch
 
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(),
@@ -106,7 +106,7 @@ def test_bf16_kv_cache_halves_page_bytes(tiny, backend):
 
 def test_kv_cache_dtype_from_config_and_errors(tmp_path):
     from jengine.config import load_config
-    from jengine.core import resolve_kv_cache_dtype
+    from jengine.core.engine_core import resolve_kv_cache_dtype
 
     preset = tmp_path / "bf16.yaml"
     preset.write_text("cache:\n  kv_cache_dtype: bfloat16\n")

@@ -1,4 +1,4 @@
-"""Tests for jengine.sampler against a NumPy reference of every setting."""
+"""Tests for jengine.runtime.sampler against a NumPy reference of every setting."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine import sampler
-from jengine.sampler import SamplingArrays, pack_bitmask, process_logits, sample
+from jengine.runtime import sampler
+from jengine.runtime.sampler import SamplingArrays, pack_bitmask, process_logits, sample
 
 V = 1000
 S = 4  # rows of most tests: one compiled program per function

@@ -335,7 +335,7 @@ def test_vllm_chat_fields_are_honoured(local):
     text = cont["choices"][0]["message"]["content"]
     assert text.startswith("The color is") and len(text) > len("The color is")
     # continue_final_message: the prompt ends inside the assistant's turn
-    from jengine.engine import render_chat
+    from jengine.text.chat import render_chat
 
     rendered = tok.decode(render_chat(tok, messages, add_generation_prompt=False,
                                       continue_final_message=True))

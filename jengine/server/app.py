@@ -33,13 +33,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import jengine
 from jengine.config import ServerConfig
-from jengine.engine import render_chat
 from jengine.server import chat, completions, responses
 from jengine.server.errors import bad_request, install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
 from jengine.server.openapi import install_openapi
 from jengine.server.protocol import DetokenizeRequest, TokenizeRequest, check_text_fields
 from jengine.server.state import ServerState, served_model_name
+from jengine.text.chat import render_chat
 
 if TYPE_CHECKING:
     from jengine.engine import AsyncEngine
@@ -253,9 +253,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(args: argparse.Namespace) -> int:
     """`jengine serve`: listen first, load the engine in the background, drain on SIGTERM."""
+    from jengine.core.kv_budget import host_kv_budget
     from jengine.engine import AsyncEngine, build_config
     from jengine.engine_flags import engine_kwargs
-    from jengine.kv_budget import host_kv_budget
     from jengine.sharding import MeshSpec
 
     kwargs = engine_kwargs(args)

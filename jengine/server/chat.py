@@ -4,7 +4,8 @@ A stream goes as OpenAI sends it: for each choice a first chunk with the role, t
 chunks, then exactly one chunk with an empty delta and the finish_reason; with
 `stream_options.include_usage` a last chunk with `choices: []` and the usage; then `[DONE]`.
 
-With tools (`jengine.tools`), `<tool_call>` blocks in the output become `message.tool_calls` and
+With tools (`jengine.text.tools`), `<tool_call>` blocks in the output become
+`message.tool_calls` and
 the rest stays `content` (null when nothing else is left); a choice that made calls finishes with
 "tool_calls". Streamed, a call goes out as `delta.tool_calls` chunks: the id, type and function
 name (arguments ""), then argument fragments: as they are generated when `tool_choice` forces the
@@ -21,7 +22,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from jengine.engine import render_chat
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
 from jengine.server.protocol import (
     ChatCompletionRequest,
@@ -33,7 +33,8 @@ from jengine.server.protocol import (
 )
 from jengine.server.state import ServerState
 from jengine.server.streams import EngineStream, sse, sse_stream, start_stream
-from jengine.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
+from jengine.text.chat import render_chat
+from jengine.text.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
 
 router = APIRouter()
 

@@ -29,7 +29,7 @@ from pydantic import (
 from jengine.outputs import Logprob
 from jengine.sampling_params import SamplingParams, StructuredOutputs, check_strings
 from jengine.server.errors import bad_request
-from jengine.tools import ToolSetup, constrain, tool_setup
+from jengine.text.tools import ToolSetup, constrain, tool_setup
 
 # What /openapi.json says `prompt` is (the handler checks it: `CompletionRequest.prompts`).
 _PROMPT_SCHEMA = {"anyOf": [

@@ -43,13 +43,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from jengine.engine import render_chat
 from jengine.outputs import RequestOutput
 from jengine.server.errors import APIError, bad_request, invalid_value, validation_message
 from jengine.server.protocol import ChatCompletionRequest, Float, check_text_fields
 from jengine.server.state import ServerState
 from jengine.server.streams import ClientGone, EngineStream, sse, start_stream
-from jengine.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
+from jengine.text.chat import render_chat
+from jengine.text.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
 
 log = logging.getLogger("jengine.server")
 

@@ -3,7 +3,7 @@
 The count comes from `jax.monitoring` (one `/jax/core/compile/jaxpr_to_mlir_module_duration`
 event per program JAX lowers, whether XLA then compiles it or loads it from the persistent cache),
 so a step shape that was not warmed up shows up here however the engine is driven. Programs that
-`jengine.executables` loads without lowering them are added by `record_program_load`: a load
+`jengine.runtime.executables` loads without lowering them are added by `record_program_load`: a load
 after ready stalls the batch as surely as a compile does.
 """
 

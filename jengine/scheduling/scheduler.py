@@ -16,11 +16,12 @@ outlive their sequences (finished, aborted or preempted: a recompute finds its o
 again). Cached pages that nobody holds count as free: `_allocate` evicts them when the free
 list runs short.
 
-With a proposer (speculative decoding, jengine/speculative.py), decodes whose last token is known
-then get proposed tokens appended to their query, from what the token budget, the row limit
-(`max_num_seqs` sampled rows in all) and free pages leave after every decode and prefill chunk
-has its share: speculation only ever uses room nothing else wanted. `finalize` keeps the
-confirmed proposals and the bonus token, and gives back pages that only rejected ones needed.
+With a proposer (speculative decoding, jengine/scheduling/speculative.py), decodes whose last
+token is known then get proposed tokens appended to their query, from what the token budget, the
+row limit (`max_num_seqs` sampled rows in all) and free pages leave after every decode and
+prefill chunk has its share: speculation only ever uses room nothing else wanted. `finalize`
+keeps the confirmed proposals and the bonus token, and gives back pages that only rejected ones
+needed.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ import collections
 
 import numpy as np
 
-from jengine.batch import ScheduledBatch
-from jengine.page_allocator import PageAllocator
-from jengine.prefix_cache import PrefixCache
-from jengine.sequence import PENDING, Sequence, SequenceStatus
-from jengine.speculative import (
+from jengine.scheduling.batch import ScheduledBatch
+from jengine.scheduling.page_allocator import PageAllocator
+from jengine.scheduling.prefix_cache import PrefixCache
+from jengine.scheduling.sequence import PENDING, Sequence, SequenceStatus
+from jengine.scheduling.speculative import (
     DECLINED_PAUSE,
     NgramProposer,
     SpecCounters,
@@ -179,7 +180,7 @@ class Scheduler:
         `max_num_seqs` rows in all, and free pages (speculation never preempts or evicts).
         With step costs measured (`step_costs`), proposals are cut to the length that gives the
         most expected tokens per second, which is none where verifying costs more than it
-        gains (`jengine.speculative.best_cap`)."""
+        gains (`jengine.scheduling.speculative.best_cap`)."""
         if self._spec_paused > 0:
             self._spec_paused -= 1
             return

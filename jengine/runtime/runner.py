@@ -28,17 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.batch import ScheduledBatch
-from jengine.compilation import record_program_load
-from jengine.executables import (
+from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
+from jengine.pallas_kernels import num_query_blocks, query_blocks
+from jengine.runtime.compilation import record_program_load
+from jengine.runtime.executables import (
     ExecutableStore,
     ProgramsNotStoredError,
     compile_fresh,
     store_key,
 )
-from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
-from jengine.pallas_kernels import num_query_blocks, query_blocks
-from jengine.sampler import SamplingArrays, sample
+from jengine.runtime.sampler import SamplingArrays, sample
+from jengine.scheduling.batch import ScheduledBatch
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
 

@@ -267,7 +267,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from jengine.executables import ExecutableStore, default_store_dir
+    from jengine.runtime.executables import ExecutableStore, default_store_dir
 
     start = time.perf_counter()
     engine = make_engine(args, warmup=True)
@@ -297,15 +297,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
-        from jengine.bench_serve import run_serve_bench
+        from jengine.bench.serve import run_serve_bench
 
         result = run_serve_bench(args)
     elif args.bench_command == "prefix-cache":
-        from jengine.bench_prefix import run_prefix_bench
+        from jengine.bench.prefix import run_prefix_bench
 
         result = run_prefix_bench(args)
     else:
-        from jengine.bench import run_throughput
+        from jengine.bench.throughput import run_throughput
 
         result = run_throughput(args)
     print(json.dumps(result, indent=1))

@@ -49,7 +49,8 @@ class Sequence:
     matcher: Any = None
     # SamplingParams.bad_words as token ids (each word alone and after a space).
     bad_words: tuple[tuple[int, ...], ...] = ()
-    # Speculative decoding (`jengine.speculative.SpecState`); None while it never speculated.
+    # Speculative decoding (`jengine.scheduling.speculative.SpecState`); None while it never
+    # speculated.
     spec: Any = None
 
     @property

@@ -19,24 +19,25 @@ import numpy as np
 from tqdm import tqdm
 
 from converters import LoadedModel, load_config, load_source
-from jengine.compilation import compile_count, enable_persistent_cache
 from jengine.config import EngineConfig
-from jengine.detokenizer import IncrementalDetokenizer
-from jengine.executables import ExecutableStore, default_store_dir
-from jengine.kv_budget import host_kv_budget
-from jengine.logprobs import prompt_targets, ranked, record_prompt_logprobs
+from jengine.core.kv_budget import host_kv_budget
+from jengine.core.logprobs import prompt_targets, ranked, record_prompt_logprobs
+from jengine.core.request import RequestState, SampleState
+from jengine.core.stats import EngineStats
 from jengine.models import KVCache, family_module
 from jengine.models.layers import resolve_layer_layout, unstack_layers
 from jengine.models.quant import quantize_params, resolve_quantization
 from jengine.outputs import RequestOutput
-from jengine.page_allocator import PageAllocator
 from jengine.pallas_kernels import resolve_backend
-from jengine.prefix_cache import PrefixCache
-from jengine.request import RequestState, SampleState
-from jengine.runner import Buckets, Runner, SamplingRows, StepResult
+from jengine.runtime.compilation import compile_count, enable_persistent_cache
+from jengine.runtime.executables import ExecutableStore, default_store_dir
+from jengine.runtime.runner import Buckets, Runner, SamplingRows, StepResult
 from jengine.sampling_params import SamplingParams, check_text
-from jengine.scheduler import Scheduler
-from jengine.sequence import PENDING, Sequence
+from jengine.scheduling.page_allocator import PageAllocator
+from jengine.scheduling.prefix_cache import PrefixCache
+from jengine.scheduling.scheduler import Scheduler
+from jengine.scheduling.sequence import PENDING, Sequence
+from jengine.scheduling.speculative import NgramProposer, StepCosts
 from jengine.sharding import (
     MeshSpec,
     ShardingRules,
@@ -45,10 +46,9 @@ from jengine.sharding import (
     padded_config,
 )
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
-from jengine.speculative import NgramProposer, StepCosts
-from jengine.stats import EngineStats
 from jengine.structured import Grammar, GrammarCompiler
 from jengine.structured.bitmask import StepMasks
+from jengine.text.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("jengine")
 
@@ -457,7 +457,7 @@ class EngineCore:
 
     @property
     def replicas(self) -> list[EngineCore]:
-        """The engine replicas behind this core (one; `jengine.replicas.ReplicaSet` has dp)."""
+        """The engine replicas behind this core (one; `jengine.core.replicas.ReplicaSet` has dp)."""
         return [self]
 
     # -- the step ---------------------------------------------------------------------------------
@@ -640,7 +640,7 @@ class EngineCore:
 
     def _sampling_rows(self, batch) -> SamplingRows:
         """One row per sampled row of `batch`: a verifying sequence's row j draws its output
-        token len(output_ids) + j, with that step's key (jengine/speculative.py)."""
+        token len(output_ids) + j, with that step's key (jengine/scheduling/speculative.py)."""
         seqs = batch.seqs
         offsets = np.zeros((batch.num_rows,), np.int32)
         if batch.spec_lens is not None:

@@ -7,7 +7,7 @@ Token layout: the flat token axis holds, in order, the query tokens of every sch
 (decodes first, then prefill chunks); sequence `i` owns tokens `cu_q_lens[i]:cu_q_lens[i+1]`.
 
 Row layout: the sampler draws one token per *row*. A sequence has one row (its last query token),
-or `1 + spec_lens[i]` when it verifies proposed tokens (jengine/speculative.py): its last
+or `1 + spec_lens[i]` when it verifies proposed tokens (jengine/scheduling/speculative.py): its last
 `1 + spec_lens[i]` query tokens each get a row, in order; sequence `i` owns rows
 `row_starts[i]:row_starts[i+1]`.
 """

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jengine.detokenizer import IncrementalDetokenizer
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from jengine.sampling_params import SamplingParams
-from jengine.sequence import Sequence
+from jengine.scheduling.sequence import Sequence
+from jengine.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass

@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from converters import load_source
 from jengine.config import EngineConfig
-from jengine.core import EngineCore, resolve_dtype
+from jengine.core.engine_core import EngineCore, resolve_dtype
+from jengine.core.request import RequestState
+from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
-from jengine.request import RequestState
 from jengine.sharding import MeshSpec
-from jengine.stats import EngineStats
 
 
 def choose_replica(cached: list[int], loads: list[int], slack: int) -> int:
