@@ -95,7 +95,7 @@ def main() -> None:
 
     from jengine.config import load_config
     from jengine.core.engine_core import EngineCore
-    from jengine.runtime.runner import SamplingRows
+    from jengine.runtime.step_io import SamplingRows
 
     # Only the buckets these steps use, so start-up compiles 8 programs, not the preset's 28.
     small = tuple(b for b in (1, 8) if b >= args.min_bucket)

@@ -20,7 +20,7 @@ from step_batch import synthetic_batch
 
 from jengine.config import load_config
 from jengine.core.engine_core import EngineCore
-from jengine.runtime.runner import SamplingRows
+from jengine.runtime.step_io import SamplingRows
 
 PAGE = 16
 

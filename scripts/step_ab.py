@@ -52,7 +52,7 @@ def _compile(settings: dict) -> dict:
 def _timings(reps: int, sides: dict[str, dict]) -> dict[str, dict[str, float]]:
     """Both sides in one process, their steps interleaved, so load on the machine hits both
     alike."""
-    from jengine.runtime.runner import SamplingRows
+    from jengine.runtime.step_io import SamplingRows
 
     cores = {name: _core(settings, **TIMING_BUCKETS) for name, settings in sides.items()}
     page = next(iter(cores.values())).runner.page_size

@@ -34,7 +34,7 @@ def measure(reps: int) -> dict[str, float]:
 
     from jengine.config import load_config
     from jengine.core.engine_core import EngineCore
-    from jengine.runtime.runner import SamplingRows
+    from jengine.runtime.step_io import SamplingRows
 
     core = EngineCore(load_config("cpu"), progress=False)
     runner, page = core.runner, core.runner.page_size

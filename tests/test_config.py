@@ -51,20 +51,20 @@ def test_a_flag_equal_to_its_default_still_beats_the_preset(tmp_path):
 
 
 def test_speculative_settings_from_keywords_flags_and_presets(tmp_path):
-    from jengine.core.engine_core import _proposer
+    from jengine.scheduling.speculative import make_proposer
 
     cfg = build_config(None, "test", speculative="ngram", num_speculative_tokens=5)
     assert (cfg.speculative.method, cfg.speculative.num_tokens) == ("ngram", 5)
-    assert _proposer(cfg).num_tokens == 5
-    assert _proposer(build_config(None, "test")) is None  # off by default
+    assert make_proposer(cfg.speculative).num_tokens == 5
+    assert make_proposer(build_config(None, "test").speculative) is None  # off by default
     _, cfg = _cli_config(["generate", "hi", "--speculative", "ngram",
                           "--num-speculative-tokens", "2"])
     assert (cfg.speculative.method, cfg.speculative.num_tokens) == ("ngram", 2)
     preset = tmp_path / "s.yaml"
     preset.write_text("speculative:\n  method: ngram\n  ngram_min: 2\n  ngram_max: 3\n")
-    proposer = _proposer(build_config(None, str(preset)))
+    proposer = make_proposer(build_config(None, str(preset)).speculative)
     assert (proposer.ngram_min, proposer.ngram_max, proposer.num_tokens) == (2, 3, 3)
     for bad in (dict(speculative="draft", draft_model="x"), dict(speculative="medusa"),
                 dict(speculative="ngram", num_speculative_tokens=0)):
         with pytest.raises(ValueError):
-            _proposer(build_config(None, "test", **bad))
+            make_proposer(build_config(None, "test", **bad).speculative)

@@ -31,7 +31,7 @@ from jengine.runtime.executables import (
     compile_fresh,
     store_key,
 )
-from jengine.runtime.runner import SamplingRows, _dummy_batch
+from jengine.runtime.step_io import SamplingRows, dummy_batch
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
@@ -103,7 +103,7 @@ def test_programs_survive_a_restart(tiny, tmp_path, monkeypatch):
 
 def _key(model: str, **kwargs) -> str:
     core = EngineCore(build_config(model, ONE_BUCKET, **kwargs), progress=False, warmup=False)
-    return core.runner.program_key(_dummy_batch(16, 16, 32), SamplingRows.empty(16))
+    return core.runner.program_key(dummy_batch(16, 16, 32), SamplingRows.empty(16))
 
 
 def test_the_key_changes_with_model_dtype_mesh_and_jax_version(tiny, tmp_path, monkeypatch):

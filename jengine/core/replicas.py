@@ -119,8 +119,7 @@ class ReplicaSet:
 
     @property
     def compiles_since_ready(self) -> int:
-        # The compile counter is process-wide: every replica reads the same events.
-        return max(r.compiles_since_ready for r in self.replicas)
+        return sum(r.compiles_since_ready for r in self.replicas)
 
     @property
     def has_unfinished(self) -> bool:

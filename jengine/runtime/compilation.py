@@ -1,10 +1,15 @@
-"""XLA compilation: the persistent cache, and a count of compiles taken from JAX's own events.
+"""JAX's persistent compilation cache, which every jengine process uses.
 
-The count comes from `jax.monitoring` (one `/jax/core/compile/jaxpr_to_mlir_module_duration`
-event per program JAX lowers, whether XLA then compiles it or loads it from the persistent cache),
-so a step shape that was not warmed up shows up here however the engine is driven. Programs that
-`jengine.runtime.executables` loads without lowering them are added by `record_program_load`: a load
-after ready stalls the batch as surely as a compile does.
+The first engine built in a process (or `enable_persistent_cache()` called directly) sets three
+process-wide JAX options, once:
+- `jax_compilation_cache_dir`: `$XDG_CACHE_HOME/jengine/xla` (`~/.cache/jengine/xla`), unless
+  the program set a directory of its own before;
+- `jax_persistent_cache_min_compile_time_secs` and `jax_persistent_cache_min_entry_size_bytes`:
+  0, so every program is kept, however quick to compile or small (JAX's defaults skip programs
+  under a second, which are most of a small model's step programs).
+Later engines leave them as they are. Step programs are also kept whole by
+`jengine.runtime.executables`, which the persistent cache cannot do on its own (it still traces
+and lowers each program before looking it up).
 """
 
 from __future__ import annotations
@@ -15,10 +20,8 @@ from pathlib import Path
 
 import jax
 
-_LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _lock = threading.Lock()
-_count = 0
-_installed = False
+_enabled: Path | None = None
 
 
 def default_cache_dir() -> Path:
@@ -27,39 +30,18 @@ def default_cache_dir() -> Path:
 
 
 def enable_persistent_cache(path: str | Path | None = None) -> Path:
-    """Turns on JAX's persistent compilation cache for every compile, however small or quick."""
-    path = Path(path) if path else default_cache_dir()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    install_compile_counter()
-    return path
-
-
-def _on_duration(event: str, duration: float, **kwargs) -> None:
-    global _count
-    if event == _LOWER_EVENT:
-        with _lock:
-            _count += 1
-
-
-def install_compile_counter() -> None:
-    global _installed
+    """Turns on JAX's persistent compilation cache for every compile, however small or quick.
+    Sets the options once per process; returns the cache directory in use."""
+    global _enabled
     with _lock:
-        if _installed:
-            return
-        _installed = True
-    jax.monitoring.register_event_duration_secs_listener(_on_duration)
-
-
-def record_program_load() -> None:
-    """Counts a compiled program obtained without lowering (a stored executable)."""
-    global _count
-    with _lock:
-        _count += 1
-
-
-def compile_count() -> int:
-    """Programs lowered or loaded in this process since the counter was installed."""
-    return _count
+        if _enabled is not None:
+            return _enabled
+        chosen = jax.config.jax_compilation_cache_dir
+        if path is not None or not chosen:
+            chosen = str(Path(path) if path else default_cache_dir())
+            jax.config.update("jax_compilation_cache_dir", chosen)
+        Path(chosen).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        _enabled = Path(chosen)
+        return _enabled
