@@ -139,9 +139,11 @@ class EngineCore:
             store=ExecutableStore(default_store_dir()),
         )
         phases.end("kv cache")
-        if self.scheduler.proposer is not None:
-            self.scheduler.step_costs = StepCosts(
-                lambda n: self.runner.buckets.pick(n, 1, 1)[0])
+        # Verification is weighed against measured step times (None: speculation off).
+        self._step_costs = None
+        if self.scheduler.speculator is not None:
+            self._step_costs = StepCosts(lambda n: self.runner.buckets.pick(n, 1, 1)[0])
+            self.scheduler.speculator.step_costs = self._step_costs
         self._last_done = 0.0  # when the last fetched step's outputs reached the host
         self.requests: dict[str, RequestState] = {}
         self.admission = Admission(self.tokenizer, self.model_config.vocab_size,
@@ -289,10 +291,9 @@ class EngineCore:
         result = self.runner.fetch(step.outputs, batch.num_rows, batch.num_tokens)
         done = time.perf_counter()
         self.device_seconds += done - t0
-        if self.scheduler.step_costs is not None:
+        if self._step_costs is not None:
             # The device ran this step from its launch or the previous step's end, if later.
-            self.scheduler.step_costs.observe(batch.num_tokens,
-                                              done - max(step.launched, self._last_done))
+            self._step_costs.observe(batch.num_tokens, done - max(step.launched, self._last_done))
         self._last_done = done
         self.num_steps += 1
         if result.prompt_logprobs is not None:
@@ -353,7 +354,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.runner.launch(batch, rows, feed, prev if feed is not None else None)
         self.device_seconds += time.perf_counter() - t0
-        costs = self.scheduler.step_costs
+        costs = self._step_costs
         if costs is not None and prev is None and self._last_done:
             costs.observe_gap(t0 - self._last_done)  # nothing ran on the device meanwhile
         return _InFlight(batch, out, t0)
