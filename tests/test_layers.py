@@ -17,6 +17,7 @@ TOPS = ("jengine", "converters")
 # the public value types. Testable without compiling anything.
 HOST_PACKAGES = ("jengine.scheduling", "jengine.text")
 HOST_MODULES = ("jengine.sampling_params", "jengine.outputs", "jengine.config")
+MAX_LINES = 400  # a file to read in one sitting; model files (jengine/models/) may be longer
 
 
 
@@ -156,3 +157,59 @@ def _is_package(name: str) -> bool:
 def test_the_cycle_finder_finds_a_loop():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _class_members(path: Path, name: str) -> set[str]:
+    """Names a class defines: its methods, properties and annotated fields, and the attributes
+    its methods assign on `self`."""
+    [cls] = [n for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.ClassDef) and n.name == name]
+    members = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            members.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            members.add(node.target.id)
+    for node in ast.walk(cls):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for target in targets:
+            for t in ast.walk(target):
+                if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                        and t.value.id == "self"):
+                    members.add(t.attr)
+    return members
+
+
+def _contract() -> set[str]:
+    return {m for m in _class_members(ROOT / "jengine/core/contract.py", "CoreContract")
+            if not m.startswith("_")}
+
+
+@pytest.mark.parametrize("path, name", [("jengine/core/engine_core.py", "EngineCore"),
+                                        ("jengine/core/replicas.py", "ReplicaSet")])
+def test_both_cores_keep_the_engine_contract(path, name):
+    assert _contract() - _class_members(ROOT / path, name) == set()
+
+
+def test_nothing_above_the_core_reaches_past_the_contract():
+    """`X.core.NAME` in the public engine, the server, the CLI and the benchmarks names only
+    what `CoreContract` declares (tests may look deeper)."""
+    contract = _contract()
+    above = [ROOT / "jengine/engine.py"] + [
+        p for part in ("server", "cli", "bench") for p in (ROOT / "jengine" / part).rglob("*.py")]
+    reached = set()
+    for path in above:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "core" and node.attr not in contract):
+                reached.add(f"{path.relative_to(ROOT)}: .core.{node.attr}")
+    assert sorted(reached) == []
+    assert {"add_request", "step", "abort", "model", "stats"} <= contract
+
+
+def test_files_stay_short():
+    long = {str(p.relative_to(ROOT)): n for p in _sources()
+            if p.relative_to(ROOT).parts[:2] != ("jengine", "models")
+            and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}

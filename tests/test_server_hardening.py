@@ -19,8 +19,8 @@ import openai
 import pytest
 from local_server import serving
 
+from jengine.async_engine import AsyncEngine
 from jengine.config import ServerConfig
-from jengine.engine import AsyncEngine
 from jengine.server.app import create_app
 
 MODEL = "SmolLM2-135M-Instruct"

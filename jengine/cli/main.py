@@ -272,13 +272,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     engine = make_engine(args, warmup=True)
     store = ExecutableStore(default_store_dir())
-    for core in engine.core.replicas:
-        runner = core.runner
-        sizes = [store.size(key) for key in runner.warmup_keys() if key is not None]
+    for report in engine.core.program_reports():
+        sizes = [store.size(key) for key in report.keys if key is not None]
         stored = [n for n in sizes if n is not None]
         unstored = len(sizes) - len(stored)
         print(f"serve will load {len(stored)} step programs, {sum(stored) / 2**20:.1f} MiB "
-              f"({runner.programs_compiled} compiled now, {runner.programs_loaded} stored "
+              f"({report.compiled} compiled now, {report.loaded} stored "
               "before)" + (f"; {unstored} could not be stored and will compile at every start"
                            if unstored else ""), file=sys.stderr)
     entries = store.entries()

@@ -13,7 +13,6 @@ import threading
 import time
 
 import jax
-import numpy as np
 
 from converters import LoadedModel, load_config, load_source
 from jengine.config import EngineConfig
@@ -29,6 +28,7 @@ from jengine.core.build import (
     step_buckets,
     warm_up,
 )
+from jengine.core.contract import ModelInfo, ProgramReport
 from jengine.core.emit import emit_tokens
 from jengine.core.logprobs import prompt_targets, record_prompt_logprobs
 from jengine.core.request import RequestState
@@ -41,13 +41,13 @@ from jengine.pallas_kernels import resolve_backend
 from jengine.runtime.compilation import enable_persistent_cache
 from jengine.runtime.executables import ExecutableStore, default_store_dir
 from jengine.runtime.runner import Runner
-from jengine.runtime.step_io import StepOutputs
+from jengine.runtime.step_io import StepOutputs, feed_rows
 from jengine.sampling_params import SamplingParams
 from jengine.scheduling.batch import ScheduledBatch
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
-from jengine.scheduling.sequence import PENDING, Sequence
+from jengine.scheduling.sequence import Sequence
 from jengine.scheduling.speculative import StepCosts, make_proposer
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
@@ -67,7 +67,8 @@ class _InFlight:
 
 
 class EngineCore:
-    """Owns the model on device, the scheduler, and every in-flight request."""
+    """Owns the model on device, the scheduler, and every in-flight request; keeps the engine
+    contract (`jengine.core.contract`)."""
 
     def __init__(
         self, cfg: EngineConfig, *, progress: bool = True, replica: int = 0,
@@ -146,6 +147,8 @@ class EngineCore:
             self.scheduler.speculator.step_costs = self._step_costs
         self._last_done = 0.0  # when the last fetched step's outputs reached the host
         self.requests: dict[str, RequestState] = {}
+        self.model = ModelInfo(loaded.source, self.model_config.vocab_size, self.max_model_len,
+                               self.eos_token_ids)
         self.admission = Admission(self.tokenizer, self.model_config.vocab_size,
                                    self.max_model_len, cfg.model.seed)
         self._grammars: GrammarCompiler | None = None  # built on first use (~0.5 s)
@@ -169,8 +172,6 @@ class EngineCore:
         # The step dispatched ahead (async scheduling): (batch, device outputs), not yet read.
         self._inflight: _InFlight | None = None
         self.num_steps_ahead = 0  # steps dispatched before the previous step's tokens arrived
-
-    # -- set-up ---------------------------------------------------------------------------------
 
     def phase_summary(self) -> str:
         """One line: each start-up phase's seconds, and how the step programs were obtained."""
@@ -255,6 +256,11 @@ class EngineCore:
         if self.distributed.is_leader:
             raise RuntimeError("process 0 leads; only the other processes follow")
         return self.runner.follow()
+
+    def program_reports(self) -> list[ProgramReport]:
+        r = self.runner
+        return [ProgramReport(keys=r.warmup_keys(), loaded=r.programs_loaded,
+                              compiled=r.programs_compiled)]
 
     @property
     def replicas(self) -> list[EngineCore]:
@@ -350,7 +356,7 @@ class EngineCore:
         if self._masks is not None:
             mask = self._masks.build(batch.seqs, batch.sample)  # [S, W]; proposals: no grammar
             rows.allowed_mask = mask if batch.spec_lens is None else mask[batch.row_seq]
-        feed = self._feed(batch, prev_rows) if prev is not None else None
+        feed = feed_rows(batch, prev_rows) if prev is not None else None
         t0 = time.perf_counter()
         out = self.runner.launch(batch, rows, feed, prev if feed is not None else None)
         self.device_seconds += time.perf_counter() - t0
@@ -358,20 +364,6 @@ class EngineCore:
         if costs is not None and prev is None and self._last_done:
             costs.observe_gap(t0 - self._last_done)  # nothing ran on the device meanwhile
         return _InFlight(batch, out, t0)
-
-    @staticmethod
-    def _feed(batch: ScheduledBatch,
-              sampled: list[tuple[Sequence, int]]) -> np.ndarray | None:
-        """Per token of `batch`, the previous step's row holding its token (-1: known here)."""
-        pending = np.flatnonzero(batch.token_ids == PENDING)
-        if pending.size == 0:
-            return None
-        row_of = {id(seq): row for seq, row in sampled}
-        owners = np.searchsorted(batch.cu_q_lens[1:], pending, side="right")
-        feed = np.full((batch.num_tokens,), -1, np.int32)
-        for t, i in zip(pending.tolist(), owners.tolist()):
-            feed[t] = row_of[id(batch.seqs[i])]  # only the step in flight leaves PENDING
-        return feed
 
     def _can_run_ahead(self, sampled: list[tuple[Sequence, int]]) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host: not

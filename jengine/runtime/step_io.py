@@ -20,6 +20,7 @@ from jengine.pallas_kernels import query_blocks
 from jengine.runtime.buckets import QUERY_BLOCK, Buckets
 from jengine.runtime.sampler import SamplerOutput, SamplingArrays
 from jengine.scheduling.batch import ScheduledBatch
+from jengine.scheduling.sequence import PENDING, Sequence
 
 MAX_TOP_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit too)
 
@@ -181,6 +182,20 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                         logits_indices=logits_indices, sampling=sampling, blocks=blocks,
                         targets=targets)
     return inputs, variant
+
+
+def feed_rows(batch: ScheduledBatch,
+              sampled: list[tuple[Sequence, int]]) -> np.ndarray | None:
+    """Per token of `batch`, the previous step's row holding its token (-1: known here)."""
+    pending = np.flatnonzero(batch.token_ids == PENDING)
+    if pending.size == 0:
+        return None
+    row_of = {id(seq): row for seq, row in sampled}
+    owners = np.searchsorted(batch.cu_q_lens[1:], pending, side="right")
+    feed = np.full((batch.num_tokens,), -1, np.int32)
+    for t, i in zip(pending.tolist(), owners.tolist()):
+        feed[t] = row_of[id(batch.seqs[i])]  # only the step in flight leaves PENDING
+    return feed
 
 
 @jax.tree_util.register_dataclass

@@ -42,7 +42,7 @@ from jengine.server.state import ServerState, served_model_name
 from jengine.text.chat import render_chat
 
 if TYPE_CHECKING:
-    from jengine.engine import AsyncEngine
+    from jengine.async_engine import AsyncEngine
 
 log = logging.getLogger("jengine.server")
 
@@ -133,7 +133,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         card = {"id": name, "object": "model", "created": state.created, "owned_by": "jengine",
                 "root": state.model_name}
         if state.engine is not None:
-            card["max_model_len"] = state.engine.core.max_model_len
+            card["max_model_len"] = state.engine.core.model.max_model_len
         return card
 
     @app.get("/v1/models")
@@ -160,14 +160,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             tokens = await asyncio.to_thread(
                 lambda: list(engine.tokenizer(
                     body.prompt, add_special_tokens=body.add_special_tokens).input_ids))
-        return {"count": len(tokens), "max_model_len": engine.core.max_model_len,
+        return {"count": len(tokens), "max_model_len": engine.core.model.max_model_len,
                 "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.check_model(body.model)
         engine = state.ready_engine()
-        vocab = engine.core.model_config.vocab_size
+        vocab = engine.core.model.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
@@ -253,8 +253,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(args: argparse.Namespace) -> int:
     """`jengine serve`: listen first, load the engine in the background, drain on SIGTERM."""
+    from jengine.async_engine import AsyncEngine
     from jengine.core.kv_budget import host_kv_budget
-    from jengine.engine import AsyncEngine, build_config
+    from jengine.engine import build_config
     from jengine.engine_flags import engine_kwargs
     from jengine.sharding import MeshSpec
 

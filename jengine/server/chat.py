@@ -23,8 +23,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
+from jengine.server.chat_request import ChatCompletionRequest
 from jengine.server.protocol import (
-    ChatCompletionRequest,
     check_text_fields,
     finite,
     prompt_logprobs_json,
@@ -49,7 +49,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
     engine = state.admit()
-    state.check_limits(params, 1, engine.core.max_model_len)
+    state.check_limits(params, 1, engine.core.model.max_model_len)
     # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
     prompt = await asyncio.to_thread(
         render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,
