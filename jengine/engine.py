@@ -1,9 +1,11 @@
-"""jengine's public engine API: `Engine` (blocking) and `AsyncEngine` (asyncio, own thread).
+"""jengine's public engine API: `Engine` (blocking) and `AsyncEngine` (asyncio, own thread;
+jengine/async_engine.py, re-exported here).
 
 The data flow of one step, and the type at each boundary:
 
-    Request (prompt ids, SamplingParams, grammar) EngineCore.add_request -> Sequence(s), each
-                                                   with its own grammar matcher when constrained
+    Request (prompt ids, SamplingParams, grammar) EngineCore.add_request (core/admission.py)
+                                                   -> Sequence(s), each with its own grammar
+                                                   matcher when constrained
       -> Scheduler.schedule()                      host: decodes first, then prefill chunks
                                                    within the token budget; allocates KV pages;
                                                    preempts by recompute when pages run out
@@ -11,12 +13,15 @@ The data flow of one step, and the type at each boundary:
                                                    lens, page tables (jengine/scheduling/batch.py)
       -> StepMasks.build()                         host: allowed-token bitmask rows of the
                                                    constrained sequences (None if there are none)
-      -> Runner.launch()                           pads to a declared bucket, one device_put,
-                                                   dispatches without waiting
-      -> step(params, kv_cache, metadata, sampling arrays, feed, previous tokens)
-                                                   one jitted program: embed -> scanned layers
-                                                   (paged attention writes new K/V) -> last-token
+      -> StepInputs (runtime/step_io.py)           host NumPy padded to a declared bucket, with
+                                                   the sampler's rows (SamplingRows padded)
+      -> Runner.launch()                           one device_put, dispatches without waiting
+      -> step(params, kv_cache, StepInputs, previous tokens)
+                                                   one jitted program: embed -> layers (paged
+                                                   attention writes new K/V) -> last-token
                                                    logits -> sampler; kv_cache donated
+      -> StepOutputs                               on device: sampled rows, and the tokens the
+                                                   step launched after this one reads
       -> Scheduler.advance()                       while it runs: counts move on, each sampling
                                                    sequence gets a PENDING token, and (async
                                                    scheduling) step N+1 is scheduled and launched,

@@ -20,7 +20,6 @@ HOST_MODULES = ("jengine.sampling_params", "jengine.outputs", "jengine.config")
 MAX_LINES = 400  # a file to read in one sitting; model files (jengine/models/) may be longer
 
 
-
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -45,5 +45,3 @@ def emit_tokens(state: RequestState, sample: SampleState, result: StepResult, ro
         sample.text += text
         if last:
             break
-    if seq.is_finished:
-        sample.finish_reason, sample.stop_reason = seq.finish_reason, seq.stop_reason

@@ -240,10 +240,7 @@ class EngineCore:
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
-        self.scheduler.abort(request_id)
-        for s in state.samples:
-            if s.finish_reason is None:
-                s.finish_reason = "abort"
+        self.scheduler.abort(request_id)  # every unfinished sequence ends with "abort"
         return state.take_delta()
 
     @property
@@ -339,9 +336,9 @@ class EngineCore:
         log.exception("request %s failed and was aborted: %s", state.request_id, error)
         self.scheduler.abort(state.request_id)
         state.error = f"{type(error).__name__}: {error}"
-        for s in state.samples:
-            if s.finish_reason is None:
-                s.finish_reason = "abort"
+        for s in state.samples:  # a failed request reports "abort", however far it got
+            if not s.reported_finish:
+                s.seq.finish_reason, s.seq.stop_reason = "abort", None
 
     def _launch(self, prev: StepOutputs | None = None,
                 prev_rows: list[tuple[Sequence, int]] = ()) -> _InFlight | None:
