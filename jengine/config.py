@@ -117,7 +117,6 @@ class EngineConfig:
     server: ServerConfig = ServerConfig()
 
 
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
 _SECTION_TYPES = {
     "model": ModelSection, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig, "parallel": ParallelConfig, "server": ServerConfig,

@@ -65,10 +65,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)
         if end <= n:
