@@ -28,6 +28,7 @@ from jengine.logprobs import prompt_targets, ranked, record_prompt_logprobs
 from jengine.models import KVCache, family_module
 from jengine.models.layers import resolve_layer_layout, unstack_layers
 from jengine.models.quant import quantize_params, resolve_quantization
+from jengine.models.smoothing import smooth_for_int8
 from jengine.outputs import RequestOutput
 from jengine.page_allocator import PageAllocator
 from jengine.pallas_kernels import resolve_backend
@@ -229,6 +230,9 @@ class EngineCore:
             loaded, cfg, rules.param_shardings(specs) if rules else None, self.dtype,
             progress=progress,
         )
+        if self.quantization == "int8" and loaded.quantization == "none":  # float weights
+            params = smooth_for_int8(params, cfg, family, loaded.tokenizer,
+                                     self.cfg.model.smoothing_alpha, delete_float=True)
         # Quantized from the float weights, whatever their source, shard by shard in place.
         params = quantize_params(
             params, specs, self.quantization, tied_embeddings=cfg.tie_word_embeddings,
