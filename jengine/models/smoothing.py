@@ -93,9 +93,9 @@ def activation_maxima(params: dict, cfg: ModelConfig, forward, layer_keys: tuple
     run through the float model (each window a fresh sequence): name -> [L, K] float32, K the
     weight's (merged) contracted size.
 
-    `params` are stacked (as loaded, on any sharding); the pass runs the layers as a Python
-    loop so that each layer's inputs are values of one jitted program, and uses the reference
-    attention (pure jnp: it runs under any sharding).
+    `params` are stacked (as loaded); the pass runs the layers as a Python loop so that each
+    layer's inputs are values of one jitted program, with `cfg.attention_backend` (on sharded
+    params, pass the reference one: `smooth_for_int8` does).
     """
     width = windows.shape[1]
     pages = -(-width // _PAGE)
