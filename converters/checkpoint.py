@@ -10,6 +10,7 @@ Layout:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -27,21 +28,30 @@ from jengine.models.quant import (
     scale_shape,
     scale_sharding,
 )
+from jengine.models.smoothing import DEFAULT_ALPHA, smooth_for_int8
+from jengine.pallas_kernels import resolve_backend
 
 FORMAT_VERSION = 1
 
 
 def save_checkpoint(model: LoadedModel, out: str | Path, *, overwrite: bool = False,
-                    quantization: str = "none", quantize_lm_head: bool = False) -> Path:
+                    quantization: str = "none", quantize_lm_head: bool = False,
+                    smoothing_alpha: float | None = None) -> Path:
     """Writes `model` to `out` (which must not exist unless `overwrite`).
 
     With `quantization` int8 or w8a16 the projections (and the lm_head with
     `quantize_lm_head`) are stored as int8 with their per-channel scales, about a quarter of
     their float32 bytes, and an engine restores them as they are: no float copy, no
     re-quantizing at start-up. The mode stored is the engine's default for the checkpoint.
+    For `int8` the float weights are first smoothed (`jengine.models.smoothing`, with
+    `smoothing_alpha`, None for the engine's default; 0 skips it), as an engine does when it
+    quantizes at load time: the stored model is the same float model, with activation range
+    moved into the weights.
     """
     if quantization not in ("none", "int8", "w8a16"):
         raise ValueError(f"cannot store quantization {quantization!r}; use none, int8 or w8a16")
+    if smoothing_alpha is None:
+        smoothing_alpha = DEFAULT_ALPHA
     import orbax.checkpoint as ocp
 
     out = Path(out).resolve()
@@ -58,24 +68,33 @@ def save_checkpoint(model: LoadedModel, out: str | Path, *, overwrite: bool = Fa
         "dtype": str(next(iter(model.params.values())).dtype),
         "quantization": quantization,
         "quantize_lm_head": quantize_lm_head,
+        "smoothing_alpha": smoothing_alpha if quantization == "int8" else 0.0,
     }
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(out / "params", _host_tree(model, quantization, quantize_lm_head))
+        ckpt.save(out / "params", _host_tree(model, quantization, quantize_lm_head,
+                                             smoothing_alpha))
         ckpt.wait_until_finished()
     model.tokenizer.save_pretrained(str(out / "tokenizer"))
     (out / CHECKPOINT_MARKER).write_text(json.dumps(meta, indent=1))
     return out
 
 
-def _host_tree(model: LoadedModel, quantization: str, lm_head: bool) -> dict:
+def _host_tree(model: LoadedModel, quantization: str, lm_head: bool, alpha: float) -> dict:
     """The param tree to store: numpy arrays, quantized weights as {"q", "scale"} pairs
-    (quantized on the host's CPU device, with the engine's own function)."""
+    (smoothed for int8 and quantized on the host's CPU device, with the engine's own
+    functions)."""
     tree = {k: np.asarray(v) for k, v in model.params.items()}
     if quantization == "none":
         return tree
     cfg = model.config
-    specs = family_module(cfg).param_specs(cfg)
+    family = family_module(cfg)
+    specs = family.param_specs(cfg)
     with jax.default_device(jax.devices("cpu")[0]):
+        if quantization == "int8":
+            run_cfg = dataclasses.replace(cfg, attention_backend=resolve_backend("auto", "cpu"))
+            smoothed = smooth_for_int8({k: jax.numpy.asarray(v) for k, v in tree.items()},
+                                       run_cfg, family, model.tokenizer, alpha)
+            tree = {k: np.asarray(v) for k, v in smoothed.items()}
         for name in quantized_names(specs, cfg.tie_word_embeddings, lm_head):
             qa = quantize_weight(tree[name], specs[name].contract, quantization)
             tree[name] = {"q": np.asarray(qa.q), "scale": np.asarray(qa.scale)}

@@ -29,6 +29,10 @@ class ModelSection:
     # (int8 weights, float activations) | fp8 (e4m3 weights; GPU/TPU); see models/quant.py.
     quantization: str = "none"
     quantize_lm_head: bool = False  # also the output head (off: it stays in the model dtype)
+    # int8 only: SmoothQuant's migration strength, calibrated and folded into the float weights
+    # at load time (models/smoothing.py); 0 turns it off. 0.55: SmolLM2's teacher-forced KL was
+    # flat over 0.5-0.65 (docs/quantization.md).
+    smoothing_alpha: float = 0.55
     seed: int | None = None  # seeds the per-request seeds of requests that give none
 
 

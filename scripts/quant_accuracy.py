@@ -1,6 +1,7 @@
 """Accuracy of each quantization mode against the unquantized model, in one run.
 
-For every mode (default: int8, int8 with the lm_head, w8a16) beside `none` (the model dtype):
+For every mode (default: int8 smoothed, int8 unsmoothed, int8 with the lm_head, w8a16) beside
+`none` (the model dtype):
 - perplexity of a fixed public-domain text (`data/pride_and_prejudice_ch1-3.txt`: chapters 1-3
   of Jane Austen's *Pride and Prejudice*, 1813), in independent windows of `--window` tokens;
 - mean KL(unquantized || quantized) of the next-token distributions at every window position,
@@ -13,7 +14,7 @@ For every mode (default: int8, int8 with the lm_head, w8a16) beside `none` (the 
 Every model is an `EngineCore` of this tree (weights loaded, quantized, laid out as served);
 the window logits come from the model's own forward over the engine's params.
 
-    python scripts/quant_accuracy.py [--model PATH] [--modes int8 int8+head w8a16]
+    python scripts/quant_accuracy.py [--model PATH] [--modes int8 int8@0 int8+head w8a16]
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ PROMPT_LEN = 24
 
 
 def build(model: str | None, mode: str, num_prompts: int, new_tokens: int) -> EngineCore:
-    """`mode` is a quantization mode, with `+head` to quantize the lm_head too."""
+    """`mode` is a quantization mode, with `+head` to quantize the lm_head too and `@A` for
+    int8 smoothing strength A (`int8@0`: no smoothing; default: the config's)."""
+    mode, _, alpha = mode.partition("@")
     quantization, _, head = mode.partition("+")
+    smoothing = {"smoothing_alpha": float(alpha)} if alpha else {}
     max_len = PROMPT_LEN + new_tokens
     cfg = load_config(
-        "cpu", model=model, quantization=quantization, quantize_lm_head=bool(head),
+        "cpu", model=model, quantization=quantization, quantize_lm_head=bool(head), **smoothing,
         max_model_len=max_len, kv_cache_memory="256MiB", max_num_seqs=num_prompts,
         max_num_batched_tokens=256, token_buckets=(num_prompts, 256), seq_buckets=(num_prompts,),
         page_buckets=(-(-max_len // PAGE),),
@@ -95,7 +99,7 @@ def greedy(core: EngineCore, prompts: list[list[int]], new_tokens: int) -> list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="default: the bundled SmolLM2-135M-Instruct")
-    ap.add_argument("--modes", nargs="+", default=["int8", "int8+head", "w8a16"])
+    ap.add_argument("--modes", nargs="+", default=["int8", "int8@0", "int8+head", "w8a16"])
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -248,7 +248,11 @@ def test_converted_int8_checkpoint_loads_as_stored(tiny_padded, tmp_path):
     out = save_checkpoint(loaded, tmp_path / "int8", quantization="int8")
     restored = load_checkpoint(out)
     assert restored.quantization == "int8" and not isinstance(restored.params["embed"], QArray)
+    # Stored smoothed (jengine.models.smoothing): the norms carry the factors' inverse.
+    assert not np.allclose(np.asarray(restored.params["attn_norm"]),
+                           np.asarray(loaded.params["attn_norm"]))
     assert restored.params["wq"].q.dtype == jnp.int8 and restored.params["wq"].mode == "int8"
+    # The engine smooths at load time with the same calibration, so the same int8 weights.
     expected, _ = _engine_greedy(str(tiny_padded), _preset(tmp_path, quantization="int8"),
                                  "tp=1")
     # No quantization asked: the checkpoint's own; q heads pad 9 -> 10 (scales zero-filled).

@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "engines then load them as stored")
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="with --quantization: the lm_head too")
+    conv.add_argument("--smoothing-alpha", type=float, default=None,
+                      help="with --quantization int8: SmoothQuant migration strength folded "
+                      "into the weights before quantizing (0: none; default: "
+                      "model.smoothing_alpha's)")
 
     sub.add_parser("compile", parents=[engine], help="compile every step bucket ahead of time")
 
@@ -260,7 +264,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     loaded = load_source(args.src, dtype=args.dtype, progress=True)
     out = save_checkpoint(loaded, args.out, overwrite=args.overwrite,
                           quantization=args.quantization,
-                          quantize_lm_head=args.quantize_lm_head)
+                          quantize_lm_head=args.quantize_lm_head,
+                          smoothing_alpha=args.smoothing_alpha)
     print(f"converted {loaded.source} -> {out} in {time.perf_counter() - start:.1f}s",
           file=sys.stderr)
     return 0

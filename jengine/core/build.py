@@ -19,6 +19,7 @@ from jengine.core.kv_budget import host_kv_budget
 from jengine.models import KVCache, ModelConfig, family_module
 from jengine.models.layers import unstack_layers
 from jengine.models.quant import quantize_params
+from jengine.models.smoothing import smooth_for_int8
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.runner import Runner
 from jengine.sharding import MeshSpec, ShardingRules, load_params_sharded
@@ -123,7 +124,7 @@ def eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
 
 def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | None, *,
                   dtype: str, quantization: str, layer_layout: str, quantize_lm_head: bool,
-                  progress: bool) -> dict:
+                  smoothing_alpha: float, progress: bool) -> dict:
     """`loaded`'s weights on the devices, quantized and in the model's layer layout."""
     family = family_module(cfg)
     specs = family.param_specs(cfg)
@@ -142,6 +143,9 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         loaded, cfg, rules.param_shardings(specs) if rules else None, dtype,
         progress=progress,
     )
+    if quantization == "int8" and loaded.quantization == "none":  # float weights
+        params = smooth_for_int8(params, cfg, family, loaded.tokenizer, smoothing_alpha,
+                                 delete_float=True)
     # Quantized from the float weights, whatever their source, shard by shard in place.
     params = quantize_params(
         params, specs, quantization, tied_embeddings=cfg.tie_word_embeddings,

@@ -131,7 +131,7 @@ class EngineCore:
         params = place_weights(
             loaded, self.model_config, rules, dtype=self.dtype, quantization=self.quantization,
             layer_layout=self.layer_layout, quantize_lm_head=cfg.model.quantize_lm_head,
-            progress=progress)
+            smoothing_alpha=cfg.model.smoothing_alpha, progress=progress)
         phases.end("weights")
         self.runner = Runner(
             self.model_config, params, num_pages=num_pages, page_size=page_size,

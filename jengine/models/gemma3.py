@@ -15,6 +15,7 @@ from jengine.models import layers
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
+from jengine.models.smoothing import ChannelFold, NormFold
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -54,6 +55,18 @@ LAYER_KEYS = (
     "attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "post_attn_norm", "pre_mlp_norm",
     "w_gate", "w_up", "w_down", "post_mlp_norm",
 )
+
+
+def smoothing_folds(cfg: ModelConfig) -> tuple[NormFold | ChannelFold, ...]:
+    """Where `int8` smoothing folds its factors (`jengine.models.smoothing`), in order: each
+    channel fold before the norm fold that reads the weight it rescales; the norms scale by
+    (1 + w)."""
+    return (
+        ChannelFold("wv", "wo", heads=True),
+        NormFold("attn_norm", ("wq", "wk", "wv"), offset=1.0),
+        ChannelFold("w_up", "w_down"),
+        NormFold("pre_mlp_norm", ("w_gate", "w_up"), offset=1.0),
+    )
 
 
 def forward(

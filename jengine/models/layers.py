@@ -108,12 +108,33 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
         return out.astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """A float weight whose dots report their input `x` [T, K] to `seen` (at trace time).
+
+    Only calibration (`jengine.models.smoothing`) builds these, inside its own jitted function,
+    to learn each projection's per-input-channel activation range; the step never sees one."""
+
+    w: jax.Array
+    seen: Callable[[jax.Array], None]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    def reshape(self, *shape) -> Observed:
+        return Observed(self.w.reshape(*shape), self.seen)
+
+
 Weight = jax.Array | QArray  # a float weight, or its quantized form (jengine.models.quant)
 
 
 def dot(eq: str, x: jax.Array, w: Weight) -> jax.Array:
     """`einsum(eq, x, w)` accumulated and returned in float32; a quantized `w` runs its
     int8 (or weight-only) dot."""
+    if isinstance(w, Observed):
+        w.seen(x)
+        w = w.w
     if isinstance(w, QArray):
         return quant.einsum(eq, x, w)
     return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)

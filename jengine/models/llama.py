@@ -16,6 +16,7 @@ from jengine.models import layers, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
+from jengine.models.smoothing import ChannelFold, NormFold
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -71,6 +72,22 @@ LAYER_KEYS = (
     "bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "q_norm", "k_norm",
     "post_attn_norm", "post_mlp_norm", *moe.LAYER_KEYS,
 )
+
+
+def smoothing_folds(cfg: ModelConfig) -> tuple[NormFold | ChannelFold, ...]:
+    """Where `int8` smoothing may fold its factors (`jengine.models.smoothing`), in order: v
+    into wo, the attention norm into q/k/v, up into down, the MLP norm into gate/up (each
+    channel fold before the norm fold that reads the weight it rescales). No norm folds with
+    post-norms (OLMo 2: the projections read the raw residual), no MLP folds into MoE experts."""
+    folds: list[NormFold | ChannelFold] = [
+        ChannelFold("wv", "wo", bias="bv", heads=True)]
+    if not cfg.post_norms:
+        folds.append(NormFold("attn_norm", ("wq", "wk", "wv")))
+    if not cfg.num_experts:
+        folds.append(ChannelFold("w_up", "w_down", bias="b_up"))
+        if not cfg.post_norms:
+            folds.append(NormFold("mlp_norm", ("w_gate", "w_up")))
+    return tuple(folds)
 
 
 def forward(
