@@ -9,8 +9,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import threading
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -30,6 +30,7 @@ from jengine.core.build import (
 )
 from jengine.core.contract import ModelInfo, ProgramReport
 from jengine.core.emit import emit_tokens
+from jengine.core.grammars import LazyGrammars
 from jengine.core.logprobs import prompt_targets, record_prompt_logprobs
 from jengine.core.request import RequestState
 from jengine.core.sampling_rows import sampling_rows
@@ -38,6 +39,7 @@ from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
 from jengine.outputs import RequestOutput
 from jengine.pallas_kernels import resolve_backend
+from jengine.runtime.buckets import Buckets
 from jengine.runtime.compilation import enable_persistent_cache
 from jengine.runtime.executables import ExecutableStore, default_store_dir
 from jengine.runtime.runner import Runner
@@ -52,7 +54,6 @@ from jengine.scheduling.speculative import StepCosts, make_proposer
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
 from jengine.structured import Grammar, GrammarCompiler
-from jengine.structured.bitmask import StepMasks
 
 log = logging.getLogger("jengine")
 
@@ -73,13 +74,17 @@ class EngineCore:
     def __init__(
         self, cfg: EngineConfig, *, progress: bool = True, replica: int = 0,
         loaded: LoadedModel | None = None, warmup: bool = True, require_warm: bool = False,
+        make_runner: Callable[..., Runner] | None = None,
     ):
         """One engine replica. `replica` picks its devices under `dp` (see jengine.sharding);
         `loaded` lets data-parallel replicas share one read of the weights from disk.
         `warmup`: build every bucket's program before returning (a server must not compile
         while it serves); False builds each on its first step (offline runs that use a few).
         `require_warm` (implies `warmup`): raise `ProgramsNotStoredError` rather than compile
-        any of them (`jengine serve --require-warm`)."""
+        any of them (`jengine serve --require-warm`). `make_runner(model_config, num_pages=,
+        page_size=, buckets=)` stands in for placing the weights and building the `Runner`: a
+        model with predictable arithmetic under the real scheduler, detokenizer and server
+        (tests/fake_runner.py)."""
         phases = Phases()
         enable_persistent_cache()
         self.cfg = cfg
@@ -127,18 +132,11 @@ class EngineCore:
             proposer=make_proposer(cfg.speculative),
         )
         phases.end("set up")
-        rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
-        params = place_weights(
-            loaded, self.model_config, rules, dtype=self.dtype, quantization=self.quantization,
-            layer_layout=self.layer_layout, quantize_lm_head=cfg.model.quantize_lm_head,
-            smoothing_alpha=cfg.model.smoothing_alpha, progress=progress)
-        phases.end("weights")
-        self.runner = Runner(
-            self.model_config, params, num_pages=num_pages, page_size=page_size,
-            buckets=buckets, kv_cache_dtype=self.kv_cache_dtype, rules=rules,
-            channel=StepChannel(self.distributed) if self.distributed.num_processes > 1 else None,
-            store=ExecutableStore(default_store_dir()),
-        )
+        if make_runner is not None:
+            self.runner = make_runner(self.model_config, num_pages=num_pages,
+                                      page_size=page_size, buckets=buckets)
+        else:
+            self.runner = self._runner(loaded, mesh, num_pages, buckets, progress, phases)
         phases.end("kv cache")
         # Verification is weighed against measured step times (None: speculation off).
         self._step_costs = None
@@ -151,9 +149,8 @@ class EngineCore:
                                self.eos_token_ids)
         self.admission = Admission(self.tokenizer, self.model_config.vocab_size,
                                    self.max_model_len, cfg.model.seed)
-        self._grammars: GrammarCompiler | None = None  # built on first use (~0.5 s)
-        self._grammars_lock = threading.Lock()
-        self._masks: StepMasks | None = None
+        self._grammars = LazyGrammars(self.tokenizer, self.model_config.vocab_size,
+                                      self.eos_token_ids, cfg.scheduler.max_num_seqs)
         # A multi-host follower compiles as it follows the leader's warm-up steps.
         warm = (warmup or require_warm) and self.distributed.is_leader
         self.warmup_seconds = warm_up(self.runner, progress, require_warm) if warm else 0.0
@@ -173,6 +170,22 @@ class EngineCore:
         self._inflight: _InFlight | None = None
         self.num_steps_ahead = 0  # steps dispatched before the previous step's tokens arrived
 
+    def _runner(self, loaded: LoadedModel, mesh, num_pages: int, buckets: Buckets,
+                progress: bool, phases: Phases) -> Runner:
+        """The weights on the devices and the runner around them (with its KV cache)."""
+        rules = ShardingRules.for_model(mesh, self.model_config) if mesh is not None else None
+        params = place_weights(
+            loaded, self.model_config, rules, dtype=self.dtype, quantization=self.quantization,
+            layer_layout=self.layer_layout, quantize_lm_head=self.cfg.model.quantize_lm_head,
+            smoothing_alpha=self.cfg.model.smoothing_alpha, progress=progress)
+        phases.end("weights")
+        return Runner(
+            self.model_config, params, num_pages=num_pages, page_size=self.cfg.cache.page_size,
+            buckets=buckets, kv_cache_dtype=self.kv_cache_dtype, rules=rules,
+            channel=StepChannel(self.distributed) if self.distributed.num_processes > 1 else None,
+            store=ExecutableStore(default_store_dir()),
+        )
+
     def phase_summary(self) -> str:
         """One line: each start-up phase's seconds, and how the step programs were obtained."""
         r = self.runner
@@ -183,16 +196,7 @@ class EngineCore:
     @property
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler for this model's tokenizer (thread-safe; any thread may submit)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                from jengine.structured.llguidance_backend import LLGuidanceBackend
-
-                backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size,
-                                            self.eos_token_ids)
-                self._masks = StepMasks(backend, self.cfg.scheduler.max_num_seqs,
-                                        self.model_config.vocab_size)
-                self._grammars = GrammarCompiler(backend)
-            return self._grammars
+        return self._grammars.compiler
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state and counters (safe from another thread)."""
@@ -350,8 +354,9 @@ class EngineCore:
             return None
         rows = sampling_rows(batch, self.model_config.vocab_size, self.eos_token_ids)
         rows.prompt_targets = prompt_targets(batch, self.requests)
-        if self._masks is not None:
-            mask = self._masks.build(batch.seqs, batch.sample)  # [S, W]; proposals: no grammar
+        masks = self._grammars.masks
+        if masks is not None:
+            mask = masks.build(batch.seqs, batch.sample)  # [S, W]; proposals: no grammar
             rows.allowed_mask = mask if batch.spec_lens is None else mask[batch.row_seq]
         feed = feed_rows(batch, prev_rows) if prev is not None else None
         t0 = time.perf_counter()
