@@ -26,7 +26,7 @@ from jengine.executables import ExecutableStore, default_store_dir
 from jengine.kv_budget import host_kv_budget
 from jengine.logprobs import prompt_targets, ranked, record_prompt_logprobs
 from jengine.models import KVCache, family_module
-from jengine.models.layers import resolve_layer_layout, unstack_layers
+from jengine.models.layers import resolve_layer_layout, resolve_matmul_backend, unstack_layers
 from jengine.models.quant import quantize_params, resolve_quantization
 from jengine.outputs import RequestOutput
 from jengine.page_allocator import PageAllocator
@@ -125,7 +125,9 @@ class EngineCore:
         if self.quantization == "none":  # a checkpoint converted with --quantization: as stored
             self.quantization = loaded.quantization
         self.model_config = dataclasses.replace(
-            padded_config(loaded.config, self.mesh_spec.tp), attention_backend=backend
+            padded_config(loaded.config, self.mesh_spec.tp), attention_backend=backend,
+            matmul_backend=resolve_matmul_backend(cfg.model.matmul_backend,
+                                                  jax.default_backend(), self.mesh_spec.tp),
         )
         self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_model_len(loaded)
