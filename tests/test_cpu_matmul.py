@@ -121,6 +121,14 @@ def test_resolve_matmul_backend():
         layers.resolve_matmul_backend("blas", "cpu", 1)
 
 
+def test_auto_keeps_xla_without_the_library(monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "_LIB", None)
+    monkeypatch.setattr(cpu_matmul, "_LOAD_ERROR", "no _cpu_matmul library")
+    assert layers.resolve_matmul_backend("auto", "cpu", 1) == "xla"
+    with pytest.raises(RuntimeError, match="pip install -e .*matmul_backend 'xla'"):
+        layers.resolve_matmul_backend("native", "cpu", 1)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_llama")

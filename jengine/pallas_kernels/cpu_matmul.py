@@ -15,34 +15,16 @@ keeps XLA's dot.
 
 from __future__ import annotations
 
-import ctypes
-import importlib.machinery
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.pallas_kernels.native_library import load_native
+
 _TARGET = "jengine_small_matmul"
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # instruction set of the kernel
 
-
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    here = Path(__file__).parent
-    found = [p for s in importlib.machinery.EXTENSION_SUFFIXES
-             if (p := here / f"_cpu_matmul{s}").exists()]
-    if not found:
-        return None, f"no _cpu_matmul library in {here}"
-    try:
-        lib = ctypes.CDLL(str(found[0]))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JengineSmallMatmul),
-                                    platform="cpu")
-    except (OSError, AttributeError) as e:
-        return None, f"{found[0].name} failed to load: {e}"
-    return lib, None
-
-
-_LIB, _LOAD_ERROR = _load()
+_LIB, _LOAD_ERROR = load_native("_cpu_matmul", {_TARGET: "JengineSmallMatmul"})
 
 
 def available() -> bool:
