@@ -14,6 +14,7 @@ from flax import nnx
 from jengine.models import quant
 from jengine.models.config import RopeConfig
 from jengine.models.quant import QArray
+from jengine.pallas_kernels import cpu_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +140,6 @@ def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
     dot, and so do accelerators; `native` there is an error."""
     if backend not in MATMUL_BACKENDS:
         raise ValueError(f"unknown matmul_backend {backend!r}; expected one of {MATMUL_BACKENDS}")
-    from jengine.pallas_kernels import cpu_matmul
-
     if backend == "native":
         if platform != "cpu" or tp > 1:
             raise ValueError("matmul_backend 'native' runs on CPU without tensor parallelism "
@@ -176,11 +175,9 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
         return quant.einsum(eq, x, w)
     form = _native_form(eq, x, w) if backend == "native" else None
     if form is not None:
-        from jengine.pallas_kernels.cpu_matmul import small_matmul
-
         if form == "nk":
-            return small_matmul(x, w, transpose_w=True)
-        y = small_matmul(x, w.reshape(w.shape[0], -1))
+            return cpu_matmul.small_matmul(x, w, transpose_w=True)
+        y = cpu_matmul.small_matmul(x, w.reshape(w.shape[0], -1))
         return y.reshape(x.shape[0], *w.shape[1:])
     return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
 
