@@ -1,6 +1,7 @@
-"""The native CPU kernels (paged attention and KV write; the small-row matmul), built against the XLA FFI headers that jaxlib ships.
+"""The native CPU kernels (paged attention and KV write; the small-row matmul), built against
+the XLA FFI headers that jaxlib ships.
 
-Everything else about the package is in pyproject.toml; this file only declares the extension.
+Everything else about the package is in pyproject.toml; this file only declares the extensions.
 """
 
 from __future__ import annotations
