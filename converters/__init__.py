@@ -7,6 +7,7 @@ reads each device's slice on its own (safetensors slices, Orbax restore onto the
 """
 
 from converters.errors import ModelLoadError
-from converters.source import LoadedModel, load_config, load_source
+from converters.loaded import LoadedModel
+from converters.source import load_config, load_source
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_config", "load_source"]

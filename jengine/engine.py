@@ -1,22 +1,27 @@
-"""jengine's public engine API: `Engine` (blocking) and `AsyncEngine` (asyncio, own thread).
+"""jengine's public engine API: `Engine` (blocking) and `AsyncEngine` (asyncio, own thread;
+jengine/async_engine.py, re-exported here).
 
 The data flow of one step, and the type at each boundary:
 
-    Request (prompt ids, SamplingParams, grammar) EngineCore.add_request -> Sequence(s), each
-                                                   with its own grammar matcher when constrained
+    Request (prompt ids, SamplingParams, grammar) EngineCore.add_request (core/admission.py)
+                                                   -> Sequence(s), each with its own grammar
+                                                   matcher when constrained
       -> Scheduler.schedule()                      host: decodes first, then prefill chunks
                                                    within the token budget; allocates KV pages;
                                                    preempts by recompute when pages run out
       -> ScheduledBatch                            host NumPy: tokens, positions, slots, q/kv
-                                                   lens, page tables (jengine/batch.py)
+                                                   lens, page tables (jengine/scheduling/batch.py)
       -> StepMasks.build()                         host: allowed-token bitmask rows of the
                                                    constrained sequences (None if there are none)
-      -> Runner.launch()                           pads to a declared bucket, one device_put,
-                                                   dispatches without waiting
-      -> step(params, kv_cache, metadata, sampling arrays, feed, previous tokens)
-                                                   one jitted program: embed -> scanned layers
-                                                   (paged attention writes new K/V) -> last-token
+      -> StepInputs (runtime/step_io.py)           host NumPy padded to a declared bucket, with
+                                                   the sampler's rows (SamplingRows padded)
+      -> Runner.launch()                           one device_put, dispatches without waiting
+      -> step(params, kv_cache, StepInputs, previous tokens)
+                                                   one jitted program: embed -> layers (paged
+                                                   attention writes new K/V) -> last-token
                                                    logits -> sampler; kv_cache donated
+      -> StepOutputs                               on device: sampled rows, and the tokens the
+                                                   step launched after this one reads
       -> Scheduler.advance()                       while it runs: counts move on, each sampling
                                                    sequence gets a PENDING token, and (async
                                                    scheduling) step N+1 is scheduled and launched,
@@ -35,34 +40,29 @@ before the next step (grammars, penalties) run one at a time.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import sys
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from tqdm import tqdm
 
+from jengine.async_engine import AsyncEngine
 from jengine.config import EngineConfig, load_config
-from jengine.core import EngineCore
+from jengine.core.replicas import make_core
+from jengine.core.request import merge_deltas
+from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
-from jengine.replicas import ReplicaSet, make_core
-from jengine.request import merge_deltas
-from jengine.sampling_params import SamplingParams, StructuredOutputs, check_strings
-from jengine.stats import EngineStats
-from jengine.structured import Grammar
-from jengine.tools import (
-    constrain,
-    split_tool_calls,
-    template_has_tools,
-    template_messages,
-    text_messages,
-    tool_setup,
-)
+from jengine.sampling_params import SamplingParams
+from jengine.text.chat import render_chat
+from jengine.text.tools import constrain, split_tool_calls, tool_setup
 
 log = logging.getLogger("jengine")
+
+# `from jengine.engine import AsyncEngine` keeps working: the asyncio front end has its own
+# module now (jengine/async_engine.py), which imports nothing from this one.
+__all__ = ["AsyncEngine", "Engine", "build_config"]
 
 def build_config(model: str | None, config: str | None, **kwargs: Any) -> EngineConfig:
     """Engine kwargs (+ optional preset) -> EngineConfig. A keyword given (not None) always wins
@@ -238,226 +238,3 @@ class Engine:
                             return
         finally:
             self.core.abort(rid)
-
-
-def render_chat(
-    tokenizer, messages: list[dict], *, tools: list[dict] | None = None,
-    chat_template: str | None = None, add_generation_prompt: bool = True,
-    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-    add_special_tokens: bool = False,
-) -> list[int]:
-    """Chat messages -> prompt token ids with the tokenizer's chat template (or `chat_template`,
-    a Jinja template text, instead).
-
-    `tools` (validated OpenAI function tools) go to a template that renders tools itself, and
-    into the system prompt otherwise; tool calls and results in `messages` are written as text
-    for a template without a tool format (see `jengine.tools`). `add_generation_prompt`,
-    `continue_final_message` (the reply goes on from the last assistant message) and
-    `template_kwargs` (extra template variables) are passed to the template as in HF
-    transformers; `add_special_tokens` adds the tokenizer's BOS etc. on top of the template's.
-    """
-    if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-    check_strings("messages", messages)
-    check_strings("tools", tools)
-    check_strings("chat_template", chat_template)
-    check_strings("chat_template_kwargs", template_kwargs)
-    if not (chat_template or getattr(tokenizer, "chat_template", None)):
-        raise ValueError("this model has no chat template")
-    if template_has_tools(tokenizer, chat_template):
-        messages = template_messages(messages)
-    else:
-        functions = [t["function"] for t in tools or ()]
-        messages, tools = text_messages(messages, functions), None
-    reserved = {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
-                "continue_final_message"} & set(template_kwargs or ())
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
-            chat_template=chat_template, continue_final_message=continue_final_message,
-            **(template_kwargs or {}),
-        )
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a template error (jinja2) is the request's fault
-        raise ValueError(f"chat_template failed to render: {type(e).__name__}: {e}") from None
-    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-
-
-class AsyncEngine:
-    """Asyncio front end: one engine thread steps the core; callers `async for` their deltas.
-
-    Safe to use from any event loop (a notebook's included): the thread never touches asyncio
-    except through `call_soon_threadsafe` on the caller's own loop.
-    """
-
-    def __init__(self, model: str | None = None, **kwargs: Any):
-        progress = kwargs.pop("progress", True)
-        warmup = kwargs.pop("warmup", True)  # a server builds every program before it serves
-        require_warm = kwargs.pop("require_warm", False)  # ... and may refuse to compile any
-        config = kwargs.pop("config", None)
-        cfg = build_config(model, config, **kwargs)
-        self._start(make_core(cfg, progress=progress, warmup=warmup, require_warm=require_warm))
-
-    def _start(self, core: EngineCore | ReplicaSet) -> None:
-        self.core = core
-        self.tokenizer = core.tokenizer
-        self._lock = threading.Condition()
-        self._commands: list[tuple[str, Any]] = []
-        self._taken: list[tuple[str, Any]] = []  # taken off the queue by the engine thread
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._ids = itertools.count()
-        self.error: BaseException | None = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="jengine-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
-
-    def stats(self) -> EngineStats:
-        """As `Engine.stats`; callable from any thread while the engine runs."""
-        return self.core.stats()
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's deltas. Bad input raises ValueError before anything is queued."""
-        rid = request_id or f"req-{next(self._ids)}"
-        grammar = None
-        spec = getattr(sampling_params, "structured_outputs", None)
-        if spec is not None:
-            # Compiled on the grammar pool, never in the engine thread; a bad spec raises here.
-            grammar = await self._compile(spec)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = loop.create_future()
-        with self._lock:  # the engine thread records a failure under this lock
-            if self.error is not None:
-                raise RuntimeError(f"engine failed: {self.error}")
-            if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already in use")
-            self._streams[rid] = (loop, queue)
-            self._commands.append(("add", (rid, prompt, sampling_params, grammar, done)))
-            self._lock.notify()
-        try:
-            await done  # raises the ValueError of a rejected request
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:
-                    raise RuntimeError(f"request {rid} failed: {item.error}")
-                yield item
-                if item.finished:
-                    return
-        finally:
-            with self._lock:
-                if self._streams.pop(rid, None) is not None:
-                    self._commands.append(("abort", rid))
-                    self._lock.notify()
-
-    async def compile_grammar(self, params: SamplingParams) -> None:
-        """Compiles the request's output constraint on the grammar pool (cached for the request
-        itself); raises ValueError when the constraint is invalid. Lets a caller reject a bad
-        constraint, and name its field, before it streams anything."""
-        if params.structured_outputs is not None:
-            await self._compile(params.structured_outputs)
-
-    async def _compile(self, spec: StructuredOutputs) -> Grammar:
-        # The first use builds the backend (~0.5 s): not in the event loop's thread either.
-        grammars = await asyncio.to_thread(getattr, self.core, "grammars")
-        return await asyncio.wrap_future(grammars.submit(spec))
-
-    async def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._commands.append(("abort", request_id))
-            self._lock.notify()
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._stopped = True
-            self._lock.notify()
-        self._thread.join(timeout=30)
-
-    # -- the engine thread ----------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    while not self._commands and not self.core.has_unfinished and not self._stopped:
-                        self._lock.wait()
-                    if self._stopped:
-                        return
-                    commands, self._commands = self._commands, []
-                self._taken = commands
-                for kind, arg in commands:
-                    self._run_command(kind, arg)
-                self._taken = []
-                if self.core.has_unfinished:
-                    for out in self.core.step():
-                        self._deliver(out.request_id, out)
-        except BaseException as e:  # noqa: BLE001 - the engine is dead: fail everyone waiting
-            log.exception("the engine thread died; requests in flight: %s",
-                          ", ".join(_request_ids(self.core)[:20]) or "none")
-            with self._lock:
-                self.error = e
-                streams = list(self._streams)
-                pending, self._commands = self._commands, []
-            failure = RuntimeError(f"engine failed: {e}")
-            for kind, arg in self._taken + pending:  # adds not yet answered
-                if kind == "add":
-                    self._resolve(arg[0], arg[-1], failure)
-            for rid in streams:
-                self._deliver(rid, failure)
-
-    def _run_command(self, kind: str, arg: Any) -> None:
-        if kind == "abort":
-            self.core.abort(arg)
-            return
-        rid, prompt, params, grammar, done = arg
-        try:
-            self.core.add_request(rid, prompt, params, grammar)
-        except ValueError as e:
-            self._resolve(rid, done, e)
-            return
-        except Exception as e:  # noqa: BLE001 - a request the checks missed fails alone
-            log.exception("request %s could not be added", rid)
-            self._resolve(rid, done, RuntimeError(f"the request could not be added: {e}"))
-            return
-        self._resolve(rid, done, None)
-
-    def _resolve(self, rid: str, done: asyncio.Future, error: Exception | None) -> None:
-        with self._lock:
-            entry = self._streams.get(rid)
-        if entry is None:
-            return
-        loop, _ = entry
-
-        def settle() -> None:
-            if done.done():
-                return
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
-
-        loop.call_soon_threadsafe(settle)
-
-    def _deliver(self, rid: str, item: Any) -> None:
-        with self._lock:
-            entry = self._streams.get(rid)
-        if entry is not None:
-            loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-
-def _request_ids(core: EngineCore | ReplicaSet) -> list[str]:
-    return sorted(rid for replica in core.replicas for rid in replica.requests)

@@ -1,7 +1,7 @@
 """The engine flag group that every engine-building command shares, and flags -> `Engine`.
 
-Kept apart from `jengine.cli` so that the benchmarks and the server build engines from parsed
-flags without importing the command-line module (nothing imports `jengine.cli`).
+Kept apart from `jengine.cli.main` so that the benchmarks and the server build engines from parsed
+flags without importing the command-line module (nothing imports `jengine.cli.main`).
 """
 
 from __future__ import annotations

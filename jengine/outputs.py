@@ -19,7 +19,8 @@ class Logprob:
     """The log-probability of one candidate token at one position.
 
     Attributes:
-      logprob: natural log of the token's probability under the (temperature-scaled) distribution.
+      logprob: natural log of the token's probability under the model's raw distribution
+        (the logits before temperature, penalties or filtering, as vLLM reports by default).
       rank: 1 for the most likely token, 2 for the next, ...; None when not computed.
       decoded_token: the token's text, when the caller asked for it to be decoded.
     """

@@ -16,7 +16,7 @@ import numpy as np
 
 from converters import load_source
 from jengine.models import AttentionMetadata, KVCache, family_module
-from jengine.runner import to_device_params
+from jengine.runtime.runner import to_device_params
 
 
 def main() -> None:

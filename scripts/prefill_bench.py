@@ -41,11 +41,13 @@ def measure(backend: str, reps: int) -> dict[str, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    from jengine.batch import ScheduledBatch
     from jengine.models import ModelConfig
     from jengine.models.attention import attend
     from jengine.models.config import RopeConfig
-    from jengine.runner import Buckets, Runner, SamplingRows
+    from jengine.runtime.buckets import Buckets
+    from jengine.runtime.runner import Runner
+    from jengine.runtime.step_io import SamplingRows
+    from jengine.scheduling.batch import ScheduledBatch
 
     cfg = ModelConfig(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -80,7 +82,7 @@ def measure(backend: str, reps: int) -> dict[str, float]:
                 page_table=table, sample=np.ones(1, bool),
             )
             host, _ = runner.host_inputs(batch, SamplingRows.empty(1))
-            md = runner.device_inputs(host)[0]
+            md = jax.device_put(host).attention_metadata()
             t = md.token_ids.shape[0]
             q = jnp.asarray(rng.normal(size=(t, HEADS, HEAD_DIM)), jnp.float32)
             k, v = (jnp.asarray(rng.normal(size=(t, KV_HEADS, HEAD_DIM)), jnp.float32)

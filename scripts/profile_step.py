@@ -94,8 +94,8 @@ def main() -> None:
     from step_batch import synthetic_batch
 
     from jengine.config import load_config
-    from jengine.core import EngineCore
-    from jengine.runner import SamplingRows
+    from jengine.core.engine_core import EngineCore
+    from jengine.runtime.step_io import SamplingRows
 
     # Only the buckets these steps use, so start-up compiles 8 programs, not the preset's 28.
     small = tuple(b for b in (1, 8) if b >= args.min_bucket)

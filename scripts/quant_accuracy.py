@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.config import load_config
-from jengine.core import EngineCore
+from jengine.core.engine_core import EngineCore
 from jengine.models import AttentionMetadata, KVCache, family_module
 from jengine.models.quant import weight_bytes
 from jengine.sampling_params import SamplingParams

@@ -19,8 +19,8 @@ import time
 from step_batch import synthetic_batch
 
 from jengine.config import load_config
-from jengine.core import EngineCore
-from jengine.runner import SamplingRows
+from jengine.core.engine_core import EngineCore
+from jengine.runtime.step_io import SamplingRows
 
 PAGE = 16
 

@@ -37,7 +37,7 @@ TIMING_BUCKETS = {"token_buckets": (1, 8, 32, 64, 512), "seq_buckets": (1, 8, 32
 
 def _core(settings: dict, **buckets):
     from jengine.config import load_config
-    from jengine.core import EngineCore
+    from jengine.core.engine_core import EngineCore
 
     cfg = load_config("cpu", kv_cache_memory="1GiB", **settings, **buckets)
     return EngineCore(cfg, progress=False)
@@ -53,7 +53,7 @@ def _compile(settings: dict) -> dict:
 def _timings(reps: int, sides: dict[str, dict], decodes=DECODES) -> dict[str, dict[str, float]]:
     """Both sides in one process, their steps interleaved, so load on the machine hits both
     alike."""
-    from jengine.runner import SamplingRows
+    from jengine.runtime.step_io import SamplingRows
 
     buckets = dict(TIMING_BUCKETS, token_buckets=tuple(sorted({*decodes, 512})),
                    seq_buckets=tuple(sorted({*decodes, *TIMING_BUCKETS["seq_buckets"]})))

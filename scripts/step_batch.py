@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jengine.batch import ScheduledBatch
+from jengine.scheduling.batch import ScheduledBatch
 
 
 def synthetic_batch(num_seqs: int, q_len: int, cached: int, page_size: int) -> ScheduledBatch:

@@ -33,8 +33,8 @@ def measure(reps: int) -> dict[str, float]:
     from step_batch import synthetic_batch
 
     from jengine.config import load_config
-    from jengine.core import EngineCore
-    from jengine.runner import SamplingRows
+    from jengine.core.engine_core import EngineCore
+    from jengine.runtime.step_io import SamplingRows
 
     core = EngineCore(load_config("cpu"), progress=False)
     runner, page = core.runner, core.runner.page_size

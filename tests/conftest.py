@@ -16,7 +16,7 @@ import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from jengine.compilation import enable_persistent_cache  # noqa: E402
+from jengine.runtime.compilation import enable_persistent_cache  # noqa: E402
 
 enable_persistent_cache()
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from jengine.page_allocator import PageAllocator
-from jengine.prefix_cache import PrefixCache
+from jengine.scheduling.page_allocator import PageAllocator
+from jengine.scheduling.prefix_cache import PrefixCache
 
 
 @contextlib.contextmanager

@@ -19,12 +19,12 @@ import itertools
 
 import numpy as np
 
-from jengine.batch import ScheduledBatch
-from jengine.page_allocator import PageAllocator
-from jengine.prefix_cache import PrefixCache
 from jengine.sampling_params import SamplingParams
-from jengine.scheduler import Scheduler
-from jengine.sequence import Sequence, SequenceStatus
+from jengine.scheduling.batch import ScheduledBatch
+from jengine.scheduling.page_allocator import PageAllocator
+from jengine.scheduling.prefix_cache import PrefixCache
+from jengine.scheduling.scheduler import Scheduler
+from jengine.scheduling.sequence import Sequence, SequenceStatus
 
 VOCAB = 50
 EOS = 0

@@ -19,7 +19,7 @@ PROMPT = "The three primary colors are"
 # `jengine` with torch made unimportable (a fresh process; argv follows).
 NO_TORCH = (
     "import sys; sys.modules['torch'] = None; "
-    "from jengine.cli import main; rc = main(sys.argv[1:]); "
+    "from jengine.cli.main import main; rc = main(sys.argv[1:]); "
     "assert sys.modules['torch'] is None; sys.exit(rc)"
 )
 
@@ -165,7 +165,7 @@ def test_serve_on_a_busy_port_is_a_one_line_error():
 
 
 def test_serve_flags_reach_the_server_config():
-    from jengine.cli import _serve_aliases, build_parser
+    from jengine.cli.main import _serve_aliases, build_parser
     from jengine.config import ServerConfig
     from jengine.server.app import server_config
 

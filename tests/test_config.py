@@ -1,15 +1,14 @@
 """Where settings come from: a keyword or flag that is given wins over the preset, even when it
-equals the default; one not given leaves the preset (or the config dataclass) to decide. And the
-import rules that keep the layers apart. No engine is built here."""
+equals the default; one not given leaves the preset (or the config dataclass) to decide. No engine
+is built here. (The import rules are tests/test_layers.py.)"""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
-from jengine.cli import build_parser
+from jengine.cli.main import build_parser
 from jengine.config import ServerConfig
 from jengine.engine import build_config
 from jengine.engine_flags import engine_kwargs
@@ -52,85 +51,20 @@ def test_a_flag_equal_to_its_default_still_beats_the_preset(tmp_path):
 
 
 def test_speculative_settings_from_keywords_flags_and_presets(tmp_path):
-    from jengine.core import _proposer
+    from jengine.scheduling.speculative import make_proposer
 
     cfg = build_config(None, "test", speculative="ngram", num_speculative_tokens=5)
     assert (cfg.speculative.method, cfg.speculative.num_tokens) == ("ngram", 5)
-    assert _proposer(cfg).num_tokens == 5
-    assert _proposer(build_config(None, "test")) is None  # off by default
+    assert make_proposer(cfg.speculative).num_tokens == 5
+    assert make_proposer(build_config(None, "test").speculative) is None  # off by default
     _, cfg = _cli_config(["generate", "hi", "--speculative", "ngram",
                           "--num-speculative-tokens", "2"])
     assert (cfg.speculative.method, cfg.speculative.num_tokens) == ("ngram", 2)
     preset = tmp_path / "s.yaml"
     preset.write_text("speculative:\n  method: ngram\n  ngram_min: 2\n  ngram_max: 3\n")
-    proposer = _proposer(build_config(None, str(preset)))
+    proposer = make_proposer(build_config(None, str(preset)).speculative)
     assert (proposer.ngram_min, proposer.ngram_max, proposer.num_tokens) == (2, 3, 3)
     for bad in (dict(speculative="draft", draft_model="x"), dict(speculative="medusa"),
                 dict(speculative="ngram", num_speculative_tokens=0)):
         with pytest.raises(ValueError):
-            _proposer(build_config(None, "test", **bad))
-
-
-def _imports(path: Path) -> set[str]:
-    """Every module `path` imports, at any depth of the file (function-local imports too)."""
-    names: set[str] = set()
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
-
-
-def _module_file(name: str) -> Path | None:
-    parts = name.split(".")
-    for candidate in (ROOT.joinpath(*parts).with_suffix(".py"),
-                      ROOT.joinpath(*parts, "__init__.py")):
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def _sources() -> list[Path]:
-    return [p for top in ("jengine", "converters") for p in (ROOT / top).rglob("*.py")]
-
-
-def test_nothing_imports_the_command_line_module():
-    offenders = [str(p.relative_to(ROOT)) for p in _sources()
-                 if p != ROOT / "jengine" / "cli.py"
-                 and any(n == "jengine.cli" or n.startswith("jengine.cli.") for n in _imports(p))]
-    assert offenders == []
-
-
-# Host-side modules: plain Python and NumPy, testable without compiling anything.
-HOST_MODULES = ("jengine.scheduler", "jengine.sequence", "jengine.batch", "jengine.page_allocator",
-                "jengine.speculative",
-                "jengine.prefix_cache", "jengine.detokenizer", "jengine.sampling_params",
-                "jengine.outputs")
-
-
-@pytest.mark.parametrize("module", HOST_MODULES)
-def test_host_side_modules_never_import_jax(module):
-    """Follows jengine's own imports transitively; no path may reach jax, jaxlib or flax."""
-    seen, stack, reached = set(), [module], []
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        path = _module_file(name)
-        if path is None:
-            continue
-        for imported in _imports(path):
-            root = imported.split(".")[0]
-            if root in ("jax", "jaxlib", "flax"):
-                reached.append(f"{name} imports {imported}")
-            elif root in ("jengine", "converters"):
-                stack.append(imported)
-    assert reached == []
+            make_proposer(build_config(None, "test", **bad).speculative)

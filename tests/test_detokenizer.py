@@ -19,7 +19,7 @@ from transformers.integrations.gguf.gguf_tokenizer_mapping import (
     get_gguf_tokenizer,
 )
 
-from jengine.detokenizer import (
+from jengine.text.detokenizer import (
     MAX_UNEMITTED_TOKENS,
     PROMPT_CONTEXT_TOKENS,
     DetokenizerDelta,

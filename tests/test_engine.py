@@ -189,7 +189,7 @@ def test_invalid_sampling_params(kwargs, field):
 
 
 def test_async_engine_streams_and_abort_frees_pages(smol_engine):
-    from jengine.engine import AsyncEngine
+    from jengine.async_engine import AsyncEngine
 
     engine = AsyncEngine.__new__(AsyncEngine)  # share the session engine's core (one model)
     AsyncEngine._start(engine, smol_engine.core)

@@ -10,7 +10,8 @@ import pytest
 from kv_pool import prefix_caching, small_kv_pool  # tests/kv_pool.py
 
 from jengine import SamplingParams
-from jengine.engine import build_config, render_chat
+from jengine.engine import build_config
+from jengine.text.chat import render_chat
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SYSTEMS = [

@@ -1,4 +1,4 @@
-"""Compiled step programs on disk (jengine/executables.py): they survive a restart, a start
+"""Compiled step programs on disk (jengine/runtime/executables.py): they survive a restart, a start
 that must not compile (`--require-warm`) refuses an empty store, a changed model, dtype, mesh or
 jax version never loads a stale one, an executable that XLA's persistent cache served is never
 stored (XLA:CPU drops its code: "Function ... not found" at dispatch), and offline engines build
@@ -21,12 +21,17 @@ import numpy as np
 import pytest
 from test_sharding import _tiny_llama
 
-import jengine.core
+import jengine.core.engine_core
 from jengine import Engine, SamplingParams
-from jengine.core import EngineCore
+from jengine.core.engine_core import EngineCore
 from jengine.engine import build_config
-from jengine.executables import ExecutableStore, ProgramsNotStoredError, compile_fresh, store_key
-from jengine.runner import SamplingRows, _dummy_batch
+from jengine.runtime.executables import (
+    ExecutableStore,
+    ProgramsNotStoredError,
+    compile_fresh,
+    store_key,
+)
+from jengine.runtime.step_io import SamplingRows, dummy_batch
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
@@ -77,7 +82,7 @@ def test_programs_survive_a_restart(tiny, tmp_path, monkeypatch):
     registered before anything is deserialized) and `--require-warm` load it and give the same
     tokens."""
     store = tmp_path / "jengine" / "executables"  # where the second process's store lives
-    monkeypatch.setattr(jengine.core, "default_store_dir", lambda: store)
+    monkeypatch.setattr(jengine.core.engine_core, "default_store_dir", lambda: store)
     model = _unseen_model(tiny, tmp_path / "model")
     cfg = build_config(model, ONE_BUCKET)
     with pytest.raises(ProgramsNotStoredError, match="1 of 1 step programs are not stored"):
@@ -98,7 +103,7 @@ def test_programs_survive_a_restart(tiny, tmp_path, monkeypatch):
 
 def _key(model: str, **kwargs) -> str:
     core = EngineCore(build_config(model, ONE_BUCKET, **kwargs), progress=False, warmup=False)
-    return core.runner.program_key(_dummy_batch(16, 16, 32), SamplingRows.empty(16))
+    return core.runner.program_key(dummy_batch(16, 16, 32), SamplingRows.empty(16))
 
 
 def test_the_key_changes_with_model_dtype_mesh_and_jax_version(tiny, tmp_path, monkeypatch):

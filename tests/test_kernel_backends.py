@@ -13,7 +13,8 @@ from test_sharding import _tiny_llama
 
 from jengine import Engine, SamplingParams
 from jengine.pallas_kernels import cpu
-from jengine.runner import QUERY_BLOCK, SamplingRows, _dummy_batch
+from jengine.runtime.buckets import QUERY_BLOCK
+from jengine.runtime.step_io import SamplingRows, dummy_batch
 
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(),
@@ -67,9 +68,9 @@ def test_test_preset_prefills_in_blocks_without_recompiling(tiny, backend):
     assert runner.buckets.blocked(64) and not runner.buckets.blocked(16)
     assert _greedy(engine, prompts, 6) == expected  # the first step holds 59 prompt tokens
     assert engine.core.compiles_since_ready == 0
-    batch = _dummy_batch(64, 16, 8)
+    batch = dummy_batch(64, 16, 8)
     host, _ = runner.host_inputs(batch, SamplingRows.empty(16))
-    blocks = host[3]
+    blocks = host.blocks
     if backend == "reference":
         assert blocks[0].shape == (runner.buckets.num_blocks(64), QUERY_BLOCK)
     else:
@@ -106,7 +107,7 @@ def test_bf16_kv_cache_halves_page_bytes(tiny, backend):
 
 def test_kv_cache_dtype_from_config_and_errors(tmp_path):
     from jengine.config import load_config
-    from jengine.core import resolve_kv_cache_dtype
+    from jengine.core.engine_core import resolve_kv_cache_dtype
 
     preset = tmp_path / "bf16.yaml"
     preset.write_text("cache:\n  kv_cache_dtype: bfloat16\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jengine.kv_budget import host_kv_budget
+from jengine.core.kv_budget import host_kv_budget
 from jengine.sharding import MeshSpec
 
 GIB = 2**30

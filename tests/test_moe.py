@@ -128,7 +128,7 @@ def test_gather_and_dense_strategies_agree():
 
 
 def test_info_reports_the_experts(tmp_path, capsys):
-    from jengine.cli import main
+    from jengine.cli.main import main
 
     _build(tmp_path, _qwen3_moe_config(), transformers.Qwen3MoeForCausalLM)
     assert main(["info", str(tmp_path)]) == 0

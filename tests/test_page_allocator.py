@@ -1,4 +1,5 @@
-"""Tests for jengine.page_allocator: allocation, sharing by reference count, freeing, accounting."""
+"""Tests for jengine.scheduling.page_allocator: allocation, sharing by reference count,
+freeing, accounting."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from jengine.page_allocator import OutOfPagesError, PageAllocator
+from jengine.scheduling.page_allocator import OutOfPagesError, PageAllocator
 
 
 def _check_accounting(alloc: PageAllocator) -> None:

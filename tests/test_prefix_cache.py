@@ -1,6 +1,6 @@
-"""Tests for jengine.prefix_cache: the radix tree alone, then under the scheduler with the fake
-runner of `tests/scheduler_harness.py` (no JAX), where a wrong or stale cached page changes the
-fake model's output."""
+"""Tests for jengine.scheduling.prefix_cache: the radix tree alone, then under the scheduler with
+the fake runner of `tests/scheduler_harness.py` (no JAX), where a wrong or stale cached page
+changes the fake model's output."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from scheduler_harness import (
     solo_tokens,
 )
 
-from jengine.page_allocator import PageAllocator
-from jengine.prefix_cache import PrefixCache
-from jengine.sequence import PENDING, SequenceStatus
+from jengine.scheduling.page_allocator import PageAllocator
+from jengine.scheduling.prefix_cache import PrefixCache
+from jengine.scheduling.sequence import PENDING, SequenceStatus
 
 PS = 4  # page size of the unit tests
 

@@ -25,7 +25,7 @@ from test_sharded_loading import _tiny_llama
 from converters import load_source
 from converters.checkpoint import load_checkpoint, save_checkpoint
 from jengine import Engine, SamplingParams
-from jengine.cli import build_parser
+from jengine.cli.main import build_parser
 from jengine.config import load_config
 from jengine.engine_flags import engine_kwargs
 from jengine.models import ModelConfig, family_module, quant

@@ -1,4 +1,4 @@
-"""Tests for jengine.sampler against a NumPy reference of every setting."""
+"""Tests for jengine.runtime.sampler against a NumPy reference of every setting."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine import sampler
-from jengine.sampler import SamplingArrays, pack_bitmask, process_logits, sample
+from jengine.runtime import sampler
+from jengine.runtime.sampler import SamplingArrays, pack_bitmask, process_logits, sample
 
 V = 1000
 S = 4  # rows of most tests: one compiled program per function
@@ -18,8 +18,8 @@ MANY = 256  # rows of the many-seed tests
 HISTORY = 12  # history width of the tests' penalty rows
 NEG_INF = np.float32(-np.inf)
 
-_sample_jit = jax.jit(sample, static_argnames=("needs_sort", "num_top_logprobs"))
-_process_jit = jax.jit(process_logits, static_argnames=("needs_sort",))
+_sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs",))
+_process_jit = jax.jit(process_logits)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -72,12 +72,12 @@ def _replicate(logits_row: np.ndarray, num: int, **settings) -> tuple[np.ndarray
 
 
 def _tokens(logits: np.ndarray, arrays: SamplingArrays) -> np.ndarray:
-    out = _sample_jit(jnp.asarray(logits), arrays, needs_sort=True, num_top_logprobs=0)
+    out = _sample_jit(jnp.asarray(logits), arrays, num_top_logprobs=0)
     return np.asarray(out.tokens)
 
 
-def _processed(logits: np.ndarray, arrays: SamplingArrays, needs_sort: bool = True) -> np.ndarray:
-    return np.asarray(_process_jit(jnp.asarray(logits), arrays, needs_sort=needs_sort))
+def _processed(logits: np.ndarray, arrays: SamplingArrays) -> np.ndarray:
+    return np.asarray(_process_jit(jnp.asarray(logits), arrays))
 
 
 def _assert_same_logits(actual: np.ndarray, expected: np.ndarray) -> None:
@@ -195,7 +195,7 @@ def test_greedy_rows_in_mixed_batch_and_bare_arrays():
 
 def test_sample_has_greedy_fast_path():
     # Drawing (random bits) happens only inside a cond branch, never at the top level.
-    jaxpr = jax.make_jaxpr(functools.partial(sample, needs_sort=True, num_top_logprobs=0))(
+    jaxpr = jax.make_jaxpr(functools.partial(sample, num_top_logprobs=0))(
         jnp.asarray(_logits(2)), _arrays(2, bare=True)
     )
     top_level = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
@@ -260,13 +260,6 @@ def test_filter_matches_reference_and_bounds_support(case):
     tokens = _tokens(logits, arrays)
     assert np.isfinite(expected[tokens]).all()
     assert len(np.unique(tokens)) > 1
-
-
-def test_needs_sort_false_skips_top_k_top_p():
-    logits = _logits(S)
-    arrays = _arrays(S, temperature=1.0, top_k=5, top_p=0.5)
-    np.testing.assert_array_equal(_processed(logits, arrays, needs_sort=False), logits)
-    assert not np.isfinite(_processed(logits, arrays)).all()
 
 
 _candidates_jit = jax.jit(sampler._filter_with_candidates, static_argnums=3)
@@ -426,7 +419,7 @@ def test_logprobs_are_raw_and_top_sorted():
         history=history,
         history_is_output=is_output,
     )
-    out = _sample_jit(jnp.asarray(logits), arrays, needs_sort=True, num_top_logprobs=5)
+    out = _sample_jit(jnp.asarray(logits), arrays, num_top_logprobs=5)
     reference = np.stack([np.log(_softmax64(row)) for row in logits])
     tokens = np.asarray(out.tokens)
     np.testing.assert_allclose(out.logprobs, reference[np.arange(S), tokens], atol=1e-5)
@@ -436,7 +429,7 @@ def test_logprobs_are_raw_and_top_sorted():
         out.top_logprobs, np.take_along_axis(reference, top_ids, -1), atol=1e-5
     )
     assert (np.diff(np.asarray(out.top_logprobs), axis=-1) <= 0).all()
-    none = _sample_jit(jnp.asarray(logits), arrays, needs_sort=True, num_top_logprobs=0)
+    none = _sample_jit(jnp.asarray(logits), arrays, num_top_logprobs=0)
     assert none.top_ids.shape == (S, 0) and none.top_logprobs.shape == (S, 0)
 
 
@@ -462,7 +455,7 @@ def test_sample_jits_with_padded_rows():
         "allowed_mask": pack_bitmask(rng.random((S, V)) < 0.5),
     }
     unpadded = _sample_jit(
-        jnp.asarray(logits), _arrays(S, **real), needs_sort=True, num_top_logprobs=5
+        jnp.asarray(logits), _arrays(S, **real), num_top_logprobs=5
     )
 
     pad = 4
@@ -470,7 +463,7 @@ def test_sample_jits_with_padded_rows():
     no_op = _arrays(pad)
     padded = {name: np.concatenate([value, getattr(no_op, name)]) for name, value in real.items()}
     out = _sample_jit(
-        jnp.asarray(padded_logits), _arrays(S + pad, **padded), needs_sort=True, num_top_logprobs=5
+        jnp.asarray(padded_logits), _arrays(S + pad, **padded), num_top_logprobs=5
     )
     for name in ("tokens", "top_ids"):
         np.testing.assert_array_equal(np.asarray(getattr(out, name))[:S], getattr(unpadded, name))
@@ -487,6 +480,6 @@ def test_fully_masked_row_stays_finite():
     logits = _logits(S)
     mask = np.zeros((S, 32), np.int32)
     arrays = _arrays(S, temperature=[0.0, 1.0, 1.0, 0.5], top_p=0.9, min_p=0.1, allowed_mask=mask)
-    out = _sample_jit(jnp.asarray(logits), arrays, needs_sort=True, num_top_logprobs=0)
+    out = _sample_jit(jnp.asarray(logits), arrays, num_top_logprobs=0)
     assert np.isfinite(np.asarray(out.logprobs)).all()
     assert ((np.asarray(out.tokens) >= 0) & (np.asarray(out.tokens) < V)).all()

@@ -18,7 +18,7 @@ from scheduler_harness import (  # tests/ is on sys.path under pytest
     solo_tokens,
 )
 
-from jengine.sequence import SequenceStatus
+from jengine.scheduling.sequence import SequenceStatus
 
 # ----------------------------------------------------------------------------- the fake itself
 

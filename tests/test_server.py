@@ -248,7 +248,7 @@ def test_bench_serve_loads_the_server(server):
     """`jengine bench serve` (the peer-comparison load script) drives a real server."""
     import argparse
 
-    from jengine.bench_serve import run_serve_bench
+    from jengine.bench.serve import run_serve_bench
 
     args = argparse.Namespace(url=server.url, api_key=KEY, served_model=None, concurrency=3,
                               num_prompts=4, output_len=5)
@@ -258,7 +258,7 @@ def test_bench_serve_loads_the_server(server):
 
 
 def test_chat_usage_and_roles(server, tokenizer):
-    from jengine.engine import render_chat
+    from jengine.text.chat import render_chat
 
     r = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
                                                 temperature=0, extra_body={"ignore_eos": True})

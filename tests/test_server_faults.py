@@ -17,8 +17,8 @@ import pytest
 from local_server import serving
 from prometheus_client.parser import text_string_to_metric_families
 
+from jengine.async_engine import AsyncEngine
 from jengine.config import ServerConfig
-from jengine.engine import AsyncEngine
 from jengine.server.app import create_app
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -19,8 +19,8 @@ import openai
 import pytest
 from local_server import serving
 
+from jengine.async_engine import AsyncEngine
 from jengine.config import ServerConfig
-from jengine.engine import AsyncEngine
 from jengine.server.app import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -335,7 +335,7 @@ def test_vllm_chat_fields_are_honoured(local):
     text = cont["choices"][0]["message"]["content"]
     assert text.startswith("The color is") and len(text) > len("The color is")
     # continue_final_message: the prompt ends inside the assistant's turn
-    from jengine.engine import render_chat
+    from jengine.text.chat import render_chat
 
     rendered = tok.decode(render_chat(tok, messages, add_generation_prompt=False,
                                       continue_final_message=True))

@@ -23,8 +23,9 @@ from test_server import MODEL, assert_error
 
 from jengine.outputs import CompletionOutput, RequestOutput, Usage
 from jengine.server.errors import APIError
-from jengine.server.responses import ResponsesRequest, _ResponseView, input_messages
-from jengine.tools import ToolSetup
+from jengine.server.responses import _ResponseView
+from jengine.server.responses_request import ResponsesRequest, input_messages
+from jengine.text.tools import ToolSetup
 
 ASK = "What is the capital of France?"
 PERSON = {"type": "object",

@@ -18,8 +18,8 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jengine import Engine, SamplingParams
+from jengine.core.replicas import choose_replica
 from jengine.models import KVCache
-from jengine.replicas import choose_replica
 from jengine.sharding import MeshSpec
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -110,17 +110,18 @@ def test_smollm2_tensor_parallel_matches_one_device(smol_engine):
 def _speculation_keeps_outputs(engine: Engine, smol_engine: Engine) -> None:
     """n-gram speculation on the sharded engine (its one bucket makes every verification cost
     nothing extra, so proposals run): greedy outputs stay the one-device engine's."""
-    from jengine.speculative import NgramProposer
+    from jengine.scheduling.speculation import Speculator
+    from jengine.scheduling.speculative import NgramProposer
 
     prompts = PROMPTS + ["1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", "la la la la la la la"]
     want = _greedy(smol_engine, prompts)
     sched = engine.core.scheduler
-    sched.proposer = NgramProposer(num_tokens=3)
+    sched.speculator = Speculator(NgramProposer(num_tokens=3))
     try:
         assert _greedy(engine, prompts) == want
         assert sched.spec_counters.num_accepted_tokens > 0
     finally:
-        sched.proposer = None
+        sched.speculator = None
 
 
 def _tiny_llama(path) -> None:
@@ -197,7 +198,7 @@ def test_cli_cpu_devices_flag_makes_fake_devices():
 
 
 def test_data_parallel_replicas_match_one_device_and_share_the_load(smol_engine):
-    from jengine.replicas import ReplicaSet
+    from jengine.core.replicas import ReplicaSet
 
     expected = _greedy(smol_engine, PROMPTS)
     engine = Engine(config=ONE_BUCKET, mesh="dp=2,tp=4")

@@ -17,7 +17,7 @@ from scheduler_harness import (
     prompt_of,
 )
 
-from jengine.speculative import (
+from jengine.scheduling.speculative import (
     NgramProposer,
     StepCosts,
     best_cap,

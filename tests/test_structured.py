@@ -13,11 +13,11 @@ import pytest
 from structured_cases import CASES, WEATHER, run_cases
 
 from jengine import SamplingParams
-from jengine.sampler import _unpack_bitmask
+from jengine.runtime.sampler import _unpack_bitmask
 from jengine.sampling_params import StructuredOutputs
-from jengine.sequence import SequenceStatus
+from jengine.scheduling.sequence import SequenceStatus
 from jengine.structured.llguidance_backend import LLGuidanceBackend
-from jengine.tools import (
+from jengine.text.tools import (
     CallArguments,
     CallStart,
     ToolCallStream,
@@ -186,7 +186,7 @@ def test_tool_setup_validates_tools_and_choice():
     with pytest.raises(ValueError, match="unique"):
         tool_setup([ADD, ADD])
     with pytest.raises(ValueError, match="cannot be combined"):
-        from jengine.tools import constrain
+        from jengine.text.tools import constrain
 
         constrain(SamplingParams(structured_outputs=StructuredOutputs(regex="a")),
                   tool_setup(TOOLS, "required"))

@@ -9,7 +9,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jengine.models import quant
 from jengine.models.config import RopeConfig
@@ -30,20 +29,6 @@ class ParamSpec:
     # The axes a projection contracts with the activations (e.g. (1,) for wq [L, E, H, D]);
     # set on the weights `quantization` may store as int8, one scale per remaining index.
     contract: tuple[int, ...] = ()
-
-
-class DeclaredModel(nnx.Module):
-    """An NNX module whose parameters are exactly the given specs (flat: name -> nnx.Param)."""
-
-    def __init__(self, specs: dict[str, ParamSpec], *, dtype, rngs: nnx.Rngs):
-        for name, spec in specs.items():
-            if spec.init == "zeros":
-                value = jnp.zeros(spec.shape, dtype)
-            elif spec.init == "ones":
-                value = jnp.ones(spec.shape, dtype)
-            else:
-                value = 0.02 * jax.random.normal(rngs.params(), spec.shape, dtype)
-            setattr(self, name, nnx.Param(value, sharding_names=spec.axes, eager_sharding=False))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:

@@ -33,16 +33,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import jengine
 from jengine.config import ServerConfig
-from jengine.engine import render_chat
 from jengine.server import chat, completions, responses
 from jengine.server.errors import bad_request, install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
 from jengine.server.openapi import install_openapi
 from jengine.server.protocol import DetokenizeRequest, TokenizeRequest, check_text_fields
 from jengine.server.state import ServerState, served_model_name
+from jengine.text.chat import render_chat
 
 if TYPE_CHECKING:
-    from jengine.engine import AsyncEngine
+    from jengine.async_engine import AsyncEngine
 
 log = logging.getLogger("jengine.server")
 
@@ -133,7 +133,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         card = {"id": name, "object": "model", "created": state.created, "owned_by": "jengine",
                 "root": state.model_name}
         if state.engine is not None:
-            card["max_model_len"] = state.engine.core.max_model_len
+            card["max_model_len"] = state.engine.core.model.max_model_len
         return card
 
     @app.get("/v1/models")
@@ -160,14 +160,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             tokens = await asyncio.to_thread(
                 lambda: list(engine.tokenizer(
                     body.prompt, add_special_tokens=body.add_special_tokens).input_ids))
-        return {"count": len(tokens), "max_model_len": engine.core.max_model_len,
+        return {"count": len(tokens), "max_model_len": engine.core.model.max_model_len,
                 "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.check_model(body.model)
         engine = state.ready_engine()
-        vocab = engine.core.model_config.vocab_size
+        vocab = engine.core.model.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
@@ -253,9 +253,10 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(args: argparse.Namespace) -> int:
     """`jengine serve`: listen first, load the engine in the background, drain on SIGTERM."""
-    from jengine.engine import AsyncEngine, build_config
+    from jengine.async_engine import AsyncEngine
+    from jengine.core.kv_budget import host_kv_budget
+    from jengine.engine import build_config
     from jengine.engine_flags import engine_kwargs
-    from jengine.kv_budget import host_kv_budget
     from jengine.sharding import MeshSpec
 
     kwargs = engine_kwargs(args)

@@ -4,7 +4,8 @@ A stream goes as OpenAI sends it: for each choice a first chunk with the role, t
 chunks, then exactly one chunk with an empty delta and the finish_reason; with
 `stream_options.include_usage` a last chunk with `choices: []` and the usage; then `[DONE]`.
 
-With tools (`jengine.tools`), `<tool_call>` blocks in the output become `message.tool_calls` and
+With tools (`jengine.text.tools`), `<tool_call>` blocks in the output become
+`message.tool_calls` and
 the rest stays `content` (null when nothing else is left); a choice that made calls finishes with
 "tool_calls". Streamed, a call goes out as `delta.tool_calls` chunks: the id, type and function
 name (arguments ""), then argument fragments: as they are generated when `tool_choice` forces the
@@ -21,10 +22,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from jengine.engine import render_chat
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
+from jengine.server.chat_request import ChatCompletionRequest
 from jengine.server.protocol import (
-    ChatCompletionRequest,
     check_text_fields,
     finite,
     prompt_logprobs_json,
@@ -33,7 +33,8 @@ from jengine.server.protocol import (
 )
 from jengine.server.state import ServerState
 from jengine.server.streams import EngineStream, sse, sse_stream, start_stream
-from jengine.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
+from jengine.text.chat import render_chat
+from jengine.text.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
 
 router = APIRouter()
 
@@ -48,7 +49,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
     engine = state.admit()
-    state.check_limits(params, 1, engine.core.max_model_len)
+    state.check_limits(params, 1, engine.core.model.max_model_len)
     # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
     prompt = await asyncio.to_thread(
         render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,

@@ -43,7 +43,7 @@ async def create_completion(body: CompletionRequest, request: Request):
                           "max_tokens")
     params = body.sampling_params()
     engine = state.admit()
-    state.check_limits(params, len(prompts), engine.core.max_model_len)
+    state.check_limits(params, len(prompts), engine.core.model.max_model_len)
     # Text is tokenized here, off the event loop, not in the engine thread that steps everyone.
     prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,
                                          body.add_special_tokens)

@@ -57,7 +57,7 @@ class JengineService(pb_grpc.JengineServicer):
             prompt = self._prompt(request)
             params = sampling_params(request.sampling)
             engine = self.state.admit()
-            self.state.check_limits(params, 1, engine.core.max_model_len)
+            self.state.check_limits(params, 1, engine.core.model.max_model_len)
         except ValueError as e:
             await _abort(context, invalid_value(e))
         except APIError as e:
@@ -95,7 +95,7 @@ class JengineService(pb_grpc.JengineServicer):
             await _abort(context, e)
         engine = self.state.engine
         card = pb.ModelCard(id=self.state.model_name,
-                            max_model_len=engine.core.max_model_len if engine else 0)
+                            max_model_len=engine.core.model.max_model_len if engine else 0)
         return pb.ListModelsResponse(models=[card])
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:

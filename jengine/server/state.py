@@ -23,7 +23,7 @@ from jengine.server.metrics import ServerMetrics
 from jengine.server.middleware import clean_request_id
 
 if TYPE_CHECKING:
-    from jengine.engine import AsyncEngine
+    from jengine.async_engine import AsyncEngine
 
 log = logging.getLogger("jengine.server")
 
@@ -101,7 +101,7 @@ class ServerState:
             return
         self.attach(engine, owned=True)
         log.info("engine ready in %.1f s: serving %r (max_model_len %d)",
-                 time.perf_counter() - start, self.model_name, engine.core.max_model_len)
+                 time.perf_counter() - start, self.model_name, engine.core.model.max_model_len)
 
     def shutdown(self) -> None:
         if self.engine is not None and self.owns_engine:

@@ -27,7 +27,7 @@ from jengine.sampling_params import SamplingParams
 from jengine.server.errors import APIError, bad_request, engine_failed, invalid_value
 
 if TYPE_CHECKING:
-    from jengine.engine import AsyncEngine
+    from jengine.async_engine import AsyncEngine
     from jengine.server.state import ServerState
 
 log = logging.getLogger("jengine.server")

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from converters.lazy import normalize_index
-from converters.source import LoadedModel
+from converters.loaded import LoadedModel
 from jengine.models import ModelConfig, family_module
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jengine.sequence import Sequence
+from jengine.scheduling.sequence import Sequence
 from jengine.structured.backend import GrammarBackend
 
 BITS_PER_WORD = 32

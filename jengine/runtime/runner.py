@@ -28,115 +28,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.batch import ScheduledBatch
-from jengine.compilation import record_program_load
-from jengine.executables import (
+from jengine.models import KVCache, ModelConfig, family_module
+from jengine.runtime.buckets import Buckets
+from jengine.runtime.executables import (
     ExecutableStore,
     ProgramsNotStoredError,
     compile_fresh,
     store_key,
 )
-from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
-from jengine.pallas_kernels import num_query_blocks, query_blocks
-from jengine.sampler import SamplingArrays, sample
+from jengine.runtime.sampler import sample
+from jengine.runtime.step_io import (
+    MAX_TOP_LOGPROBS,
+    PromptLogprobs,
+    SamplingRows,
+    StepInputs,
+    StepOutputs,
+    StepResult,
+    Variant,
+    dummy_batch,
+    step_inputs,
+)
+from jengine.scheduling.batch import ScheduledBatch
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
 
 log = logging.getLogger("jengine")
-
-MAX_TOP_LOGPROBS = 20
-QUERY_BLOCK = 32  # query rows per block in prefill-heavy steps (see pallas_kernels/reference.py)
-
-
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (hi,)
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """The step shapes the engine compiles: token counts, sequence counts, pages per sequence."""
-
-    tokens: tuple[int, ...]
-    seqs: tuple[int, ...]
-    pages: tuple[int, ...]
-
-    @classmethod
-    def default(cls, max_tokens: int, max_seqs: int, max_pages: int,
-                min_tokens: int = 8) -> Buckets:
-        """Powers of two from `min_tokens` (1 on CPU: XLA:CPU's dots run near memory speed
-        for 1-2 rows but at half that for 8, so a lone decode padded to 8 took twice as long
-        in its GEMMs) to `max_tokens`; pages likewise from 16."""
-        tokens = _powers_of_two(min(min_tokens, max_tokens), max_tokens)
-        pages = _powers_of_two(min(16, max_pages), max_pages)
-        return cls(
-            tokens=tokens,
-            seqs=tuple(sorted({min(t, max_seqs) for t in tokens})),
-            pages=pages,
-        )
-
-    def pick(self, num_tokens: int, num_rows: int, num_pages: int) -> tuple[int, int, int]:
-        """The bucket of a batch; `num_rows` (sampled rows, at least one per sequence) sizes S,
-        which is both the page table's rows and the sampler's."""
-        t = _first_at_least(self.tokens, max(num_tokens, num_rows, 1))
-        return t, self.seqs_for(t), _first_at_least(self.pages, num_pages)
-
-    def seqs_for(self, t: int) -> int:
-        """The sequence bucket of token bucket `t`: the smallest seq bucket >= t, capped at the
-        largest. Tying S to T keeps the program count at |tokens| x |pages|; a prefill-heavy
-        step pays only for a few extra rows of logits."""
-        return next((s for s in self.seqs if s >= t), self.seqs[-1])
-
-    def blocked(self, t: int) -> bool:
-        """Whether token bucket `t` groups queries into per-sequence blocks: only when it can
-        hold more tokens than sequences (prefill chunks), where it saves re-reading KV."""
-        return t > self.seqs_for(t)
-
-    def num_blocks(self, t: int) -> int:
-        """The block count of blocked bucket `t`: enough for any batch it holds (a sequence of
-        n tokens fills ceil(n / B) blocks, at most (T + S (B - 1)) / B in all). One bound per
-        bucket, not a bucket of its own: the attention stops after the last live block, so the
-        bound's empty blocks cost no work and no extra program."""
-        return num_query_blocks(t, self.seqs_for(t), QUERY_BLOCK)
-
-    def shapes(self) -> list[tuple[int, int, int]]:
-        """Every (T, S, P) `pick` can return."""
-        return sorted({(t, self.seqs_for(t), p) for t in self.tokens for p in self.pages})
-
-
-def _first_at_least(values: tuple[int, ...], n: int) -> int:
-    for v in values:
-        if v >= n:
-            return v
-    raise ValueError(f"{n} exceeds the largest bucket {values[-1]}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """Static features of a step program (each combination compiles once)."""
-
-    num_top_logprobs: int = 0
-    history: bool = False
-    logit_bias: bool = False
-    mask: bool = False
-    prompt_logprobs: bool = False  # also return every token's logprob of its successor
-
-
-@dataclasses.dataclass
-class StepResult:
-    """What comes back to the host: only per-sequence values, never logits."""
-
-    tokens: np.ndarray  # [S] int32
-    logprobs: np.ndarray  # [S] f32 raw logprob of the chosen token
-    top_ids: np.ndarray | None  # [S, K] int32
-    top_logprobs: np.ndarray | None  # [S, K] f32
-    # Only from the prompt_logprobs variant, one row per query token:
-    prompt_logprobs: np.ndarray | None = None  # [T] f32 logprob of `targets[t]` given tokens <= t
-    prompt_top_ids: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] int32
-    prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] f32
 
 
 class Runner:
@@ -182,32 +98,34 @@ class Runner:
 
         max_seqs = buckets.seqs[-1]
 
-        def step(params, kv, md, arrays, targets, feed, prev_tokens, variant: Variant):
+        def step(params, kv, inputs: StepInputs, prev_tokens, variant: Variant):
+            md = inputs.attention_metadata()
             # Token rows the host could not fill yet (async scheduling) take the token that the
             # previous step sampled for their sequence: feed[t] is its row there, else -1.
+            feed = inputs.feed
             fed = prev_tokens[jnp.maximum(feed, 0)]
             md = dataclasses.replace(md, token_ids=jnp.where(feed >= 0, fed, md.token_ids))
-            (out, prompt), kv = _forward_and_sample(params, kv, md, arrays, targets, variant)
+            (out, prompt), kv = _forward_and_sample(params, kv, md, inputs, variant)
             # The sampled tokens, padded to one shape, stay on device for the next step's `feed`.
             tokens = jnp.zeros((max_seqs,), jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
-            return (out, prompt, tokens), kv
+            return StepOutputs(sampled=out, prompt=prompt, next_tokens=tokens), kv
 
-        def _forward_and_sample(params, kv, md, arrays, targets, variant: Variant):
+        def _forward_and_sample(params, kv, md, inputs: StepInputs, variant: Variant):
+            k = variant.num_top_logprobs
             if not variant.prompt_logprobs:
                 logits, kv = forward(params, cfg, kv, md)
                 with jax.named_scope("sample"):
-                    out = sample(logits, arrays, needs_sort=True,
-                                 num_top_logprobs=variant.num_top_logprobs)
+                    out = sample(logits, inputs.sampling, num_top_logprobs=k)
                 return (out, None), kv
             all_logits, kv = forward(params, cfg, kv, md, all_logits=True)  # [T, V]
-            out = sample(
-                all_logits[md.logits_indices], arrays, needs_sort=True,
-                num_top_logprobs=variant.num_top_logprobs,
-            )
+            out = sample(all_logits[md.logits_indices], inputs.sampling, num_top_logprobs=k)
             logprobs = jax.nn.log_softmax(all_logits, axis=-1)
-            chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)
+            targets = jnp.maximum(inputs.targets, 0)[:, None]
+            chosen = jnp.take_along_axis(logprobs, targets, axis=-1)[:, 0]
             top_lp, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
-            return (out, (chosen[:, 0], top_ids.astype(jnp.int32), top_lp)), kv
+            prompt = PromptLogprobs(chosen=chosen, top_ids=top_ids.astype(jnp.int32),
+                                    top_logprobs=top_lp)
+            return (out, prompt), kv
 
         # Under a mesh the sampled tokens come back replicated, so every process can read them.
         out_shardings = None
@@ -231,54 +149,20 @@ class Runner:
         self.programs_loaded = 0  # from the store
         self.programs_compiled = 0  # traced, lowered and compiled (or found by XLA's cache)
 
+    @property
+    def programs_built(self) -> int:
+        """Step programs this runner has built so far, loaded or compiled."""
+        return self.programs_loaded + self.programs_compiled
+
     # -- host -> device --------------------------------------------------------------------------
 
-    def host_inputs(
-        self, batch: ScheduledBatch, rows: SamplingRows, feed: np.ndarray | None = None
-    ) -> tuple[tuple, Variant]:
-        """The padded step inputs as NumPy (what a multi-host leader broadcasts). `feed` [n_tok]:
-        per token, the previous step's row whose sampled token it takes (-1: its own id)."""
-        n_tok, n_seq, n_row = batch.num_tokens, batch.num_seqs, batch.num_rows
-        t, s, p = self.buckets.pick(n_tok, n_row, batch.page_table.shape[1])
-        if s < n_row:
-            raise ValueError(f"{n_row} sampled rows exceed the sequence bucket {s} of {t} tokens")
-        ints = np.zeros((5, t), np.int32)
-        ints[4] = -1
-        if feed is not None:
-            ints[4, :n_tok] = feed
-        ints[0, :n_tok] = batch.token_ids
-        ints[1, :n_tok] = batch.positions
-        ints[2, :n_tok] = batch.slot_mapping
-        ints[3, :n_tok] = np.repeat(np.arange(n_seq, dtype=np.int32), batch.q_lens)
-        page_table = np.zeros((s, p), np.int32)
-        page_table[:n_seq, : batch.page_table.shape[1]] = batch.page_table
-        logits_idx = np.zeros((s,), np.int32)
-        logits_idx[:n_row] = batch.logits_indices
-        host_arrays, variant = rows.padded(s)
-        blocks = None  # only the reference backend reads them; the kernels block on device
-        if self.cfg.attention_backend == "reference" and self.buckets.blocked(t):
-            blocks = query_blocks(batch.q_lens, t, self.buckets.num_blocks(t), QUERY_BLOCK)
-        targets = None
-        if rows.prompt_targets is not None:
-            targets = np.full((t,), -1, np.int32)
-            targets[:n_tok] = rows.prompt_targets
-            variant = dataclasses.replace(variant, prompt_logprobs=True)
-        return (ints, page_table, logits_idx, blocks, host_arrays, targets), variant
+    def host_inputs(self, batch: ScheduledBatch, rows: SamplingRows,
+                    feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
+        """`batch`'s padded inputs as NumPy (what a multi-host leader broadcasts)."""
+        blocked = self.cfg.attention_backend == "reference"
+        return step_inputs(batch, rows, self.buckets, blocked_queries=blocked, feed=feed)
 
-    def device_inputs(
-        self, host: tuple
-    ) -> tuple[AttentionMetadata, SamplingArrays, jax.Array | None, jax.Array]:
-        dev = self._to_device(host)
-        ints_d, page_table_d, logits_idx_d, blocks_d, arrays_d, targets_d = dev
-        md = AttentionMetadata(
-            token_ids=ints_d[0], positions=ints_d[1], slot_mapping=ints_d[2],
-            token_seq=ints_d[3], page_table=page_table_d, logits_indices=logits_idx_d,
-            block_tokens=blocks_d[0] if blocks_d else None,
-            block_seq=blocks_d[1] if blocks_d else None,
-        )
-        return md, SamplingArrays(**arrays_d), targets_d, ints_d[4]
-
-    def _to_device(self, host):
+    def _to_device(self, host):  # a pytree of NumPy arrays
         if self._input_sharding is None:
             return jax.device_put(host)
         # One global array per input, replicated: works across processes too.
@@ -290,16 +174,19 @@ class Runner:
     # -- the step --------------------------------------------------------------------------------
 
     def execute(self, batch: ScheduledBatch, rows: SamplingRows) -> StepResult:
-        return self.fetch(self.launch(batch, rows), batch.num_seqs, batch.num_tokens)
+        """Runs one step and waits for its results (benchmarks and tests; the engine
+        launches and fetches apart, to overlap the host's work with the device's)."""
+        return self.fetch(self.launch(batch, rows), batch.num_rows, batch.num_tokens)
 
     def launch(self, batch: ScheduledBatch, rows: SamplingRows, feed: np.ndarray | None = None,
-               prev: tuple | None = None) -> tuple:
+               prev: StepOutputs | None = None) -> StepOutputs:
         """Dispatches one step without waiting for it (JAX runs it asynchronously). `feed` and
         `prev` (the previous `launch`'s result) let rows take tokens the host has not seen."""
-        prev_tokens = prev[2] if prev is not None else None
+        prev_tokens = prev.next_tokens if prev is not None else None
         return self._launch(*self.host_inputs(batch, rows, feed), prev_tokens)
 
-    def _launch(self, host: tuple, variant: Variant, prev_tokens: jax.Array | None = None):
+    def _launch(self, host: StepInputs, variant: Variant,
+                prev_tokens: jax.Array | None = None) -> StepOutputs:
         """Runs one step program; a multi-host leader first sends its inputs to the followers."""
         if self._channel is not None:
             assert prev_tokens is None, "multi-host steps carry every token from the host"
@@ -315,18 +202,16 @@ class Runner:
             steps += 1
         return steps
 
-    def _run(self, host: tuple, variant: Variant, prev_tokens: jax.Array | None = None):
-        md, arrays, targets, feed = self.device_inputs(host)
-        if prev_tokens is None:
-            prev_tokens = self._no_tokens
-        args = (md, arrays, targets, feed, prev_tokens)
+    def _run(self, host: StepInputs, variant: Variant,
+             prev_tokens: jax.Array | None = None) -> StepOutputs:
+        args = (self._to_device(host), self._no_tokens if prev_tokens is None else prev_tokens)
         out, self.kv = self._program(host, variant, args)(self.params, self.kv, *args)
         return out
 
     # -- programs --------------------------------------------------------------------------------
 
     @staticmethod
-    def _signature(host: tuple, variant: Variant) -> tuple:
+    def _signature(host: StepInputs, variant: Variant) -> tuple:
         leaves, tree = jax.tree.flatten(host)
         return variant, tree, tuple((a.shape, a.dtype.str) for a in leaves)
 
@@ -342,7 +227,8 @@ class Runner:
         described = {"variant": variant, "tree": str(tree), "shapes": shapes}
         return store_key({**self._description, "inputs": described}, self._devices)
 
-    def _program(self, host: tuple, variant: Variant, args: tuple) -> jax.stages.Compiled:
+    def _program(self, host: StepInputs, variant: Variant,
+                 args: tuple) -> jax.stages.Compiled:
         """The compiled step for these inputs' shapes: built once per signature."""
         signature = self._signature(host, variant)
         program = self._programs.get(signature)
@@ -361,7 +247,6 @@ class Runner:
             key = self._key(signature)
             program = self._store.load(key, self._devices)
             if program is not None:
-                record_program_load()
                 self._built("loaded", signature, start)
                 return program
         name = f"step_{key[:16]}" if key else "step"  # a new key misses the persistent cache
@@ -383,8 +268,7 @@ class Runner:
             else:
                 self.programs_compiled += 1
         variant, _, shapes = signature
-        t, p = shapes[0][0][1], shapes[1][0][1]  # ints [5, T], page table [S, P]
-        s = shapes[1][0][0]
+        t, (s, p) = shapes[0][0][1], shapes[1][0]  # token_rows [5, T], page_table [S, P]
         level = logging.WARNING if self.ready else logging.DEBUG
         log.log(level, "%s step program T=%d S=%d P=%d %s%s in %.2fs", how, t, s, p, variant,
                 " after ready (a shape or variant warm-up missed)" if self.ready else "",
@@ -397,10 +281,11 @@ class Runner:
             self._channel = None
 
     @staticmethod
-    def fetch(out: tuple, n: int, num_tokens: int) -> StepResult:
-        """Waits for a launched step and brings its per-sequence results to the host."""
+    def fetch(out: StepOutputs, n: int, num_tokens: int) -> StepResult:
+        """Waits for a launched step and brings its first `n` rows' results to the host."""
         # Outputs are replicated over the mesh; reading one local copy works on every process.
-        host, prompt = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), out[:2])
+        host, prompt = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
+                                    (out.sampled, out.prompt))
         k = host.top_ids.shape[-1] if host.top_ids is not None else 0
         result = StepResult(
             tokens=np.asarray(host.tokens[:n]),
@@ -409,9 +294,9 @@ class Runner:
             top_logprobs=np.asarray(host.top_logprobs[:n]) if k else None,
         )
         if prompt is not None:
-            result.prompt_logprobs = np.asarray(prompt[0][:num_tokens])
-            result.prompt_top_ids = np.asarray(prompt[1][:num_tokens])
-            result.prompt_top_logprobs = np.asarray(prompt[2][:num_tokens])
+            result.prompt_logprobs = prompt.chosen[:num_tokens]
+            result.prompt_top_ids = prompt.top_ids[:num_tokens]
+            result.prompt_top_logprobs = prompt.top_logprobs[:num_tokens]
         return result
 
     def warmup(self, progress: Callable[[int, int], None] | None = None,
@@ -452,7 +337,7 @@ class Runner:
     def warmup_keys(self) -> list[str | None]:
         """The store key of each program `warmup` builds, in `buckets.shapes()` order: what
         `jengine compile` stores and `serve --require-warm` needs (None without a store)."""
-        return [self.program_key(_dummy_batch(t, s, p), SamplingRows.empty(s))
+        return [self.program_key(dummy_batch(t, s, p), SamplingRows.empty(s))
                 for t, s, p in self.buckets.shapes()]
 
     def _check_stored(self, shapes: list[tuple[int, int, int]]) -> None:
@@ -472,111 +357,20 @@ class Runner:
         """The compiled step program that `batch` runs (built if need be): what warm-up
         builds, and what profiles read the HLO of."""
         host, variant = self.host_inputs(batch, rows)
-        md, arrays, targets, feed = self.device_inputs(host)
-        return self._program(host, variant, (md, arrays, targets, feed, self._no_tokens))
+        return self._program(host, variant, (self._to_device(host), self._no_tokens))
 
     def _build_dummy(self, shape: tuple[int, int, int]) -> None:
         t, s, p = shape
-        self.program(_dummy_batch(t, s, p), SamplingRows.empty(s))
+        self.program(dummy_batch(t, s, p), SamplingRows.empty(s))
 
     def _run_dummy(self, shape: tuple[int, int, int]) -> None:
         t, s, p = shape
-        out = self._launch(*self.host_inputs(_dummy_batch(t, s, p), SamplingRows.empty(s)))
-        jax.block_until_ready(out[0].tokens)
-
-
-def _dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
-    """A batch of exactly bucket shape whose tokens all write the scratch page 0."""
-    q_lens = np.full((s,), t // s, np.int32)
-    q_lens[-1] += t - q_lens.sum()
-    return ScheduledBatch(
-        seq_ids=list(range(s)),
-        token_ids=np.zeros((t,), np.int32),
-        positions=np.zeros((t,), np.int32),
-        slot_mapping=np.zeros((t,), np.int32),
-        q_lens=q_lens,
-        kv_lens=q_lens.copy(),
-        page_table=np.zeros((s, p), np.int32),
-        sample=np.ones((s,), bool),
-    )
-
-
-@dataclasses.dataclass
-class SamplingRows:
-    """Per-sequence sampling settings of one batch on the host, before padding."""
-
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    presence_penalty: np.ndarray
-    frequency_penalty: np.ndarray
-    repetition_penalty: np.ndarray
-    seeds: np.ndarray
-    steps: np.ndarray
-    num_top_logprobs: int = 0
-    history: list[tuple[list[int], int]] | None = None  # (prompt+output ids, num prompt ids)
-    logit_bias: np.ndarray | None = None  # [n, V]
-    allowed_mask: np.ndarray | None = None  # [n, W] int32
-    prompt_targets: np.ndarray | None = None  # [num_tokens] next prompt token per query, or -1
-
-    @classmethod
-    def empty(cls, n: int) -> SamplingRows:
-        z = np.zeros((n,), np.float32)
-        return cls(
-            temperature=z, top_k=np.zeros((n,), np.int32), top_p=np.ones((n,), np.float32),
-            min_p=z, presence_penalty=z, frequency_penalty=z,
-            repetition_penalty=np.ones((n,), np.float32), seeds=np.zeros((n,), np.uint32),
-            steps=np.zeros((n,), np.int32),
-        )
-
-    def padded(self, s: int) -> tuple[dict[str, np.ndarray | None], Variant]:
-        n = len(self.temperature)
-
-        def pad(a: np.ndarray, fill) -> np.ndarray:
-            out = np.full((s, *a.shape[1:]), fill, a.dtype)
-            out[:n] = a
-            return out
-
-        arrays: dict[str, np.ndarray | None] = {
-            "temperature": pad(self.temperature, 0.0),
-            "top_k": pad(self.top_k, 0),
-            "top_p": pad(self.top_p, 1.0),
-            "min_p": pad(self.min_p, 0.0),
-            "presence_penalty": pad(self.presence_penalty, 0.0),
-            "frequency_penalty": pad(self.frequency_penalty, 0.0),
-            "repetition_penalty": pad(self.repetition_penalty, 1.0),
-            "seeds": pad(self.seeds, 0),
-            "steps": pad(self.steps, 0),
-            "history": None, "history_is_output": None, "logit_bias": None, "allowed_mask": None,
-        }
-        if self.history is not None:
-            width = _next_pow2(max(len(ids) for ids, _ in self.history))
-            hist = np.full((s, width), -1, np.int32)
-            is_out = np.zeros((s, width), bool)
-            for i, (ids, num_prompt) in enumerate(self.history):
-                hist[i, : len(ids)] = ids
-                is_out[i, num_prompt: len(ids)] = True
-            arrays["history"], arrays["history_is_output"] = hist, is_out
-        if self.logit_bias is not None:
-            arrays["logit_bias"] = pad(self.logit_bias, 0.0)
-        if self.allowed_mask is not None:
-            arrays["allowed_mask"] = pad(self.allowed_mask, -1)
-        variant = Variant(
-            num_top_logprobs=self.num_top_logprobs,
-            history=self.history is not None,
-            logit_bias=self.logit_bias is not None,
-            mask=self.allowed_mask is not None,
-        )
-        return arrays, variant
+        out = self._launch(*self.host_inputs(dummy_batch(t, s, p), SamplingRows.empty(s)))
+        jax.block_until_ready(out.sampled.tokens)
 
 
 def _aval(a: jax.Array) -> tuple:
     return (a.shape, a.dtype.str, repr(a.sharding))
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def to_device_params(

@@ -49,7 +49,8 @@ class Sequence:
     matcher: Any = None
     # SamplingParams.bad_words as token ids (each word alone and after a space).
     bad_words: tuple[tuple[int, ...], ...] = ()
-    # Speculative decoding (`jengine.speculative.SpecState`); None while it never speculated.
+    # Speculative decoding (`jengine.scheduling.speculative.SpecState`); None while it never
+    # speculated.
     spec: Any = None
 
     @property
@@ -63,10 +64,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)

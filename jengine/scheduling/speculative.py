@@ -27,6 +27,8 @@ import dataclasses
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from jengine.config import SpeculativeConfig
+
 # A sequence that saw this many verifications in a row accept nothing pauses speculation for
 # `BACKOFF_STEPS` steps (a plain decode each), so text the proposer cannot predict costs little.
 MISSES_BEFORE_BACKOFF = 4
@@ -76,6 +78,22 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the latest occurrence predicts best when copying
                 return ids[start:start + k].tolist()
         return []
+
+
+def make_proposer(spec: SpeculativeConfig) -> NgramProposer | None:
+    """The proposer `spec` asks for (None: speculation off).
+
+    Raises:
+      ValueError: an unknown method, or `draft` (a draft model), which is not built yet.
+    """
+    if spec.method is None:
+        return None
+    if spec.method == "draft":
+        raise ValueError("speculative 'draft' (a draft model) is not supported yet; use 'ngram'")
+    if spec.method != "ngram":
+        raise ValueError(f"unknown speculative method {spec.method!r}; use 'ngram'")
+    return NgramProposer(num_tokens=spec.num_tokens, ngram_min=spec.ngram_min,
+                         ngram_max=spec.ngram_max)
 
 
 @dataclasses.dataclass

@@ -16,11 +16,12 @@ outlive their sequences (finished, aborted or preempted: a recompute finds its o
 again). Cached pages that nobody holds count as free: `_allocate` evicts them when the free
 list runs short.
 
-With a proposer (speculative decoding, jengine/speculative.py), decodes whose last token is known
-then get proposed tokens appended to their query, from what the token budget, the row limit
-(`max_num_seqs` sampled rows in all) and free pages leave after every decode and prefill chunk
-has its share: speculation only ever uses room nothing else wanted. `finalize` keeps the
-confirmed proposals and the bonus token, and gives back pages that only rejected ones needed.
+With a proposer (speculative decoding, jengine/scheduling/speculation.py), decodes whose last
+token is known then get proposed tokens appended to their query, from what the token budget, the
+row limit (`max_num_seqs` sampled rows in all) and free pages leave after every decode and
+prefill chunk has its share: speculation only ever uses room nothing else wanted. `finalize`
+keeps the confirmed proposals and the bonus token, and gives back pages that only rejected ones
+needed.
 """
 
 from __future__ import annotations
@@ -29,17 +30,20 @@ import collections
 
 import numpy as np
 
-from jengine.batch import ScheduledBatch
-from jengine.page_allocator import PageAllocator
-from jengine.prefix_cache import PrefixCache
-from jengine.sequence import PENDING, Sequence, SequenceStatus
-from jengine.speculative import (
-    DECLINED_PAUSE,
+from jengine.scheduling.batch import ScheduledBatch, build_batch
+from jengine.scheduling.page_allocator import PageAllocator
+from jengine.scheduling.prefix_cache import PrefixCache
+from jengine.scheduling.prefix_reuse import (
+    cache_pages,
+    count_lookup,
+    prefix_in_flight,
+    reuse_cached,
+)
+from jengine.scheduling.sequence import PENDING, Sequence, SequenceStatus
+from jengine.scheduling.speculation import Speculator
+from jengine.scheduling.speculative import (
     NgramProposer,
     SpecCounters,
-    SpecState,
-    StepCosts,
-    best_cap,
     num_accepted,
 )
 
@@ -59,11 +63,8 @@ class Scheduler:
         proposer: NgramProposer | None = None,
     ):
         self.allocator = allocator
-        self.proposer = proposer
-        self.spec_counters = SpecCounters()
-        # Measured step seconds per token bucket (the engine fills it); None: verify everything.
-        self.step_costs: StepCosts | None = None
-        self._spec_paused = 0  # steps left in which nobody proposes (DECLINED_PAUSE)
+        # Speculative decoding (None: off); `finalize` accepts what its proposals confirmed.
+        self.speculator = Speculator(proposer) if proposer is not None else None
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -131,9 +132,9 @@ class Scheduler:
         for seq in prefills:
             if len(chosen) >= self.max_num_seqs or budget == 0:
                 break
-            hit = self._reuse_cached(seq)
+            hit = reuse_cached(self.prefix_cache, seq)
             if (hit is not None and deferred < self.max_num_seqs
-                    and self._prefix_in_flight(seq, chosen)):
+                    and prefix_in_flight(seq, chosen, self.allocator.page_size)):
                 # Another sequence fills this one's next uncached page in this very step: it
                 # waits a step and reuses the page instead of computing it a second time.
                 self._unreuse(seq, hit)
@@ -146,7 +147,7 @@ class Scheduler:
                 break
             seq.pages += self._allocate(need)
             if hit is not None:
-                self._count_lookup(seq, hit)
+                count_lookup(self.prefix_cache, seq, hit)
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
@@ -157,74 +158,19 @@ class Scheduler:
             # Nothing fits: the pages the queue's head needs may be held by waiting forked
             # siblings (`_fork`), which nothing else would ever release. Drop them and retry.
             return self.schedule() if self._release_waiting_pages() else None
-        if self.proposer is not None:
-            self._speculate(chosen, budget)
-        return self._build_batch(chosen)
+        if self.speculator is not None:
+            self.speculator.extend(chosen, budget, self.max_num_seqs, self.allocator,
+                                   self.max_model_len)
+        return build_batch(chosen, self.allocator.page_size)
 
-    # -- speculative decoding --------------------------------------------------------------------
+    @property
+    def spec_counters(self) -> SpecCounters:
+        """Speculative decoding's counters (all zero while it is off)."""
+        return self.speculator.counters if self.speculator is not None else SpecCounters()
 
     def may_speculate(self, seq: Sequence) -> bool:
-        """Whether `seq` may verify proposals when its last token is known (so its next step
-        waits for that token: no async scheduling), unless it pauses. Not: grammars (the
-        mask of each row would need the grammar advanced over the proposals), penalties and bad
-        words (they read the token history, which proposals would change per row), and a
-        sequence still short of min_tokens (its stop tokens are banned by the step count)."""
-        p = seq.params
-        return (self.proposer is not None and seq.matcher is None and not p.uses_token_history
-                and not seq.bad_words and len(seq.output_ids) >= p.min_tokens
-                and self._spec_paused == 0 and (seq.spec is None or seq.spec.may_propose()))
-
-    def _speculate(self, chosen: list[tuple[Sequence, int]], budget: int) -> None:
-        """Appends proposals to the chosen decodes, within the room left: `budget` tokens,
-        `max_num_seqs` rows in all, and free pages (speculation never preempts or evicts).
-        With step costs measured (`step_costs`), proposals are cut to the length that gives the
-        most expected tokens per second, which is none where verifying costs more than it
-        gains (`jengine.speculative.best_cap`)."""
-        if self._spec_paused > 0:
-            self._spec_paused -= 1
-            return
-        room = min(budget, self.max_num_seqs - len(chosen))  # rows and tokens alike
-        candidates = []
-        for i, (seq, n) in enumerate(chosen):
-            if len(candidates) >= room:
-                break  # the proposer's host work only for sequences that can verify
-            if (n != 1 or seq.num_uncomputed != 1 or seq.output_ids[-1:] in ([], [PENDING])
-                    or not self.may_speculate(seq)):
-                continue
-            if seq.spec is None:
-                seq.spec = SpecState()
-            limit = min(seq.max_tokens - len(seq.output_ids) - 1,
-                        self.max_model_len - seq.num_tokens - 1)
-            proposal = self.proposer.propose(seq.tokens(0, seq.num_tokens), limit)
-            if proposal:
-                candidates.append((i, seq, proposal))
-            else:
-                seq.spec.found_nothing()
-        if not candidates:
-            return
-        tokens = sum(n for _, n in chosen)
-        sampling = sum(1 for seq, n in chosen if seq.num_computed + n == seq.num_tokens)
-        cap = best_cap(tokens, sampling, [(len(p), seq.spec.acceptance)
-                                          for _, seq, p in candidates], self.step_costs)
-        if cap == 0:
-            self._spec_paused = DECLINED_PAUSE
-        rows = len(chosen)
-        for i, seq, proposal in candidates:
-            proposal = proposal[:max(0, min(cap, budget, self.max_num_seqs - rows))]
-            need = self.allocator.pages_for(seq.num_tokens + len(proposal)) - len(seq.pages)
-            if need > 0:
-                if need <= self.allocator.num_free:
-                    seq.pages += self.allocator.allocate(need)
-                else:  # only what the pages it holds can take
-                    held = len(seq.pages) * self.allocator.page_size
-                    proposal = proposal[: held - seq.num_tokens]
-            if not proposal:
-                seq.spec.decline()
-                continue
-            seq.spec.proposal = proposal
-            chosen[i] = (seq, 1 + len(proposal))
-            rows += len(proposal)
-            budget -= len(proposal)
+        """Whether `seq` may verify proposals (see `Speculator.may_speculate`)."""
+        return self.speculator is not None and self.speculator.may_speculate(seq)
 
     def _fair_waiting(self) -> list[Sequence]:
         """The waiting queue in admission order, fair between requests: a request with many
@@ -272,67 +218,11 @@ class Scheduler:
 
     # -- prefix cache --------------------------------------------------------------------------
 
-    def _reuse_cached(self, seq: Sequence) -> int | None:
-        """Gives a sequence that holds no pages yet the cached pages of its longest cached
-        prefix, leaving at least its last token to compute (it must be sampled from). Returns
-        the tokens reused, or None when the cache is not consulted. Requests for prompt
-        logprobs compute every prompt token, so they never reuse pages."""
-        cache = self.prefix_cache
-        if cache is None or seq.pages or seq.params.prompt_logprobs is not None:
-            return None
-        max_pages = (seq.num_tokens - 1) // self.allocator.page_size
-        pages = cache.match(seq.tokens(0, max_pages * self.allocator.page_size), max_pages)
-        if pages:
-            self.allocator.share(pages)
-            seq.pages = pages
-            seq.num_cached_pages = len(pages)
-            seq.num_computed = len(pages) * self.allocator.page_size
-        return seq.num_computed
-
     def _unreuse(self, seq: Sequence, hit: int | None) -> None:
-        """Undoes `_reuse_cached` for a sequence that is not admitted after all."""
+        """Undoes `reuse_cached` for a sequence that is not admitted after all."""
         if hit:
             self._release(seq)
             seq.num_computed = 0
-
-    def _prefix_in_flight(self, seq: Sequence, chosen: list[tuple[Sequence, int]]) -> bool:
-        """Whether a prefill chunk chosen this step fills the first page `seq` could reuse but
-        has not found cached (same tokens up to that page's end)."""
-        ps = self.allocator.page_size
-        have = seq.num_computed // ps
-        if have >= (seq.num_tokens - 1) // ps:
-            return False  # its remaining pages are its own to compute
-        end = (have + 1) * ps
-        tokens = seq.tokens(0, end)
-        return any(n > 1 and other.num_computed + n >= end and other.tokens(0, end) == tokens
-                   for other, n in chosen)
-
-    def _count_lookup(self, seq: Sequence, hit: int) -> None:
-        stats = self.prefix_cache.stats
-        stats.queries += 1
-        stats.query_tokens += seq.num_tokens
-        stats.hit_tokens += hit
-        if seq.num_preemptions == 0:
-            seq.num_cached_tokens = hit
-
-    def _cache_pages(self, seq: Sequence) -> None:
-        """Puts the sequence's computed full pages into the prefix cache and switches it to the
-        cache's copy of any it computed alongside another sequence. Called as soon as a page
-        fills, before anything else can share the page, so the switch leaves no holder of the
-        sequence's own copy behind (the cache's root-path invariant)."""
-        ps, known = self.allocator.page_size, seq.num_cached_pages
-        full = seq.num_computed // ps
-        tokens = seq.tokens(0, full * ps)
-        if PENDING in tokens[known * ps:]:  # cannot happen: a PENDING token is never computed
-            raise RuntimeError(f"sequence {seq.seq_id} has a computed PENDING token")
-        canonical = self.prefix_cache.insert(tokens, seq.pages[:full], known)
-        for i in range(known, full):
-            if canonical[i] != seq.pages[i]:
-                self.prefix_cache.stats.duplicate_pages += 1
-                self.allocator.share([canonical[i]])
-                self.allocator.free([seq.pages[i]])
-                seq.pages[i] = canonical[i]
-        seq.num_cached_pages = full
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -365,39 +255,6 @@ class Scheduler:
             seq.pages = []
             seq.num_cached_pages = 0
 
-    def _build_batch(self, chosen: list[tuple[Sequence, int]]) -> ScheduledBatch:
-        page_size = self.allocator.page_size
-        tokens, positions, slots = [], [], []
-        q_lens, kv_lens, sample = [], [], []
-        width = max(len(seq.pages) for seq, _ in chosen)
-        page_table = np.zeros((len(chosen), width), np.int32)
-        spec_lens = np.zeros((len(chosen),), np.int32)
-        for i, (seq, n) in enumerate(chosen):
-            start = seq.num_computed
-            pos = np.arange(start, start + n, dtype=np.int32)
-            pages = np.asarray(seq.pages, np.int32)
-            proposal = seq.spec.proposal if seq.spec is not None else []
-            spec_lens[i] = len(proposal)
-            tokens.extend(seq.tokens(start, start + n - len(proposal)) + proposal)
-            positions.append(pos)
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-            q_lens.append(n)
-            kv_lens.append(start + n)
-            sample.append(start + n - len(proposal) == seq.num_tokens)
-            page_table[i, : len(seq.pages)] = pages
-        return ScheduledBatch(
-            seq_ids=[seq.seq_id for seq, _ in chosen],
-            token_ids=np.asarray(tokens, np.int32),
-            positions=np.concatenate(positions),
-            slot_mapping=np.concatenate(slots).astype(np.int32),
-            q_lens=np.asarray(q_lens, np.int32),
-            kv_lens=np.asarray(kv_lens, np.int32),
-            page_table=page_table,
-            sample=np.asarray(sample, bool),
-            seqs=[seq for seq, _ in chosen],
-            spec_lens=spec_lens if spec_lens.any() else None,
-        )
-
     # -- after the step ----------------------------------------------------------------------------
 
     def postprocess(self, batch: ScheduledBatch, tokens: np.ndarray) -> list[Sequence]:
@@ -425,7 +282,7 @@ class Scheduler:
                     and seq.num_computed // self.allocator.page_size > full_before):
                 # Pages this step fills are cached now: the next step, which may reuse them,
                 # runs after this one on the device.
-                self._cache_pages(seq)
+                cache_pages(self.prefix_cache, seq)
             if not batch.sample[i]:
                 continue
             if seq.spec is not None:
@@ -481,7 +338,7 @@ class Scheduler:
         if seq.is_finished:
             return added
         if self.prefix_cache is not None and seq.num_computed // ps > full_before:
-            self._cache_pages(seq)
+            cache_pages(self.prefix_cache, seq)
         keep = self.allocator.pages_for(seq.num_tokens)
         if len(seq.pages) > keep:
             self.allocator.free(seq.pages[keep:])

@@ -21,9 +21,10 @@ import sys
 import time
 from typing import Any
 
-from jengine.engine import Engine, render_chat
+from jengine.engine import Engine
 from jengine.engine_flags import engine_kwargs
 from jengine.sampling_params import SamplingParams
+from jengine.text.chat import render_chat
 
 _RULES = (
     "Greet the customer by name when it is known", "Never promise a delivery date",

@@ -20,10 +20,10 @@ logits), as vLLM reports them by default.
 Cost control (a full-vocabulary sort costs more than a decode step on CPU):
   - penalties, min-p and top-k/top-p each run under `lax.cond` only when some row needs them;
   - an all-greedy batch skips temperature, filtering and drawing altogether;
-  - top-k/top-p never sort the vocabulary unless they must: the runner compiles the filter in
-    only when `needs_sort` is set, and even then it works on the `lax.top_k` candidates of
-    `CANDIDATE_WIDTHS`, falling back to the next width, and last to a full sort, only when some
-    row's answer does not lie within the candidates (see `_filter_top_k_top_p`).
+  - top-k/top-p never sort the vocabulary unless they must: the filter works on the
+    `lax.top_k` candidates of `CANDIDATE_WIDTHS`, falling back to the next width, and last to a
+    full sort, only when some row's answer does not lie within the candidates (see
+    `_filter_top_k_top_p`).
 """
 
 from __future__ import annotations
@@ -132,14 +132,13 @@ def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
 
 
 def sample(
-    logits: jax.Array, arrays: SamplingArrays, *, needs_sort: bool, num_top_logprobs: int
+    logits: jax.Array, arrays: SamplingArrays, *, num_top_logprobs: int
 ) -> SamplerOutput:
     """Picks the next token of every row.
 
     Args:
       logits: [S, V] f32 raw last-token logits.
       arrays: the rows' sampling settings, padded to S.
-      needs_sort: static; False when no row uses top-k or top-p, so the filter is not compiled.
       num_top_logprobs: static K, the number of top raw logprobs to return per row (0 for none).
 
     Returns:
@@ -150,27 +149,26 @@ def sample(
     is_greedy = arrays.temperature < GREEDY_TEMPERATURE
 
     def draw() -> jax.Array:
-        filtered = _scale_and_filter(adjusted, arrays, needs_sort=needs_sort)
+        filtered = _scale_and_filter(adjusted, arrays)
         return jnp.where(is_greedy, greedy_tokens, _draw(filtered, arrays.seeds, arrays.steps))
 
     tokens = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, draw)
     return _raw_logprobs(logits, tokens, num_top_logprobs)
 
 
-def process_logits(logits: jax.Array, arrays: SamplingArrays, *, needs_sort: bool) -> jax.Array:
+def process_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     """The logits each row's token is drawn from: `sample` without the draw (for tests).
 
     Args:
       logits: [S, V] f32 raw logits.
       arrays: the rows' sampling settings.
-      needs_sort: static; whether to apply top-k / top-p.
 
     Returns:
       [S, V] f32: greedy rows after steps 1-2 of the module docstring (their argmax is the
       token); sampled rows after steps 1-4, with filtered-out tokens at -inf.
     """
     adjusted = _adjust_logits(logits, arrays)
-    filtered = _scale_and_filter(adjusted, arrays, needs_sort=needs_sort)
+    filtered = _scale_and_filter(adjusted, arrays)
     is_greedy = arrays.temperature < GREEDY_TEMPERATURE
     return jnp.where(is_greedy[:, None], adjusted, filtered)
 
@@ -247,15 +245,13 @@ def _penalize(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     return logits - arrays.presence_penalty[:, None] * (output_counts > 0)
 
 
-def _scale_and_filter(logits: jax.Array, arrays: SamplingArrays, *, needs_sort: bool) -> jax.Array:
-    """Step 4: temperature, min-p, then (if `needs_sort`) top-k and top-p. [S, V] -> [S, V]."""
+def _scale_and_filter(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Step 4: temperature, min-p, then top-k and top-p. [S, V] -> [S, V]."""
     is_greedy = arrays.temperature < GREEDY_TEMPERATURE
     temperature = jnp.where(is_greedy, 1.0, arrays.temperature)
     logits = logits / temperature[:, None]
     min_p = jnp.where(is_greedy, 0.0, arrays.min_p)
     logits = _when(jnp.any(min_p > 0), functools.partial(_filter_min_p, min_p=min_p), logits)
-    if not needs_sort:
-        return logits
     vocab = logits.shape[-1]
     top_k = jnp.where(is_greedy | (arrays.top_k <= 0) | (arrays.top_k >= vocab), 0, arrays.top_k)
     top_p = jnp.where(is_greedy, 1.0, arrays.top_p)

@@ -2,10 +2,11 @@
 
 Pages are shared by reference between holders: the sequences whose page tables list them (the
 prompt pages of `n` > 1 samples, prefix-cache hits) and the prefix cache itself
-(`jengine.prefix_cache`), which keeps one reference on every page in its tree. A page returns
-to the free list when its last holder lets go. Pages held by the cache alone are *evictable*:
-they still hold reusable K/V, and the cache gives them up when the free list runs short. Page 0
-is reserved as the scratch page that padding tokens write into, so it is never handed out.
+(`jengine.scheduling.prefix_cache`), which keeps one reference on every page in its tree. A page
+returns to the free list when its last holder lets go. Pages held by the cache alone are
+*evictable*: they still hold reusable K/V, and the cache gives them up when the free list runs
+short. Page 0 is reserved as the scratch page that padding tokens write into, so it is never
+handed out.
 """
 
 from __future__ import annotations

@@ -125,17 +125,17 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     print(f"bench: {len(prompts)} prompts x {args.input_len} tokens -> {args.output_len} new",
           file=sys.stderr)
     result: dict[str, Any] = {
-        "model": engine.core.loaded_source,
+        "model": engine.core.model.source,
         "num_prompts": len(prompts),
         "input_len": args.input_len,
         "output_len": args.output_len,
         "jengine": run_engine(engine, prompts, args.output_len),
     }
     pad = engine.tokenizer.pad_token_id
-    pad = engine.core.eos_token_ids[0] if pad is None else pad
+    pad = engine.core.model.eos_token_ids[0] if pad is None else pad
     ours = result["jengine"]["output_tok_per_s"]
     for dtype in args.hf_baseline:
-        hf = run_hf(args.hf_model or engine.core.loaded_source, prompts, args.output_len,
+        hf = run_hf(args.hf_model or engine.core.model.source, prompts, args.output_len,
                     dtype, args.hf_batch_size, pad)
         result[f"hf_{dtype}"] = hf
         result[f"ratio_vs_hf_{dtype}"] = ours / hf["output_tok_per_s"]

@@ -267,18 +267,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from jengine.executables import ExecutableStore, default_store_dir
+    from jengine.runtime.executables import ExecutableStore, default_store_dir
 
     start = time.perf_counter()
     engine = make_engine(args, warmup=True)
     store = ExecutableStore(default_store_dir())
-    for core in engine.core.replicas:
-        runner = core.runner
-        sizes = [store.size(key) for key in runner.warmup_keys() if key is not None]
+    for report in engine.core.program_reports():
+        sizes = [store.size(key) for key in report.keys if key is not None]
         stored = [n for n in sizes if n is not None]
         unstored = len(sizes) - len(stored)
         print(f"serve will load {len(stored)} step programs, {sum(stored) / 2**20:.1f} MiB "
-              f"({runner.programs_compiled} compiled now, {runner.programs_loaded} stored "
+              f"({report.compiled} compiled now, {report.loaded} stored "
               "before)" + (f"; {unstored} could not be stored and will compile at every start"
                            if unstored else ""), file=sys.stderr)
     entries = store.entries()
@@ -297,15 +296,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
-        from jengine.bench_serve import run_serve_bench
+        from jengine.bench.serve import run_serve_bench
 
         result = run_serve_bench(args)
     elif args.bench_command == "prefix-cache":
-        from jengine.bench_prefix import run_prefix_bench
+        from jengine.bench.prefix import run_prefix_bench
 
         result = run_prefix_bench(args)
     else:
-        from jengine.bench import run_throughput
+        from jengine.bench.throughput import run_throughput
 
         result = run_throughput(args)
     print(json.dumps(result, indent=1))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jengine.detokenizer import IncrementalDetokenizer
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from jengine.sampling_params import SamplingParams
-from jengine.sequence import Sequence
+from jengine.scheduling.sequence import Sequence
+from jengine.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass
@@ -22,9 +22,18 @@ class SampleState:
     new_text: str = ""
     new_ids: list[int] = dataclasses.field(default_factory=list)
     new_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
     reported_finish: bool = False
+
+    # Whether and why the sample ended is its sequence's: the scheduler decides it (length,
+    # stop ids, EOS, grammar, stop strings, aborts all end there), in the step that emits
+    # the last token, so no second copy is kept here.
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.seq.stop_reason
 
 
 @dataclasses.dataclass

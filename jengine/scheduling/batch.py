@@ -7,7 +7,7 @@ Token layout: the flat token axis holds, in order, the query tokens of every sch
 (decodes first, then prefill chunks); sequence `i` owns tokens `cu_q_lens[i]:cu_q_lens[i+1]`.
 
 Row layout: the sampler draws one token per *row*. A sequence has one row (its last query token),
-or `1 + spec_lens[i]` when it verifies proposed tokens (jengine/speculative.py): its last
+or `1 + spec_lens[i]` when it verifies proposed tokens (jengine/scheduling/speculative.py): its last
 `1 + spec_lens[i]` query tokens each get a row, in order; sequence `i` owns rows
 `row_starts[i]:row_starts[i+1]`.
 """
@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from jengine.scheduling.sequence import Sequence
 
 
 @dataclasses.dataclass
@@ -92,3 +94,38 @@ class ScheduledBatch:
     def row_seq(self) -> np.ndarray:
         """[R] int32 the sequence of each row."""
         return np.repeat(np.arange(self.num_seqs, dtype=np.int32), self.rows_per_seq)
+
+
+def build_batch(chosen: list[tuple[Sequence, int]], page_size: int) -> ScheduledBatch:
+    """The step's batch: `n` query tokens of each chosen (sequence, n), from its first
+    uncomputed token, a verifying sequence's proposals last."""
+    tokens, positions, slots = [], [], []
+    q_lens, kv_lens, sample = [], [], []
+    width = max(len(seq.pages) for seq, _ in chosen)
+    page_table = np.zeros((len(chosen), width), np.int32)
+    spec_lens = np.zeros((len(chosen),), np.int32)
+    for i, (seq, n) in enumerate(chosen):
+        start = seq.num_computed
+        pos = np.arange(start, start + n, dtype=np.int32)
+        pages = np.asarray(seq.pages, np.int32)
+        proposal = seq.spec.proposal if seq.spec is not None else []
+        spec_lens[i] = len(proposal)
+        tokens.extend(seq.tokens(start, start + n - len(proposal)) + proposal)
+        positions.append(pos)
+        slots.append(pages[pos // page_size] * page_size + pos % page_size)
+        q_lens.append(n)
+        kv_lens.append(start + n)
+        sample.append(start + n - len(proposal) == seq.num_tokens)
+        page_table[i, : len(seq.pages)] = pages
+    return ScheduledBatch(
+        seq_ids=[seq.seq_id for seq, _ in chosen],
+        token_ids=np.asarray(tokens, np.int32),
+        positions=np.concatenate(positions),
+        slot_mapping=np.concatenate(slots).astype(np.int32),
+        q_lens=np.asarray(q_lens, np.int32),
+        kv_lens=np.asarray(kv_lens, np.int32),
+        page_table=page_table,
+        sample=np.asarray(sample, bool),
+        seqs=[seq for seq, _ in chosen],
+        spec_lens=spec_lens if spec_lens.any() else None,
+    )

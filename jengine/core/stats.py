@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jengine.scheduling.prefix_cache import PrefixCache
+from jengine.scheduling.scheduler import Scheduler
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -18,7 +21,8 @@ class EngineStats:
         they are given up on demand).
       num_preemptions: sequences preempted (and recomputed) so far.
       num_steps: engine steps run.
-      compiles_since_ready: XLA programs compiled after warm-up (0 unless a shape was missed).
+      compiles_since_ready: step programs this engine built (compiled, or loaded from the
+        executable store) after warm-up: 0 unless a shape or variant was missed.
       prefix_cache_pages: pages in the prefix cache (in use or evictable); 0 when it is off.
       prefix_cache_queries: prefix-cache lookups (one per admission, readmissions included).
       prefix_cache_query_tokens: tokens those lookups covered.
@@ -69,12 +73,39 @@ class EngineStats:
         return 1 + self.spec_num_accepted_tokens / max(self.spec_num_drafts, 1)
 
     @classmethod
+    def of(cls, scheduler: Scheduler, prefix_cache: PrefixCache | None, *, num_steps: int,
+           compiles_since_ready: int) -> EngineStats:
+        """A snapshot of one replica. Safe to call from another thread: it only reads (the
+        scheduler's lists are copied first, atomically under the GIL)."""
+        running, waiting = list(scheduler.running), list(scheduler.waiting)
+        allocator, spec = scheduler.allocator, scheduler.spec_counters
+        stats = cls(
+            num_requests_running=len({s.request_id for s in running}),
+            num_requests_waiting=len({s.request_id for s in waiting}),
+            kv_pages_total=allocator.num_pages - 1,  # page 0 is the scratch page
+            kv_pages_used=allocator.num_used - allocator.num_evictable,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=num_steps,
+            compiles_since_ready=compiles_since_ready,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+        )
+        if prefix_cache is not None:
+            c = prefix_cache.stats
+            stats.prefix_cache_pages = prefix_cache.num_pages
+            stats.prefix_cache_queries = c.queries
+            stats.prefix_cache_query_tokens = c.query_tokens
+            stats.prefix_cache_hit_tokens = c.hit_tokens
+            stats.prefix_cache_evicted_pages = c.evicted_pages
+            stats.prefix_cache_duplicate_pages = c.duplicate_pages
+        return stats
+
+    @classmethod
     def total(cls, parts: list[EngineStats]) -> EngineStats:
-        """The sum over replicas; steps and compiles are the largest (replicas step together,
-        and the compile counter is per process)."""
+        """The sum over replicas; steps are the largest (replicas step together)."""
         out = cls()
         for f in dataclasses.fields(cls):
             values = [getattr(p, f.name) for p in parts]
-            combine = max if f.name in ("num_steps", "compiles_since_ready") else sum
-            setattr(out, f.name, combine(values))
+            setattr(out, f.name, (max if f.name == "num_steps" else sum)(values))
         return out

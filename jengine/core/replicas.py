@@ -16,11 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from converters import load_source
 from jengine.config import EngineConfig
-from jengine.core import EngineCore, resolve_dtype
+from jengine.core.build import resolve_dtype
+from jengine.core.contract import CoreContract, ProgramReport
+from jengine.core.engine_core import EngineCore
+from jengine.core.request import RequestState
+from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
-from jengine.request import RequestState
 from jengine.sharding import MeshSpec
-from jengine.stats import EngineStats
 
 
 def choose_replica(cached: list[int], loads: list[int], slack: int) -> int:
@@ -34,7 +36,7 @@ def choose_replica(cached: list[int], loads: list[int], slack: int) -> int:
 
 
 def make_core(cfg: EngineConfig, *, progress: bool = True, warmup: bool = True,
-              require_warm: bool = False) -> EngineCore | ReplicaSet:
+              require_warm: bool = False) -> CoreContract:
     """One EngineCore, or a ReplicaSet when the mesh asks for dp > 1."""
     spec = MeshSpec.parse(cfg.parallel.mesh)
     if spec.dp == 1:
@@ -45,7 +47,8 @@ def make_core(cfg: EngineConfig, *, progress: bool = True, warmup: bool = True,
 
 
 class ReplicaSet:
-    """Data-parallel replicas with `EngineCore`'s interface (what Engine and the server use)."""
+    """Data-parallel replicas behind the engine contract (`jengine.core.contract`), which
+    Engine and the server use."""
 
     def __init__(self, cfg: EngineConfig, *, progress: bool = True, warmup: bool = True,
                  require_warm: bool = False):
@@ -58,39 +61,13 @@ class ReplicaSet:
                        require_warm=require_warm)
             for r in range(spec.dp)
         ]
+        first = self.replicas[0]
+        self.cfg, self.model, self.tokenizer = first.cfg, first.model, first.tokenizer
         self._owner: dict[str, EngineCore] = {}
         self.assigned = [0] * spec.dp  # requests sent to each replica so far
         self._pool = ThreadPoolExecutor(spec.dp, thread_name_prefix="jengine-replica")
 
     # -- what every replica shares ------------------------------------------------------------
-
-    @property
-    def cfg(self) -> EngineConfig:
-        return self.replicas[0].cfg
-
-    @property
-    def tokenizer(self):
-        return self.replicas[0].tokenizer
-
-    @property
-    def model_config(self):
-        return self.replicas[0].model_config
-
-    @property
-    def max_model_len(self) -> int:
-        return self.replicas[0].max_model_len
-
-    @property
-    def eos_token_ids(self):
-        return self.replicas[0].eos_token_ids
-
-    @property
-    def loaded_source(self) -> str:
-        return self.replicas[0].loaded_source
-
-    @property
-    def runner(self):
-        return self.replicas[0].runner
 
     @property
     def grammars(self):
@@ -119,8 +96,7 @@ class ReplicaSet:
 
     @property
     def compiles_since_ready(self) -> int:
-        # The compile counter is process-wide: every replica reads the same events.
-        return max(r.compiles_since_ready for r in self.replicas)
+        return sum(r.compiles_since_ready for r in self.replicas)
 
     @property
     def has_unfinished(self) -> bool:
@@ -165,6 +141,12 @@ class ReplicaSet:
     def abort(self, request_id: str) -> RequestOutput | None:
         core = self._owner.pop(request_id, None)
         return core.abort(request_id) if core is not None else None
+
+    def follow(self) -> int:
+        raise RuntimeError("data-parallel replicas run in one process; nothing follows them")
+
+    def program_reports(self) -> list[ProgramReport]:
+        return [r.program_reports()[0] for r in self.replicas]
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work, concurrently; their deltas together."""

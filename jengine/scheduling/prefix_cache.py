@@ -25,7 +25,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from jengine.page_allocator import PageAllocator
+from jengine.scheduling.page_allocator import PageAllocator
 
 PageKey = tuple[int, ...]  # the page_size token ids one page holds
 

@@ -1,0 +1,196 @@
+"""`AsyncEngine`: the asyncio front end the server uses. One engine thread owns the core (the
+engine contract, `jengine.core.contract`) and steps it; callers submit through a command queue
+and read their deltas from asyncio queues on their own event loops. The step loop itself is
+`jengine.engine`'s (its docstring tells the data flow)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from jengine.config import load_config
+from jengine.core.contract import CoreContract
+from jengine.core.replicas import make_core
+from jengine.core.stats import EngineStats
+from jengine.outputs import RequestOutput
+from jengine.sampling_params import SamplingParams, StructuredOutputs
+from jengine.structured import Grammar
+
+log = logging.getLogger("jengine")
+
+
+class AsyncEngine:
+    """Asyncio front end: one engine thread steps the core; callers `async for` their deltas.
+
+    Safe to use from any event loop (a notebook's included): the thread never touches asyncio
+    except through `call_soon_threadsafe` on the caller's own loop.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        progress = kwargs.pop("progress", True)
+        warmup = kwargs.pop("warmup", True)  # a server builds every program before it serves
+        require_warm = kwargs.pop("require_warm", False)  # ... and may refuse to compile any
+        config = kwargs.pop("config", None)
+        cfg = load_config(config, model=model, **kwargs)  # as `jengine.engine.build_config`
+        self._start(make_core(cfg, progress=progress, warmup=warmup, require_warm=require_warm))
+
+    def _start(self, core: CoreContract) -> None:
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self._lock = threading.Condition()
+        self._commands: list[tuple[str, Any]] = []
+        self._taken: list[tuple[str, Any]] = []  # taken off the queue by the engine thread
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="jengine-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def stats(self) -> EngineStats:
+        """As `Engine.stats`; callable from any thread while the engine runs."""
+        return self.core.stats()
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's deltas. Bad input raises ValueError before anything is queued."""
+        rid = request_id or f"req-{next(self._ids)}"
+        grammar = None
+        spec = getattr(sampling_params, "structured_outputs", None)
+        if spec is not None:
+            # Compiled on the grammar pool, never in the engine thread; a bad spec raises here.
+            grammar = await self._compile(spec)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        done = loop.create_future()
+        with self._lock:  # the engine thread records a failure under this lock
+            if self.error is not None:
+                raise RuntimeError(f"engine failed: {self.error}")
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._streams[rid] = (loop, queue)
+            self._commands.append(("add", (rid, prompt, sampling_params, grammar, done)))
+            self._lock.notify()
+        try:
+            await done  # raises the ValueError of a rejected request
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    raise RuntimeError(f"request {rid} failed: {item.error}")
+                yield item
+                if item.finished:
+                    return
+        finally:
+            with self._lock:
+                if self._streams.pop(rid, None) is not None:
+                    self._commands.append(("abort", rid))
+                    self._lock.notify()
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles the request's output constraint on the grammar pool (cached for the request
+        itself); raises ValueError when the constraint is invalid. Lets a caller reject a bad
+        constraint, and name its field, before it streams anything."""
+        if params.structured_outputs is not None:
+            await self._compile(params.structured_outputs)
+
+    async def _compile(self, spec: StructuredOutputs) -> Grammar:
+        # The first use builds the backend (~0.5 s): not in the event loop's thread either.
+        grammars = await asyncio.to_thread(getattr, self.core, "grammars")
+        return await asyncio.wrap_future(grammars.submit(spec))
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._commands.append(("abort", request_id))
+            self._lock.notify()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        self._thread.join(timeout=30)
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._commands and not self.core.has_unfinished and not self._stopped:
+                        self._lock.wait()
+                    if self._stopped:
+                        return
+                    commands, self._commands = self._commands, []
+                self._taken = commands
+                for kind, arg in commands:
+                    self._run_command(kind, arg)
+                self._taken = []
+                if self.core.has_unfinished:
+                    for out in self.core.step():
+                        self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - the engine is dead: fail everyone waiting
+            with self._lock:
+                self.error = e
+                streams = list(self._streams)
+                pending, self._commands = self._commands, []
+            log.exception("the engine thread died; requests in flight: %s",
+                          ", ".join(sorted(streams)[:20]) or "none")
+            failure = RuntimeError(f"engine failed: {e}")
+            for kind, arg in self._taken + pending:  # adds not yet answered
+                if kind == "add":
+                    self._resolve(arg[0], arg[-1], failure)
+            for rid in streams:
+                self._deliver(rid, failure)
+
+    def _run_command(self, kind: str, arg: Any) -> None:
+        if kind == "abort":
+            self.core.abort(arg)
+            return
+        rid, prompt, params, grammar, done = arg
+        try:
+            self.core.add_request(rid, prompt, params, grammar)
+        except ValueError as e:
+            self._resolve(rid, done, e)
+            return
+        except Exception as e:  # noqa: BLE001 - a request the checks missed fails alone
+            log.exception("request %s could not be added", rid)
+            self._resolve(rid, done, RuntimeError(f"the request could not be added: {e}"))
+            return
+        self._resolve(rid, done, None)
+
+    def _resolve(self, rid: str, done: asyncio.Future, error: Exception | None) -> None:
+        with self._lock:
+            entry = self._streams.get(rid)
+        if entry is None:
+            return
+        loop, _ = entry
+
+        def settle() -> None:
+            if done.done():
+                return
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+        loop.call_soon_threadsafe(settle)
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        with self._lock:
+            entry = self._streams.get(rid)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)

@@ -1,0 +1,1 @@
+"""`jengine bench`: offline throughput, prefix-cache and served (OpenAI client) benchmarks."""

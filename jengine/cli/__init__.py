@@ -1,0 +1,1 @@
+"""The `jengine` command (`jengine.cli.main`). Nothing else imports this package."""

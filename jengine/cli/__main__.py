@@ -1,0 +1,7 @@
+"""`python -m jengine.cli ...` runs the `jengine` command."""
+
+import sys
+
+from jengine.cli.main import main
+
+sys.exit(main())

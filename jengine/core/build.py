@@ -1,0 +1,167 @@
+"""Building an `EngineCore`'s parts: dtypes, the context length, the KV page pool and the
+buckets it implies, and the weights placed on the devices. Each is a function of the config and
+the loaded model, so `EngineCore.__init__` reads as the order of start-up and each rule can be
+read (and tested) alone."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from converters import LoadedModel
+from jengine.config import EngineConfig
+from jengine.core.kv_budget import host_kv_budget
+from jengine.models import KVCache, ModelConfig, family_module
+from jengine.models.layers import unstack_layers
+from jengine.models.quant import quantize_params
+from jengine.runtime.buckets import Buckets
+from jengine.runtime.runner import Runner
+from jengine.sharding import MeshSpec, ShardingRules, load_params_sharded
+
+log = logging.getLogger("jengine")
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """auto -> the model dtype (so greedy tokens stay those of the model's own precision)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; use auto, float32 or bfloat16")
+    return kv_cache_dtype
+
+
+def resolve_dtype(dtype: str) -> str:
+    """auto -> float32 on CPU (XLA:CPU bfloat16 is several times slower), bfloat16 elsewhere."""
+    if dtype == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return dtype
+
+
+class Phases:
+    """Wall seconds between successive `end(name)` calls."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+
+def kv_pages(cfg: EngineConfig, mesh_spec: MeshSpec, model_config: ModelConfig,
+             num_kv_heads: int, kv_cache_dtype: str, max_model_len: int) -> int:
+    """The pages `cache.kv_cache_memory` holds (per device); at least one full sequence's."""
+    page_size = cfg.cache.page_size
+    budget = host_kv_budget(cfg.cache.kv_cache_memory, mesh_spec, num_kv_heads,
+                            cfg.parallel.num_processes)
+    num_pages = budget // KVCache.bytes_per_page(model_config, page_size, kv_cache_dtype)
+    max_pages = -(-max_model_len // page_size)
+    if num_pages < max_pages + 1:
+        raise ValueError(
+            f"kv_cache_memory {cfg.cache.kv_cache_memory} holds {num_pages} pages; one "
+            f"sequence of max_model_len {max_model_len} needs {max_pages + 1}"
+        )
+    return num_pages
+
+
+def step_buckets(cfg: EngineConfig, max_model_len: int) -> Buckets:
+    """The preset's buckets, or the defaults for the scheduler limits; checked to cover them."""
+    sched = cfg.scheduler
+    if sched.max_num_seqs > sched.max_num_batched_tokens:
+        raise ValueError("max_num_seqs cannot exceed max_num_batched_tokens")
+    max_pages = -(-max_model_len // cfg.cache.page_size)
+    default = Buckets.default(sched.max_num_batched_tokens, sched.max_num_seqs, max_pages,
+                              min_tokens=1 if jax.default_backend() == "cpu" else 8)
+    buckets = Buckets(
+        tokens=sched.token_buckets or default.tokens,
+        seqs=sched.seq_buckets or default.seqs,
+        pages=sched.page_buckets or default.pages,
+    )
+    if (buckets.tokens[-1] < sched.max_num_batched_tokens
+            or buckets.seqs[-1] < min(sched.max_num_seqs, sched.max_num_batched_tokens)
+            or buckets.pages[-1] < max_pages):
+        raise ValueError(f"buckets {buckets} do not cover the scheduler limits")
+    return buckets
+
+
+def max_model_len(loaded: LoadedModel, wanted: int | None) -> int:
+    """The context length: `wanted`, or the model's own up to DEFAULT_MAX_MODEL_LEN."""
+    limit = loaded.config.max_position_embeddings
+    if wanted is None:
+        if limit > DEFAULT_MAX_MODEL_LEN:
+            log.info("max_model_len %d by default (the model allows %d; --max-model-len "
+                     "raises it, at the cost of KV pages per sequence)",
+                     DEFAULT_MAX_MODEL_LEN, limit)
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    if wanted < 2 or wanted > limit:
+        raise ValueError(f"max_model_len {wanted} must be between 2 and the model's {limit}")
+    return wanted
+
+
+def eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
+    """Every id that ends a sequence: the config's, generation_config's and the tokenizer's."""
+    ids = set(loaded.config.eos_token_ids)
+    gen_eos = loaded.generation_config.get("eos_token_id")
+    if gen_eos is not None:
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | None, *,
+                  dtype: str, quantization: str, layer_layout: str, quantize_lm_head: bool,
+                  progress: bool) -> dict:
+    """`loaded`'s weights on the devices, quantized and in the model's layer layout."""
+    family = family_module(cfg)
+    specs = family.param_specs(cfg)
+    host = {name: loaded.params.get(name) for name in specs}
+    if (rules is None and quantization == "none" and layer_layout == "unstacked"
+            and loaded.kind != "checkpoint"
+            and all(w is not None and tuple(w.shape) == specs[name].shape
+                    for name, w in host.items())):
+        # One device, float weights on the host: split the layers there (views) and place
+        # each once. Placing the stacks and splitting them on the device costs a jitted
+        # split per weight and a second copy of every layer (~1 s for SmolLM2 on CPU).
+        stacked = {name: np.asarray(w) for name, w in host.items()}
+        return jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers))
+    # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
+    params = load_params_sharded(
+        loaded, cfg, rules.param_shardings(specs) if rules else None, dtype,
+        progress=progress,
+    )
+    # Quantized from the float weights, whatever their source, shard by shard in place.
+    params = quantize_params(
+        params, specs, quantization, tied_embeddings=cfg.tie_word_embeddings,
+        lm_head=quantize_lm_head, delete_float=True,
+    )
+    if layer_layout == "unstacked":
+        params = unstack_layers(params, family.LAYER_KEYS, cfg.num_layers,
+                                delete_stacked=True)
+    return params
+
+
+def warm_up(runner: Runner, progress: bool, require_stored: bool) -> float:
+    """Builds every bucket's step program, with a progress bar; returns the seconds taken."""
+    bar = tqdm(total=len(runner.buckets.shapes()), desc="step programs (load/compile)",
+               disable=not progress, file=sys.stderr, unit="program")
+
+    def tick(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+
+    try:
+        return runner.warmup(tick, require_stored=require_stored)
+    finally:
+        bar.close()

@@ -1,0 +1,252 @@
+"""The types that cross the host/device line in a step, and the host-side padding between them.
+
+host -> device: `SamplingRows` (the sampler's per-row settings, unpadded) and a
+`ScheduledBatch` become one `StepInputs` (NumPy, padded to a bucket; sent whole to multi-host
+followers), which `Runner` transfers in one `device_put`; its `Variant` (static) picks the step
+program. device -> host: the program returns `StepOutputs` (on device; its `next_tokens` feed
+the step dispatched after it); `Runner.fetch` brings back a `StepResult` with only per-row
+values, never logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jengine.models import AttentionMetadata
+from jengine.pallas_kernels import query_blocks
+from jengine.runtime.buckets import QUERY_BLOCK, Buckets
+from jengine.runtime.sampler import SamplerOutput, SamplingArrays
+from jengine.scheduling.batch import ScheduledBatch
+from jengine.scheduling.sequence import PENDING, Sequence
+
+MAX_TOP_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit too)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Static features of a step program (each combination compiles once)."""
+
+    num_top_logprobs: int = 0
+    history: bool = False
+    logit_bias: bool = False
+    mask: bool = False
+    prompt_logprobs: bool = False  # also return every token's logprob of its successor
+
+
+@dataclasses.dataclass
+class SamplingRows:
+    """Per-sequence sampling settings of one batch on the host, before padding."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    seeds: np.ndarray
+    steps: np.ndarray
+    num_top_logprobs: int = 0
+    history: list[tuple[list[int], int]] | None = None  # (prompt+output ids, num prompt ids)
+    logit_bias: np.ndarray | None = None  # [n, V]
+    allowed_mask: np.ndarray | None = None  # [n, W] int32
+    prompt_targets: np.ndarray | None = None  # [num_tokens] next prompt token per query, or -1
+
+    @classmethod
+    def empty(cls, n: int) -> SamplingRows:
+        z = np.zeros((n,), np.float32)
+        return cls(
+            temperature=z, top_k=np.zeros((n,), np.int32), top_p=np.ones((n,), np.float32),
+            min_p=z, presence_penalty=z, frequency_penalty=z,
+            repetition_penalty=np.ones((n,), np.float32), seeds=np.zeros((n,), np.uint32),
+            steps=np.zeros((n,), np.int32),
+        )
+
+    def padded(self, s: int) -> tuple[SamplingArrays, Variant]:
+        """These rows padded to `S = s` with no-op rows, and the program variant they need."""
+        n = len(self.temperature)
+
+        def pad(a: np.ndarray, fill) -> np.ndarray:
+            out = np.full((s, *a.shape[1:]), fill, a.dtype)
+            out[:n] = a
+            return out
+
+        arrays: dict[str, np.ndarray | None] = {
+            "temperature": pad(self.temperature, 0.0),
+            "top_k": pad(self.top_k, 0),
+            "top_p": pad(self.top_p, 1.0),
+            "min_p": pad(self.min_p, 0.0),
+            "presence_penalty": pad(self.presence_penalty, 0.0),
+            "frequency_penalty": pad(self.frequency_penalty, 0.0),
+            "repetition_penalty": pad(self.repetition_penalty, 1.0),
+            "seeds": pad(self.seeds, 0),
+            "steps": pad(self.steps, 0),
+            "history": None, "history_is_output": None, "logit_bias": None, "allowed_mask": None,
+        }
+        if self.history is not None:
+            width = _next_pow2(max(len(ids) for ids, _ in self.history))
+            hist = np.full((s, width), -1, np.int32)
+            is_out = np.zeros((s, width), bool)
+            for i, (ids, num_prompt) in enumerate(self.history):
+                hist[i, : len(ids)] = ids
+                is_out[i, num_prompt: len(ids)] = True
+            arrays["history"], arrays["history_is_output"] = hist, is_out
+        if self.logit_bias is not None:
+            arrays["logit_bias"] = pad(self.logit_bias, 0.0)
+        if self.allowed_mask is not None:
+            arrays["allowed_mask"] = pad(self.allowed_mask, -1)
+        variant = Variant(
+            num_top_logprobs=self.num_top_logprobs,
+            history=self.history is not None,
+            logit_bias=self.logit_bias is not None,
+            mask=self.allowed_mask is not None,
+        )
+        return SamplingArrays(**arrays), variant
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    """One step's inputs, padded to its bucket (T tokens, S rows, P pages per row): NumPy on the
+    host, the same tree of arrays on the device.
+
+    The five per-token rows share one [5, T] buffer, so the step's token data is one transfer;
+    the properties name them.
+    """
+
+    token_rows: np.ndarray  # [5, T] int32: token id, position, KV slot, sequence row, feed
+    page_table: np.ndarray  # [S, P] int32 (padding rows and pages: the scratch page 0)
+    logits_indices: np.ndarray  # [S] int32 flat token of each sampled row
+    sampling: SamplingArrays  # [S] rows (see SamplingArrays)
+    # Reference backend, prefill-heavy buckets only: (block_tokens [NB, B], block_seq [NB]).
+    blocks: tuple[np.ndarray, np.ndarray] | None = None
+    targets: np.ndarray | None = None  # [T] int32 prompt_logprobs' next prompt token, or -1
+
+    @property
+    def token_ids(self):  # [T]; PENDING where `feed` names the row to take it from
+        return self.token_rows[0]
+
+    @property
+    def feed(self):  # [T] the previous step's row whose sampled token this token is, or -1
+        return self.token_rows[4]
+
+    def attention_metadata(self) -> AttentionMetadata:
+        rows = self.token_rows
+        return AttentionMetadata(
+            token_ids=rows[0], positions=rows[1], slot_mapping=rows[2], token_seq=rows[3],
+            page_table=self.page_table, logits_indices=self.logits_indices,
+            block_tokens=self.blocks[0] if self.blocks else None,
+            block_seq=self.blocks[1] if self.blocks else None,
+        )
+
+
+def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
+                blocked_queries: bool,
+                feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
+    """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
+    whose sampled token it takes (-1: its own id). `blocked_queries`: build the query blocks
+    that the reference attention reads in prefill-heavy buckets.
+
+    Raises:
+      ValueError: the batch has more sampled rows than its bucket's S.
+    """
+    n_tok, n_seq, n_row = batch.num_tokens, batch.num_seqs, batch.num_rows
+    t, s, p = buckets.pick(n_tok, n_row, batch.page_table.shape[1])
+    if s < n_row:
+        raise ValueError(f"{n_row} sampled rows exceed the sequence bucket {s} of {t} tokens")
+    token_rows = np.zeros((5, t), np.int32)
+    token_rows[4] = -1
+    if feed is not None:
+        token_rows[4, :n_tok] = feed
+    token_rows[0, :n_tok] = batch.token_ids
+    token_rows[1, :n_tok] = batch.positions
+    token_rows[2, :n_tok] = batch.slot_mapping
+    token_rows[3, :n_tok] = np.repeat(np.arange(n_seq, dtype=np.int32), batch.q_lens)
+    page_table = np.zeros((s, p), np.int32)
+    page_table[:n_seq, : batch.page_table.shape[1]] = batch.page_table
+    logits_indices = np.zeros((s,), np.int32)
+    logits_indices[:n_row] = batch.logits_indices
+    sampling, variant = rows.padded(s)
+    blocks = None  # only the reference backend reads them; the kernels block on device
+    if blocked_queries and buckets.blocked(t):
+        blocks = query_blocks(batch.q_lens, t, buckets.num_blocks(t), QUERY_BLOCK)
+    targets = None
+    if rows.prompt_targets is not None:
+        targets = np.full((t,), -1, np.int32)
+        targets[:n_tok] = rows.prompt_targets
+        variant = dataclasses.replace(variant, prompt_logprobs=True)
+    inputs = StepInputs(token_rows=token_rows, page_table=page_table,
+                        logits_indices=logits_indices, sampling=sampling, blocks=blocks,
+                        targets=targets)
+    return inputs, variant
+
+
+def feed_rows(batch: ScheduledBatch,
+              sampled: list[tuple[Sequence, int]]) -> np.ndarray | None:
+    """Per token of `batch`, the previous step's row holding its token (-1: known here)."""
+    pending = np.flatnonzero(batch.token_ids == PENDING)
+    if pending.size == 0:
+        return None
+    row_of = {id(seq): row for seq, row in sampled}
+    owners = np.searchsorted(batch.cu_q_lens[1:], pending, side="right")
+    feed = np.full((batch.num_tokens,), -1, np.int32)
+    for t, i in zip(pending.tolist(), owners.tolist()):
+        feed[t] = row_of[id(batch.seqs[i])]  # only the step in flight leaves PENDING
+    return feed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PromptLogprobs:
+    """The prompt_logprobs variant's extra outputs, one row per query token."""
+
+    chosen: jax.Array  # [T] f32 logprob of `targets[t]` given the tokens up to t
+    top_ids: jax.Array  # [T, MAX_TOP_LOGPROBS] int32
+    top_logprobs: jax.Array  # [T, MAX_TOP_LOGPROBS] f32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutputs:
+    """What a step program returns (besides the donated KV cache), on the device."""
+
+    sampled: SamplerOutput  # [S] rows
+    prompt: PromptLogprobs | None
+    next_tokens: jax.Array  # [max S] int32 the sampled tokens, padded: the next step's `feed`
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What comes back to the host: only per-sequence values, never logits."""
+
+    tokens: np.ndarray  # [S] int32
+    logprobs: np.ndarray  # [S] f32 raw logprob of the chosen token
+    top_ids: np.ndarray | None  # [S, K] int32
+    top_logprobs: np.ndarray | None  # [S, K] f32
+    # Only from the prompt_logprobs variant, one row per query token:
+    prompt_logprobs: np.ndarray | None = None  # [T] f32 logprob of `targets[t]` given tokens <= t
+    prompt_top_ids: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] int32
+    prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] f32
+
+
+def dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
+    """A batch of exactly bucket shape whose tokens all write the scratch page 0."""
+    q_lens = np.full((s,), t // s, np.int32)
+    q_lens[-1] += t - q_lens.sum()
+    return ScheduledBatch(
+        seq_ids=list(range(s)),
+        token_ids=np.zeros((t,), np.int32),
+        positions=np.zeros((t,), np.int32),
+        slot_mapping=np.zeros((t,), np.int32),
+        q_lens=q_lens,
+        kv_lens=q_lens.copy(),
+        page_table=np.zeros((s, p), np.int32),
+        sample=np.ones((s,), bool),
+    )
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,69 @@
+"""How sequences use the prefix cache: an admitted sequence takes the cached pages of its
+longest cached prefix (`reuse_cached`), waits a step rather than compute a page another chunk
+of this step fills (`prefix_in_flight`), and puts each page it fills into the cache the step it
+fills it (`cache_pages`). The cache itself (`prefix_cache.py`) knows tokens and pages only."""
+
+from __future__ import annotations
+
+from jengine.scheduling.prefix_cache import PrefixCache
+from jengine.scheduling.sequence import PENDING, Sequence
+
+
+def reuse_cached(cache: PrefixCache | None, seq: Sequence) -> int | None:
+    """Gives a sequence that holds no pages yet the cached pages of its longest cached
+    prefix, leaving at least its last token to compute (it must be sampled from). Returns
+    the tokens reused, or None when the cache is not consulted. Requests for prompt
+    logprobs compute every prompt token, so they never reuse pages."""
+    if cache is None or seq.pages or seq.params.prompt_logprobs is not None:
+        return None
+    ps = cache.allocator.page_size
+    max_pages = (seq.num_tokens - 1) // ps
+    pages = cache.match(seq.tokens(0, max_pages * ps), max_pages)
+    if pages:
+        cache.allocator.share(pages)
+        seq.pages = pages
+        seq.num_cached_pages = len(pages)
+        seq.num_computed = len(pages) * ps
+    return seq.num_computed
+
+
+def prefix_in_flight(seq: Sequence, chosen: list[tuple[Sequence, int]], ps: int) -> bool:
+    """Whether a prefill chunk chosen this step fills the first page `seq` could reuse but
+    has not found cached (same tokens up to that page's end)."""
+    have = seq.num_computed // ps
+    if have >= (seq.num_tokens - 1) // ps:
+        return False  # its remaining pages are its own to compute
+    end = (have + 1) * ps
+    tokens = seq.tokens(0, end)
+    return any(n > 1 and other.num_computed + n >= end and other.tokens(0, end) == tokens
+               for other, n in chosen)
+
+
+def count_lookup(cache: PrefixCache, seq: Sequence, hit: int) -> None:
+    """Adds one admission's lookup to the cache's counters."""
+    stats = cache.stats
+    stats.queries += 1
+    stats.query_tokens += seq.num_tokens
+    stats.hit_tokens += hit
+    if seq.num_preemptions == 0:
+        seq.num_cached_tokens = hit
+
+
+def cache_pages(cache: PrefixCache, seq: Sequence) -> None:
+    """Puts the sequence's computed full pages into the prefix cache and switches it to the
+    cache's copy of any it computed alongside another sequence. Called as soon as a page
+    fills, before anything else can share the page, so the switch leaves no holder of the
+    sequence's own copy behind (the cache's root-path invariant)."""
+    ps, known = cache.allocator.page_size, seq.num_cached_pages
+    full = seq.num_computed // ps
+    tokens = seq.tokens(0, full * ps)
+    if PENDING in tokens[known * ps:]:  # cannot happen: a PENDING token is never computed
+        raise RuntimeError(f"sequence {seq.seq_id} has a computed PENDING token")
+    canonical = cache.insert(tokens, seq.pages[:full], known)
+    for i in range(known, full):
+        if canonical[i] != seq.pages[i]:
+            cache.stats.duplicate_pages += 1
+            cache.allocator.share([canonical[i]])
+            cache.allocator.free([seq.pages[i]])
+            seq.pages[i] = canonical[i]
+    seq.num_cached_pages = full

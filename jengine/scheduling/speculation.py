@@ -1,0 +1,93 @@
+"""Speculative decoding's side of a schedule: who may propose, and how many proposed tokens each
+chosen decode verifies in the room the step leaves (`Speculator.extend`). The proposer, the
+acceptance rule and the cost model are in `jengine.scheduling.speculative`; accepting what a
+verification confirmed is the scheduler's (`Scheduler.finalize`), which owns the pages."""
+
+from __future__ import annotations
+
+from jengine.scheduling.page_allocator import PageAllocator
+from jengine.scheduling.sequence import PENDING, Sequence
+from jengine.scheduling.speculative import (
+    DECLINED_PAUSE,
+    NgramProposer,
+    SpecCounters,
+    SpecState,
+    StepCosts,
+    best_cap,
+)
+
+
+class Speculator:
+    """The proposer, the step costs it is weighed against, and the counters it reports."""
+
+    def __init__(self, proposer: NgramProposer):
+        self.proposer = proposer
+        self.counters = SpecCounters()
+        # Measured step seconds per token bucket (the engine fills it); None: verify everything.
+        self.step_costs: StepCosts | None = None
+        self.paused = 0  # steps left in which nobody proposes (DECLINED_PAUSE)
+
+    def may_speculate(self, seq: Sequence) -> bool:
+        """Whether `seq` may verify proposals when its last token is known (so its next step
+        waits for that token: no async scheduling), unless it pauses. Not: grammars (the
+        mask of each row would need the grammar advanced over the proposals), penalties and bad
+        words (they read the token history, which proposals would change per row), and a
+        sequence still short of min_tokens (its stop tokens are banned by the step count)."""
+        p = seq.params
+        return (seq.matcher is None and not p.uses_token_history
+                and not seq.bad_words and len(seq.output_ids) >= p.min_tokens
+                and self.paused == 0 and (seq.spec is None or seq.spec.may_propose()))
+
+    def extend(self, chosen: list[tuple[Sequence, int]], budget: int, max_rows: int,
+               allocator: PageAllocator, max_model_len: int) -> None:
+        """Appends proposals to the chosen decodes, within the room left: `budget` tokens,
+        `max_rows` rows in all (`max_num_seqs`), and free pages (speculation never preempts or
+        evicts).
+        With step costs measured (`step_costs`), proposals are cut to the length that gives the
+        most expected tokens per second, which is none where verifying costs more than it
+        gains (`jengine.scheduling.speculative.best_cap`)."""
+        if self.paused > 0:
+            self.paused -= 1
+            return
+        room = min(budget, max_rows - len(chosen))  # rows and tokens alike
+        candidates = []
+        for i, (seq, n) in enumerate(chosen):
+            if len(candidates) >= room:
+                break  # the proposer's host work only for sequences that can verify
+            if (n != 1 or seq.num_uncomputed != 1 or seq.output_ids[-1:] in ([], [PENDING])
+                    or not self.may_speculate(seq)):
+                continue
+            if seq.spec is None:
+                seq.spec = SpecState()
+            limit = min(seq.max_tokens - len(seq.output_ids) - 1,
+                        max_model_len - seq.num_tokens - 1)
+            proposal = self.proposer.propose(seq.tokens(0, seq.num_tokens), limit)
+            if proposal:
+                candidates.append((i, seq, proposal))
+            else:
+                seq.spec.found_nothing()
+        if not candidates:
+            return
+        tokens = sum(n for _, n in chosen)
+        sampling = sum(1 for seq, n in chosen if seq.num_computed + n == seq.num_tokens)
+        cap = best_cap(tokens, sampling, [(len(p), seq.spec.acceptance)
+                                          for _, seq, p in candidates], self.step_costs)
+        if cap == 0:
+            self.paused = DECLINED_PAUSE
+        rows = len(chosen)
+        for i, seq, proposal in candidates:
+            proposal = proposal[:max(0, min(cap, budget, max_rows - rows))]
+            need = allocator.pages_for(seq.num_tokens + len(proposal)) - len(seq.pages)
+            if need > 0:
+                if need <= allocator.num_free:
+                    seq.pages += allocator.allocate(need)
+                else:  # only what the pages it holds can take
+                    held = len(seq.pages) * allocator.page_size
+                    proposal = proposal[: held - seq.num_tokens]
+            if not proposal:
+                seq.spec.decline()
+                continue
+            seq.spec.proposal = proposal
+            chosen[i] = (seq, 1 + len(proposal))
+            rows += len(proposal)
+            budget -= len(proposal)

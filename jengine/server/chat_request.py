@@ -1,0 +1,109 @@
+"""The `POST /v1/chat/completions` request body: messages as the chat template takes them,
+tools and `tool_choice`, and the sampling fields it shares with completions (`SamplingFields`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import StrictBool, StrictInt, StrictStr
+
+from jengine.sampling_params import SamplingParams
+from jengine.server.errors import bad_request
+from jengine.server.protocol import ChatMessage, SamplingFields
+from jengine.text.tools import ToolSetup, constrain, tool_setup
+
+# Fields of OpenAI's chat API this server does not implement yet: set, they give a clear 400.
+_CHAT_UNSUPPORTED = ("functions", "function_call", "audio", "prediction",
+                     "web_search_options", "reasoning_effort")
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    modalities: list[StrictStr] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    # vLLM's chat extras
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    echo: StrictBool = False
+    # accepted and ignored, as they do not change what is generated
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise bad_request("messages must be a non-empty list", "messages")
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+    def tool_setup(self) -> ToolSetup:
+        try:
+            return tool_setup(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as e:
+            param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+            raise bad_request(str(e), param) from None
+
+    def sampling_params(self, tools: ToolSetup | None = None, *,
+                        default_max_tokens: int | None = None) -> SamplingParams:
+        """The request's sampling parameters, with the tool-call grammar of `tools` when its
+        `tool_choice` forces calls. Without max_(completion_)tokens, `default_max_tokens`
+        (None: up to the context's end, as OpenAI and vLLM do)."""
+        self._check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        params = self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        if tools is None:
+            return params
+        try:
+            return constrain(params, tools)
+        except ValueError as e:
+            raise bad_request(str(e), "tool_choice") from None
+
+    def constraint_param(self) -> str | None:
+        return super().constraint_param() or ("tools" if self.tools else None)
+
+    def _check_supported(self) -> None:
+        for name in _CHAT_UNSUPPORTED:
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported yet", name)
+        if self.modalities and self.modalities != ["text"]:
+            raise bad_request("only the 'text' modality is supported", "modalities")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt false",
+                              "continue_final_message")
+        if self.continue_final_message and self.messages[-1:] and \
+                self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs a last message from the assistant",
+                              "continue_final_message")
+
+    def echo_text(self) -> str:
+        """With `echo`, the text the answer starts with: the last message's content when it is
+        the assistant's (vLLM's meaning), else nothing."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or last is None or last.role != "assistant":
+            return ""
+        return last.for_template(len(self.messages) - 1)["content"]

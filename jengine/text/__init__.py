@@ -1,0 +1,1 @@
+"""Text in and out: incremental detokenization, chat templates and tool-call parsing."""
