@@ -34,7 +34,7 @@ from jengine.core.logprobs import prompt_targets, record_prompt_logprobs
 from jengine.core.request import RequestState
 from jengine.core.sampling_rows import sampling_rows
 from jengine.core.stats import EngineStats
-from jengine.models.layers import resolve_layer_layout
+from jengine.models.layers import resolve_layer_layout, resolve_matmul_backend
 from jengine.models.quant import resolve_quantization
 from jengine.outputs import RequestOutput
 from jengine.pallas_kernels import resolve_backend
@@ -105,7 +105,9 @@ class EngineCore:
         if self.quantization == "none":  # a checkpoint converted with --quantization: as stored
             self.quantization = loaded.quantization
         self.model_config = dataclasses.replace(
-            padded_config(loaded.config, self.mesh_spec.tp), attention_backend=backend
+            padded_config(loaded.config, self.mesh_spec.tp), attention_backend=backend,
+            matmul_backend=resolve_matmul_backend(cfg.model.matmul_backend,
+                                                  jax.default_backend(), self.mesh_spec.tp),
         )
         self.tokenizer = loaded.tokenizer
         self.max_model_len = max_model_len(loaded, cfg.model.max_model_len)
