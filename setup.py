@@ -1,6 +1,7 @@
-"""The native CPU attention kernel, built against the XLA FFI headers that jaxlib ships.
+"""The native CPU kernels (paged attention and KV write; the small-row matmul), built against
+the XLA FFI headers that jaxlib ships.
 
-Everything else about the package is in pyproject.toml; this file only declares the extension.
+Everything else about the package is in pyproject.toml; this file only declares the extensions.
 """
 
 from __future__ import annotations
@@ -23,15 +24,21 @@ def _xla_ffi_include() -> str:
     return str(include)
 
 
+def _kernel(name: str, source: str, *headers: str) -> Extension:
+    csrc = "jengine/pallas_kernels/csrc/"
+    return Extension(
+        f"jengine.pallas_kernels.{name}",
+        sources=[csrc + source],
+        depends=[csrc + h for h in ("parallel_for.h", *headers)],
+        include_dirs=[_xla_ffi_include()],
+        language="c++",
+        extra_compile_args=["-std=c++17", "-O3", "-g0", "-fvisibility=hidden", "-w"],
+    )
+
+
 setup(
     ext_modules=[
-        Extension(
-            "jengine.pallas_kernels._cpu_attention",
-            sources=["jengine/pallas_kernels/csrc/paged_attention.cc"],
-            depends=["jengine/pallas_kernels/csrc/paged_attention_impl.h"],
-            include_dirs=[_xla_ffi_include()],
-            language="c++",
-            extra_compile_args=["-std=c++17", "-O3", "-g0", "-fvisibility=hidden", "-w"],
-        )
+        _kernel("_cpu_attention", "paged_attention.cc", "paged_attention_impl.h"),
+        _kernel("_cpu_matmul", "small_matmul.cc", "small_matmul_impl.h"),
     ]
 )

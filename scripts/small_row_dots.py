@@ -5,8 +5,11 @@ followed by tanh so every product is materialised; rows M = 1, 2, 4, 8, 16, 64, 
 the median wall time per program, the ratio to M = 1, the weight bytes per second and the
 GFLOP/s, cases alternating for `--reps` rounds. Speculative verification runs k + 1 rows per
 sequence, so this ratio is what it must earn back (docs/engine.md, "Speculative decoding").
+`--backends xla native` times the same program with jengine's native small-row matmul
+(`jengine.pallas_kernels.cpu_matmul`) in place of XLA's dot, both in one process, interleaved.
 
-    python scripts/small_row_dots.py [--layers 20 --reps 7]
+    python scripts/small_row_dots.py [--layers 20 --reps 7 --backends xla native]
+    python scripts/small_row_dots.py --k 576 --n 49152 --layers 1 --transposed  # tied lm_head
 """
 
 from __future__ import annotations
@@ -27,33 +30,45 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 512])
+    ap.add_argument("--backends", nargs="+", default=["xla"], choices=["xla", "native"])
+    ap.add_argument("--isa", default="auto", help="the native kernel's instruction set")
+    ap.add_argument("--transposed", action="store_true",
+                    help="weights stored [N, K], x @ w.T (a tied embedding as the output head)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    weights = [jnp.asarray(rng.standard_normal((args.k, args.n), np.float32))
-               for _ in range(args.layers)]
+    shape = (args.n, args.k) if args.transposed else (args.k, args.n)
+    weights = [jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in range(args.layers)]
 
-    @jax.jit
-    def program(x, ws):
-        return sum(jnp.sum(jnp.tanh(x @ w)) for w in ws)
+    def make(backend: str):
+        def mm(x, w):
+            if backend == "native":
+                from jengine.pallas_kernels.cpu_matmul import small_matmul
+                return small_matmul(x, w, transpose_w=args.transposed, isa=args.isa)
+            return x @ w.T if args.transposed else x @ w
+        return jax.jit(lambda x, ws: sum(jnp.sum(jnp.tanh(mm(x, w))) for w in ws))
 
+    programs = {b: make(b) for b in args.backends}
     inputs = {m: jnp.asarray(rng.standard_normal((m, args.k), np.float32)) for m in args.rows}
-    for x in inputs.values():
-        program(x, weights).block_until_ready()
-    times: dict[int, list[float]] = {m: [] for m in args.rows}
+    cases = [(b, m) for m in args.rows for b in args.backends]
+    for b, m in cases:
+        programs[b](inputs[m], weights).block_until_ready()
+    times: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
     for _ in range(args.reps):
-        for m, x in inputs.items():
+        for b, m in cases:
             start = time.perf_counter()
-            program(x, weights).block_until_ready()
-            times[m].append(time.perf_counter() - start)
+            programs[b](inputs[m], weights).block_until_ready()
+            times[b, m].append(time.perf_counter() - start)
     nbytes = args.layers * args.k * args.n * 4
-    base = statistics.median(times[args.rows[0]])
-    print("| rows | ms | vs 1 row | weight GB/s | GFLOP/s |")
-    print("|---|---|---|---|---|")
-    for m, ts in times.items():
-        t = statistics.median(ts)
+    first = args.backends[0]
+    print(f"| backend | rows | ms | vs 1 row ({first}) | vs {first} | weight GB/s | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
+    base = statistics.median(times[first, args.rows[0]])
+    for b, m in cases:
+        t = statistics.median(times[b, m])
+        same = statistics.median(times[first, m])
         flops = 2 * m * args.k * args.n * args.layers
-        print(f"| {m} | {1e3 * t:.2f} | {t / base:.2f}x | {nbytes / t / 1e9:.1f} | "
-              f"{flops / t / 1e9:.1f} |")
+        print(f"| {b} | {m} | {1e3 * t:.2f} | {t / base:.2f}x | {t / same:.2f}x | "
+              f"{nbytes / t / 1e9:.1f} | {flops / t / 1e9:.1f} |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ cache, the cold compile time of every bucket of the `cpu` preset (`EngineCore` w
     python scripts/step_ab.py --key layer_layout --values stacked unstacked [--reps 15]
     python scripts/step_ab.py --key attention_backend --values reference cpu --skip-compile
     python scripts/step_ab.py --key kv_cache_dtype --values float32 bfloat16
+    python scripts/step_ab.py --key matmul_backend --values xla native --decodes 1 2 4 8 16
 
 Any key of `load_config` works (`attention_backend`, `layer_layout`, `matmul_backend`, ...);
 `--set KEY=VALUE` fixes others for both sides.
@@ -49,14 +50,16 @@ def _compile(settings: dict) -> dict:
             "programs": len(core.runner.buckets.shapes())}
 
 
-def _timings(reps: int, sides: dict[str, dict]) -> dict[str, dict[str, float]]:
+def _timings(reps: int, sides: dict[str, dict], decodes=DECODES) -> dict[str, dict[str, float]]:
     """Both sides in one process, their steps interleaved, so load on the machine hits both
     alike."""
     from jengine.runtime.step_io import SamplingRows
 
-    cores = {name: _core(settings, **TIMING_BUCKETS) for name, settings in sides.items()}
+    buckets = dict(TIMING_BUCKETS, token_buckets=tuple(sorted({*decodes, 512})),
+                   seq_buckets=tuple(sorted({*decodes, *TIMING_BUCKETS["seq_buckets"]})))
+    cores = {name: _core(settings, **buckets) for name, settings in sides.items()}
     page = next(iter(cores.values())).runner.page_size
-    cases = [(f"decode x{n}", synthetic_batch(n, 1, CONTEXT - 1, page)) for n in DECODES]
+    cases = [(f"decode x{n}", synthetic_batch(n, 1, CONTEXT - 1, page)) for n in decodes]
     cases.append(("prefill 512 over 1000", synthetic_batch(1, 512, 1000, page)))
     out: dict[str, dict[str, float]] = {side: {} for side in sides}
     for name, batch in cases:
@@ -84,6 +87,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting for both sides (default attention_backend=cpu)")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--decodes", type=int, nargs="+", default=DECODES,
+                    help="decode batch sizes to time (each its own token bucket)")
     ap.add_argument("--skip-compile", action="store_true", help="step timings only")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -93,7 +98,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(_compile(sides[args.child])))
         return
-    rows = _timings(args.reps, sides)
+    rows = _timings(args.reps, sides, tuple(args.decodes))
     for value in () if args.skip_compile else args.values:
         with tempfile.TemporaryDirectory() as cache:  # a cold compilation cache
             env = dict(os.environ, XDG_CACHE_HOME=cache)

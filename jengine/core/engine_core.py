@@ -35,7 +35,7 @@ from jengine.core.logprobs import prompt_targets, record_prompt_logprobs
 from jengine.core.request import RequestState
 from jengine.core.sampling_rows import sampling_rows
 from jengine.core.stats import EngineStats
-from jengine.models.layers import resolve_layer_layout
+from jengine.models.layers import resolve_layer_layout, resolve_matmul_backend
 from jengine.models.quant import resolve_quantization
 from jengine.outputs import RequestOutput
 from jengine.pallas_kernels import resolve_backend
@@ -89,18 +89,20 @@ class EngineCore:
         enable_persistent_cache()
         self.cfg = cfg
         par = cfg.parallel
-        self.distributed = DistributedSpec(
-            coordinator=par.coordinator, num_processes=par.num_processes,
-            process_id=par.process_id,
-        )
+        self.distributed = DistributedSpec(coordinator=par.coordinator,
+                                           num_processes=par.num_processes,
+                                           process_id=par.process_id)
         initialize(self.distributed)  # before anything starts JAX's backend
         self.dtype = resolve_dtype(cfg.model.dtype)
         self.kv_cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         self.mesh_spec = MeshSpec.parse(cfg.parallel.mesh)
         mesh = self.mesh_spec.replica_mesh(replica) if self.mesh_spec.num_devices > 1 else None
-        backend = resolve_backend(cfg.model.attention_backend, jax.default_backend())
-        self.layer_layout = resolve_layer_layout(cfg.model.layer_layout, jax.default_backend())
-        self.quantization = resolve_quantization(cfg.model.quantization, jax.default_backend())
+        platform, tp = jax.default_backend(), self.mesh_spec.tp
+        backends = dict(  # checked before any weight is read, like the rest
+            attention_backend=resolve_backend(cfg.model.attention_backend, platform),
+            matmul_backend=resolve_matmul_backend(cfg.model.matmul_backend, platform, tp))
+        self.layer_layout = resolve_layer_layout(cfg.model.layer_layout, platform)
+        self.quantization = resolve_quantization(cfg.model.quantization, platform)
         if mesh is not None:  # before any weight is read
             check_divisible(load_config(cfg.model.model), self.mesh_spec.tp)
         if loaded is None:
@@ -109,9 +111,7 @@ class EngineCore:
         self.loaded_source = loaded.source
         if self.quantization == "none":  # a checkpoint converted with --quantization: as stored
             self.quantization = loaded.quantization
-        self.model_config = dataclasses.replace(
-            padded_config(loaded.config, self.mesh_spec.tp), attention_backend=backend
-        )
+        self.model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
         self.tokenizer = loaded.tokenizer
         self.max_model_len = max_model_len(loaded, cfg.model.max_model_len)
         self.eos_token_ids = eos_ids(loaded)

@@ -91,16 +91,18 @@ def forward(
         jnp.asarray(np.where(sliding[:, None], local_freq, global_freq)),  # [L, D/2]
     )
 
+    mm = cfg.matmul_backend
+
     def layer(carry, xs):
         x, kv = carry
         p, index, (layer_window, inv_freq) = xs
         h = rms_norm(x, p["attn_norm"], eps, offset=1.0)
-        q = project(h, p["wq"], "te,ehd->thd")
-        k = project(h, p["wk"], "te,ehd->thd")
+        q = project(h, p["wq"], "te,ehd->thd", backend=mm)
+        k = project(h, p["wk"], "te,ehd->thd", backend=mm)
         if "q_norm" in p:
             q = rms_norm(q, p["q_norm"], eps, offset=1.0)
             k = rms_norm(k, p["k_norm"], eps, offset=1.0)
-        v = project(h, p["wv"], "te,ehd->thd")
+        v = project(h, p["wv"], "te,ehd->thd", backend=mm)
         q = apply_rope(q, md.positions, inv_freq)
         k = apply_rope(k, md.positions, inv_freq)
         attn, kv = attend(
@@ -108,12 +110,13 @@ def forward(
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
         )
-        attn = layers.project_heads(attn, p["wo"])
+        attn = layers.project_heads(attn, p["wo"], backend=mm)
         x = x + rms_norm(attn, p["post_attn_norm"], eps, offset=1.0)
         h = rms_norm(x, p["pre_mlp_norm"], eps, offset=1.0)
-        gate = project(h, p["w_gate"], "te,ef->tf")
-        up = project(h, p["w_up"], "te,ef->tf")
-        mlp = project(jax.nn.gelu(gate, approximate=True) * up, p["w_down"], "tf,fe->te")
+        gate = project(h, p["w_gate"], "te,ef->tf", backend=mm)
+        up = project(h, p["w_up"], "te,ef->tf", backend=mm)
+        mlp = project(jax.nn.gelu(gate, approximate=True) * up, p["w_down"], "tf,fe->te",
+                      backend=mm)
         x = x + rms_norm(mlp, p["post_mlp_norm"], eps, offset=1.0)
         return (x, kv), None
 
@@ -122,7 +125,7 @@ def forward(
         x = x[md.logits_indices]
     x = rms_norm(x, params["final_norm"], eps, offset=1.0)
     with jax.named_scope("lm_head"):
-        logits = layers.dot("te,ve->tv", x, params["embed"])
+        logits = layers.dot("te,ve->tv", x, params["embed"], mm)
     if cfg.final_logit_softcapping:
         cap = cfg.final_logit_softcapping
         logits = cap * jnp.tanh(logits / cap)

@@ -13,6 +13,7 @@ import numpy as np
 from jengine.models import quant
 from jengine.models.config import RopeConfig
 from jengine.models.quant import QArray
+from jengine.pallas_kernels import cpu_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,21 +130,69 @@ class Observed:
 Weight = jax.Array | QArray  # a float weight, or its quantized form (jengine.models.quant)
 
 
-def dot(eq: str, x: jax.Array, w: Weight) -> jax.Array:
+MATMUL_BACKENDS = ("auto", "xla", "native")
+# The row counts (the step's token bucket) the native kernel takes; XLA's dot keeps the rest.
+# Measured in-program (docs/engine.md, "Small-row matmul"): XLA's one-row dot streams the
+# weights faster than the kernel, and from NATIVE_ROWS[1] + 1 rows on XLA's blocked GEMM wins.
+NATIVE_ROWS = (2, 32)
+
+
+def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
+    """`auto` -> `native` (jengine.pallas_kernels.cpu_matmul) on one CPU device when the
+    library loaded, else `xla`. XLA cannot partition the custom call, so a tp mesh keeps XLA's
+    dot, and so do accelerators; `native` there is an error."""
+    if backend not in MATMUL_BACKENDS:
+        raise ValueError(f"unknown matmul_backend {backend!r}; expected one of {MATMUL_BACKENDS}")
+    if backend == "native":
+        if platform != "cpu" or tp > 1:
+            raise ValueError("matmul_backend 'native' runs on CPU without tensor parallelism "
+                             f"(here: platform {platform}, tp={tp})")
+        cpu_matmul.require()
+        return backend
+    if backend == "xla":
+        return backend
+    return "native" if platform == "cpu" and tp == 1 and cpu_matmul.available() else "xla"
+
+
+def _native_form(eq: str, x: jax.Array, w: Weight) -> str | None:
+    """How the native kernel takes `eq` for a float32 x [R, K] at a row count it serves:
+    "kn" (w's leading axis contracted, `te,ehd->thd`), "nk" (w [N, K]'s last, `te,ve->tv`: a
+    tied embedding as the output head), or None (XLA's einsum)."""
+    lhs, rest = eq.split(",")
+    rhs, out = rest.split("->")
+    if (isinstance(w, QArray) or x.ndim != 2 or len(lhs) != 2 or x.dtype != jnp.float32
+            or w.dtype != jnp.float32 or not NATIVE_ROWS[0] <= x.shape[0] <= NATIVE_ROWS[1]):
+        return None
+    if rhs[0] == lhs[1] and out == lhs[0] + rhs[1:]:
+        return "kn"
+    if len(rhs) == 2 and rhs[1] == lhs[1] and out == lhs[0] + rhs[0]:
+        return "nk"
+    return None
+
+
+def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
     """`einsum(eq, x, w)` accumulated and returned in float32; a quantized `w` runs its
-    int8 (or weight-only) dot."""
+    int8 (or weight-only) dot. `backend="native"` sends the shapes it fits (`_native_form`)
+    to the native small-row kernel, a 3-D weight over its free row-major [K, N] view."""
     if isinstance(w, Observed):
         w.seen(x)
         w = w.w
     if isinstance(w, QArray):
         return quant.einsum(eq, x, w)
+    form = _native_form(eq, x, w) if backend == "native" else None
+    if form is not None:
+        if form == "nk":
+            return cpu_matmul.small_matmul(x, w, transpose_w=True)
+        y = cpu_matmul.small_matmul(x, w.reshape(w.shape[0], -1))
+        return y.reshape(x.shape[0], *w.shape[1:])
     return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
 
 
-def project(x: jax.Array, w: Weight, eq: str, bias: jax.Array | None = None) -> jax.Array:
-    """einsum projection with an optional bias, accumulating in float32."""
+def project(x: jax.Array, w: Weight, eq: str, bias: jax.Array | None = None, *,
+            backend: str = "xla") -> jax.Array:
+    """einsum projection with an optional bias, accumulating in float32 (`backend`: `dot`)."""
     with jax.named_scope("proj"):
-        y = dot(eq, x, w).astype(x.dtype)
+        y = dot(eq, x, w, backend).astype(x.dtype)
         return y if bias is None else y + bias
 
 
@@ -152,14 +201,15 @@ def embed_tokens(table: Weight, ids: jax.Array, dtype) -> jax.Array:
     return quant.take_rows(table, ids).astype(dtype)
 
 
-def project_heads(attn: jax.Array, wo: Weight, bias: jax.Array | None = None) -> jax.Array:
+def project_heads(attn: jax.Array, wo: Weight, bias: jax.Array | None = None, *,
+                  backend: str = "xla") -> jax.Array:
     """The output projection [T, H, D] x [H, D, E] -> [T, E], as one [T, H*D] x [H*D, E] dot.
 
     Both reshapes are free (row-major), while the 3-D einsum made XLA:CPU pick a [D, H] order
     for the contraction and copy `wo` (and the attention output) into it on every layer."""
     num_tokens = attn.shape[0]
     return project(attn.reshape(num_tokens, -1), quant.merge_input_axes(wo, 2), "tk,ke->te",
-                   bias)
+                   bias, backend=backend)
 
 
 Activation = Callable[[jax.Array], jax.Array]

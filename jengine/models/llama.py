@@ -119,14 +119,16 @@ def forward(
     if uniform is None:
         per_layer = per_layer + (jnp.asarray(scales),)
 
+    mm = cfg.matmul_backend
+
     def layer(carry, xs):
         x, kv = carry
         p, index, (layer_window, inv_freq, *scale) = xs
         rope_scale = uniform if uniform is not None else scale[0]
         h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q = project(h, p["wq"], "te,ehd->thd", p.get("bq"))
-        k = project(h, p["wk"], "te,ehd->thd", p.get("bk"))
-        v = project(h, p["wv"], "te,ehd->thd", p.get("bv"))
+        q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
+        k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
+        v = project(h, p["wv"], "te,ehd->thd", p.get("bv"), backend=mm)
         if cfg.qk_norm:  # per head, before rope
             q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -140,12 +142,12 @@ def forward(
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
         )
-        attn = layers.project_heads(attn, p["wo"], p.get("bo"))
+        attn = layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm)
         if cfg.post_norms:
             attn = rms_norm(attn, p["post_attn_norm"], cfg.rms_norm_eps)
         x = x + scaled(attn)
         h = x if cfg.post_norms else rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        out = moe.moe_mlp(h, p, cfg) if cfg.num_experts else _mlp(h, p)
+        out = moe.moe_mlp(h, p, cfg) if cfg.num_experts else _mlp(h, p, mm)
         if cfg.post_norms:
             out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps)
         x = x + scaled(out)
@@ -157,9 +159,9 @@ def forward(
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     with jax.named_scope("lm_head"):
         if cfg.tie_word_embeddings:
-            logits = layers.dot("te,ve->tv", x, params["embed"])
+            logits = layers.dot("te,ve->tv", x, params["embed"], mm)
         else:
-            logits = layers.dot("te,ev->tv", x, params["lm_head"])
+            logits = layers.dot("te,ev->tv", x, params["lm_head"], mm)
     if cfg.logits_scaling != 1.0:
         logits = logits / cfg.logits_scaling
     return logits, kv
@@ -184,11 +186,12 @@ def _layer_rope_scale(cfg: ModelConfig) -> np.ndarray:
                       np.float32)
 
 
-def _mlp(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    """The dense SwiGLU MLP [T, E] -> [T, E]."""
-    gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"))
-    up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"))
-    return project(jax.nn.silu(gate) * up, p["w_down"], "tf,fe->te", p.get("b_down"))
+def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str) -> jax.Array:
+    """The dense SwiGLU MLP [T, E] -> [T, E] (`mm`: the matmul backend)."""
+    gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"), backend=mm)
+    up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"), backend=mm)
+    return project(jax.nn.silu(gate) * up, p["w_down"], "tf,fe->te", p.get("b_down"),
+                   backend=mm)
 
 
 def _rms_norm_heads(x: jax.Array, weight: jax.Array, eps: float, real_heads: int) -> jax.Array:

@@ -17,6 +17,7 @@ from jengine.pallas_kernels.backends import (
 )
 from jengine.pallas_kernels.block_layout import num_query_blocks
 from jengine.pallas_kernels.cpu import ragged_paged_attention_cpu, write_kv_cpu
+from jengine.pallas_kernels.cpu_matmul import small_matmul
 from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
 from jengine.pallas_kernels.reference import (
     blocked_paged_attention,
@@ -38,6 +39,7 @@ __all__ = [
     "ragged_paged_attention_tpu",
     "resolve_backend",
     "shard_for_context_mesh",
+    "small_matmul",
     "shard_over_heads",
     "shard_write_for_context_mesh",
     "write_kv",

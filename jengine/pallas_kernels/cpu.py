@@ -14,37 +14,18 @@ naming the fix when asked for; the `reference` backend never needs it.
 
 from __future__ import annotations
 
-import ctypes
-import importlib.machinery
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jengine.pallas_kernels.native_library import load_native
 
 _ATTENTION_TARGET = "jengine_paged_attention"
 _KV_WRITE_TARGET = "jengine_kv_write"
 ISAS = {"auto": 0, "portable": 1, "avx2": 2}  # instruction set of the attention kernel
 
-
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    here = Path(__file__).parent
-    candidates = [here / f"_cpu_attention{s}" for s in importlib.machinery.EXTENSION_SUFFIXES]
-    found = [p for p in candidates if p.exists()]
-    if not found:
-        return None, f"no _cpu_attention library in {here}"
-    try:
-        lib = ctypes.CDLL(str(found[0]))
-        jax.ffi.register_ffi_target(
-            _ATTENTION_TARGET, jax.ffi.pycapsule(lib.JenginePagedAttention), platform="cpu")
-        jax.ffi.register_ffi_target(
-            _KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JengineKvWrite), platform="cpu")
-    except (OSError, AttributeError) as e:
-        return None, f"{found[0].name} failed to load: {e}"
-    return lib, None
-
-
-_LIB, _LOAD_ERROR = _load()
+_LIB, _LOAD_ERROR = load_native("_cpu_attention", {_ATTENTION_TARGET: "JenginePagedAttention",
+                                                   _KV_WRITE_TARGET: "JengineKvWrite"})
 
 
 def available() -> bool:

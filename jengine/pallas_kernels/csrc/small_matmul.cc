@@ -1,0 +1,153 @@
+// f32 matmul of a few rows for XLA:CPU, called through the XLA FFI: y[R, N] = x[R, K] @ w[K, N],
+// or x @ w^T for w [N, K] (`transpose_w`: a tied embedding as the output head).
+//
+// A decode step of R sequences (or a speculative verification of R query rows) multiplies a few
+// rows by every weight matrix; the weights are far larger than the activations, so the step is
+// as fast as the weights stream from memory, if each weight is read once for all R rows.
+// Register tiles of R x 2 vectors do that (small_matmul_impl.h). Output columns are split into
+// one contiguous range per thread of XLA's intra-op pool. The instruction set (AVX-512F, AVX2+FMA
+// or portable C++) is chosen at run time, or forced by the `isa` attribute.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define JE_X86 1
+#endif
+
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jengine {
+namespace {
+
+namespace portable {
+#define JE_SIMD 0
+#include "small_matmul_impl.h"
+#undef JE_SIMD
+}  // namespace portable
+
+#if JE_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+namespace avx2 {
+#define JE_SIMD 1
+#include "small_matmul_impl.h"
+#undef JE_SIMD
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+#endif
+namespace avx512 {
+#define JE_SIMD 2
+#include "small_matmul_impl.h"
+#undef JE_SIMD
+}  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+enum Isa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+bool Supports(int32_t isa) {
+#if JE_X86
+  if (isa == kAvx512) return __builtin_cpu_supports("avx512f");
+  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == kPortable;
+}
+
+int32_t BestIsa() {
+  for (int32_t isa : {kAvx512, kAvx2}) {
+    if (Supports(isa)) return isa;
+  }
+  return kPortable;
+}
+
+using ColumnsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                           int64_t);
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       int32_t isa, int32_t transpose_w, int32_t max_threads,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[transpose_w ? 1 : 0]) {
+    return ffi::Error::InvalidArgument(
+        "small matmul: expected x [R, K] and w [K, N] (or [N, K] with transpose_w)");
+  }
+  const int64_t R = xd[0], K = xd[1], N = wd[transpose_w ? 0 : 1];
+  if (isa == kAuto) isa = BestIsa();
+  if (!Supports(isa)) {
+    return ffi::Error::InvalidArgument("small matmul: the forced instruction set is unsupported");
+  }
+  ColumnsFn columns = transpose_w ? portable::NtColumns : portable::Columns;
+  int64_t tile = transpose_w ? portable::kNtCols : portable::kTile;
+#if JE_X86
+  if (isa == kAvx512) {
+    columns = transpose_w ? avx512::NtColumns : avx512::Columns;
+    tile = transpose_w ? avx512::kNtCols : avx512::kTile;
+  } else if (isa == kAvx2) {
+    columns = transpose_w ? avx2::NtColumns : avx2::Columns;
+    tile = transpose_w ? avx2::kNtCols : avx2::kTile;
+  }
+#endif
+  float* out = y->typed_data();
+  if (R == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::memset(out, 0, R * N * sizeof(float));
+    return ffi::Error::Success();
+  }
+  const int64_t tiles = (N + tile - 1) / tile;
+  const int64_t parts = std::min(KernelThreads(pool, max_threads), tiles);
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
+  ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
+    const int64_t c0 = i * tiles / parts * tile;
+    const int64_t c1 = std::min(N, (i + 1) * tiles / parts * tile);
+    columns(xs, ws, out, R, K, N, c0, c1);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jengine
+
+// Only these symbols leave the library (built with -fvisibility=hidden).
+#define JE_EXPORT extern "C" __attribute__((visibility("default")))
+JE_EXPORT XLA_FFI_Error* JengineSmallMatmul(XLA_FFI_CallFrame* call_frame);
+JE_EXPORT int JengineMatmulIsa(int isa);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineSmallMatmul, jengine::SmallMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [R, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] or [N, K]
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int32_t>("transpose_w")
+                                  .Attr<int32_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
+
+// isa 0: the instruction set `auto` picks here (1 portable, 2 AVX2, 3 AVX-512); else whether
+// that one runs here (1 or 0).
+extern "C" int JengineMatmulIsa(int isa) {
+  if (isa == jengine::kAuto) return jengine::BestIsa();
+  return jengine::Supports(isa) ? 1 : 0;
+}

@@ -1,0 +1,272 @@
+// One instruction set's body of the small-row matmul (included by small_matmul.cc inside the
+// namespaces portable / avx2 / avx512, with JE_SIMD 0 / 1 / 2 and the matching target pragma).
+//
+// y[R, N] = x[R, K] @ w[K, N], w row-major. One or two rows stream w (StreamRows). From three
+// rows on, a thread's columns are taken a k-block (~64 KiB) at a time; each tile of kTile columns (two vectors) keeps its R x kTile sums in registers
+// while k runs over the block, so each weight is loaded once per group of up to kMaxRows rows
+// and broadcast-multiplied into every row of the group. While a block is computed, the next
+// one is prefetched into L2 row by row (contiguous runs, which the memory system streams well;
+// the tiles' own column-strided loads would not). Rows beyond kMaxRows form further groups of
+// near-equal size (they re-read the block from L2, not memory).
+
+#if JE_SIMD == 2
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors of 32 zmm registers
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec Broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+constexpr int kNtRows = 6;  // transposed tiles: 4 weight rows x 6 x-rows = 24 accumulators
+#elif JE_SIMD == 1
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int kMaxRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 ymm
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float Sum(Vec v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+constexpr int kNtRows = 3;  // transposed tiles: 4 weight rows x 3 x-rows = 12 accumulators
+#else
+struct Vec {
+  float v[8];
+};
+constexpr int64_t kLanes = 8;
+constexpr int kMaxRows = 4;
+inline Vec Zero() { return Vec{}; }
+inline Vec Load(const float* p) {
+  Vec r;
+  std::memcpy(r.v, p, sizeof(r.v));
+  return r;
+}
+inline void Store(float* p, Vec v) { std::memcpy(p, v.v, sizeof(v.v)); }
+inline Vec Broadcast(const float* p) {
+  Vec r;
+  for (float& f : r.v) f = *p;
+  return r;
+}
+inline Vec Fma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < 8; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline float Sum(Vec v) {
+  float s = 0.0f;
+  for (float f : v.v) s += f;
+  return s;
+}
+constexpr int kNtRows = 2;
+#endif
+
+constexpr int64_t kTile = 2 * kLanes;  // output columns per register tile
+constexpr int64_t kPanel = 256;  // columns of one panel: 1 KiB runs of each weight row
+constexpr int64_t kBlockBytes = 64 * 1024;  // a k-block of one panel (L2)
+constexpr int64_t kLine = 16;  // floats per 64-byte cache line
+
+// One register tile: rows [0, RB) of x against w[0:K, 0:kTile] (row stride ldw); the sums start
+// from y's current values when `accumulate` (a k-block after the first).
+template <int RB>
+void TileRows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
+              int64_t ldy, bool accumulate) {
+  Vec acc0[RB], acc1[RB];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+    acc0[r] = accumulate ? Load(y + r * ldy) : Zero();
+    acc1[r] = accumulate ? Load(y + r * ldy + kLanes) : Zero();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec w0 = Load(w + k * ldw), w1 = Load(w + k * ldw + kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      const Vec b = Broadcast(x + r * ldx + k);
+      acc0[r] = Fma(b, w0, acc0[r]);
+      acc1[r] = Fma(b, w1, acc1[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+    Store(y + r * ldy, acc0[r]);
+    Store(y + r * ldy + kLanes, acc1[r]);
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
+                        bool);
+
+template <int RB>
+TileFn PickTile(int rows) {
+  if constexpr (RB > 1) {
+    if (rows < RB) return PickTile<RB - 1>(rows);
+  }
+  return &TileRows<RB>;
+}
+
+struct Block {  // k rows [k0, k0 + kn) of columns [c0, c0 + width)
+  int64_t k0, kn, c0, width;
+};
+
+// Asks for lines [first, last) of block b of w, counted row by row: the memory system gets
+// long contiguous runs, well ahead of the loads that use them.
+void PrefetchLines(const float* w, int64_t N, const Block& b, int64_t first, int64_t last) {
+  const int64_t per_row = (b.width + kLine - 1) / kLine;
+  for (int64_t i = first; i < last; ++i) {
+    __builtin_prefetch(w + (b.k0 + i / per_row) * N + b.c0 + i % per_row * kLine, 0, 2);
+  }
+}
+
+int64_t Lines(const Block& b) { return b.kn * ((b.width + kLine - 1) / kLine); }
+
+// y[0:RB, 0:width] = x[0:RB, :] @ w[:, 0:width] (width a multiple of kLanes) for one or two
+// rows, where the step is memory-bound and register tiles gain nothing: four weight rows at a
+// time stream contiguously through the whole width (the hardware prefetchers' best case; it
+// ran 1.3-1.4x faster than the tiles at 1-2 rows), the sums staying in y (L1).
+template <int RB>
+void StreamRows(const float* x, int64_t K, const float* w, int64_t N, int64_t width, float* y) {
+  for (int r = 0; r < RB; ++r) std::fill(y + r * N, y + r * N + width, 0.0f);
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    Vec b[RB][4];
+    for (int r = 0; r < RB; ++r) {
+      for (int j = 0; j < 4; ++j) b[r][j] = Broadcast(x + r * K + k + j);
+    }
+    const float* w0 = w + k * N;
+    for (int64_t c = 0; c < width; c += kLanes) {
+      const Vec a0 = Load(w0 + c), a1 = Load(w0 + N + c), a2 = Load(w0 + 2 * N + c),
+                a3 = Load(w0 + 3 * N + c);
+      for (int r = 0; r < RB; ++r) {
+        Vec acc = Load(y + r * N + c);
+        acc = Fma(b[r][0], a0, acc);
+        acc = Fma(b[r][1], a1, acc);
+        acc = Fma(b[r][2], a2, acc);
+        acc = Fma(b[r][3], a3, acc);
+        Store(y + r * N + c, acc);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    for (int r = 0; r < RB; ++r) {
+      const Vec b = Broadcast(x + r * K + k);
+      for (int64_t c = 0; c < width; c += kLanes) {
+        Store(y + r * N + c, Fma(b, Load(w + k * N + c), Load(y + r * N + c)));
+      }
+    }
+  }
+}
+
+// Register tiles over columns [c0, c1) (a multiple of kTile wide): panels of at most kPanel
+// columns, each in k-blocks of ~kBlockBytes, the next block prefetched while one is computed.
+void TiledColumns(const float* x, const float* w, float* y, int64_t R, int64_t K, int64_t N,
+                  int64_t c0, int64_t c1) {
+  std::vector<Block> blocks;  // in the order computed
+  for (int64_t p = c0; p < c1; p += kPanel) {
+    const int64_t width = std::min(kPanel, c1 - p);
+    const int64_t kc = std::max<int64_t>(16, kBlockBytes / (width * 4));
+    for (int64_t k0 = 0; k0 < K; k0 += kc) blocks.push_back({k0, std::min(kc, K - k0), p, width});
+  }
+  const int64_t groups = (R + kMaxRows - 1) / kMaxRows;  // near-equal: rows g*R/groups..
+  if (!blocks.empty()) PrefetchLines(w, N, blocks[0], 0, Lines(blocks[0]));
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const Block& b = blocks[i];
+    const int64_t tiles = b.width / kTile;
+    // The next block's lines, a share per tile of this one, so the loads never wait long.
+    const int64_t next = i + 1 < blocks.size() ? Lines(blocks[i + 1]) : 0;
+    const int64_t share = (next + tiles - 1) / tiles;
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (next > 0) {
+        PrefetchLines(w, N, blocks[i + 1], std::min(next, t * share),
+                      std::min(next, (t + 1) * share));
+      }
+      const int64_t c = b.c0 + t * kTile;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t r0 = g * R / groups, rows = (g + 1) * R / groups - r0;
+        PickTile<kMaxRows>(static_cast<int>(rows))(x + r0 * K + b.k0, K, w + b.k0 * N + c, N,
+                                                   b.kn, y + r0 * N + c, N, b.k0 > 0);
+      }
+    }
+  }
+}
+
+// Columns [c0, c1) of y; c0 is a multiple of kTile, and only the last range may end ragged.
+void Columns(const float* x, const float* w, float* y, int64_t R, int64_t K, int64_t N,
+             int64_t c0, int64_t c1) {
+  const int64_t full_end = c0 + (c1 - c0) / kTile * kTile;
+  if (R == 1) {
+    StreamRows<1>(x, K, w + c0, N, full_end - c0, y + c0);
+  } else if (R == 2) {
+    StreamRows<2>(x, K, w + c0, N, full_end - c0, y + c0);
+  } else {
+    TiledColumns(x, w, y, R, K, N, c0, full_end);
+  }
+  if (full_end == c1) return;
+  const int64_t width = c1 - full_end;  // < kTile ragged columns: plain sums
+  float acc[kTile];
+  for (int64_t r = 0; r < R; ++r) {
+    std::fill(acc, acc + width, 0.0f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = x[r * K + k];
+      const float* wk = w + k * N + full_end;
+      for (int64_t c = 0; c < width; ++c) acc[c] += xv * wk[c];
+    }
+    std::copy(acc, acc + width, y + r * N + full_end);
+  }
+}
+
+// The transposed form, y[R, N] = x[R, K] @ w[N, K]^T (a tied embedding as the output head):
+// kNtCols weight rows at a time stream contiguously along K, each multiplied into up to kNtRows
+// rows of x whose vectors sit in registers; the vector sums reduce once per output.
+constexpr int kNtCols = 4;
+
+template <int RB, int CB>
+void NtTile(const float* x, const float* w, int64_t K, float* y, int64_t N) {
+  Vec acc[CB][RB];
+  for (int c = 0; c < CB; ++c) {
+    for (int r = 0; r < RB; ++r) acc[c][r] = Zero();
+  }
+  const int64_t kv = K / kLanes * kLanes;
+  for (int64_t k = 0; k < kv; k += kLanes) {
+    Vec xr[RB];
+    for (int r = 0; r < RB; ++r) xr[r] = Load(x + r * K + k);
+    for (int c = 0; c < CB; ++c) {
+      const Vec wc = Load(w + c * K + k);
+      for (int r = 0; r < RB; ++r) acc[c][r] = Fma(xr[r], wc, acc[c][r]);
+    }
+  }
+  for (int c = 0; c < CB; ++c) {
+    for (int r = 0; r < RB; ++r) {
+      float sum = Sum(acc[c][r]);
+      for (int64_t k = kv; k < K; ++k) sum += x[r * K + k] * w[c * K + k];
+      y[r * N + c] = sum;
+    }
+  }
+}
+
+using NtFn = void (*)(const float*, const float*, int64_t, float*, int64_t);
+
+template <int RB>
+NtFn PickNt(int rows, bool full) {
+  if constexpr (RB > 1) {
+    if (rows < RB) return PickNt<RB - 1>(rows, full);
+  }
+  return full ? &NtTile<RB, kNtCols> : &NtTile<RB, 1>;
+}
+
+// Columns [c0, c1) of y (rows [c0, c1) of w).
+void NtColumns(const float* x, const float* w, float* y, int64_t R, int64_t K, int64_t N,
+               int64_t c0, int64_t c1) {
+  const int64_t groups = (R + kNtRows - 1) / kNtRows;
+  for (int64_t c = c0; c < c1;) {
+    const bool full = c + kNtCols <= c1;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = g * R / groups, rows = (g + 1) * R / groups - r0;
+      PickNt<kNtRows>(static_cast<int>(rows), full)(x + r0 * K, w + c * K, K, y + r0 * N + c, N);
+    }
+    c += full ? kNtCols : 1;
+  }
+}

@@ -1,0 +1,154 @@
+"""The native small-row matmul (`jengine.pallas_kernels.cpu_matmul`) against a float64 oracle
+and `jnp.dot`, on every instruction-set path this CPU runs, and the engine's greedy tokens with
+it on and off (`matmul_backend`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from test_sharding import _tiny_llama
+
+from jengine import Engine, SamplingParams
+from jengine.models import layers
+from jengine.pallas_kernels import cpu_matmul
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="native matmul not built")
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
+    not (cpu_matmul.available() and cpu_matmul.supports(isa)), reason=f"no {isa} on this CPU"))
+    for isa in ("portable", "avx2", "avx512")]
+
+
+def _check(x: np.ndarray, w: np.ndarray, isa: str, **kw) -> None:
+    """Both forms: x @ w with w [K, N], and x @ w with w given as [N, K] (`transpose_w`)."""
+    _check_form(x, w, isa, **kw)
+    _check_form(x, np.ascontiguousarray(w.T), isa, transpose_w=True, **kw)
+
+
+def _check_form(x: np.ndarray, w_arg: np.ndarray, isa: str, **kw) -> None:
+    w = w_arg.T if kw.get("transpose_w") else w_arg
+    got = np.asarray(jax.jit(lambda a, b: cpu_matmul.small_matmul(a, b, isa=isa, **kw))(x, w_arg))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    # f32 sums of K products: within K ulps of the largest partial sum, relative to |x| |w|.
+    bound = 1e-6 * x.shape[1] * (np.abs(x).astype(np.float64) @ np.abs(w)) + 1e-30
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+    np.testing.assert_allclose(got, np.asarray(jnp.dot(x, w)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", range(1, 18))
+def test_rows_against_oracle(isa, rows):
+    """Every row count the engine sends (1..17 crosses each ISA's row groups), a ragged N."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 70), np.float32)
+    w = rng.standard_normal((70, 300), np.float32)  # 300 = 9 x 32 + 12 ragged columns
+    # (and K = 70 = 8 x 8 + 6 ragged for the transposed form's vectors along K)
+    _check(x, w, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k, n", [(1, 1), (3, 7), (576, 192), (200, 1000), (1536, 48)])
+def test_shapes_and_threads(isa, k, n):
+    """Tiny and model-sized K (several k-blocks), N below one tile and spread over panels, one
+    thread and all of them."""
+    rng = np.random.default_rng(k * n)
+    x = rng.standard_normal((5, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    for threads in (0, 1):
+        _check(x, w, isa, max_threads=threads)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_zeros_negatives_and_large_values(isa):
+    rng = np.random.default_rng(7)
+    x = np.zeros((6, 96), np.float32)
+    w = rng.standard_normal((96, 80), np.float32)
+    _check(x, w, isa)  # exact zeros
+    x = -np.abs(rng.standard_normal((6, 96), np.float32)) * 1e17
+    w = np.abs(rng.standard_normal((96, 80), np.float32)) * 1e17  # products ~1e34: finite
+    _check(x, w, isa)
+    got = np.asarray(cpu_matmul.small_matmul(jnp.asarray(x), jnp.asarray(w), isa=isa))
+    assert np.all(got < 0) and np.all(np.isfinite(got))
+
+
+def test_zero_rows_and_bad_operands():
+    """No rows: an empty result; a bf16 operand: a ValueError before anything is built."""
+    w = jnp.ones((4, 8), jnp.float32)
+    assert cpu_matmul.small_matmul(jnp.ones((0, 4), jnp.float32), w).shape == (0, 8)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_matmul.small_matmul(jnp.ones((2, 4), jnp.bfloat16), w)
+
+
+def test_dot_routes_only_the_shapes_it_fits():
+    """`layers.dot` with `native` runs the kernel for f32 x [R, K] against w's leading axis
+    (a 3-D weight through its [K, N] view) or a 2-D w's last axis, at 2..32 rows, and XLA's
+    einsum otherwise."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((64, 4, 8), np.float32))  # wq [E, H, D]
+    for rows in (1, 2, 16, 32, 33):
+        x = jnp.asarray(rng.standard_normal((rows, 64), np.float32))
+        text = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native")).lower(
+            x, w).as_text()
+        assert ("jengine_small_matmul" in text) == (2 <= rows <= 32), rows
+        got = layers.dot("te,ehd->thd", x, w, "native")
+        np.testing.assert_allclose(got, jnp.einsum("te,ehd->thd", x, w), rtol=1e-5, atol=1e-5)
+    # A tied embedding as the output head: w [V, E] contracted over its last axis.
+    x = jnp.asarray(rng.standard_normal((4, 8), np.float32))
+    table = jnp.asarray(rng.standard_normal((19, 8), np.float32))
+    lowered = jax.jit(lambda a, b: layers.dot("te,ve->tv", a, b, "native")).lower(x, table)
+    assert "jengine_small_matmul" in lowered.as_text()
+    np.testing.assert_allclose(layers.dot("te,ve->tv", x, table, "native"), x @ table.T,
+                               rtol=1e-5, atol=1e-5)
+    # Neither form (w's middle axis contracted): XLA's einsum.
+    text = jax.jit(lambda a, b: layers.dot("te,hed->thd", a, b, "native")).lower(
+        x, jnp.ones((2, 8, 3), jnp.float32)).as_text()
+    assert "jengine_small_matmul" not in text
+
+
+def test_resolve_matmul_backend():
+    assert layers.resolve_matmul_backend("auto", "cpu", 1) == "native"
+    assert layers.resolve_matmul_backend("auto", "cpu", 2) == "xla"
+    assert layers.resolve_matmul_backend("auto", "gpu", 1) == "xla"
+    assert layers.resolve_matmul_backend("xla", "cpu", 1) == "xla"
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        layers.resolve_matmul_backend("native", "cpu", 2)
+    with pytest.raises(ValueError, match="unknown matmul_backend"):
+        layers.resolve_matmul_backend("blas", "cpu", 1)
+
+
+def test_auto_keeps_xla_without_the_library(monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "_LIB", None)
+    monkeypatch.setattr(cpu_matmul, "_LOAD_ERROR", "no _cpu_matmul library")
+    assert layers.resolve_matmul_backend("auto", "cpu", 1) == "xla"
+    with pytest.raises(RuntimeError, match="pip install -e .*matmul_backend 'xla'"):
+        layers.resolve_matmul_backend("native", "cpu", 1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    _tiny_llama(path)
+    return path
+
+
+def test_engine_greedy_tokens_equal_with_kernel_on_and_off(tiny, tmp_path):
+    """A random tiny Llama, two step shapes (8 and 16 tokens, both the kernel's) over a batch
+    of mixed prompts: the same greedy tokens with `matmul_backend` native and xla."""
+    preset = yaml.safe_load((Path(__file__).parent / "two_buckets.yaml").read_text())
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 96, n).tolist() for n in (3, 9, 20, 31)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tokens = {}
+    for backend in ("xla", "native"):
+        preset["model"]["matmul_backend"] = backend
+        config = tmp_path / f"{backend}.yaml"
+        config.write_text(yaml.safe_dump(preset))
+        engine = Engine(str(tiny), config=str(config), progress=False)
+        assert engine.core.model_config.matmul_backend == backend
+        tokens[backend] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    assert tokens["native"] == tokens["xla"]
