@@ -141,7 +141,7 @@ def main() -> None:
             "weights_MiB": weight_bytes(cores[mode].runner.params) / 2**20,
         }
     result = {
-        "model": cores["none"].loaded_source, "dtype": cores["none"].dtype,
+        "model": cores["none"].model.source, "dtype": cores["none"].dtype,
         "text_tokens_scored": int(windows.size - num), "window": args.window,
         "prompts": args.prompts, "new_tokens": args.new_tokens,
         "seconds": time.perf_counter() - start, "modes": rows,

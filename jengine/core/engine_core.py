@@ -108,7 +108,6 @@ class EngineCore:
         if loaded is None:
             loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress, lazy=True)
         phases.end("open model")
-        self.loaded_source = loaded.source
         if self.quantization == "none":  # a checkpoint converted with --quantization: as stored
             self.quantization = loaded.quantization
         self.model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)

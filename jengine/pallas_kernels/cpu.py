@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.pallas_kernels.native_library import load_native
+from jengine.pallas_kernels.native_library import load_native, missing
 
 _ATTENTION_TARGET = "jengine_paged_attention"
 _KV_WRITE_TARGET = "jengine_kv_write"
@@ -36,11 +36,7 @@ def available() -> bool:
 def require() -> None:
     """Raises a `RuntimeError` naming the fix when the native library is unavailable."""
     if _LIB is None:
-        raise RuntimeError(
-            f"attention backend 'cpu' needs jengine's native kernel ({_LOAD_ERROR}). Reinstall "
-            "jengine with a C++ compiler present (`pip install -e .` builds it; in a source tree "
-            "`python setup.py build_ext --inplace`), or use --attention-backend reference."
-        )
+        raise missing("attention backend 'cpu'", _LOAD_ERROR, "--attention-backend reference")
 
 
 def has_avx2() -> bool:

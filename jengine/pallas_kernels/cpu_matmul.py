@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.pallas_kernels.native_library import load_native
+from jengine.pallas_kernels.native_library import load_native, missing
 
 _TARGET = "jengine_small_matmul"
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # instruction set of the kernel
@@ -35,11 +35,7 @@ def available() -> bool:
 def require() -> None:
     """Raises a `RuntimeError` naming the fix when the native library is unavailable."""
     if _LIB is None:
-        raise RuntimeError(
-            f"matmul backend 'native' needs jengine's native kernel ({_LOAD_ERROR}). Reinstall "
-            "jengine with a C++ compiler present (`pip install -e .` builds it; in a source tree "
-            "`python setup.py build_ext --inplace`), or use matmul_backend 'xla'."
-        )
+        raise missing("matmul backend 'native'", _LOAD_ERROR, "matmul_backend 'xla'")
 
 
 def best_isa() -> str:

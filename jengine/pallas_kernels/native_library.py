@@ -25,3 +25,11 @@ def load_native(stem: str, targets: dict[str, str]) -> tuple[ctypes.CDLL | None,
     except (OSError, AttributeError) as e:
         return None, f"{found[0].name} failed to load: {e}"
     return lib, None
+
+
+def missing(feature: str, why: str | None, alternative: str) -> RuntimeError:
+    """The error of a `feature` whose native library did not load (`why`), naming the fix."""
+    return RuntimeError(
+        f"{feature} needs jengine's native kernel ({why}). Reinstall jengine with a C++ "
+        "compiler present (`pip install -e .` builds it; in a source tree `python setup.py "
+        f"build_ext --inplace`), or use {alternative}.")
