@@ -114,7 +114,7 @@ class StepInputs:
     host, the same tree of arrays on the device.
 
     The five per-token rows share one [5, T] buffer, so the step's token data is one transfer;
-    the properties name them.
+    `attention_metadata` and `feed` name them.
     """
 
     token_rows: np.ndarray  # [5, T] int32: token id, position, KV slot, sequence row, feed
@@ -124,10 +124,6 @@ class StepInputs:
     # Reference backend, prefill-heavy buckets only: (block_tokens [NB, B], block_seq [NB]).
     blocks: tuple[np.ndarray, np.ndarray] | None = None
     targets: np.ndarray | None = None  # [T] int32 prompt_logprobs' next prompt token, or -1
-
-    @property
-    def token_ids(self):  # [T]; PENDING where `feed` names the row to take it from
-        return self.token_rows[0]
 
     @property
     def feed(self):  # [T] the previous step's row whose sampled token this token is, or -1
