@@ -64,7 +64,7 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding (jengine/scheduling/speculative.py): off unless `method` is set."""
 
-    method: str | None = None  # None (off) | "ngram" (prompt lookup) | "draft" (not yet built)
+    method: str | None = None  # None (off) | "ngram" (prompt lookup) | "draft" (draft_model)
     num_tokens: int = 3  # proposed tokens per step (4 query rows: a CPU step's cheap size)
     ngram_min: int = 1  # the shortest suffix the n-gram proposer matches
     ngram_max: int = 4  # the longest, tried first

@@ -109,9 +109,10 @@ class Engine:
         time (jengine/models/quant.py); an unknown mode, or fp8 on CPU, is a ValueError.
 
         `speculative="ngram"` proposes `num_speculative_tokens` tokens per decode by prompt
-        lookup and verifies them in the same step (jengine/speculative.py); outputs are those
-        of plain decoding, greedy or sampled. `"draft"` (a `draft_model` proposing) is not built
-        yet and raises ValueError.
+        lookup and verifies them in the same step (jengine/scheduling/speculative.py);
+        `"draft"` has `draft_model` (same tokenizer) propose them greedily on its own engine
+        core (jengine/core/draft.py). Either way outputs are those of plain decoding, greedy or
+        sampled.
 
         Multi-host (`num_processes` > 1, one process per host, the same arguments on each
         but `process_id`): process 0 is the engine; on every other process this constructor

@@ -39,7 +39,8 @@ def engine_parent() -> argparse.ArgumentParser:
                    "(default none)")
     g.add_argument("--speculative", choices=["ngram", "draft"],
                    help="speculative decoding: ngram = prompt lookup, verified in the same step "
-                   "(outputs unchanged); draft = a draft model (not built yet). Default off")
+                   "(outputs unchanged); draft = a smaller model of the same tokenizer "
+                   "(--draft-model) drafts greedily. Default off")
     g.add_argument("--num-speculative-tokens", type=int, metavar="K",
                    help="tokens proposed per decode step (default 3)")
     g.add_argument("--draft-model", help="the draft model of --speculative draft")

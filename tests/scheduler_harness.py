@@ -88,6 +88,9 @@ class OracleProposer:
         self.rng = np.random.default_rng(rng_seed)
         self.proposed: list[list[int]] = []
 
+    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+        return [self.propose(tokens, limit) for tokens, limit in requests]
+
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         k = min(self.num_tokens, limit)
         if k <= 0:

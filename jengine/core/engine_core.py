@@ -29,6 +29,7 @@ from jengine.core.build import (
     warm_up,
 )
 from jengine.core.contract import ModelInfo, ProgramReport
+from jengine.core.draft import proposer_for
 from jengine.core.emit import emit_tokens
 from jengine.core.grammars import LazyGrammars
 from jengine.core.logprobs import prompt_targets, record_prompt_logprobs
@@ -50,7 +51,7 @@ from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
 from jengine.scheduling.sequence import Sequence
-from jengine.scheduling.speculative import StepCosts, make_proposer
+from jengine.scheduling.speculative import StepCosts
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
 from jengine.structured import Grammar, GrammarCompiler
@@ -128,7 +129,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             prefix_cache=self.prefix_cache,
-            proposer=make_proposer(cfg.speculative),
+            proposer=proposer_for(cfg, loaded, progress=progress, warmup=warmup),
         )
         phases.end("set up")
         if make_runner is not None:

@@ -5,6 +5,8 @@ verification confirmed is the scheduler's (`Scheduler.finalize`), which owns the
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.sequence import PENDING, Sequence
 from jengine.scheduling.speculative import (
@@ -17,10 +19,19 @@ from jengine.scheduling.speculative import (
 )
 
 
+class Proposer(Protocol):
+    """What proposes tokens: `NgramProposer` (host lookup) or a draft model
+    (`jengine.core.draft.DraftProposer`), asked once per step for every candidate at once."""
+
+    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+        """For each (the sequence's tokens, the most it may propose): its proposal, maybe []."""
+        ...
+
+
 class Speculator:
     """The proposer, the step costs it is weighed against, and the counters it reports."""
 
-    def __init__(self, proposer: NgramProposer):
+    def __init__(self, proposer: Proposer | NgramProposer):
         self.proposer = proposer
         self.counters = SpecCounters()
         # Measured step seconds per token bucket (the engine fills it); None: verify everything.
@@ -50,10 +61,10 @@ class Speculator:
             self.paused -= 1
             return
         room = min(budget, max_rows - len(chosen))  # rows and tokens alike
-        candidates = []
+        eligible = []  # the proposer's work only for as many sequences as can verify
         for i, (seq, n) in enumerate(chosen):
-            if len(candidates) >= room:
-                break  # the proposer's host work only for sequences that can verify
+            if len(eligible) >= room:
+                break
             if (n != 1 or seq.num_uncomputed != 1 or seq.output_ids[-1:] in ([], [PENDING])
                     or not self.may_speculate(seq)):
                 continue
@@ -61,11 +72,19 @@ class Speculator:
                 seq.spec = SpecState()
             limit = min(seq.max_tokens - len(seq.output_ids) - 1,
                         max_model_len - seq.num_tokens - 1)
-            proposal = self.proposer.propose(seq.tokens(0, seq.num_tokens), limit)
-            if proposal:
-                candidates.append((i, seq, proposal))
-            else:
+            eligible.append((i, seq, limit))
+        proposals = self.proposer.propose_many(
+            [(seq.tokens(0, seq.num_tokens), limit) for _, seq, limit in eligible])
+        candidates = []
+        for (i, seq, _), proposal in zip(eligible, proposals):
+            if not proposal:
                 seq.spec.found_nothing()
+                continue
+            # In order, as much as the room still takes (so the cost model weighs step sizes
+            # that exist); one cut to nothing is declined below.
+            proposal = proposal[:room]
+            room -= len(proposal)
+            candidates.append((i, seq, proposal))
         if not candidates:
             return
         tokens = sum(n for _, n in chosen)

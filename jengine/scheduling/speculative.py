@@ -64,6 +64,10 @@ class NgramProposer:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                              f"{self.ngram_max}")
 
+    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+        """Each (tokens, limit)'s proposal (`propose`)."""
+        return [self.propose(tokens, limit) for tokens, limit in requests]
+
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to `min(num_tokens, limit)` proposed next tokens of `tokens` ([] for none)."""
         k = min(self.num_tokens, limit)
@@ -81,17 +85,19 @@ class NgramProposer:
 
 
 def make_proposer(spec: SpeculativeConfig) -> NgramProposer | None:
-    """The proposer `spec` asks for (None: speculation off).
+    """The model-free proposer `spec` asks for (None: speculation off). A draft model
+    (`draft`) is an engine core of its own, built by `jengine.core.draft.proposer_for`.
 
     Raises:
-      ValueError: an unknown method, or `draft` (a draft model), which is not built yet.
+      ValueError: an unknown method, or `draft` (not a host-side proposer).
     """
     if spec.method is None:
         return None
     if spec.method == "draft":
-        raise ValueError("speculative 'draft' (a draft model) is not supported yet; use 'ngram'")
+        raise ValueError("speculative 'draft' runs a draft model: "
+                         "jengine.core.draft.proposer_for builds it")
     if spec.method != "ngram":
-        raise ValueError(f"unknown speculative method {spec.method!r}; use 'ngram'")
+        raise ValueError(f"unknown speculative method {spec.method!r}; use 'ngram' or 'draft'")
     return NgramProposer(num_tokens=spec.num_tokens, ngram_min=spec.ngram_min,
                          ngram_max=spec.ngram_max)
 
