@@ -16,7 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from converters.gguf_file import _ARCH_TO_MODEL_TYPE, _ARCH_WITH_EXPERTS
+from converters.gguf_file import (
+    _ARCH_TO_MODEL_TYPE,
+    _ARCH_WITH_EXPERTS,
+    _ARCH_WITH_SLIDING_WINDOW,
+)
 from jengine.models import _FAMILIES
 from jengine.models.config import FAMILIES
 
@@ -67,6 +71,8 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     gguf = {model_type: f"`{arch}`" for arch, model_type in _ARCH_TO_MODEL_TYPE.items()}
     gguf.update({model_type: f"`{arch}` with experts"
                  for arch, model_type in _ARCH_WITH_EXPERTS.items()})
+    gguf.update({model_type: f"`{arch}` with a sliding window"
+                 for arch, model_type in _ARCH_WITH_SLIDING_WINDOW.items()})
     out = []
     for model_type, family in FAMILIES.items():
         features, test = NOTES[model_type]
