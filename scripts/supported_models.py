@@ -30,7 +30,7 @@ END = "<!-- end supported-models -->"
 
 # model_type -> (features, HF parity test in tests/test_models_parity.py or None)
 NOTES: dict[str, tuple[str, str | None]] = {
-    "llama": ("GQA, llama3 / linear rope scaling, tied or separate lm_head",
+    "llama": ("GQA, llama3 / linear / dynamic NTK rope scaling, tied or separate lm_head",
               "test_llama31_rope_scaling"),
     "mistral": ("sliding window on every layer", "test_mistral_sliding_window"),
     "ministral": ("per-layer sliding window (`layer_types`)",
@@ -48,8 +48,8 @@ NOTES: dict[str, tuple[str, str | None]] = {
                 "test_granite_multipliers"),
     "smollm": ("Llama architecture (as SmolLM2, tested as `llama`)", None),
     "smollm3": ("no rope on every n-th layer (`no_rope_layers`)", "test_smollm3_no_rope_layers"),
-    "phi3": ("fused qkv_proj / gate_up_proj, partial rotary, longrope (short factors: context "
-             "up to original_max_position_embeddings)",
+    "phi3": ("fused qkv_proj / gate_up_proj, partial rotary, longrope (short and long factors, "
+             "by position)",
              "test_phi3_fused_projections_and_partial_rotary"),
     "olmo2": ("post-norms, q/k norm over the full width",
               "test_olmo2_post_norms_and_full_width_qk_norm"),
