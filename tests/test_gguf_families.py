@@ -100,12 +100,14 @@ def _llama_cpp_tensors(arch: gguf.MODEL_ARCH, hf: dict, state: dict, *, permute:
 
 
 def _convert(hf_dir: Path, arch: gguf.MODEL_ARCH, meta: Meta | None = None, *,
-             base: bool = True, permute: bool = False, norm_shift: float = 0.0) -> Path:
+             base: bool = True, permute: bool = False, norm_shift: float = 0.0,
+             arch_name: str | None = None) -> Path:
     """`hf_dir`'s checkpoint as llama.cpp's converter writes it: its base keys (unless the
-    family's class writes its own), then `meta`'s, then every tensor in float32."""
+    family's class writes its own), then `meta`'s, then every tensor in float32. `arch_name`
+    replaces `arch`'s name in the header (a file another writer made)."""
     hf = json.loads((hf_dir / "config.json").read_text())
     path = hf_dir / "model.gguf"
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w = gguf.GGUFWriter(str(path), arch_name or gguf.MODEL_ARCH_NAMES[arch])
     if base:
         _base_meta(w, hf)
     if meta is not None:
@@ -127,6 +129,25 @@ def _gguf_parity(tmp_path, config, model_cls, arch, meta=None, *, norm_offset=1.
     assert loaded.kind == "gguf" and loaded.config.model_type == config.model_type
     assert _max_diff(loaded, ids, expected) < TOL
     return loaded, ids, expected
+
+
+def test_qwen2(tmp_path):
+    config = transformers.Qwen2Config(**_llama_kwargs(rope_theta=1e6))
+    loaded, _, _ = _gguf_parity(tmp_path, config, transformers.Qwen2ForCausalLM,
+                                gguf.MODEL_ARCH.QWEN2)
+    assert loaded.config.qkv_bias and loaded.config.sliding_window is None
+
+
+def test_mistral_named_file_with_sliding_window(tmp_path):
+    # llama.cpp writes Mistral as `llama` (tested in test_gguf.py); other writers name the
+    # architecture `mistral`, with the same permuted q/k rows and the window as a key.
+    config = transformers.MistralConfig(**_llama_kwargs(sliding_window=WINDOW, rope_theta=1e4))
+    loaded, ids, expected = _gguf_parity(
+        tmp_path, config, transformers.MistralForCausalLM, gguf.MODEL_ARCH.LLAMA,
+        lambda w, hf: w.add_sliding_window(hf["sliding_window"]), permute=True,
+        arch_name="mistral")
+    assert loaded.config.sliding_window == WINDOW
+    assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
 
 
 def test_gemma2(tmp_path):
