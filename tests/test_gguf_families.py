@@ -303,6 +303,31 @@ def test_seed_oss(tmp_path):
     assert loaded.config.qkv_bias and not loaded.config.o_bias
 
 
+def _info(capsys, model: str) -> dict[str, str]:
+    from jengine.cli.main import main
+
+    assert main(["info", model]) == 0
+    return dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines())
+
+
+def test_info_reports_family_parameters_context_and_template(tmp_path, capsys):
+    # Qwen2's q/k/v biases count: the parameter count is every weight the model holds, which
+    # must equal HF's own count of the same checkpoint.
+    captured = []
+    config = transformers.Qwen2Config(**_llama_kwargs(rope_theta=1e6))
+    _build(tmp_path, config, transformers.Qwen2ForCausalLM, edit=captured.append)
+    hf_count = sum(p.numel() for p in captured[0].parameters())
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = _convert(tmp_path, gguf.MODEL_ARCH.QWEN2, lambda w, hf: w.add_chat_template(template))
+    for model, has_template in ((str(tmp_path), "False"), (str(path), "True")):
+        fields = _info(capsys, model)
+        assert (fields["architecture"], fields["family"]) == ("qwen2", "llama"), model
+        assert fields["parameters"] == str(hf_count), model
+        assert fields["context_length"] == "128", model
+        assert fields["chat_template"] == has_template, model
+    assert _info(capsys, str(path))["format"] == "gguf"
+
+
 def test_every_gguf_arch_maps_to_a_model_type_llama_cpp_names():
     from converters.gguf_file import _ARCH_TO_MODEL_TYPE
     from jengine.models.config import FAMILIES

@@ -28,7 +28,7 @@ def test_table_is_generated_and_complete():
     assert {doc.name for doc in script.DOCS} == {"README.md", "models.md"}
     for doc in script.DOCS:
         text = doc.read_text()
-        assert script.updated(text) == text, f"{doc.name}: run python -P scripts/supported_models.py"
+        assert script.updated(text) == text, f"{doc.name}: run scripts/supported_models.py"
     tested = [test for _, test in script.NOTES.values() if test]
     for name in tested:
         assert callable(getattr(test_models_parity, name, None)), name
