@@ -128,6 +128,7 @@ class GGUFModel:
                 "original_max_position_embeddings": int(
                     self._get("rope.scaling.original_context_length", 8192)
                 ),
+                **self._yarn_keys(),
             }
         if self.arch in _ARCH_CONFIG:
             _ARCH_CONFIG[self.arch](self, cfg)
@@ -146,6 +147,19 @@ class GGUFModel:
             if width is not None:
                 cfg["intermediate_size"] = int(width)
         return cfg
+
+    def _yarn_keys(self) -> dict[str, float]:
+        """The yarn settings llama.cpp's converter writes when the HF config sets them (its
+        OLMo 2 class writes the attention factor as `rope.scaling.attn_factor`)."""
+        keys = {"attention_factor": ("rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor"),
+                "beta_fast": ("rope.scaling.yarn_beta_fast",),
+                "beta_slow": ("rope.scaling.yarn_beta_slow",)}
+        out = {}
+        for hf, names in keys.items():
+            value = next((self._get(n) for n in names if self._get(n) is not None), None)
+            if value is not None:
+                out[hf] = float(value)
+        return out
 
     def _tensor(self, name: str) -> TensorInfo | None:
         return next((t for t in self.reader.tensors if t.name == name), None)
@@ -213,9 +227,12 @@ class GGUFModel:
         self._sliding_layers(cfg)
         if "sliding_window" in cfg:
             cfg["model_type"] = _ARCH_WITH_SLIDING_WINDOW[self.arch]
-            if self._get("rope.freq_base_swa") is not None:
+            if self._get("rope.freq_base_swa") is not None:  # a rope per layer type, as HF's
+                full = {"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                        "max_position_embeddings": cfg["max_position_embeddings"],
+                        **cfg.pop("rope_scaling", {})}
                 cfg["rope_parameters"] = {
-                    "full_attention": {"rope_type": "default", "rope_theta": cfg["rope_theta"]},
+                    "full_attention": full,
                     "sliding_attention": {"rope_type": "default",
                                           "rope_theta": float(self._get("rope.freq_base_swa"))},
                 }

@@ -53,7 +53,16 @@ def _base_meta(w: gguf.GGUFWriter, hf: dict) -> None:
     w.add_head_count(hf["num_attention_heads"])
     w.add_head_count_kv(hf["num_key_value_heads"])
     rope = hf.get("rope_parameters") or {}
-    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    full = rope.get("full_attention", rope)
+    w.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        if full.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
+        if full.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
     if "sliding_attention" in rope:
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
@@ -248,12 +257,17 @@ def test_olmo3_as_olmo2_with_sliding_window(tmp_path):
         num_hidden_layers=3, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                         "full_attention": {"rope_type": "yarn", "rope_theta": 1e4,
+                                            "factor": 4.0, "attention_factor": 1.3,
+                                            "beta_fast": 16.0,
+                                            "original_max_position_embeddings": 16}},
         pad_token_id=0))
     loaded, ids, expected = _gguf_parity(tmp_path, config, transformers.Olmo3ForCausalLM,
                                          gguf.MODEL_ARCH.OLMO2, meta)
     cfg = loaded.config
     assert cfg.sliding_layers == (True, False, True) and cfg.local_rope.theta == 10.0
+    assert cfg.rope.rope_type == "yarn" and cfg.local_rope.rope_type == "default"
+    assert (cfg.rope.attention_factor, cfg.rope.beta_fast) == (pytest.approx(1.3), 16.0)
     assert _control_diff(_with(loaded, local_rope=None), ids, expected) > TOL
 
 
