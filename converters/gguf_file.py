@@ -37,6 +37,7 @@ _ARCH_WITH_SLIDING_WINDOW = {"olmo2": "olmo3"}
 # The architectures whose converter is llama.cpp's `LlamaModel` or a subclass: q/k permuted.
 _PERMUTED = ("llama", "mistral", "granite", "granitemoe", "smollm3")
 _GEMMA = ("gemma2", "gemma3")
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's test for its 27B attention scale
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -177,16 +178,16 @@ class GGUFModel:
 
     def _gemma_config(self, cfg: dict[str, Any]) -> None:
         cfg["sliding_window"] = int(self._get("attention.sliding_window", 4096))
+        # llama.cpp scales queries by hidden / heads for the 27B models (46 layers in Gemma 2,
+        # 62 in Gemma 3: their query_pre_attn_scalar), by head_dim otherwise; no key says it.
+        layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // heads
+                                        if layers == _GEMMA_27B_LAYERS[self.arch]
+                                        else cfg["head_dim"])
         if self.arch == "gemma3":
-            cfg["query_pre_attn_scalar"] = cfg["head_dim"]
             cfg["rope_local_base_freq"] = 10000.0
             cfg["sliding_window_pattern"] = 6
             return
-        # Gemma 2: llama.cpp's graph scales queries by hidden / heads for the 46-layer 27B
-        # model (its query_pre_attn_scalar), by head_dim otherwise; no key says which.
-        layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
-        cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // heads if layers == 46
-                                        else cfg["head_dim"])
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if self._get(key) is not None:
                 cfg[key] = float(self._get(key))

@@ -360,3 +360,20 @@ def test_unknown_arch_is_refused(tmp_path):
     _write(w)
     with pytest.raises(Exception, match="unsupported architecture 'bert'"):
         GGUFModel(path)
+
+
+@pytest.mark.parametrize(("arch", "layers", "scalar"), [
+    ("gemma2", 46, 144), ("gemma2", 26, 256), ("gemma3", 62, 168), ("gemma3", 26, 256)])
+def test_gemma_27b_query_scale_follows_llama_cpp(tmp_path, arch, layers, scalar):
+    # llama.cpp's rule, by layer count: 27B models scale queries by hidden / heads (Gemma 2
+    # 27B: 4608 / 32, Gemma 3 27B: 5376 / 32), the others by head_dim 256. Header only.
+    hidden = {"gemma2": 4608, "gemma3": 5376}[arch] if layers in (46, 62) else 2304
+    path = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_embedding_length(hidden)
+    w.add_head_count(32 if layers in (46, 62) else 8)
+    w.add_key_length(256)
+    w.add_sliding_window(4096)
+    _write(w)
+    assert GGUFModel(path).hf_config()["query_pre_attn_scalar"] == scalar
