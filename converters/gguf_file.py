@@ -2,9 +2,12 @@
 
 `converters.gguf_reader` parses the file and dequantizes it (with the `gguf` package, llama.cpp's
 own, for the block formats it does not vectorise itself: Q5_0, Q4_K, Q5_K, Q6_K, ...), several
-tensors at a time in threads (NumPy releases the GIL). llama.cpp permutes the
-q/k projections of `llama`-architecture files for its interleaved rope; that is undone here so
-the model sees HF's layout, and Gemma's norm weights are stored as (1 + w), so 1 is subtracted.
+tensors at a time in threads (NumPy releases the GIL). What llama.cpp's converter
+(`convert_hf_to_gguf.py`) changes on the way in is undone here, so that the model sees HF's
+layout: the q/k rows its `LlamaModel` subclasses (llama, Mixtral, Granite, SmolLM3) permute for
+their interleaved rope, Gemma's norm weights stored as (1 + w), and the per-expert tensors it
+stacks (read as llama.cpp's `[X, out, in]` stacks). The metadata keys it writes per
+architecture become the HF config fields they came from (`_ARCH_CONFIG`).
 """
 
 from __future__ import annotations
@@ -22,11 +25,19 @@ from converters.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo, dequ
 
 _ARCH_TO_MODEL_TYPE = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-    "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text",
+    "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gemma3": "gemma3_text",
+    "gemma2": "gemma2", "phi3": "phi3", "granite": "granite", "granitemoe": "granitemoe",
+    "olmo2": "olmo2", "exaone4": "exaone4", "smollm3": "smollm3", "seed_oss": "seed_oss",
 }
 # The model type of an architecture's files that carry experts (llama.cpp writes Mixtral as
 # `llama` with `llama.expert_count` set).
 _ARCH_WITH_EXPERTS = {"llama": "mixtral"}
+# ... and of those with a sliding window (llama.cpp writes OLMo 3 as `olmo2`).
+_ARCH_WITH_SLIDING_WINDOW = {"olmo2": "olmo3"}
+# The architectures whose converter is llama.cpp's `LlamaModel` or a subclass: q/k permuted.
+_PERMUTED = ("llama", "mistral", "granite", "granitemoe", "smollm3")
+_GEMMA = ("gemma2", "gemma3")
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's test for its 27B attention scale
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -45,11 +56,17 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused projection, as HF's
     # MoE: the router, and each weight of all experts stacked in one tensor [X, out, in].
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    # Qwen2-MoE's shared expert and its gate vector.
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 
 
@@ -99,37 +116,30 @@ class GGUFModel:
             "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
         }
         scaling = self._get("rope.scaling.type")
-        freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        freqs = self._tensor("rope_freqs.weight")
         if freqs is not None:  # llama3 scaling, stored by llama.cpp as inv_freq divisors
             cfg["rope_scaling"] = {
                 "rope_type": "freq_factors",
                 "freq_factors": self._dequantize(freqs).reshape(-1).tolist(),
             }
-        elif scaling and scaling != "none":
+        elif scaling and scaling not in ("none", "longrope"):
             cfg["rope_scaling"] = {
                 "rope_type": scaling,
                 "factor": float(self._get("rope.scaling.factor", 1.0)),
                 "original_max_position_embeddings": int(
                     self._get("rope.scaling.original_context_length", 8192)
                 ),
+                **self._yarn_keys(),
             }
-        if self.arch in ("llama", "mistral") and self._get("attention.sliding_window"):
-            cfg["sliding_window"] = int(self._get("attention.sliding_window"))
-        if self.arch == "gemma3":
-            cfg["sliding_window"] = int(self._get("attention.sliding_window", 4096))
-            cfg["query_pre_attn_scalar"] = cfg["head_dim"]
-            cfg["rope_local_base_freq"] = 10000.0
-            cfg["sliding_window_pattern"] = 6
-        if self.arch in ("qwen2", "qwen3", "qwen3moe"):
+        if self.arch in _ARCH_CONFIG:
+            _ARCH_CONFIG[self.arch](self, cfg)
+        if self.arch in ("qwen2", "qwen3", "qwen3moe", "qwen2moe", "smollm3"):
             cfg["use_sliding_window"] = False
-        if self.arch == "qwen3moe":
+        if self.arch in ("qwen3moe", "qwen2moe"):
             cfg["num_experts"] = int(self._get("expert_count"))
             cfg["num_experts_per_tok"] = int(self._get("expert_used_count"))
             cfg["moe_intermediate_size"] = int(self._get("expert_feed_forward_length"))
             cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
-            # llama.cpp's qwen3moe graph renormalises the top-k weights (norm_w = true) and
-            # writes no key for it.
-            cfg["norm_topk_prob"] = bool(self._get("expert_weights_norm", True))
         if self.arch in _ARCH_WITH_EXPERTS and self._get("expert_count"):
             cfg["model_type"] = _ARCH_WITH_EXPERTS[self.arch]
             cfg["num_local_experts"] = int(self._get("expert_count"))
@@ -139,11 +149,120 @@ class GGUFModel:
                 cfg["intermediate_size"] = int(width)
         return cfg
 
+    def _yarn_keys(self) -> dict[str, float]:
+        """The yarn settings llama.cpp's converter writes when the HF config sets them (its
+        OLMo 2 class writes the attention factor as `rope.scaling.attn_factor`)."""
+        keys = {"attention_factor": ("rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor"),
+                "beta_fast": ("rope.scaling.yarn_beta_fast",),
+                "beta_slow": ("rope.scaling.yarn_beta_slow",)}
+        out = {}
+        for hf, names in keys.items():
+            value = next((self._get(n) for n in names if self._get(n) is not None), None)
+            if value is not None:
+                out[hf] = float(value)
+        return out
+
+    def _tensor(self, name: str) -> TensorInfo | None:
+        return next((t for t in self.reader.tensors if t.name == name), None)
+
+    def _sliding_layers(self, cfg: dict[str, Any]) -> None:
+        """`attention.sliding_window` and its per-layer pattern (an array of flags, True where
+        the window applies) as HF's `sliding_window` and `layer_types`."""
+        window = self._get("attention.sliding_window")
+        if not window:
+            return
+        cfg["sliding_window"] = int(window)
+        pattern = self._get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+
+    def _gemma_config(self, cfg: dict[str, Any]) -> None:
+        cfg["sliding_window"] = int(self._get("attention.sliding_window", 4096))
+        # llama.cpp scales queries by hidden / heads for the 27B models (46 layers in Gemma 2,
+        # 62 in Gemma 3: their query_pre_attn_scalar), by head_dim otherwise; no key says it.
+        layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+        cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // heads
+                                        if layers == _GEMMA_27B_LAYERS[self.arch]
+                                        else cfg["head_dim"])
+        if self.arch == "gemma3":
+            cfg["rope_local_base_freq"] = 10000.0
+            cfg["sliding_window_pattern"] = 6
+            return
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if self._get(key) is not None:
+                cfg[key] = float(self._get(key))
+
+    def _phi3_config(self, cfg: dict[str, Any]) -> None:
+        """Phi-3 / Phi-4-mini: the rotary share as `rope.dimension_count`, longrope as two
+        factor tensors, a sliding window when not 0."""
+        rotary = self._get("rope.dimension_count")
+        if rotary is not None:
+            cfg["partial_rotary_factor"] = int(rotary) / cfg["head_dim"]
+        if self._get("attention.sliding_window"):
+            cfg["sliding_window"] = int(self._get("attention.sliding_window"))
+        long, short = self._tensor("rope_factors_long.weight"), self._tensor(
+            "rope_factors_short.weight")
+        if long is not None and short is not None:
+            cfg["original_max_position_embeddings"] = int(
+                self._get("rope.scaling.original_context_length"))
+            cfg["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": self._dequantize(long).reshape(-1).tolist(),
+                "short_factor": self._dequantize(short).reshape(-1).tolist(),
+                **({"attention_factor": float(self._get("rope.scaling.attn_factor"))}
+                   if self._get("rope.scaling.attn_factor") is not None else {}),
+            }
+
+    def _granite_config(self, cfg: dict[str, Any]) -> None:
+        for key, hf in (("attention.scale", "attention_multiplier"),
+                        ("embedding_scale", "embedding_multiplier"),
+                        ("residual_scale", "residual_multiplier"),
+                        ("logit_scale", "logits_scaling")):
+            if self._get(key) is not None:
+                cfg[hf] = float(self._get(key))
+        if self.arch == "granitemoe":  # the expert width is the feed-forward length
+            cfg["num_local_experts"] = int(self._get("expert_count"))
+            cfg["num_experts_per_tok"] = int(self._get("expert_used_count"))
+
+    def _olmo2_config(self, cfg: dict[str, Any]) -> None:
+        self._sliding_layers(cfg)
+        if "sliding_window" in cfg:
+            cfg["model_type"] = _ARCH_WITH_SLIDING_WINDOW[self.arch]
+            if self._get("rope.freq_base_swa") is not None:  # a rope per layer type, as HF's
+                full = {"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                        "max_position_embeddings": cfg["max_position_embeddings"],
+                        **cfg.pop("rope_scaling", {})}
+                cfg["rope_parameters"] = {
+                    "full_attention": full,
+                    "sliding_attention": {"rope_type": "default",
+                                          "rope_theta": float(self._get("rope.freq_base_swa"))},
+                }
+
+    def _qwen_moe_config(self, cfg: dict[str, Any]) -> None:
+        if self.arch == "qwen3moe":
+            # llama.cpp's qwen3moe graph renormalises the top-k weights (norm_w = true) and
+            # writes no key for it; its qwen2moe graph does not.
+            cfg["norm_topk_prob"] = bool(self._get("expert_weights_norm", True))
+            return
+        cfg["norm_topk_prob"] = False
+        cfg["shared_expert_intermediate_size"] = int(
+            self._get("expert_shared_feed_forward_length", 0))
+
+    def _smollm3_config(self, cfg: dict[str, Any]) -> None:
+        # llama.cpp's smollm3 graph drops rope on every 4th layer (its n_no_rope_layer_step,
+        # fixed in the loader; no key): HF's default no_rope_layer_interval.
+        cfg["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(cfg["num_hidden_layers"])]
+
+    def _seed_oss_config(self, cfg: dict[str, Any]) -> None:
+        names = {t.name for t in self.reader.tensors}
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+        cfg["attention_out_bias"] = "blk.0.attn_output.bias" in names
+
     def tensors(self, threads: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
         """Yields (HF key, float32 array in HF's [out, in] layout) in file order, dequantized
         `threads` tensors at a time (one per core by default)."""
         cfg = self.hf_config()
-        infos = [t for t in self.reader.tensors if t.name != "rope_freqs.weight"]  # in the config
+        infos = [t for t in self.reader.tensors if t.name not in _CONFIG_TENSORS]
         for t in infos:
             self._hf_name(t.name)  # an unknown tensor fails before any work
         threads = threads or os.cpu_count() or 1
@@ -168,10 +287,10 @@ class GGUFModel:
     def _hf_tensor(self, t: TensorInfo, cfg: dict[str, Any]) -> tuple[str, np.ndarray]:
         w = self._dequantize(t)
         permuted = t.name.endswith(("attn_q.weight", "attn_k.weight"))
-        if self.arch in ("llama", "mistral") and permuted:
+        if self.arch in _PERMUTED and permuted:
             n = cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"]
             w = _unpermute_rope(w, n)
-        if self.arch == "gemma3" and t.name.endswith("norm.weight"):
+        if self.arch in _GEMMA and t.name.endswith("norm.weight"):
             w = w - 1.0
         return self._hf_name(t.name), w
 
@@ -184,10 +303,12 @@ class GGUFModel:
         }:
             layer, base, kind = parts[1], parts[2], parts[3]
             if base == "ffn_norm":
-                gemma = self.arch == "gemma3"
+                gemma = self.arch in _GEMMA
                 hf = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
             elif base == "post_attention_norm":
                 hf = "post_attention_layernorm"
+            elif base == "ffn_up" and self.arch == "phi3":  # gate and up, fused as HF's
+                hf = "mlp.gate_up_proj"
             else:
                 hf = _BLOCK_NAMES[base]
             return f"model.layers.{layer}.{hf}.{kind}"
@@ -227,6 +348,22 @@ class GGUFModel:
         if tok_cfg.get("chat_template"):
             tok.chat_template = tok_cfg["chat_template"]
         return tok
+
+
+# Tensors that hf_config reads into the rope settings.
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+_ARCH_CONFIG = {
+    "llama": GGUFModel._sliding_layers, "mistral": GGUFModel._sliding_layers,
+    "exaone4": GGUFModel._sliding_layers,
+    "gemma2": GGUFModel._gemma_config, "gemma3": GGUFModel._gemma_config,
+    "phi3": GGUFModel._phi3_config,
+    "granite": GGUFModel._granite_config, "granitemoe": GGUFModel._granite_config,
+    "olmo2": GGUFModel._olmo2_config,
+    "qwen2moe": GGUFModel._qwen_moe_config, "qwen3moe": GGUFModel._qwen_moe_config,
+    "smollm3": GGUFModel._smollm3_config,
+    "seed_oss": GGUFModel._seed_oss_config,
+}
 
 
 def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:

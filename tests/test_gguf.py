@@ -335,6 +335,16 @@ def _llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
+def add_tiny_vocab(w: gguf.GGUFWriter, vocab: int) -> None:
+    """A byte-level BPE vocabulary: printable characters, two merges of them, bos and eos."""
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(33 + i) for i in range(vocab - 4)] + ['!"', "#$", "<s>", "</s>"])
+    w.add_token_types([gguf.TokenType.NORMAL] * (vocab - 2) + [gguf.TokenType.CONTROL] * 2)
+    w.add_token_merges(['! "', "# $"])
+    w.add_bos_token_id(vocab - 2)
+    w.add_eos_token_id(vocab - 1)
+
+
 def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama", *,
                     mixtral: bool = False):
     """A random HF Llama (GQA 4q/2kv) written as an F32 GGUF the way llama.cpp converts it:
@@ -390,13 +400,7 @@ def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama", *,
         w.add_expert_used_count(MOE["top_k"])
         w.add_expert_feed_forward_length(MOE["width"])
         state = _llama_cpp_experts(state, MOE["width"])
-    # A byte-level BPE vocabulary: printable characters, two merges of them, bos and eos.
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([chr(33 + i) for i in range(vocab - 4)] + ['!"', "#$", "<s>", "</s>"])
-    w.add_token_types([gguf.TokenType.NORMAL] * (vocab - 2) + [gguf.TokenType.CONTROL] * 2)
-    w.add_token_merges(['! "', "# $"])
-    w.add_bos_token_id(vocab - 2)
-    w.add_eos_token_id(vocab - 1)
+    add_tiny_vocab(w, vocab)
     if rope:
         w.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(rope, hidden // heads))
     for key, value in state.items():

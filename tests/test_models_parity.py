@@ -444,7 +444,8 @@ def test_phi3_longrope(tmp_path):
     cfg = loaded.config
     assert cfg.rope.rope_type == "longrope" and cfg.rope.freq_factors == tuple(short)
     assert cfg.rope.attention_factor == pytest.approx((1 + np.log(2) / np.log(64)) ** 0.5)
-    assert cfg.max_position_embeddings == 64  # where HF would switch to the long factors
+    assert cfg.rope.long_factors == tuple(f * 4 for f in short)
+    assert cfg.max_position_embeddings == 128  # the long factors take it past 64
     # transformers 4.x spelling (Phi-3-mini-128k's config.json): "su" in rope_scaling, the
     # theta, the partial rotary factor and the original context at the top level.
     legacy = json.loads((tmp_path / "config.json").read_text())
@@ -510,3 +511,64 @@ def test_qwen3_yarn(tmp_path):
     assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
     untruncated = dataclasses.replace(cfg.rope, truncate=False)
     assert _control_diff(_with(loaded, rope=untruncated), ids, expected) > TOL
+
+
+def _hf_incremental(model, ids: list[int], prompt_len: int) -> np.ndarray:
+    """HF's float32 logits of `ids` as `generate` computes them: the first `prompt_len` in one
+    forward, then one token per forward over its KV cache (HF's dynamic ropes pick their
+    frequencies per forward from its longest position, so this differs from one full forward
+    once the sequence passes the original context)."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids[:prompt_len]]), use_cache=True)
+        rows, cache = [out.logits[0]], out.cache
+        for token in ids[prompt_len:]:
+            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+            rows.append(out.logits[0])
+            cache = out.cache
+    return torch.cat(rows).float().numpy()
+
+
+def _build_incremental(tmp_path, config, model_cls, prompt_len: int):
+    """`_build`, with HF's logits computed incrementally (`_hf_incremental`)."""
+    captured = []
+    loaded, ids, _ = _build(tmp_path, config, model_cls, edit=captured.append)
+    return loaded, ids, _hf_incremental(captured[0], ids, prompt_len)
+
+
+def _incremental_diff(model, ids, expected, prompt_len: int) -> float:
+    return _max_diff(model, ids, expected, decode_steps=len(ids) - prompt_len)
+
+
+def test_phi3_longrope_long_factors_past_the_original_context(tmp_path):
+    # Original context 16: a 14-token prompt runs on the short factors, then decoding crosses
+    # position 16, where HF's generate (and jengine, by position) switch to the long factors;
+    # the cached keys below 16 keep their short-factor rotation in both.
+    short = np.random.default_rng(5).uniform(1.0, 3.0, 8).round(3).tolist()
+    long = np.random.default_rng(6).uniform(2.0, 8.0, 8).round(3).tolist()
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": short,
+            "long_factor": long}
+    config = transformers.Phi3Config(**_llama_kwargs(
+        rope_parameters=rope, original_max_position_embeddings=16, pad_token_id=0))
+    loaded, ids, expected = _build_incremental(tmp_path, config, transformers.Phi3ForCausalLM, 14)
+    cfg = loaded.config
+    assert cfg.rope.by_position and cfg.max_position_embeddings == 128
+    assert _incremental_diff(loaded, ids, expected, 14) < TOL
+    short_only = dataclasses.replace(cfg.rope, long_factors=None)
+    assert _incremental_diff(_with(loaded, rope=short_only), ids, expected, 14) > TOL
+
+
+def test_llama_dynamic_ntk_past_the_original_context(tmp_path):
+    # max_position_embeddings 16, factor 4: each decode step past position 15 turns its q and k
+    # with HF's NTK base for p + 1 tokens; the prompt's keys keep the plain rope.
+    rope = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}
+    config = transformers.LlamaConfig(**_llama_kwargs(
+        rope_parameters=rope, max_position_embeddings=16))
+    loaded, ids, expected = _build_incremental(tmp_path, config, transformers.LlamaForCausalLM, 12)
+    cfg = loaded.config
+    assert cfg.rope.rope_type == "dynamic" and cfg.max_position_embeddings == 64
+    assert _incremental_diff(loaded, ids, expected, 12) < TOL
+    assert _max_diff(loaded, ids, expected, decode_steps=18, layer_layout="as_given") < TOL
+    plain = dataclasses.replace(cfg.rope, rope_type="default")
+    assert _incremental_diff(_with(loaded, rope=plain), ids, expected, 12) > TOL
+    # Within the original context the rope is the plain one, exactly as HF's.
+    assert _max_diff(_with(loaded, rope=plain), ids[:16], expected[:16], decode_steps=4) < TOL

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -224,15 +225,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from converters.source import load_source
+    from jengine.models import family_module
 
     loaded = load_source(args.model, progress=True)
     cfg = loaded.config
+    specs = family_module(cfg).param_specs(cfg)  # every weight the model holds, counted exactly
     info = {
         "source": loaded.source,
         "format": loaded.kind,
         "architecture": cfg.model_type,
         "family": cfg.family,
-        "parameters": cfg.num_params,
+        "parameters": sum(math.prod(spec.shape) for spec in specs.values()),
         "dtype": str(next(iter(loaded.params.values())).dtype),
         "quantization": loaded.quantization,  # of the stored weights
         "layers": cfg.num_layers,

@@ -37,10 +37,14 @@ FAMILIES = {
 }
 
 # "freq_factors": explicit per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF.
-# "longrope" (Phi-3 / Phi-4-mini; "su" is its old name): the short factors only, so the context
-# is capped at `original_max_position_embeddings`, past which HF switches to the long factors.
+# "longrope" (Phi-3 / Phi-4-mini; "su" is its old name) and "dynamic" (NTK) depend on the
+# position: a token at position p turns with the frequencies HF uses for a sequence of p + 1
+# tokens (the long factors from `original_max_position_embeddings` on; the NTK base of p + 1),
+# so a cached key never needs turning again (`layers.rope_token_inv_freq`; docs/models.md says
+# where this equals HF).
 # "yarn": static YaRN (HF's `_compute_yarn_parameters`), attention factor included.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "su", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "su", "yarn",
+                        "dynamic")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,10 +58,18 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] | None = None  # [D/2] divisors of inv_freq ("freq_factors")
+    # longrope: the divisors from `original_max_position_embeddings` on (None: short only).
+    long_factors: tuple[float, ...] | None = None
     attention_factor: float = 1.0  # scales the rotated dims of q and k (longrope's, yarn's)
     beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated dims
     beta_slow: float = 1.0
     truncate: bool = True  # yarn: round the ramp's bounds outwards (HF's default)
+
+    @property
+    def by_position(self) -> bool:
+        """Whether the frequencies depend on the token's position (dynamic NTK, longrope with
+        its long factors): `jengine.models.layers.rope_token_inv_freq` computes them per token."""
+        return self.rope_type == "dynamic" or self.long_factors is not None
 
     @classmethod
     def from_hf(cls, params: dict[str, Any] | None, theta: float | None = None) -> RopeConfig:
@@ -72,6 +84,8 @@ class RopeConfig:
             return cls._longrope(params, theta)
         if rope_type == "yarn":
             return cls._yarn(params, theta)
+        if rope_type == "dynamic":  # HF grows the NTK base past max_position_embeddings
+            params["original_max_position_embeddings"] = params["max_position_embeddings"]
         return cls(
             theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
             rope_type=rope_type,
@@ -90,10 +104,10 @@ class RopeConfig:
 
     @classmethod
     def _longrope(cls, params: dict[str, Any], theta: float | None) -> RopeConfig:
-        """HF's longrope for sequences within `original_max_position_embeddings`: inv_freq
-        divided by `short_factor`, cos/sin scaled by `attention_factor` (given, or HF's
-        sqrt(1 + ln(factor) / ln(original)) with factor = max / original positions; the caller
-        puts `max_position_embeddings` into `params` for that)."""
+        """HF's longrope: inv_freq divided by `short_factor` (by `long_factor` from
+        `original_max_position_embeddings` on), cos/sin scaled by `attention_factor` (given, or
+        HF's sqrt(1 + ln(factor) / ln(original)) with factor = max / original positions; the
+        caller puts `max_position_embeddings` into `params` for that)."""
         original = int(params["original_max_position_embeddings"])
         factor = params.get("factor") or params["max_position_embeddings"] / original
         attention = params.get("attention_factor")
@@ -105,6 +119,8 @@ class RopeConfig:
             rope_type="longrope",
             original_max_position_embeddings=original,
             freq_factors=tuple(float(f) for f in params["short_factor"]),
+            long_factors=(tuple(float(f) for f in params["long_factor"])
+                          if params.get("long_factor") else None),
             attention_factor=float(attention),
         )
 
@@ -232,8 +248,9 @@ class ModelConfig:
         for key in ("rope", "local_rope"):
             if d.get(key) is not None:
                 rope = dict(d[key])
-                if rope.get("freq_factors") is not None:
-                    rope["freq_factors"] = tuple(rope["freq_factors"])
+                for factors in ("freq_factors", "long_factors"):
+                    if rope.get(factors) is not None:
+                        rope[factors] = tuple(rope[factors])
                 d[key] = RopeConfig(**rope)
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["rope_layers"] = tuple(d.get("rope_layers", ()))
@@ -259,7 +276,7 @@ class ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
         rope, local_rope = _rope_from_hf(hf)
-        if FAMILIES[model_type] == "gemma3" and rope.rope_type in ("yarn", "longrope"):
+        if FAMILIES[model_type] == "gemma3" and rope.rope_type in ("yarn", "longrope", "dynamic"):
             raise ValueError(f"rope scaling {rope.rope_type!r} is not built for {model_type}")
         sliding_window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
@@ -293,9 +310,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
-            max_position_embeddings=(
-                rope.original_max_position_embeddings if rope.rope_type == "longrope"
-                else int(hf.get("max_position_embeddings", 2048))),
+            max_position_embeddings=_context_length(hf, rope),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=rope,
             local_rope=local_rope,
@@ -319,6 +334,18 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _context_length(hf: dict[str, Any], rope: RopeConfig) -> int:
+    """The positions the model serves: longrope with only its short factors stops where HF
+    would switch to the long ones; dynamic NTK goes `factor` times past the trained length (as
+    vLLM does: HF sets no limit)."""
+    trained = int(hf.get("max_position_embeddings", 2048))
+    if rope.rope_type == "longrope" and rope.long_factors is None:
+        return rope.original_max_position_embeddings
+    if rope.rope_type == "dynamic":
+        return int(trained * max(rope.factor, 1.0))
+    return trained
 
 
 # Families whose sliding window applies only with `use_sliding_window` set.

@@ -66,6 +66,27 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv.astype(np.float32)
 
 
+def rope_token_inv_freq(rope: RopeConfig, head_dim: int, positions: jax.Array) -> jax.Array:
+    """[T, R/2] frequencies of a rope whose frequencies depend on the position
+    (`RopeConfig.by_position`): a token at position p turns as HF turns every token of a
+    sequence p + 1 long. longrope: the short factors below `original_max_position_embeddings`,
+    the long ones from there on; dynamic NTK: HF's base for p + 1 tokens,
+    theta * (factor * n / original - (factor - 1)) ** (R / (R - 2)), n = max(p + 1, original),
+    in float32 as HF computes it. A key's rotation so depends on its position alone."""
+    if rope.rope_type != "dynamic":
+        short = jnp.asarray(rope_inv_freq(rope, head_dim))
+        long = jnp.asarray(rope_inv_freq(dataclasses.replace(rope, freq_factors=rope.long_factors),
+                                         head_dim))
+        past = positions >= rope.original_max_position_embeddings
+        return jnp.where(past[:, None], long[None, :], short[None, :])
+    original = rope.original_max_position_embeddings
+    n = jnp.maximum(positions + 1, original).astype(jnp.float32)  # [T]
+    base = rope.theta * ((rope.factor * n / original) - (rope.factor - 1)) ** (
+        head_dim / (head_dim - 2))
+    exponent = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim  # [R/2]
+    return 1.0 / (base[:, None] ** exponent[None, :])
+
+
 def _yarn_inv_freq(inv: np.ndarray, rope: RopeConfig, dim: int) -> np.ndarray:
     """YaRN: frequencies below the ramp interpolated (divided by `factor`), above it kept,
     blended linearly across it; the ramp's bounds are the dims that turn `beta_fast` and
@@ -92,11 +113,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
                scale: float | jax.Array = 1.0) -> jax.Array:
     """Rotates [T, H, D] by position, HF's rotate-half layout (first half / second half).
 
-    With fewer frequencies than D / 2 (partial rotary, R = 2 * len(inv_freq) < D) only the
+    `inv_freq` is [R/2], or [T, R/2] for frequencies that depend on the position
+    (`rope_token_inv_freq`). With fewer frequencies than D / 2 (partial rotary, R < D) only the
     first R dims turn and the rest pass through, as HF's Phi-3 does. `scale` multiplies cos and
     sin (longrope's attention factor): the rotated dims grow by it, the others do not."""
     with jax.named_scope("rope"):
-        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
+        per_token = inv_freq if inv_freq.ndim == 2 else inv_freq[None, :]
+        angles = positions.astype(jnp.float32)[:, None] * per_token  # [T, R/2]
         cos = jnp.cos(angles)[:, None, :]
         sin = jnp.sin(angles)[:, None, :]
         if not (isinstance(scale, float) and scale == 1.0):  # a float, or a traced [] array

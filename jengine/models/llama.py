@@ -118,13 +118,22 @@ def forward(
     uniform = float(scales[0]) if (scales == scales[0]).all() else None
     if uniform is None:
         per_layer = per_layer + (jnp.asarray(scales),)
+    # Frequencies by position (dynamic NTK, longrope's long factors): [T, R/2] for this step,
+    # added on the layers that use the global rope (their rows of the table above are zero).
+    by_position = cfg.rope.by_position
+    if by_position:
+        token_freq = layers.rope_token_inv_freq(cfg.rope, cfg.rotary_dim, md.positions)
+        per_layer = per_layer + (jnp.asarray(_layer_uses_global_rope(cfg)),)
 
     mm = cfg.matmul_backend
 
     def layer(carry, xs):
         x, kv = carry
-        p, index, (layer_window, inv_freq, *scale) = xs
-        rope_scale = uniform if uniform is not None else scale[0]
+        p, index, (layer_window, inv_freq, *rest) = xs
+        if by_position:
+            *rest, global_rope = rest
+            inv_freq = inv_freq[None, :] + global_rope * token_freq  # [T, R/2]
+        rope_scale = uniform if uniform is not None else rest[0]
         h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
         k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
@@ -172,10 +181,21 @@ def _layer_inv_freq(cfg: ModelConfig) -> np.ndarray:
     one (OLMo 3), zeros where no rope applies (SmolLM3's and EXAONE 4's NoPE layers: a zero
     angle turns nothing, exactly)."""
     full = rope_inv_freq(cfg.rope, cfg.rotary_dim)
+    if cfg.rope.by_position:  # computed per token in the step instead
+        full = np.zeros_like(full)
     local = rope_inv_freq(cfg.local_rope, cfg.rotary_dim) if cfg.local_rope else full
     sliding = cfg.sliding_layers or (False,) * cfg.num_layers
     rope = cfg.rope_layers or (True,) * cfg.num_layers
     return np.stack([(local if s else full) * r for s, r in zip(sliding, rope, strict=True)])
+
+
+def _layer_uses_global_rope(cfg: ModelConfig) -> np.ndarray:
+    """[L] 1.0 where a layer turns q and k with `cfg.rope` (not a NoPE layer, not a sliding
+    layer with its own rope), else 0.0."""
+    sliding = cfg.sliding_layers or (False,) * cfg.num_layers
+    rope = cfg.rope_layers or (True,) * cfg.num_layers
+    return np.asarray([float(r and not (s and cfg.local_rope)) for s, r in zip(sliding, rope)],
+                      np.float32)
 
 
 def _layer_rope_scale(cfg: ModelConfig) -> np.ndarray:
