@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 from converters import LoadedModel
 from jengine.config import EngineConfig
@@ -30,21 +31,11 @@ from jengine.scheduling.speculative import NgramProposer, make_proposer
 class DraftProposer:
     """Greedy proposals from a draft model on its own engine core."""
 
-    def __init__(self, cfg: EngineConfig, target: LoadedModel, *, progress: bool, warmup: bool):
-        from jengine.core.engine_core import EngineCore  # the draft is a core like the target
-
-        spec = cfg.speculative
-        if spec.num_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {spec.num_tokens}")
-        draft_cfg = dataclasses.replace(
-            cfg,
-            model=dataclasses.replace(cfg.model, model=spec.draft_model, max_model_len=None),
-            cache=dataclasses.replace(cfg.cache, enable_prefix_caching=True),
-            speculative=dataclasses.replace(spec, method=None),
-        )
-        self.core = EngineCore(draft_cfg, progress=progress, warmup=warmup)
-        _check_vocabulary(target, self.core)
-        self.num_tokens = spec.num_tokens
+    def __init__(self, core, num_tokens: int):
+        if num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+        self.core = core  # an EngineCore of the draft model
+        self.num_tokens = num_tokens
         self._ids = itertools.count()
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
@@ -82,9 +73,12 @@ def _check_vocabulary(target: LoadedModel, draft) -> None:
                          "target's; a draft model must share the target's tokenizer")
 
 
-def proposer_for(cfg: EngineConfig, target: LoadedModel, *, progress: bool,
-                 warmup: bool) -> NgramProposer | DraftProposer | None:
-    """The proposer `cfg.speculative` asks for (None: speculation off).
+def proposer_for(
+    cfg: EngineConfig, target: LoadedModel, build_core: Callable[[EngineConfig], object],
+) -> NgramProposer | DraftProposer | None:
+    """The proposer `cfg.speculative` asks for (None: speculation off). A draft model's core is
+    `build_core(its config)`: the target's settings with the draft's weights, its own context
+    length and prefix caching on.
 
     Raises:
       ValueError: an unknown method, `draft` without a `draft_model`, or a draft model whose
@@ -96,4 +90,11 @@ def proposer_for(cfg: EngineConfig, target: LoadedModel, *, progress: bool,
     if not spec.draft_model:
         raise ValueError("speculative 'draft' needs a draft model (--draft-model, "
                          "Engine(draft_model=...), speculative.draft_model)")
-    return DraftProposer(cfg, target, progress=progress, warmup=warmup)
+    core = build_core(dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, model=spec.draft_model, max_model_len=None),
+        cache=dataclasses.replace(cfg.cache, enable_prefix_caching=True),
+        speculative=dataclasses.replace(spec, method=None),
+    ))
+    _check_vocabulary(target, core)
+    return DraftProposer(core, spec.num_tokens)

@@ -123,13 +123,13 @@ class EngineCore:
         self.allocator = PageAllocator(num_pages, page_size)
         self.prefix_cache = PrefixCache(self.allocator) if cfg.cache.enable_prefix_caching else None
         self.scheduler = Scheduler(
-            self.allocator,
-            max_num_seqs=sched.max_num_seqs,
+            self.allocator, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             prefix_cache=self.prefix_cache,
-            proposer=proposer_for(cfg, loaded, progress=progress, warmup=warmup),
+            proposer=proposer_for(cfg, loaded,
+                                  lambda c: EngineCore(c, progress=progress, warmup=warmup)),
         )
         phases.end("set up")
         if make_runner is not None:
