@@ -11,6 +11,7 @@ engine's stream), and 8 and 32 concurrent requests of the two workloads mixed (a
 Outputs are compared token for token with the plain engine's.
 
     python scripts/spec_bench.py [--rounds 2] [--methods ngram] [--k 3]
+    python scripts/spec_bench.py --methods draft --draft-model DIR  # e.g. a w8a16 convert
 """
 
 from __future__ import annotations
@@ -93,11 +94,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--draft-model", help="the draft model of method draft")
     args = ap.parse_args()
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     engines = {"off": Engine(config="cpu", progress=False, warmup=True)}
     for m in args.methods:
         engines[m] = Engine(config="cpu", speculative=m, num_speculative_tokens=args.k,
+                            draft_model=args.draft_model if m == "draft" else None,
                             progress=False, warmup=True)
     cases = {"edit, 1 stream": ("single", EDITS), "free, 1 stream": ("single", FREE)}
     for n in args.streams:

@@ -77,8 +77,8 @@ def proposer_for(
     cfg: EngineConfig, target: LoadedModel, build_core: Callable[[EngineConfig], object],
 ) -> NgramProposer | DraftProposer | None:
     """The proposer `cfg.speculative` asks for (None: speculation off). A draft model's core is
-    `build_core(its config)`: the target's settings with the draft's weights, its own context
-    length and prefix caching on.
+    `build_core(its config)`: the target's settings (context length and KV budget included)
+    with the draft's weights and prefix caching on.
 
     Raises:
       ValueError: an unknown method, `draft` without a `draft_model`, or a draft model whose
@@ -92,7 +92,7 @@ def proposer_for(
                          "Engine(draft_model=...), speculative.draft_model)")
     core = build_core(dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, model=spec.draft_model, max_model_len=None),
+        model=dataclasses.replace(cfg.model, model=spec.draft_model),
         cache=dataclasses.replace(cfg.cache, enable_prefix_caching=True),
         speculative=dataclasses.replace(spec, method=None),
     ))
