@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import transformers
@@ -86,3 +87,18 @@ def test_a_draft_must_share_the_vocabulary(models_dir):
         _spec(models_dir, "small_vocab")
     with pytest.raises(ValueError, match="needs a draft model"):
         Engine(models_dir["target"], config=ONE_BUCKET, speculative="draft", progress=False)
+
+
+def test_each_data_parallel_replica_drafts_on_its_own_devices(models_dir, plain):
+    """dp=2: every replica builds its own draft core on that replica's devices."""
+    spec = Engine(models_dir["target"], config=ONE_BUCKET, mesh="dp=2", speculative="draft",
+                  num_speculative_tokens=2, draft_model=models_dir["other"], progress=False)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert _tokens(spec, greedy) == _tokens(plain, greedy)
+    devices = []
+    for replica in spec.core.replicas:
+        draft = replica.scheduler.speculator.proposer.core
+        devices.append({d for a in jax.tree.leaves(draft.runner.params) for d in a.devices()})
+        assert devices[-1] <= {d for a in jax.tree.leaves(replica.runner.params)
+                               for d in a.devices()}
+    assert devices[0].isdisjoint(devices[1])

@@ -81,8 +81,8 @@ def proposer_for(
     with the draft's weights and prefix caching on.
 
     Raises:
-      ValueError: an unknown method, `draft` without a `draft_model`, or a draft model whose
-        vocabulary differs from the target's.
+      ValueError: an unknown method, `draft` without a `draft_model` or across hosts, or a
+        draft model whose vocabulary differs from the target's.
     """
     spec = cfg.speculative
     if spec.method != "draft":
@@ -90,6 +90,9 @@ def proposer_for(
     if not spec.draft_model:
         raise ValueError("speculative 'draft' needs a draft model (--draft-model, "
                          "Engine(draft_model=...), speculative.draft_model)")
+    if cfg.parallel.num_processes > 1:
+        raise ValueError("speculative 'draft' runs on one host (num_processes 1); "
+                         "use 'ngram' across hosts")
     core = build_core(dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, model=spec.draft_model),

@@ -128,8 +128,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             prefix_cache=self.prefix_cache,
-            proposer=proposer_for(cfg, loaded,
-                                  lambda c: EngineCore(c, progress=progress, warmup=warmup)),
+            proposer=proposer_for(cfg, loaded, lambda c: EngineCore(
+                c, progress=progress, replica=replica, warmup=warmup)),
         )
         phases.end("set up")
         if make_runner is not None:
