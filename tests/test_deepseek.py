@@ -1,0 +1,121 @@
+"""DeepSeek-V2 (`deepseek_v2`): multi-head latent attention over the compressed KV cache and
+DeepSeek's MoE, against HF transformers on tiny random models (tests/test_models_parity.py's
+recipe: chunked prefill over shuffled pages, then 8 decode steps, float32 logits within `TOL`).
+
+- Parity with q_lora_rank unset (q_proj) and set (q_a_proj / q_a_layernorm / q_b_proj), with
+  yarn rope scaling whose mscale and mscale_all_dim differ (both the rope's attention factor
+  and the softmax scale move), a dense first layer then MoE layers (routed + shared experts,
+  routed_scaling_factor), greedy and group-limited greedy routing.
+- Negative controls: Llama's half-split rope instead of DeepSeek's adjacent pairs, the plain
+  (qk_head_dim ** -0.5) softmax scale without yarn's mscale, the routed scaling factor reset,
+  group-limited routing switched to greedy: each must push the logits past `TOL`.
+- The cache holds (kv_lora_rank + qk_rope_head_dim) numbers per token per layer, no values.
+- Through the engine: the native `cpu` attention backend and `reference` give HF's greedy
+  tokens, and so does tp=2 on fake devices (the latent kv head replicated, q heads split).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from test_models_parity import TOL, VOCAB, _build, _max_diff
+
+from jengine import Engine, SamplingParams
+from jengine.models import KVCache, deepseek
+
+ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+        "original_max_position_embeddings": 16, "mscale": 0.707, "mscale_all_dim": 1.3}
+
+
+def _config(**kw):
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, max_position_embeddings=128, rms_norm_eps=1e-5,
+        rope_parameters=YARN, tie_word_embeddings=False,
+    )
+    return transformers.DeepseekV2Config(**{**base, **kw})
+
+
+def _control_diff(model, ids, expected) -> float:
+    return _max_diff(model, ids, expected, decode_steps=0)
+
+
+def _half_split_rope(x, positions, inv_freq, scale):
+    from jengine.models.layers import apply_rope
+    return apply_rope(x, positions, inv_freq, scale)
+
+
+def test_mla_parity_q_projection(tmp_path, monkeypatch):
+    loaded, ids, expected = _build(tmp_path, _config(), transformers.DeepseekV2ForCausalLM)
+    cfg = loaded.config
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.q_lora_rank) == (1, 32 + 8, 0)
+    assert cfg.first_dense_layers == 1 and cfg.shared_expert_intermediate_size == 64
+    assert cfg.rope.attention_factor != 1.0 and cfg.sm_scale != pytest.approx(24 ** -0.5)
+    assert _max_diff(loaded, ids, expected) < TOL
+    plain = dataclasses.replace(cfg, attention_multiplier=24 ** -0.5)  # no yarn mscale
+    assert _control_diff((plain, loaded.params), ids, expected) > TOL
+    unscaled = dataclasses.replace(cfg, routed_scaling_factor=1.0)
+    assert _control_diff((unscaled, loaded.params), ids, expected) > TOL
+    monkeypatch.setattr(deepseek, "_rope_pairs", _half_split_rope)
+    retraced = dataclasses.replace(cfg, max_position_embeddings=129)  # not the cached program
+    assert _control_diff((retraced, loaded.params), ids, expected) > TOL
+
+
+def test_mla_parity_q_lora_group_limited(tmp_path):
+    config = _config(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
+                     topk_group=2, num_experts_per_tok=3, first_k_dense_replace=2,
+                     num_hidden_layers=4)
+    loaded, ids, expected = _build(tmp_path, config, transformers.DeepseekV2ForCausalLM)
+    cfg = loaded.config
+    assert cfg.q_lora_rank == 24 and "wq_a" in loaded.params and "wq" not in loaded.params
+    assert (cfg.expert_groups, cfg.topk_groups) == (4, 2)
+    assert _max_diff(loaded, ids, expected) < TOL
+    greedy = dataclasses.replace(cfg, expert_groups=0, topk_groups=0)
+    assert _control_diff((greedy, loaded.params), ids, expected) > TOL
+
+
+def test_mla_cache_holds_latent_rows_only():
+    cfg = deepseek_cfg = _config()
+    from jengine.models import ModelConfig
+    cfg = ModelConfig.from_hf(deepseek_cfg.to_dict())
+    page_size = 16
+    per_token = (32 + 8) * 4 * cfg.num_layers  # (kv_lora_rank + rope dim) f32, every layer
+    assert KVCache.bytes_per_page(cfg, page_size, jnp.float32) == per_token * page_size
+    kv = KVCache.zeros(cfg, 5, page_size, jnp.float32)
+    assert kv.k.shape == (3, 1, 5, page_size, 40) and kv.v.size == 0
+    assert kv.k.nbytes + kv.v.nbytes == 5 * KVCache.bytes_per_page(cfg, page_size, jnp.float32)
+
+
+def _greedy_hf(model, prompts, max_tokens):
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                                 min_new_tokens=max_tokens)
+            outs.append(seq[0, len(p):].tolist())
+    return outs
+
+
+def test_mla_engine_backends_and_tp_match_hf(tmp_path):
+    models: list = []
+    _build(tmp_path, _config(), transformers.DeepseekV2ForCausalLM, edit=models.append)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 19, 11)]
+    expected = _greedy_hf(models[0], prompts, 16)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for kwargs in ({"attention_backend": "reference"}, {"attention_backend": "cpu"},
+                   {"attention_backend": "cpu", "mesh": "tp=2"}):
+        engine = Engine(str(tmp_path), config=ONE_BUCKET, dtype="float32",
+                        kv_cache_memory="4MiB", max_model_len=64, **kwargs)
+        outs = engine.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
