@@ -97,12 +97,14 @@ def test_mla_cache_holds_latent_rows_only():
 
 
 def _greedy_hf(model, prompts, max_tokens):
+    """HF's greedy continuation by full forwards (no early stop at eos, as `ignore_eos`)."""
     outs = []
     with torch.no_grad():
         for p in prompts:
-            seq = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
-                                 min_new_tokens=max_tokens)
-            outs.append(seq[0, len(p):].tolist())
+            seq = list(p)
+            for _ in range(max_tokens):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            outs.append(seq[len(p):])
     return outs
 
 
@@ -119,3 +121,50 @@ def test_mla_engine_backends_and_tp_match_hf(tmp_path):
                         kv_cache_memory="4MiB", max_model_len=64, **kwargs)
         outs = engine.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
+
+
+def _latent_q() -> np.ndarray:
+    return np.random.default_rng(1).standard_normal((5, 16, 576)).astype(np.float32)
+
+
+def _latent_step(backend: str, num_pages: int = 9, page_size: int = 16):
+    """One ragged step of `attend_latent` at DeepSeek-V2's widths (latent 512 + rope 64,
+    16 q heads): a 3-token prefill chunk after 37 cached tokens, and two decodes."""
+    from jengine.models import AttentionMetadata, ModelConfig
+    from jengine.models.attention import attend_latent
+
+    cfg = ModelConfig.from_hf(_config(kv_lora_rank=512, qk_rope_head_dim=64,
+                                      num_attention_heads=16).to_dict())
+    rng = np.random.default_rng(0)
+    kv = KVCache.zeros(cfg, num_pages, page_size, jnp.float32)
+    kv = KVCache(k=jnp.asarray(rng.standard_normal(kv.k.shape), jnp.float32), v=kv.v)
+    page_table = np.asarray([[3, 7, 1, 0], [5, 0, 0, 0], [2, 8, 0, 0]], np.int32)
+    seqs, positions = np.asarray([0, 0, 0, 1, 2]), np.asarray([37, 38, 39, 4, 20])
+    slots = page_table[seqs, positions // page_size] * page_size + positions % page_size
+    md = AttentionMetadata(
+        token_ids=jnp.zeros(5, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
+        slot_mapping=jnp.asarray(slots, jnp.int32), token_seq=jnp.asarray(seqs, jnp.int32),
+        page_table=jnp.asarray(page_table), logits_indices=jnp.asarray([2, 3, 4], jnp.int32))
+    q = jnp.asarray(_latent_q())
+    rows = jnp.asarray(rng.standard_normal((5, 1, 576)), jnp.float32)
+    out, kv = attend_latent(q, rows, kv, jnp.int32(1), md, value_dim=512, sm_scale=0.05,
+                            backend=backend)
+    return np.asarray(out), kv
+
+
+def test_latent_attention_cpu_kernel_equals_reference_at_real_widths():
+    ref, ref_kv = _latent_step("reference")
+    got, got_kv = _latent_step("cpu")
+    assert ref.shape == (5, 16, 512)
+    np.testing.assert_array_equal(np.asarray(got_kv.k), np.asarray(ref_kv.k))
+    np.testing.assert_allclose(got, ref, atol=2e-5)
+    # Token 3 decodes sequence 1 at position 4 (page 5, slots 0-4, the last its new row):
+    # softmax(q . rows) over the whole rows, averaging the rows' first 512 columns.
+    keys = np.asarray(ref_kv.k)[1, 0, 5, :5]  # [5, 576]
+    q = _latent_q()[3]  # [16, 576]
+    scores = q @ keys.T * 0.05
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    np.testing.assert_allclose(ref[3], weights @ keys[:, :512], atol=2e-5)
+    with pytest.raises(ValueError, match="latent attention"):
+        _latent_step("pallas_tpu")

@@ -122,7 +122,15 @@ def attend_latent(
     rows' first C columns. Every backend takes the cache as both its keys and its values (the
     same buffer, nothing copied) and returns [T, H, C + R], of which the last R columns
     (softmax-weighted rope keys) are dropped: R / (C + R) extra value work, 11% at
-    DeepSeek-V2's 512 + 64, for one kernel signature."""
+    DeepSeek-V2's 512 + 64, for one kernel signature.
+
+    Raises:
+      ValueError: a Pallas backend (not built for latent rows: the TPU kernel's lanes want
+        head dims in multiples of 128, and neither kernel has been checked on 576-wide rows).
+    """
+    if backend not in ("reference", "cpu"):
+        raise ValueError(f"multi-head latent attention (deepseek_v2) runs on the 'reference' "
+                         f"and 'cpu' attention backends, not {backend!r}")
     write = write_kv
     if backend == "cpu":
         write = shard_write_for_context_mesh(write_kv_cpu, kv_replicated=kv_head_map is not None)
