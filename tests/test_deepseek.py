@@ -27,7 +27,8 @@ import transformers
 from test_models_parity import TOL, VOCAB, _build, _max_diff
 
 from jengine import Engine, SamplingParams
-from jengine.models import KVCache, deepseek
+from jengine.models import AttentionMetadata, KVCache, ModelConfig, deepseek
+from jengine.models.attention import attend_latent
 
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
@@ -85,9 +86,7 @@ def test_mla_parity_q_lora_group_limited(tmp_path):
 
 
 def test_mla_cache_holds_latent_rows_only():
-    cfg = deepseek_cfg = _config()
-    from jengine.models import ModelConfig
-    cfg = ModelConfig.from_hf(deepseek_cfg.to_dict())
+    cfg = ModelConfig.from_hf(_config().to_dict())
     page_size = 16
     per_token = (32 + 8) * 4 * cfg.num_layers  # (kv_lora_rank + rope dim) f32, every layer
     assert KVCache.bytes_per_page(cfg, page_size, jnp.float32) == per_token * page_size
@@ -130,9 +129,6 @@ def _latent_q() -> np.ndarray:
 def _latent_step(backend: str, num_pages: int = 9, page_size: int = 16):
     """One ragged step of `attend_latent` at DeepSeek-V2's widths (latent 512 + rope 64,
     16 q heads): a 3-token prefill chunk after 37 cached tokens, and two decodes."""
-    from jengine.models import AttentionMetadata, ModelConfig
-    from jengine.models.attention import attend_latent
-
     cfg = ModelConfig.from_hf(_config(kv_lora_rank=512, qk_rope_head_dim=64,
                                       num_attention_heads=16).to_dict())
     rng = np.random.default_rng(0)
