@@ -83,6 +83,16 @@ def test_mla_parity_q_lora_group_limited(tmp_path):
     assert _max_diff(loaded, ids, expected) < TOL
     greedy = dataclasses.replace(cfg, expert_groups=0, topk_groups=0)
     assert _control_diff((greedy, loaded.params), ids, expected) > TOL
+    with pytest.raises(ValueError, match="per-layer weights"):  # dense + MoE layers, stacked
+        _max_diff(loaded, ids, expected, decode_steps=0, layer_layout="as_given")
+
+
+def test_mla_stacked_layers_all_moe(tmp_path):
+    """With every layer sparse the weights stack, and the layers run under `lax.scan`."""
+    config = _config(first_k_dense_replace=0, num_hidden_layers=2, rope_parameters=None)
+    loaded, ids, expected = _build(tmp_path, config, transformers.DeepseekV2ForCausalLM)
+    assert loaded.config.first_dense_layers == 0 and loaded.config.rope.rope_type == "default"
+    assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL
 
 
 def test_mla_cache_holds_latent_rows_only():
