@@ -105,6 +105,31 @@ def test_mla_cache_holds_latent_rows_only():
     assert kv.k.nbytes + kv.v.nbytes == 5 * KVCache.bytes_per_page(cfg, page_size, jnp.float32)
 
 
+# DeepSeek-V2-Lite's config.json (transformers 4.x spelling), the sizes that matter here.
+V2_LITE = dict(
+    model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    num_hidden_layers=27, num_attention_heads=16, kv_lora_rank=512, q_lora_rank=None,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+    n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408,
+    first_k_dense_replace=1, max_position_embeddings=163840, rope_theta=10000,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                      mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1),
+    topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+)
+
+
+def test_v2_lite_sizes():
+    """At V2-Lite's sizes: 15.7B parameters, 576 cached numbers per token and layer (bf16:
+    31,104 bytes per token over 27 layers) where full keys and values of its 16 heads would be
+    16 * (192 + 128) = 5,120, and yarn's mscale in the softmax scale."""
+    cfg = ModelConfig.from_hf(V2_LITE)
+    assert round(cfg.num_params / 1e9, 1) == 15.7
+    assert KVCache.bytes_per_page(cfg, 16, jnp.bfloat16) == 16 * 576 * 2 * 27
+    mscale = 0.1 * 0.707 * np.log(40) + 1
+    assert cfg.sm_scale == pytest.approx(192 ** -0.5 * mscale ** 2)
+    assert cfg.rope.attention_factor == pytest.approx(1.0)  # mscale / mscale_all_dim
+
+
 def _greedy_hf(model, prompts, max_tokens):
     """HF's greedy continuation by full forwards (no early stop at eos, as `ignore_eos`)."""
     outs = []
