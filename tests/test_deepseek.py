@@ -56,9 +56,16 @@ def _half_split_rope(x, positions, inv_freq, scale):
     return apply_rope(x, positions, inv_freq, scale)
 
 
+def _num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 def test_mla_parity_q_projection(tmp_path, monkeypatch):
-    loaded, ids, expected = _build(tmp_path, _config(), transformers.DeepseekV2ForCausalLM)
+    models: list = []
+    loaded, ids, expected = _build(tmp_path, _config(), transformers.DeepseekV2ForCausalLM,
+                                   edit=models.append)
     cfg = loaded.config
+    assert cfg.num_params == _num_params(models[0])
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.q_lora_rank) == (1, 32 + 8, 0)
     assert cfg.first_dense_layers == 1 and cfg.shared_expert_intermediate_size == 64
     assert cfg.rope.attention_factor != 1.0 and cfg.sm_scale != pytest.approx(24 ** -0.5)
@@ -76,8 +83,11 @@ def test_mla_parity_q_lora_group_limited(tmp_path):
     config = _config(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
                      topk_group=2, num_experts_per_tok=3, first_k_dense_replace=2,
                      num_hidden_layers=4)
-    loaded, ids, expected = _build(tmp_path, config, transformers.DeepseekV2ForCausalLM)
+    models: list = []
+    loaded, ids, expected = _build(tmp_path, config, transformers.DeepseekV2ForCausalLM,
+                                   edit=models.append)
     cfg = loaded.config
+    assert cfg.num_params == _num_params(models[0])
     assert cfg.q_lora_rank == 24 and "wq_a" in loaded.params and "wq" not in loaded.params
     assert (cfg.expert_groups, cfg.topk_groups) == (4, 2)
     assert _max_diff(loaded, ids, expected) < TOL
