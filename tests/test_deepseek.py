@@ -7,7 +7,8 @@ recipe: chunked prefill over shuffled pages, then 8 decode steps, float32 logits
   and the softmax scale move), a dense first layer then MoE layers (routed + shared experts,
   routed_scaling_factor), greedy and group-limited greedy routing.
 - Negative controls: Llama's half-split rope instead of DeepSeek's adjacent pairs, the plain
-  (qk_head_dim ** -0.5) softmax scale without yarn's mscale, the routed scaling factor reset,
+  (qk_head_dim ** -0.5) softmax scale without yarn's mscale, the rope's attention factor
+  (mscale / mscale_all_dim) dropped, the routed scaling factor reset,
   group-limited routing switched to greedy: each must push the logits past `TOL`.
 - The cache holds (kv_lora_rank + qk_rope_head_dim) numbers per token per layer, no values.
 - Through the engine: the native `cpu` attention backend and `reference` give HF's greedy
@@ -37,7 +38,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
 
 def _config(**kw):
     base = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=2,
         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
@@ -72,6 +73,8 @@ def test_mla_parity_q_projection(tmp_path, monkeypatch):
     assert _max_diff(loaded, ids, expected) < TOL
     plain = dataclasses.replace(cfg, attention_multiplier=24 ** -0.5)  # no yarn mscale
     assert _control_diff((plain, loaded.params), ids, expected) > TOL
+    flat_rope = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, attention_factor=1.0))
+    assert _control_diff((flat_rope, loaded.params), ids, expected) > TOL
     unscaled = dataclasses.replace(cfg, routed_scaling_factor=1.0)
     assert _control_diff((unscaled, loaded.params), ids, expected) > TOL
     monkeypatch.setattr(deepseek, "_rope_pairs", _half_split_rope)
@@ -82,7 +85,7 @@ def test_mla_parity_q_projection(tmp_path, monkeypatch):
 def test_mla_parity_q_lora_group_limited(tmp_path):
     config = _config(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
                      topk_group=2, num_experts_per_tok=3, first_k_dense_replace=2,
-                     num_hidden_layers=4)
+                     num_hidden_layers=3)
     models: list = []
     loaded, ids, expected = _build(tmp_path, config, transformers.DeepseekV2ForCausalLM,
                                    edit=models.append)
@@ -111,7 +114,7 @@ def test_mla_cache_holds_latent_rows_only():
     per_token = (32 + 8) * 4 * cfg.num_layers  # (kv_lora_rank + rope dim) f32, every layer
     assert KVCache.bytes_per_page(cfg, page_size, jnp.float32) == per_token * page_size
     kv = KVCache.zeros(cfg, 5, page_size, jnp.float32)
-    assert kv.k.shape == (3, 1, 5, page_size, 40) and kv.v.size == 0
+    assert kv.k.shape == (2, 1, 5, page_size, 40) and kv.v.size == 0
     assert kv.k.nbytes + kv.v.nbytes == 5 * KVCache.bytes_per_page(cfg, page_size, jnp.float32)
 
 
