@@ -13,6 +13,9 @@ recipe: chunked prefill over shuffled pages, then 8 decode steps, float32 logits
 - The cache holds (kv_lora_rank + qk_rope_head_dim) numbers per token per layer, no values.
 - Through the engine: the native `cpu` attention backend and `reference` give HF's greedy
   tokens, and so does tp=2 on fake devices (the latent kv head replicated, q heads split).
+- At V2's real widths (576-wide rows, 512-wide values, 16 heads): the `cpu` kernel and the
+  reference's blocked layout equal the reference's per-token layout, which equals a NumPy
+  softmax over the rows; the Pallas backends refuse latent attention.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from test_models_parity import TOL, VOCAB, _build, _max_diff
 from jengine import Engine, SamplingParams
 from jengine.models import AttentionMetadata, KVCache, ModelConfig, deepseek
 from jengine.models.attention import attend_latent
+from jengine.pallas_kernels.block_layout import num_query_blocks
+from jengine.pallas_kernels.reference import query_blocks
 
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
@@ -174,9 +179,11 @@ def _latent_q() -> np.ndarray:
     return np.random.default_rng(1).standard_normal((5, 16, 576)).astype(np.float32)
 
 
-def _latent_step(backend: str, num_pages: int = 9, page_size: int = 16):
+def _latent_step(backend: str, num_pages: int = 9, page_size: int = 16, *,
+                 blocked: bool = False):
     """One ragged step of `attend_latent` at DeepSeek-V2's widths (latent 512 + rope 64,
-    16 q heads): a 3-token prefill chunk after 37 cached tokens, and two decodes."""
+    16 q heads): a 3-token prefill chunk after 37 cached tokens, and two decodes; `blocked`:
+    the reference's per-query-block layout (prefill-heavy buckets)."""
     cfg = ModelConfig.from_hf(_config(kv_lora_rank=512, qk_rope_head_dim=64,
                                       num_attention_heads=16).to_dict())
     rng = np.random.default_rng(0)
@@ -189,6 +196,10 @@ def _latent_step(backend: str, num_pages: int = 9, page_size: int = 16):
         token_ids=jnp.zeros(5, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
         slot_mapping=jnp.asarray(slots, jnp.int32), token_seq=jnp.asarray(seqs, jnp.int32),
         page_table=jnp.asarray(page_table), logits_indices=jnp.asarray([2, 3, 4], jnp.int32))
+    if blocked:
+        tokens, block_seq = query_blocks([3, 1, 1], 5, num_query_blocks(5, 3, 2), 2)
+        md = dataclasses.replace(md, block_tokens=jnp.asarray(tokens),
+                                 block_seq=jnp.asarray(block_seq))
     q = jnp.asarray(_latent_q())
     rows = jnp.asarray(rng.standard_normal((5, 1, 576)), jnp.float32)
     out, kv = attend_latent(q, rows, kv, jnp.int32(1), md, value_dim=512, sm_scale=0.05,
@@ -198,10 +209,10 @@ def _latent_step(backend: str, num_pages: int = 9, page_size: int = 16):
 
 def test_latent_attention_cpu_kernel_equals_reference_at_real_widths():
     ref, ref_kv = _latent_step("reference")
-    got, got_kv = _latent_step("cpu")
     assert ref.shape == (5, 16, 512)
-    np.testing.assert_array_equal(np.asarray(got_kv.k), np.asarray(ref_kv.k))
-    np.testing.assert_allclose(got, ref, atol=2e-5)
+    for got, got_kv in (_latent_step("cpu"), _latent_step("reference", blocked=True)):
+        np.testing.assert_array_equal(np.asarray(got_kv.k), np.asarray(ref_kv.k))
+        np.testing.assert_allclose(got, ref, atol=2e-5)
     # Token 3 decodes sequence 1 at position 4 (page 5, slots 0-4, the last its new row):
     # softmax(q . rows) over the whole rows, averaging the rows' first 512 columns.
     keys = np.asarray(ref_kv.k)[1, 0, 5, :5]  # [5, 576]
