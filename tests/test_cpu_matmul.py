@@ -1,6 +1,6 @@
 """The native small-row matmul (`jengine.pallas_kernels.cpu_matmul`) against a float64 oracle
-and `jnp.dot`, on every instruction-set path this CPU runs, and the engine's greedy tokens with
-it on and off (`matmul_backend`)."""
+and `jnp.dot`, on every instruction-set path this CPU runs, for f32, bf16 and int8 weights, and
+the engine's greedy tokens with it on and off (`matmul_backend`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import yaml
 from test_sharding import _tiny_llama
 
 from jengine import Engine, SamplingParams
-from jengine.models import layers
+from jengine.models import layers, quant
 from jengine.pallas_kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="native matmul not built")
@@ -32,12 +32,14 @@ def _check(x: np.ndarray, w: np.ndarray, isa: str, **kw) -> None:
 def _check_form(x: np.ndarray, w_arg: np.ndarray, isa: str, **kw) -> None:
     w = w_arg.T if kw.get("transpose_w") else w_arg
     got = np.asarray(jax.jit(lambda a, b: cpu_matmul.small_matmul(a, b, isa=isa, **kw))(x, w_arg))
+    w = np.asarray(jnp.asarray(w).astype(jnp.float32))  # a bf16 / int8 weight widens exactly
     want = x.astype(np.float64) @ w.astype(np.float64)
     # f32 sums of K products: within K ulps of the largest partial sum, relative to |x| |w|.
     bound = 1e-6 * x.shape[1] * (np.abs(x).astype(np.float64) @ np.abs(w)) + 1e-30
     assert got.shape == want.shape and got.dtype == np.float32
     assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
-    np.testing.assert_allclose(got, np.asarray(jnp.dot(x, w)), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, np.asarray(jnp.dot(x, w)), rtol=1e-4,
+                               atol=1e-4 * max(1.0, float(np.abs(want).max())))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -49,6 +51,25 @@ def test_rows_against_oracle(isa, rows):
     w = rng.standard_normal((70, 300), np.float32)  # 300 = 9 x 32 + 12 ragged columns
     # (and K = 70 = 8 x 8 + 6 ragged for the transposed form's vectors along K)
     _check(x, w, isa)
+
+
+def _narrow(w: np.ndarray, dtype: str) -> np.ndarray:
+    """w as a bf16 array, or as int8 values (a w8a16 weight before its scale)."""
+    if dtype == "int8":
+        return np.clip(np.round(w * 40), -127, 127).astype(np.int8)
+    return np.asarray(jnp.asarray(w).astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 13, 40, 64])
+def test_narrow_weights_against_oracle(isa, dtype, rows):
+    """bf16 and int8 weights, widened to f32 in registers: every path (the 1-2 row streams,
+    the register tiles and their row groups, the transposed form), ragged N and K."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 70), np.float32)
+    _check(x, _narrow(rng.standard_normal((70, 300), np.float32), dtype), isa)
+    _check(x[:, :1], _narrow(rng.standard_normal((1, 5), np.float32), dtype), isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -77,11 +98,14 @@ def test_zeros_negatives_and_large_values(isa):
 
 
 def test_zero_rows_and_bad_operands():
-    """No rows: an empty result; a bf16 operand: a ValueError before anything is built."""
+    """No rows: an empty result; a bf16 x or a float16 w: a ValueError before anything is
+    built."""
     w = jnp.ones((4, 8), jnp.float32)
     assert cpu_matmul.small_matmul(jnp.ones((0, 4), jnp.float32), w).shape == (0, 8)
     with pytest.raises(ValueError, match="float32"):
         cpu_matmul.small_matmul(jnp.ones((2, 4), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="bfloat16 or int8 w"):
+        cpu_matmul.small_matmul(jnp.ones((2, 4), jnp.float32), w.astype(jnp.float16))
 
 
 def test_dot_routes_only_the_shapes_it_fits():
@@ -104,6 +128,24 @@ def test_dot_routes_only_the_shapes_it_fits():
     assert "jengine_small_matmul" in lowered.as_text()
     np.testing.assert_allclose(layers.dot("te,ve->tv", x, table, "native"), x @ table.T,
                                rtol=1e-5, atol=1e-5)
+    # Narrow weights from one row on: a bf16 weight (under a bf16 or f32 x) and a w8a16 one,
+    # whose scale applies after the kernel; W8A8 int8 keeps its int8 x int8 dot.
+    w16 = w.astype(jnp.bfloat16)
+    q = quant.quantize_weight(w, (0,), "w8a16")
+    for rows in (1, 64, 65):
+        for xdt in (jnp.float32, jnp.bfloat16):
+            xn = jnp.asarray(rng.standard_normal((rows, 64), np.float32)).astype(xdt)
+            for weight, want in ((w16, jnp.einsum("te,ehd->thd", xn.astype(jnp.float32),
+                                                  w16.astype(jnp.float32))),
+                                 (q, quant.einsum("te,ehd->thd", xn, q))):
+                text = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native")).lower(
+                    xn, weight).as_text()
+                assert ("jengine_small_matmul" in text) == (rows <= 64), (rows, xdt)
+                np.testing.assert_allclose(layers.dot("te,ehd->thd", xn, weight, "native"),
+                                           want, rtol=1e-4, atol=1e-4)
+    text = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native")).lower(
+        xn[:4].astype(jnp.float32), quant.quantize_weight(w, (0,), "int8")).as_text()
+    assert "jengine_small_matmul" not in text
     # Neither form (w's middle axis contracted): XLA's einsum.
     text = jax.jit(lambda a, b: layers.dot("te,hed->thd", a, b, "native")).lower(
         x, jnp.ones((2, 8, 3), jnp.float32)).as_text()
@@ -150,5 +192,22 @@ def test_engine_greedy_tokens_equal_with_kernel_on_and_off(tiny, tmp_path):
         config.write_text(yaml.safe_dump(preset))
         engine = Engine(str(tiny), config=str(config), progress=False)
         assert engine.core.model_config.matmul_backend == backend
+        tokens[backend] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    assert tokens["native"] == tokens["xla"]
+
+
+def test_engine_w8a16_greedy_tokens_equal_with_kernel_on_and_off(tiny, tmp_path):
+    """w8a16 (int8 weights, float activations): the native kernel from one row on gives the
+    same greedy tokens as XLA's converted-weight dot."""
+    preset = yaml.safe_load((Path(__file__).parent / "one_bucket.yaml").read_text())
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 96, n).tolist() for n in (4, 11)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    tokens = {}
+    for backend in ("xla", "native"):
+        preset["model"]["matmul_backend"] = backend
+        config = tmp_path / f"{backend}.yaml"
+        config.write_text(yaml.safe_dump(preset))
+        engine = Engine(str(tiny), config=str(config), quantization="w8a16", progress=False)
         tokens[backend] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert tokens["native"] == tokens["xla"]

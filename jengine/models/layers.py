@@ -132,9 +132,13 @@ Weight = jax.Array | QArray  # a float weight, or its quantized form (jengine.mo
 
 MATMUL_BACKENDS = ("auto", "xla", "native")
 # The row counts (the step's token bucket) the native kernel takes; XLA's dot keeps the rest.
-# Measured in-program (docs/engine.md, "Small-row matmul"): XLA's one-row dot streams the
-# weights faster than the kernel, and from NATIVE_ROWS[1] + 1 rows on XLA's blocked GEMM wins.
+# Measured in-program (docs/engine.md, "Small-row matmul"): for an f32 weight XLA's one-row dot
+# streams it as fast as the kernel, and from NATIVE_ROWS[1] + 1 rows on XLA's blocked GEMM wins.
+# A bf16 or int8 (w8a16) weight is 2x / 4x fewer bytes for the kernel, while XLA:CPU converts
+# it to f32 on every call (10x its f32 dot at one row), so the kernel takes those from one row
+# up to NARROW_NATIVE_ROWS[1].
 NATIVE_ROWS = (2, 32)
+NARROW_NATIVE_ROWS = (1, 64)
 
 
 def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
@@ -154,14 +158,33 @@ def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
     return "native" if platform == "cpu" and tp == 1 and cpu_matmul.available() else "xla"
 
 
-def _native_form(eq: str, x: jax.Array, w: Weight) -> str | None:
-    """How the native kernel takes `eq` for a float32 x [R, K] at a row count it serves:
-    "kn" (w's leading axis contracted, `te,ehd->thd`), "nk" (w [N, K]'s last, `te,ve->tv`: a
-    tied embedding as the output head), or None (XLA's einsum)."""
+def _native_operand(x: jax.Array, w: Weight) -> tuple[jax.Array, jax.Array | None] | None:
+    """The weight array the native kernel reads for `x @ w` and the per-channel scale to apply
+    to its f32 result (a w8a16 weight), or None where XLA's dot keeps the product."""
+    if isinstance(w, QArray):
+        if w.mode != "w8a16":
+            return None
+        operand, scale = w.q, w.scale
+    else:
+        operand, scale = w, None
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or x.ndim != 2:
+        return None
+    if operand.dtype == jnp.float32 and x.dtype == jnp.float32:
+        lo, hi = NATIVE_ROWS
+    elif operand.dtype in (jnp.bfloat16, jnp.int8):
+        lo, hi = NARROW_NATIVE_ROWS
+    else:
+        return None
+    return (operand, scale) if lo <= x.shape[0] <= hi else None
+
+
+def _native_form(eq: str) -> str | None:
+    """How the native kernel takes `eq` for a 2-D x [R, K]: "kn" (w's leading axis contracted,
+    `te,ehd->thd`), "nk" (w [N, K]'s last, `te,ve->tv`: a tied embedding as the output head),
+    or None (XLA's einsum)."""
     lhs, rest = eq.split(",")
     rhs, out = rest.split("->")
-    if (isinstance(w, QArray) or x.ndim != 2 or len(lhs) != 2 or x.dtype != jnp.float32
-            or w.dtype != jnp.float32 or not NATIVE_ROWS[0] <= x.shape[0] <= NATIVE_ROWS[1]):
+    if len(lhs) != 2:
         return None
     if rhs[0] == lhs[1] and out == lhs[0] + rhs[1:]:
         return "kn"
@@ -172,19 +195,25 @@ def _native_form(eq: str, x: jax.Array, w: Weight) -> str | None:
 
 def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
     """`einsum(eq, x, w)` accumulated and returned in float32; a quantized `w` runs its
-    int8 (or weight-only) dot. `backend="native"` sends the shapes it fits (`_native_form`)
-    to the native small-row kernel, a 3-D weight over its free row-major [K, N] view."""
+    int8 (or weight-only) dot. `backend="native"` sends the shapes it fits (`_native_operand`,
+    `_native_form`) to the native small-row kernel, a 3-D weight over its free row-major
+    [K, N] view, a bf16 x widened to f32 first (exact), a w8a16 weight's scale applied after."""
     if isinstance(w, Observed):
         w.seen(x)
         w = w.w
+    native = _native_operand(x, w) if backend == "native" else None
+    form = _native_form(eq) if native is not None else None
+    if form is not None:
+        operand, scale = native
+        x32 = x.astype(jnp.float32)
+        if form == "nk":
+            y = cpu_matmul.small_matmul(x32, operand, transpose_w=True)
+        else:
+            y = cpu_matmul.small_matmul(x32, operand.reshape(operand.shape[0], -1))
+            y = y.reshape(x.shape[0], *operand.shape[1:])
+        return y if scale is None else y * scale.reshape(y.shape[1:])
     if isinstance(w, QArray):
         return quant.einsum(eq, x, w)
-    form = _native_form(eq, x, w) if backend == "native" else None
-    if form is not None:
-        if form == "nk":
-            return cpu_matmul.small_matmul(x, w, transpose_w=True)
-        y = cpu_matmul.small_matmul(x, w.reshape(w.shape[0], -1))
-        return y.reshape(x.shape[0], *w.shape[1:])
     return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
 
 

@@ -1,11 +1,13 @@
-"""The native small-row f32 matmul on CPU: `x [R, K] @ w [K, N]` inside a jitted program.
+"""The native small-row matmul on CPU: `x [R, K] @ w [K, N]` inside a jitted program, x f32 and
+w f32, bf16 or int8 (the int8 weight's per-channel scale is the caller's to apply).
 
 XLA:CPU's dot of a few rows costs far more than one row's (2 / 4 / 8 / 16 rows ran 1.6 / 2.5 /
 3.3 / 3.5x one row, `scripts/small_row_dots.py`), while a step of that shape should cost what
 streaming the weights costs. The C++ kernel (`csrc/small_matmul.cc`, built into
 `_cpu_matmul*.so` by the package's install) keeps each output tile's R rows in registers so
 every weight row segment is read once for all of them, splits the columns over XLA's intra-op
-threads, and picks AVX-512, AVX2+FMA or portable code at run time.
+threads, and picks AVX-512, AVX2+FMA or portable code at run time. A bf16 or int8 weight is
+widened to f32 in registers, so the step streams 2x or 4x fewer weight bytes with f32 sums.
 
 The FFI target is registered when this module is imported (jengine.pallas_kernels imports it),
 before any program that calls it is compiled or loaded from the persistent compilation cache.
@@ -23,6 +25,8 @@ from jengine.pallas_kernels.native_library import load_native, missing
 
 _TARGET = "jengine_small_matmul"
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # instruction set of the kernel
+
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 _LIB, _LOAD_ERROR = load_native("_cpu_matmul", {_TARGET: "JengineSmallMatmul"})
 
@@ -52,18 +56,18 @@ def supports(isa: str) -> bool:
 
 def small_matmul(
     x: jax.Array,  # [R, K] float32
-    w: jax.Array,  # [K, N] float32, row-major as the model stores it; [N, K] with transpose_w
+    w: jax.Array,  # [K, N] f32 | bf16 | int8, row-major as stored; [N, K] with transpose_w
     *,
     transpose_w: bool = False,  # x @ w.T (a tied embedding [V, E] as the output head)
     isa: str = "auto",
     max_threads: int = 0,  # 0: all of XLA's intra-op threads
 ) -> jax.Array:  # [R, N] float32
-    """`x @ w` (or `x @ w.T`) by the native kernel; each weight element is read from memory
-    once for all R rows."""
+    """`x @ w` (or `x @ w.T`) by the native kernel in float32; each weight element is read
+    from memory once for all R rows."""
     require()
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"small_matmul takes 2-D float32 operands, got {x.dtype}{x.shape} and "
-                         f"{w.dtype}{w.shape}")
+    if x.dtype != jnp.float32 or w.dtype not in WEIGHT_DTYPES or x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"small_matmul takes a 2-D float32 x and a 2-D float32, bfloat16 or "
+                         f"int8 w, got {x.dtype}{x.shape} and {w.dtype}{w.shape}")
     n = w.shape[0] if transpose_w else w.shape[1]
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, w, isa=np.int32(ISAS[isa]), transpose_w=np.int32(transpose_w),

@@ -1,5 +1,7 @@
-// f32 matmul of a few rows for XLA:CPU, called through the XLA FFI: y[R, N] = x[R, K] @ w[K, N],
-// or x @ w^T for w [N, K] (`transpose_w`: a tied embedding as the output head).
+// Matmul of a few f32 rows for XLA:CPU, called through the XLA FFI: y[R, N] = x[R, K] @ w[K, N],
+// or x @ w^T for w [N, K] (`transpose_w`: a tied embedding as the output head). The weight is
+// f32, bf16 or int8 (weight-only quantization; its per-channel scale is applied by the caller);
+// x, the sums and y stay f32.
 //
 // A decode step of R sequences (or a speculative verification of R query rows) multiplies a few
 // rows by every weight matrix; the weights are far larger than the activations, so the step is
@@ -25,6 +27,19 @@ namespace ffi = xla::ffi;
 
 namespace jengine {
 namespace {
+
+struct Bf16 {  // a bfloat16 weight: the upper 16 bits of the f32 it stands for
+  uint16_t bits;
+};
+
+inline float ToF32(float v) { return v; }
+inline float ToF32(int8_t v) { return static_cast<float>(v); }
+inline float ToF32(Bf16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
 
 namespace portable {
 #define JE_SIMD 0
@@ -81,10 +96,35 @@ int32_t BestIsa() {
   return kPortable;
 }
 
-using ColumnsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+template <typename W>
+using ColumnsFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t,
                            int64_t);
 
-ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+// y = x @ w (or x @ w^T) for one weight type, the columns split over the intra-op pool.
+template <typename W>
+void Run(ffi::ThreadPool& pool, int32_t isa, bool transpose_w, int32_t max_threads,
+         const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N) {
+  ColumnsFn<W> columns = transpose_w ? portable::NtColumns<W> : portable::Columns<W>;
+  int64_t tile = transpose_w ? portable::kNtCols : portable::kTile;
+#if JE_X86
+  if (isa == kAvx512) {
+    columns = transpose_w ? avx512::NtColumns<W> : avx512::Columns<W>;
+    tile = transpose_w ? avx512::kNtCols : avx512::kTile;
+  } else if (isa == kAvx2) {
+    columns = transpose_w ? avx2::NtColumns<W> : avx2::Columns<W>;
+    tile = transpose_w ? avx2::kNtCols : avx2::kTile;
+  }
+#endif
+  const int64_t tiles = (N + tile - 1) / tile;
+  const int64_t parts = std::min(KernelThreads(pool, max_threads), tiles);
+  ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
+    const int64_t c0 = i * tiles / parts * tile;
+    const int64_t c1 = std::min(N, (i + 1) * tiles / parts * tile);
+    columns(x, w, y, R, K, N, c0, c1);
+  });
+}
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                        int32_t isa, int32_t transpose_w, int32_t max_threads,
                        ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -98,32 +138,27 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (!Supports(isa)) {
     return ffi::Error::InvalidArgument("small matmul: the forced instruction set is unsupported");
   }
-  ColumnsFn columns = transpose_w ? portable::NtColumns : portable::Columns;
-  int64_t tile = transpose_w ? portable::kNtCols : portable::kTile;
-#if JE_X86
-  if (isa == kAvx512) {
-    columns = transpose_w ? avx512::NtColumns : avx512::Columns;
-    tile = transpose_w ? avx512::kNtCols : avx512::kTile;
-  } else if (isa == kAvx2) {
-    columns = transpose_w ? avx2::NtColumns : avx2::Columns;
-    tile = transpose_w ? avx2::kNtCols : avx2::kTile;
-  }
-#endif
   float* out = y->typed_data();
   if (R == 0 || N == 0) return ffi::Error::Success();
   if (K == 0) {
     std::memset(out, 0, R * N * sizeof(float));
     return ffi::Error::Success();
   }
-  const int64_t tiles = (N + tile - 1) / tile;
-  const int64_t parts = std::min(KernelThreads(pool, max_threads), tiles);
   const float* xs = x.typed_data();
-  const float* ws = w.typed_data();
-  ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
-    const int64_t c0 = i * tiles / parts * tile;
-    const int64_t c1 = std::min(N, (i + 1) * tiles / parts * tile);
-    columns(xs, ws, out, R, K, N, c0, c1);
-  });
+  const void* ws = w.untyped_data();
+  switch (w.element_type()) {
+    case ffi::F32:
+      Run(pool, isa, transpose_w, max_threads, xs, static_cast<const float*>(ws), out, R, K, N);
+      break;
+    case ffi::BF16:
+      Run(pool, isa, transpose_w, max_threads, xs, static_cast<const Bf16*>(ws), out, R, K, N);
+      break;
+    case ffi::S8:
+      Run(pool, isa, transpose_w, max_threads, xs, static_cast<const int8_t*>(ws), out, R, K, N);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("small matmul: the weight must be f32, bf16 or int8");
+  }
   return ffi::Error::Success();
 }
 
@@ -139,7 +174,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineSmallMatmul, jengine::SmallMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [R, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] or [N, K]
+                                  .Arg<ffi::AnyBuffer>()  // w [K, N] or [N, K]: f32, bf16, s8
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("transpose_w")
                                   .Attr<int32_t>("max_threads")

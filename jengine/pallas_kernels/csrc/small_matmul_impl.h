@@ -1,7 +1,11 @@
 // One instruction set's body of the small-row matmul (included by small_matmul.cc inside the
 // namespaces portable / avx2 / avx512, with JE_SIMD 0 / 1 / 2 and the matching target pragma).
 //
-// y[R, N] = x[R, K] @ w[K, N], w row-major. One or two rows stream w (StreamRows). From three
+// y[R, N] = x[R, K] @ w[K, N], w row-major, x and y float32. The weight's element type W is a
+// template parameter: float, Bf16 (bfloat16 bits) or int8_t (a per-channel int8 weight whose
+// scale the caller applies to y); LoadW widens a vector of W to float32 in registers, so a
+// narrower weight is fewer bytes streamed from memory at the same arithmetic.
+// One or two rows stream w (StreamRows). From three
 // rows on, a thread's columns are taken a k-block (~64 KiB) at a time; each tile of kTile columns (two vectors) keeps its R x kTile sums in registers
 // while k runs over the block, so each weight is loaded once per group of up to kMaxRows rows
 // and broadcast-multiplied into every row of the group. While a block is computed, the next
@@ -20,6 +24,15 @@ inline Vec Broadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
 constexpr int kNtRows = 6;  // transposed tiles: 4 weight rows x 6 x-rows = 24 accumulators
+inline Vec LoadW(const float* p) { return Load(p); }
+inline Vec LoadW(const Bf16* p) {  // 16 bf16 -> f32: the bits are the f32's upper half
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+inline Vec LoadW(const int8_t* p) {  // 16 int8 -> f32 (exact)
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 #elif JE_SIMD == 1
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -35,6 +48,15 @@ inline float Sum(Vec v) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 constexpr int kNtRows = 3;  // transposed tiles: 4 weight rows x 3 x-rows = 12 accumulators
+inline Vec LoadW(const float* p) { return Load(p); }
+inline Vec LoadW(const Bf16* p) {  // 8 bf16 -> f32: the bits are the f32's upper half
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+inline Vec LoadW(const int8_t* p) {  // 8 int8 -> f32 (exact)
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 #else
 struct Vec {
   float v[8];
@@ -63,17 +85,24 @@ inline float Sum(Vec v) {
   return s;
 }
 constexpr int kNtRows = 2;
+template <typename W>
+inline Vec LoadW(const W* p) {
+  Vec r;
+  for (int i = 0; i < 8; ++i) r.v[i] = ToF32(p[i]);
+  return r;
+}
 #endif
 
 constexpr int64_t kTile = 2 * kLanes;  // output columns per register tile
 constexpr int64_t kPanel = 256;  // columns of one panel: 1 KiB runs of each weight row
 constexpr int64_t kBlockBytes = 64 * 1024;  // a k-block of one panel (L2)
-constexpr int64_t kLine = 16;  // floats per 64-byte cache line
+template <typename W>
+constexpr int64_t kLine = 64 / sizeof(W);  // weights per 64-byte cache line
 
 // One register tile: rows [0, RB) of x against w[0:K, 0:kTile] (row stride ldw); the sums start
 // from y's current values when `accumulate` (a k-block after the first).
-template <int RB>
-void TileRows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
+template <int RB, typename W>
+void TileRows(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* y,
               int64_t ldy, bool accumulate) {
   Vec acc0[RB], acc1[RB];
 #pragma GCC unroll 16
@@ -82,7 +111,7 @@ void TileRows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t 
     acc1[r] = accumulate ? Load(y + r * ldy + kLanes) : Zero();
   }
   for (int64_t k = 0; k < K; ++k) {
-    const Vec w0 = Load(w + k * ldw), w1 = Load(w + k * ldw + kLanes);
+    const Vec w0 = LoadW(w + k * ldw), w1 = LoadW(w + k * ldw + kLanes);
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       const Vec b = Broadcast(x + r * ldx + k);
@@ -97,15 +126,15 @@ void TileRows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t 
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
-                        bool);
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t, bool);
 
-template <int RB>
-TileFn PickTile(int rows) {
+template <int RB, typename W>
+TileFn<W> PickTile(int rows) {
   if constexpr (RB > 1) {
-    if (rows < RB) return PickTile<RB - 1>(rows);
+    if (rows < RB) return PickTile<RB - 1, W>(rows);
   }
-  return &TileRows<RB>;
+  return &TileRows<RB, W>;
 }
 
 struct Block {  // k rows [k0, k0 + kn) of columns [c0, c0 + width)
@@ -114,38 +143,42 @@ struct Block {  // k rows [k0, k0 + kn) of columns [c0, c0 + width)
 
 // Asks for lines [first, last) of block b of w, counted row by row: the memory system gets
 // long contiguous runs, well ahead of the loads that use them.
-void PrefetchLines(const float* w, int64_t N, const Block& b, int64_t first, int64_t last) {
-  const int64_t per_row = (b.width + kLine - 1) / kLine;
+template <typename W>
+void PrefetchLines(const W* w, int64_t N, const Block& b, int64_t first, int64_t last) {
+  const int64_t per_row = (b.width + kLine<W> - 1) / kLine<W>;
   for (int64_t i = first; i < last; ++i) {
-    __builtin_prefetch(w + (b.k0 + i / per_row) * N + b.c0 + i % per_row * kLine, 0, 2);
+    __builtin_prefetch(w + (b.k0 + i / per_row) * N + b.c0 + i % per_row * kLine<W>, 0, 2);
   }
 }
 
-int64_t Lines(const Block& b) { return b.kn * ((b.width + kLine - 1) / kLine); }
+template <typename W>
+int64_t Lines(const Block& b) {
+  return b.kn * ((b.width + kLine<W> - 1) / kLine<W>);
+}
 
 // y[0:RB, 0:width] = x[0:RB, :] @ w[:, 0:width] (width a multiple of kLanes) for one or two
 // rows, where the step is memory-bound and register tiles gain nothing: four weight rows at a
 // time stream contiguously through the whole width (the hardware prefetchers' best case; it
 // ran 1.3-1.4x faster than the tiles at 1-2 rows), the sums staying in y (L1).
-template <int RB>
-void StreamRows(const float* x, int64_t K, const float* w, int64_t N, int64_t width, float* y) {
+template <int RB, typename W>
+void StreamRows(const float* x, int64_t K, const W* w, int64_t N, int64_t width, float* y) {
+  constexpr int G = RB == 1 ? 8 : 4;  // weight rows a pass: y is loaded and stored once per G
   for (int r = 0; r < RB; ++r) std::fill(y + r * N, y + r * N + width, 0.0f);
   int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    Vec b[RB][4];
+  for (; k + G <= K; k += G) {
+    Vec b[RB][G];
     for (int r = 0; r < RB; ++r) {
-      for (int j = 0; j < 4; ++j) b[r][j] = Broadcast(x + r * K + k + j);
+      for (int j = 0; j < G; ++j) b[r][j] = Broadcast(x + r * K + k + j);
     }
-    const float* w0 = w + k * N;
+    const W* w0 = w + k * N;
     for (int64_t c = 0; c < width; c += kLanes) {
-      const Vec a0 = Load(w0 + c), a1 = Load(w0 + N + c), a2 = Load(w0 + 2 * N + c),
-                a3 = Load(w0 + 3 * N + c);
+      Vec a[G];
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) a[j] = LoadW(w0 + j * N + c);
       for (int r = 0; r < RB; ++r) {
         Vec acc = Load(y + r * N + c);
-        acc = Fma(b[r][0], a0, acc);
-        acc = Fma(b[r][1], a1, acc);
-        acc = Fma(b[r][2], a2, acc);
-        acc = Fma(b[r][3], a3, acc);
+#pragma GCC unroll 8
+        for (int j = 0; j < G; ++j) acc = Fma(b[r][j], a[j], acc);
         Store(y + r * N + c, acc);
       }
     }
@@ -154,7 +187,7 @@ void StreamRows(const float* x, int64_t K, const float* w, int64_t N, int64_t wi
     for (int r = 0; r < RB; ++r) {
       const Vec b = Broadcast(x + r * K + k);
       for (int64_t c = 0; c < width; c += kLanes) {
-        Store(y + r * N + c, Fma(b, Load(w + k * N + c), Load(y + r * N + c)));
+        Store(y + r * N + c, Fma(b, LoadW(w + k * N + c), Load(y + r * N + c)));
       }
     }
   }
@@ -162,21 +195,22 @@ void StreamRows(const float* x, int64_t K, const float* w, int64_t N, int64_t wi
 
 // Register tiles over columns [c0, c1) (a multiple of kTile wide): panels of at most kPanel
 // columns, each in k-blocks of ~kBlockBytes, the next block prefetched while one is computed.
-void TiledColumns(const float* x, const float* w, float* y, int64_t R, int64_t K, int64_t N,
+template <typename W>
+void TiledColumns(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N,
                   int64_t c0, int64_t c1) {
   std::vector<Block> blocks;  // in the order computed
   for (int64_t p = c0; p < c1; p += kPanel) {
     const int64_t width = std::min(kPanel, c1 - p);
-    const int64_t kc = std::max<int64_t>(16, kBlockBytes / (width * 4));
+    const int64_t kc = std::max<int64_t>(16, kBlockBytes / (width * int64_t{sizeof(W)}));
     for (int64_t k0 = 0; k0 < K; k0 += kc) blocks.push_back({k0, std::min(kc, K - k0), p, width});
   }
   const int64_t groups = (R + kMaxRows - 1) / kMaxRows;  // near-equal: rows g*R/groups..
-  if (!blocks.empty()) PrefetchLines(w, N, blocks[0], 0, Lines(blocks[0]));
+  if (!blocks.empty()) PrefetchLines(w, N, blocks[0], 0, Lines<W>(blocks[0]));
   for (size_t i = 0; i < blocks.size(); ++i) {
     const Block& b = blocks[i];
     const int64_t tiles = b.width / kTile;
     // The next block's lines, a share per tile of this one, so the loads never wait long.
-    const int64_t next = i + 1 < blocks.size() ? Lines(blocks[i + 1]) : 0;
+    const int64_t next = i + 1 < blocks.size() ? Lines<W>(blocks[i + 1]) : 0;
     const int64_t share = (next + tiles - 1) / tiles;
     for (int64_t t = 0; t < tiles; ++t) {
       if (next > 0) {
@@ -186,7 +220,7 @@ void TiledColumns(const float* x, const float* w, float* y, int64_t R, int64_t K
       const int64_t c = b.c0 + t * kTile;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t r0 = g * R / groups, rows = (g + 1) * R / groups - r0;
-        PickTile<kMaxRows>(static_cast<int>(rows))(x + r0 * K + b.k0, K, w + b.k0 * N + c, N,
+        PickTile<kMaxRows, W>(static_cast<int>(rows))(x + r0 * K + b.k0, K, w + b.k0 * N + c, N,
                                                    b.kn, y + r0 * N + c, N, b.k0 > 0);
       }
     }
@@ -194,8 +228,9 @@ void TiledColumns(const float* x, const float* w, float* y, int64_t R, int64_t K
 }
 
 // Columns [c0, c1) of y; c0 is a multiple of kTile, and only the last range may end ragged.
-void Columns(const float* x, const float* w, float* y, int64_t R, int64_t K, int64_t N,
-             int64_t c0, int64_t c1) {
+template <typename W>
+void Columns(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N, int64_t c0,
+             int64_t c1) {
   const int64_t full_end = c0 + (c1 - c0) / kTile * kTile;
   if (R == 1) {
     StreamRows<1>(x, K, w + c0, N, full_end - c0, y + c0);
@@ -211,8 +246,8 @@ void Columns(const float* x, const float* w, float* y, int64_t R, int64_t K, int
     std::fill(acc, acc + width, 0.0f);
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[r * K + k];
-      const float* wk = w + k * N + full_end;
-      for (int64_t c = 0; c < width; ++c) acc[c] += xv * wk[c];
+      const W* wk = w + k * N + full_end;
+      for (int64_t c = 0; c < width; ++c) acc[c] += xv * ToF32(wk[c]);
     }
     std::copy(acc, acc + width, y + r * N + full_end);
   }
@@ -223,8 +258,8 @@ void Columns(const float* x, const float* w, float* y, int64_t R, int64_t K, int
 // rows of x whose vectors sit in registers; the vector sums reduce once per output.
 constexpr int kNtCols = 4;
 
-template <int RB, int CB>
-void NtTile(const float* x, const float* w, int64_t K, float* y, int64_t N) {
+template <int RB, int CB, typename W>
+void NtTile(const float* x, const W* w, int64_t K, float* y, int64_t N) {
   Vec acc[CB][RB];
   for (int c = 0; c < CB; ++c) {
     for (int r = 0; r < RB; ++r) acc[c][r] = Zero();
@@ -234,38 +269,40 @@ void NtTile(const float* x, const float* w, int64_t K, float* y, int64_t N) {
     Vec xr[RB];
     for (int r = 0; r < RB; ++r) xr[r] = Load(x + r * K + k);
     for (int c = 0; c < CB; ++c) {
-      const Vec wc = Load(w + c * K + k);
+      const Vec wc = LoadW(w + c * K + k);
       for (int r = 0; r < RB; ++r) acc[c][r] = Fma(xr[r], wc, acc[c][r]);
     }
   }
   for (int c = 0; c < CB; ++c) {
     for (int r = 0; r < RB; ++r) {
       float sum = Sum(acc[c][r]);
-      for (int64_t k = kv; k < K; ++k) sum += x[r * K + k] * w[c * K + k];
+      for (int64_t k = kv; k < K; ++k) sum += x[r * K + k] * ToF32(w[c * K + k]);
       y[r * N + c] = sum;
     }
   }
 }
 
-using NtFn = void (*)(const float*, const float*, int64_t, float*, int64_t);
+template <typename W>
+using NtFn = void (*)(const float*, const W*, int64_t, float*, int64_t);
 
-template <int RB>
-NtFn PickNt(int rows, bool full) {
+template <int RB, typename W>
+NtFn<W> PickNt(int rows, bool full) {
   if constexpr (RB > 1) {
-    if (rows < RB) return PickNt<RB - 1>(rows, full);
+    if (rows < RB) return PickNt<RB - 1, W>(rows, full);
   }
-  return full ? &NtTile<RB, kNtCols> : &NtTile<RB, 1>;
+  return full ? &NtTile<RB, kNtCols, W> : &NtTile<RB, 1, W>;
 }
 
 // Columns [c0, c1) of y (rows [c0, c1) of w).
-void NtColumns(const float* x, const float* w, float* y, int64_t R, int64_t K, int64_t N,
+template <typename W>
+void NtColumns(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N,
                int64_t c0, int64_t c1) {
   const int64_t groups = (R + kNtRows - 1) / kNtRows;
   for (int64_t c = c0; c < c1;) {
     const bool full = c + kNtCols <= c1;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t r0 = g * R / groups, rows = (g + 1) * R / groups - r0;
-      PickNt<kNtRows>(static_cast<int>(rows), full)(x + r0 * K, w + c * K, K, y + r0 * N + c, N);
+      PickNt<kNtRows, W>(static_cast<int>(rows), full)(x + r0 * K, w + c * K, K, y + r0 * N + c, N);
     }
     c += full ? kNtCols : 1;
   }
