@@ -143,11 +143,7 @@ def forward(
     if not all_logits:
         x = x[md.logits_indices]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    with jax.named_scope("lm_head"):
-        if cfg.tie_word_embeddings:
-            logits = layers.dot("te,ve->tv", x, params["embed"], mm)
-        else:
-            logits = layers.dot("te,ev->tv", x, params["lm_head"], mm)
+    logits = layers.lm_head(x, params, cfg.tie_word_embeddings, mm)
     return logits, kv
 
 

@@ -225,6 +225,14 @@ def project(x: jax.Array, w: Weight, eq: str, bias: jax.Array | None = None, *,
         return y if bias is None else y + bias
 
 
+def lm_head(x: jax.Array, params: dict, tied: bool, backend: str = "xla") -> jax.Array:
+    """[T, E] -> float32 logits [T, V], through the tied embedding or the separate lm_head."""
+    with jax.named_scope("lm_head"):
+        if tied:
+            return dot("te,ve->tv", x, params["embed"], backend)
+        return dot("te,ev->tv", x, params["lm_head"], backend)
+
+
 def embed_tokens(table: Weight, ids: jax.Array, dtype) -> jax.Array:
     """[T] ids -> [T, E] rows of the embedding table."""
     return quant.take_rows(table, ids).astype(dtype)
