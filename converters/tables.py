@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from converters.errors import ModelLoadError
+from jengine.models import layer_offsets
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec
 
@@ -225,8 +226,63 @@ class Placement:
         return src[:axis] + (slice(start, stop),) + tuple(src[axis + 1:]), post
 
 
+def _heads_of(width: int) -> Transform:
+    """[H*W, In] -> [In, H, W] for heads of a fixed width W other than the config's head_dim
+    (DeepSeek's q heads are qk_nope + qk_rope wide, its kv_b_proj heads qk_nope + v)."""
+    return Transform(
+        apply=lambda w, cfg: w.T.reshape(w.shape[1], -1, width),
+        source_index=lambda idx, d: ((_rows(idx[1], width), idx[0]), (_ALL, _ALL, idx[2])),
+        source_shape=lambda shape, d: (shape[1] * shape[2], shape[0]),
+    )
+
+
+def _o_heads_of(width: int) -> Transform:
+    """o_proj [E, H*W] -> [H, W, E] for value heads W wide (DeepSeek's v_head_dim)."""
+    return Transform(
+        apply=lambda w, cfg: w.T.reshape(-1, width, w.shape[0]),
+        source_index=lambda idx, d: ((idx[2], _rows(idx[0], width)), (_ALL, idx[1], _ALL)),
+        source_shape=lambda shape, d: (shape[2], shape[0] * shape[1]),
+    )
+
+
+def _latent_attention_rules(cfg: ModelConfig) -> list[Rule]:
+    """DeepSeek-V2's table (its head widths differ from the cache's `head_dim`, so the
+    transforms are built for the config). The MoE weights' layer index counts from the first
+    MoE layer (`jengine.models.layer_offsets`, applied by `lookup`)."""
+    qk = _heads_of(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    attn = _LAYER + r"self_attn\."
+    mlp = _LAYER + r"mlp\."
+    return [
+        (r"model\.embed_tokens\.weight", "embed", _same),
+        (r"model\.norm\.weight", "final_norm", _same),
+        (r"lm_head\.weight", "lm_head", _t),
+        (_LAYER + r"input_layernorm\.weight", "attn_norm", _same),
+        (_LAYER + r"post_attention_layernorm\.weight", "mlp_norm", _same),
+        (attn + r"q_proj\.weight", "wq", qk),
+        (attn + r"q_a_proj\.weight", "wq_a", _t),
+        (attn + r"q_a_layernorm\.weight", "q_a_norm", _same),
+        (attn + r"q_b_proj\.weight", "wq_b", qk),
+        (attn + r"kv_a_proj_with_mqa\.weight", "wkv_a", _t),
+        (attn + r"kv_a_layernorm\.weight", "kv_a_norm", _same),
+        (attn + r"kv_b_proj\.weight", "wkv_b", _heads_of(cfg.qk_nope_head_dim + cfg.v_head_dim)),
+        (attn + r"o_proj\.weight", "wo", _o_heads_of(cfg.v_head_dim)),
+        (mlp + r"gate_proj\.weight", "w_gate", _t),
+        (mlp + r"up_proj\.weight", "w_up", _t),
+        (mlp + r"down_proj\.weight", "w_down", _t),
+        (mlp + r"gate\.weight", "router", _t),
+        (mlp + r"experts\.(\d+)\.gate_proj\.weight", "we_gate", _t),
+        (mlp + r"experts\.(\d+)\.up_proj\.weight", "we_up", _t),
+        (mlp + r"experts\.(\d+)\.down_proj\.weight", "we_down", _t),
+        (mlp + r"shared_experts\.gate_proj\.weight", "ws_gate", _t),
+        (mlp + r"shared_experts\.up_proj\.weight", "ws_up", _t),
+        (mlp + r"shared_experts\.down_proj\.weight", "ws_down", _t),
+    ]
+
+
 def _table(cfg: ModelConfig) -> list[Rule]:
     """The family's rules, after any of the model type's own (the first match wins)."""
+    if cfg.latent_attention:
+        return _latent_attention_rules(cfg)
     return TABLES.get(cfg.model_type, []) + TABLES[cfg.family]
 
 
@@ -243,7 +299,10 @@ def lookup(cfg: ModelConfig, key: str) -> tuple[tuple[str, ...], tuple[int, ...]
         m = re.fullmatch(pattern, key)
         if m:
             names = (names,) if isinstance(names, str) else names
-            return names, tuple(int(g) for g in m.groups()), transform
+            index = [int(g) for g in m.groups()]
+            if index:  # a weight stacking only the layers from its first one on (DeepSeek's MoE)
+                index[0] -= layer_offsets(cfg).get(names[0], 0)
+            return names, tuple(index), transform
     raise KeyError(key)
 
 
@@ -273,7 +332,7 @@ def place(
         if name not in specs:
             raise ModelLoadError(f"weight {key!r} does not fit this {cfg.model_type} config")
         bounds = specs[name].shape[:len(index)]
-        if any(i >= n for i, n in zip(index, bounds)):
+        if any(not 0 <= i < n for i, n in zip(index, bounds)):
             raise ModelLoadError(
                 f"weight {key!r} names index {index} past {specs[name].axes[:len(index)]} "
                 f"of size {bounds}"

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module
+from jengine.models import AttentionMetadata, KVCache, ModelConfig, family_module, layer_offsets
 from jengine.models.layers import unstack_layers
 
 PAD_TOKEN = 0  # token id of padding slots (any valid id works: their rows are discarded)
@@ -38,7 +38,8 @@ def _unpack(model: Any, layer_layout: str = "as_given") -> tuple[ModelConfig, di
     cfg, params = (model.config, model.params) if hasattr(model, "config") else model
     params = jax.tree.map(jnp.asarray, dict(params))
     if layer_layout == "unstacked" and "layers" not in params:
-        params = unstack_layers(params, family_module(cfg).LAYER_KEYS, cfg.num_layers)
+        params = unstack_layers(params, family_module(cfg).LAYER_KEYS, cfg.num_layers,
+                                first_layer=layer_offsets(cfg))
     return cfg, params
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import test_deepseek
 import test_models_parity
 
 from jengine.models.config import FAMILIES
@@ -31,5 +32,6 @@ def test_table_is_generated_and_complete():
         assert script.updated(text) == text, f"{doc.name}: run scripts/supported_models.py"
     tested = [test for _, test in script.NOTES.values() if test]
     for name in tested:
-        assert callable(getattr(test_models_parity, name, None)), name
+        assert callable(getattr(test_models_parity, name, None)
+                        or getattr(test_deepseek, name, None)), name
     assert len(tested) >= 15

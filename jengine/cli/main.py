@@ -254,6 +254,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         info["experts"] = (f"{cfg.num_experts} ({cfg.num_experts_per_tok} per token), "
                            f"width {cfg.moe_intermediate_size}"
                            + (f", shared {shared}" if shared else ""))
+    if cfg.latent_attention:
+        info["latent_attention"] = (
+            f"kv_lora_rank {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim} cached per token "
+            f"and layer, q_lora_rank {cfg.q_lora_rank or 'none'}, "
+            f"{cfg.first_dense_layers} dense layers first")
     for k, v in info.items():
         print(f"{k:16} {v}")
     return 0

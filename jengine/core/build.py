@@ -16,7 +16,7 @@ from tqdm import tqdm
 from converters import LoadedModel
 from jengine.config import EngineConfig
 from jengine.core.kv_budget import host_kv_budget
-from jengine.models import KVCache, ModelConfig, family_module
+from jengine.models import KVCache, ModelConfig, family_module, layer_offsets
 from jengine.models.layers import unstack_layers
 from jengine.models.quant import quantize_params
 from jengine.models.smoothing import smooth_for_int8
@@ -137,7 +137,8 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         # each once. Placing the stacks and splitting them on the device costs a jitted
         # split per weight and a second copy of every layer (~1 s for SmolLM2 on CPU).
         stacked = {name: np.asarray(w) for name, w in host.items()}
-        return jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers))
+        return jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers,
+                                             first_layer=layer_offsets(cfg)))
     # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
     params = load_params_sharded(
         loaded, cfg, rules.param_shardings(specs) if rules else None, dtype,
@@ -153,7 +154,7 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
     )
     if layer_layout == "unstacked":
         params = unstack_layers(params, family.LAYER_KEYS, cfg.num_layers,
-                                delete_stacked=True)
+                                delete_stacked=True, first_layer=layer_offsets(cfg))
     return params
 
 

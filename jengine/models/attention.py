@@ -22,20 +22,29 @@ from jengine.pallas_kernels import (
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Stacked paged KV cache; page 0 is a scratch page that padding tokens write into."""
+    """Stacked paged KV cache; page 0 is a scratch page that padding tokens write into.
+
+    Under multi-head latent attention (`ModelConfig.latent_attention`, DeepSeek-V2) `k` holds
+    one row per token, the latent and the rope key ([L, 1, P, O, kv_lora_rank + rope dim]), and
+    `v` is empty ([L, 1, P, O, 0]): the values are the latent columns of the same rows
+    (`attend_latent`), so nothing is stored twice. `v` stays a (zero-byte) leaf so that the
+    cache has one pytree structure and one sharding for every family.
+    """
 
     k: jax.Array  # [L, K, P, O, D]
-    v: jax.Array  # [L, K, P, O, D]
+    v: jax.Array  # [L, K, P, O, D]; [L, K, P, O, 0] under latent attention
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        v_shape = shape[:-1] + (0,) if cfg.latent_attention else shape
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(v_shape, dtype))
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
         itemsize = jnp.dtype(dtype).itemsize
-        return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        copies = 1 if cfg.latent_attention else 2  # latent rows only, else keys and values
+        return copies * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 @jax.tree_util.register_dataclass
@@ -91,6 +100,47 @@ def attend(
     with jax.named_scope("attention"):
         return _attention(q, kv, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
                           soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend), kv
+
+
+def attend_latent(
+    q: jax.Array,  # [T, H, C + R]: each head's query in latent space, then its rope part
+    rows: jax.Array,  # [T, 1, C + R]: the normed latent, then the rotated shared rope key
+    kv: KVCache,
+    layer: jax.Array,
+    md: AttentionMetadata,
+    *,
+    value_dim: int,  # C
+    sm_scale: float,
+    kv_head_map: tuple[int, ...] | None = None,
+    backend: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """Multi-head latent attention over the compressed cache: writes this layer's rows, then
+    attends with every q head over the one latent kv head (MQA) and returns the outputs in
+    latent space, [T, H, C] (the caller maps them out through W_UV).
+
+    Scores are q . row over the whole row (q_latent . c + q_pe . k_pe); the values are the
+    rows' first C columns. Every backend takes the cache as both its keys and its values (the
+    same buffer, nothing copied) and returns [T, H, C + R], of which the last R columns
+    (softmax-weighted rope keys) are dropped: R / (C + R) extra value work, 11% at
+    DeepSeek-V2's 512 + 64, for one kernel signature.
+
+    Raises:
+      ValueError: a Pallas backend (not built for latent rows: the TPU kernel's lanes want
+        head dims in multiples of 128, and neither kernel has been checked on 576-wide rows).
+    """
+    if backend not in ("reference", "cpu"):
+        raise ValueError(f"multi-head latent attention (deepseek_v2) runs on the 'reference' "
+                         f"and 'cpu' attention backends, not {backend!r}")
+    write = write_kv
+    if backend == "cpu":
+        write = shard_write_for_context_mesh(write_kv_cpu, kv_replicated=kv_head_map is not None)
+    with jax.named_scope("kv_write"):
+        kv = KVCache(k=write(kv.k, layer, md.slot_mapping, rows), v=kv.v)
+    with jax.named_scope("attention"):
+        shared = KVCache(k=kv.k, v=kv.k)
+        out = _attention(q, shared, layer, md, sm_scale=sm_scale, sliding_window=None,
+                         soft_cap=None, kv_head_map=kv_head_map, backend=backend)
+    return out[..., :value_dim], kv
 
 
 def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend):

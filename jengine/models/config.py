@@ -34,6 +34,8 @@ FAMILIES = {
     "gemma3_text": "gemma3",
     "gemma2": "gemma3",  # Gemma 3's network without q/k norms, with soft-capping (gemma3.py)
     "gemma3": "gemma3",
+    # Multi-head latent attention over a compressed KV cache, DeepSeek's MoE (models/deepseek.py)
+    "deepseek_v2": "deepseek",
 }
 
 # "freq_factors": explicit per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF.
@@ -188,6 +190,21 @@ class ModelConfig:
     norm_topk_prob: bool = False
     # Qwen2-MoE: one more MLP every token runs, scaled by sigmoid(h . shared gate vector).
     shared_expert_intermediate_size: int = 0
+    # DeepSeek-V2's multi-head latent attention (`kv_lora_rank` > 0; models/deepseek.py): the
+    # cache holds one row per token, the latent (kv_lora_rank) and the shared rope key
+    # (qk_rope_head_dim), as one kv head of width `head_dim` = their sum. q_lora_rank 0: no
+    # low-rank q. Its MoE: the first `first_dense_layers` layers dense, then routed experts
+    # (weights x routed_scaling_factor; `expert_groups` > 0: group-limited greedy, the experts of
+    # the best `topk_groups` groups only) plus un-gated shared experts.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    first_dense_layers: int = 0
+    routed_scaling_factor: float = 1.0
+    expert_groups: int = 0
+    topk_groups: int = 0
     # Granite's scalars: embeddings x embedding_multiplier, each residual branch x
     # residual_multiplier, softmax scale = attention_multiplier, logits / logits_scaling.
     embedding_multiplier: float = 1.0
@@ -223,6 +240,11 @@ class ModelConfig:
         return float(scalar) ** -0.5
 
     @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention: the cache stores latent rows, no separate values."""
+        return self.kv_lora_rank > 0
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -237,6 +259,8 @@ class ModelConfig:
                 e if self.shared_expert_intermediate_size else 0)
         per_layer = e * (q + 2 * kv) + q * e + mlp + 2 * e
         head = 0 if self.tie_word_embeddings else e * v
+        if self.latent_attention:
+            return v * e + _mla_layers_params(self) + e + head
         return v * e + self.num_layers * per_layer + e + head
 
     def to_dict(self) -> dict[str, Any]:
@@ -263,6 +287,8 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Builds the config from an HF `config.json` dict (transformers 4.x or 5.x layout)."""
         model_type = hf.get("model_type")
+        if model_type == "deepseek_v2":
+            return _deepseek_v2_from_hf(hf)
         if model_type == "gemma3" and "text_config" in hf:
             hf = {**hf["text_config"], "model_type": "gemma3_text"}
             model_type = "gemma3_text"
@@ -346,6 +372,80 @@ def _context_length(hf: dict[str, Any], rope: RopeConfig) -> int:
     if rope.rope_type == "dynamic":
         return int(trained * max(rope.factor, 1.0))
     return trained
+
+
+def _mla_layers_params(cfg: ModelConfig) -> int:
+    """DeepSeek-V2's parameters in all layers (attention, norms, dense and MoE MLPs)."""
+    e, h, c, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    qk = cfg.qk_nope_head_dim + r
+    q = e * h * qk if not cfg.q_lora_rank else cfg.q_lora_rank * (e + 1 + h * qk)
+    attn = q + e * (c + r) + c + c * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    attn += h * cfg.v_head_dim * e + 2 * e
+    dense = 3 * e * cfg.intermediate_size
+    sparse = cfg.num_experts * (3 * e * cfg.moe_intermediate_size + e)
+    sparse += 3 * e * cfg.shared_expert_intermediate_size
+    moe_layers = cfg.num_layers - cfg.first_dense_layers
+    return cfg.num_layers * attn + cfg.first_dense_layers * dense + moe_layers * sparse
+
+
+def _deepseek_v2_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """DeepSeek-V2 (and -Lite): multi-head latent attention and DeepSeek's MoE.
+
+    The softmax scale is HF's: (qk_nope + qk_rope) ** -0.5, times yarn's
+    mscale(factor, mscale_all_dim) ** 2 under a scaled rope; the rope's own attention factor
+    (mscale / mscale_all_dim) scales the rotated q and k parts.
+
+    Raises:
+      ValueError: a routing method other than greedy / group-limited greedy.
+    """
+    num_layers = int(hf["num_hidden_layers"])
+    rope, _ = _rope_from_hf(hf)
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    nope, rope_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    scale = float(nope + rope_dim) ** -0.5
+    if rope.rope_type != "default" and params.get("mscale_all_dim"):
+        m = 0.1 * float(params["mscale_all_dim"]) * math.log(rope.factor) + 1.0
+        scale *= m * m if rope.factor > 1 else 1.0
+    method = hf.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2 routing {method!r} is not built "
+                         "(greedy, group_limited_greedy)")
+    grouped = method == "group_limited_greedy"
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("deepseek_v2 with attention or MLP biases is not built")
+    eos = hf.get("eos_token_id")
+    num_experts = int(hf["n_routed_experts"])
+    moe_width = int(hf["moe_intermediate_size"])
+    return ModelConfig(
+        model_type="deepseek_v2",
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=int(hf["num_attention_heads"]),
+        num_kv_heads=1,  # every q head reads the one latent row per token (MQA over the latent)
+        head_dim=int(hf["kv_lora_rank"]) + rope_dim,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=rope,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_multiplier=scale,
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=int(hf["v_head_dim"]),
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=moe_width,
+        shared_expert_intermediate_size=moe_width * int(hf.get("n_shared_experts") or 0),
+        first_dense_layers=min(int(hf.get("first_k_dense_replace", 0)), num_layers),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        expert_groups=int(hf["n_group"]) if grouped else 0,
+        topk_groups=int(hf["topk_group"]) if grouped else 0,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+    )
 
 
 # Families whose sliding window applies only with `use_sliding_window` set.

@@ -248,6 +248,14 @@ def project(x: jax.Array, w: Weight, eq: str, bias: jax.Array | None = None, *,
         return y if bias is None else y + bias
 
 
+def lm_head(x: jax.Array, params: dict, tied: bool, backend: str = "xla") -> jax.Array:
+    """[T, E] -> float32 logits [T, V], through the tied embedding or the separate lm_head."""
+    with jax.named_scope("lm_head"):
+        if tied:
+            return dot("te,ve->tv", x, params["embed"], backend)
+        return dot("te,ev->tv", x, params["lm_head"], backend)
+
+
 def embed_tokens(table: Weight, ids: jax.Array, dtype) -> jax.Array:
     """[T] ids -> [T, E] rows of the embedding table."""
     return quant.take_rows(table, ids).astype(dtype)
@@ -286,20 +294,28 @@ def resolve_layer_layout(layout: str, platform: str) -> str:
 
 
 def unstack_layers(params: dict[str, Weight], keys: tuple[str, ...], num_layers: int, *,
-                   delete_stacked: bool = False) -> dict[str, Weight | tuple]:
+                   delete_stacked: bool = False,
+                   first_layer: dict[str, int] | None = None) -> dict[str, Weight | tuple]:
     """Stacked layer weights [L, ...] -> `params["layers"]`, a tuple of L dicts of [...] arrays
     (each keeps its shard layout minus the layer axis; a `QArray` splits its int8 values and
     scales alike). `delete_stacked` frees each stacked array once it is split (the caller must
     not use them again), so loading peaks at the weights plus one stacked tensor rather than
-    twice the weights. NumPy arrays split into views (nothing is copied)."""
+    twice the weights. NumPy arrays split into views (nothing is copied).
+
+    A weight named in `first_layer` stacks only some layers, from that one on, as many as its
+    leading axis holds (DeepSeek's dense MLPs, then its MoE layers): the per-layer dicts then
+    differ in keys."""
+    first_layer = first_layer or {}
     out = {k: v for k, v in params.items() if k not in keys}
     names = [k for k in keys if k in params]
     layers: list[dict[str, Weight]] = [{} for _ in range(num_layers)]
     for name in names:
         leaves, treedef = jax.tree.flatten(params[name])
-        parts = [_split_layers(leaf, num_layers) for leaf in leaves]
-        for i in range(num_layers):
-            layers[i][name] = treedef.unflatten([p[i] for p in parts])
+        first = first_layer.get(name, 0)
+        count = leaves[0].shape[0] if name in first_layer else num_layers
+        parts = [_split_layers(leaf, count) for leaf in leaves]
+        for i in range(count):
+            layers[first + i][name] = treedef.unflatten([p[i] for p in parts])
         if delete_stacked:
             for leaf in leaves:
                 if isinstance(leaf, jax.Array):

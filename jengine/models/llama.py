@@ -166,11 +166,7 @@ def forward(
     if not all_logits:
         x = x[md.logits_indices]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    with jax.named_scope("lm_head"):
-        if cfg.tie_word_embeddings:
-            logits = layers.dot("te,ve->tv", x, params["embed"], mm)
-        else:
-            logits = layers.dot("te,ev->tv", x, params["lm_head"], mm)
+    logits = layers.lm_head(x, params, cfg.tie_word_embeddings, mm)
     if cfg.logits_scaling != 1.0:
         logits = logits / cfg.logits_scaling
     return logits, kv

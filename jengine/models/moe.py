@@ -9,6 +9,14 @@ logits is the same weights; a config switch for Qwen2/3-MoE). Each token's
 output is the weighted sum of its chosen experts' SwiGLU MLPs, plus (Qwen2-MoE) a shared
 expert's MLP that every token runs, scaled by sigmoid(h . `ws_router`).
 
+DeepSeek-V2 routes its own way (`route`): the router logits in float32, softmax, then either
+the top k (greedy) or, with `expert_groups` > 0, the top k among the experts of the
+`topk_groups` groups whose best expert scores highest (group-limited greedy); the chosen
+probabilities are scaled by `routed_scaling_factor`, never renormalised (HF's DeepSeek-V2 ignores
+`norm_topk_prob`). Its shared experts are one MLP every token runs, without a gate. Its first
+`first_dense_layers` layers have a dense MLP instead, so the MoE weights stack only the layers
+after them.
+
 The experts are three stacked weights with a logical `experts` axis, `we_gate`/`we_up`
 [L, X, E, F] and `we_down` [L, X, F, E]. Two exact ways compute them, picked statically from the
 bucket's token count T (both give HF's sums; only float32 rounding differs):
@@ -41,7 +49,8 @@ from jengine.models.layers import ParamSpec, dot
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     """The router and the stacked experts of every layer."""
-    n, e, x, f = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    n, e, x = cfg.num_layers - cfg.first_dense_layers, cfg.hidden_size, cfg.num_experts
+    f = cfg.moe_intermediate_size
     specs = {
         "router": ParamSpec((n, e, x), ("layers", "embed", "experts")),
         "we_gate": ParamSpec((n, x, e, f), ("layers", "experts", "embed", "mlp")),
@@ -51,12 +60,18 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     shared = cfg.shared_expert_intermediate_size
     if shared:
         specs.update({
-            "ws_router": ParamSpec((n, e), ("layers", "embed")),
             "ws_gate": ParamSpec((n, e, shared), ("layers", "embed", "mlp")),
             "ws_up": ParamSpec((n, e, shared), ("layers", "embed", "mlp")),
             "ws_down": ParamSpec((n, shared, e), ("layers", "mlp", "embed")),
         })
+        if _gated_shared_expert(cfg):
+            specs["ws_router"] = ParamSpec((n, e), ("layers", "embed"))
     return specs
+
+
+def _gated_shared_expert(cfg: ModelConfig) -> bool:
+    """Qwen2-MoE gates its shared expert per token; DeepSeek's shared experts are not gated."""
+    return cfg.model_type != "deepseek_v2"
 
 
 LAYER_KEYS = ("router", "we_gate", "we_up", "we_down", "ws_router", "ws_gate", "ws_up", "ws_down")
@@ -64,12 +79,28 @@ LAYER_KEYS = ("router", "we_gate", "we_up", "we_down", "ws_router", "ws_gate", "
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """[T, E] -> (chosen experts [T, k] int32, their weights [T, k] float32), as HF routes."""
+    if cfg.model_type == "deepseek_v2":
+        return _route_deepseek(h, router, cfg)
     logits = dot("te,ex->tx", h, router).astype(h.dtype)  # HF's router runs in the model dtype
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return experts, weights
+
+
+def _route_deepseek(h: jax.Array, router: jax.Array, cfg: ModelConfig):
+    """DeepSeek-V2's router: float32 logits and softmax; greedy or group-limited top k; the
+    weights scaled by `routed_scaling_factor`."""
+    logits = dot("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)  # [T, X]
+    if cfg.expert_groups:
+        groups = probs.reshape(probs.shape[0], cfg.expert_groups, -1)  # [T, G, X/G]
+        _, best = jax.lax.top_k(jnp.max(groups, axis=-1), cfg.topk_groups)  # [T, topk_groups]
+        keep = jnp.sum(jax.nn.one_hot(best, cfg.expert_groups, dtype=jnp.bool_), axis=1)  # [T, G]
+        probs = jnp.where(keep[:, :, None], groups, 0.0).reshape(probs.shape)  # HF's 0 fill
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    return experts, weights * cfg.routed_scaling_factor
 
 
 def moe_mlp(h: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
@@ -81,16 +112,19 @@ def moe_mlp(h: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig) -> jax.Arra
             out = _gather_experts(h, p, experts, weights)
         else:
             out = _dense_experts(h, p, experts, weights, cfg.num_experts)
-        if "ws_router" in p:
+        if "ws_gate" in p:
             out = out + _shared_expert(h, p)
         return out
 
 
 def _shared_expert(h, p) -> jax.Array:
-    """Qwen2-MoE's shared expert: a SwiGLU MLP gated per token by sigmoid(h . ws_router)."""
+    """The shared expert: a SwiGLU MLP, gated per token by sigmoid(h . ws_router) where the
+    family has that gate (Qwen2-MoE)."""
     gate = dot("te,ef->tf", h, p["ws_gate"]).astype(h.dtype)
     up = dot("te,ef->tf", h, p["ws_up"]).astype(h.dtype)
     mlp = dot("tf,fe->te", jax.nn.silu(gate) * up, p["ws_down"]).astype(h.dtype)
+    if "ws_router" not in p:
+        return mlp
     scale = jax.nn.sigmoid(dot("te,e->t", h, p["ws_router"]).astype(h.dtype))
     return mlp * scale[:, None]
 
