@@ -10,7 +10,7 @@ default) and, for one Llama and the Gemma model, stacked under `lax.scan` too.
 Tolerance: both sides compute in float32 from identical weights; they differ only in the order
 of float32 operations (einsum vs. matmul groupings, softmax, rope cos/sin evaluation), which
 perturbs logits of magnitude 5-80 by 2e-6..2e-5 (measured) over these 2-3 layer models.
-`TOL = 2e-4` leaves an order of magnitude of headroom while staying >1000x below the effect of
+`TOL = 1e-4` (the bar issue 18 sets) leaves 5x headroom while staying >1000x below the effect of
 any single feature the negative controls switch off (each moved logits by 0.36-6).
 
 Negative controls prove the features are really exercised: switching one off in our config
@@ -39,7 +39,7 @@ from converters import load_source
 from jengine.models import ModelConfig
 from jengine.sharding import pad_query_heads
 
-TOL = 2e-4
+TOL = 1e-4
 VOCAB = 96
 SEQ_LEN = 30  # 22 prefilled (chunks of 7: 7+7+7+1) + 8 decode steps; pages of 4
 DECODE_STEPS = 8
