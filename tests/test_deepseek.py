@@ -69,7 +69,7 @@ def _num_params(model: torch.nn.Module) -> int:
 def test_mla_parity_q_projection(tmp_path, monkeypatch):
     models: list = []
     loaded, ids, expected = _build(tmp_path, _config(), transformers.DeepseekV2ForCausalLM,
-                                   edit=models.append)
+                                   edit=models.append, greedy=False)  # greedy: the engine test
     cfg = loaded.config
     assert cfg.num_params == _num_params(models[0])
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.q_lora_rank) == (1, 32 + 8, 0)
@@ -93,7 +93,7 @@ def test_mla_parity_q_lora_group_limited(tmp_path):
                      num_hidden_layers=3)
     models: list = []
     loaded, ids, expected = _build(tmp_path, config, transformers.DeepseekV2ForCausalLM,
-                                   edit=models.append)
+                                   edit=models.append, greedy=False)
     cfg = loaded.config
     assert cfg.num_params == _num_params(models[0])
     assert cfg.q_lora_rank == 24 and "wq_a" in loaded.params and "wq" not in loaded.params
@@ -108,7 +108,8 @@ def test_mla_parity_q_lora_group_limited(tmp_path):
 def test_mla_stacked_layers_all_moe(tmp_path):
     """With every layer sparse the weights stack, and the layers run under `lax.scan`."""
     config = _config(first_k_dense_replace=0, num_hidden_layers=2, rope_parameters=None)
-    loaded, ids, expected = _build(tmp_path, config, transformers.DeepseekV2ForCausalLM)
+    loaded, ids, expected = _build(tmp_path, config, transformers.DeepseekV2ForCausalLM,
+                                   greedy=False)
     assert loaded.config.first_dense_layers == 0 and loaded.config.rope.rope_type == "default"
     assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL
 
@@ -162,7 +163,8 @@ def _greedy_hf(model, prompts, max_tokens):
 
 def test_mla_engine_backends_and_tp_match_hf(tmp_path):
     models: list = []
-    _build(tmp_path, _config(), transformers.DeepseekV2ForCausalLM, edit=models.append)
+    _build(tmp_path, _config(), transformers.DeepseekV2ForCausalLM, edit=models.append,
+           greedy=False)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 19, 11)]
     expected = _greedy_hf(models[0], prompts, 16)

@@ -132,7 +132,7 @@ def _convert(hf_dir: Path, arch: gguf.MODEL_ARCH, meta: Meta | None = None, *,
 
 def _gguf_parity(tmp_path, config, model_cls, arch, meta=None, *, norm_offset=1.0, **kw):
     """(GGUF-loaded model, ids, HF logits), after asserting logit parity over the paged path."""
-    _, ids, expected = _build(tmp_path, config, model_cls, norm_offset=norm_offset)
+    _, ids, expected = _build(tmp_path, config, model_cls, norm_offset=norm_offset, greedy=False)
     path = _convert(tmp_path, arch, meta, **kw)
     loaded = load_source(str(path), dtype="float32", progress=False)
     assert loaded.kind == "gguf" and loaded.config.model_type == config.model_type
@@ -329,7 +329,7 @@ def test_info_reports_family_parameters_context_and_template(tmp_path, capsys):
     # must equal HF's own count of the same checkpoint.
     captured = []
     config = transformers.Qwen2Config(**_llama_kwargs(rope_theta=1e6))
-    _build(tmp_path, config, transformers.Qwen2ForCausalLM, edit=captured.append)
+    _build(tmp_path, config, transformers.Qwen2ForCausalLM, edit=captured.append, greedy=False)
     hf_count = sum(p.numel() for p in captured[0].parameters())
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     path = _convert(tmp_path, gguf.MODEL_ARCH.QWEN2, lambda w, hf: w.add_chat_template(template))

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from paged import run_paged  # tests/paged.py: pytest puts tests/ on sys.path
+from paged import greedy_paged, run_paged  # tests/paged.py: pytest puts tests/ on sys.path
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from converters import load_source
@@ -43,6 +43,8 @@ TOL = 1e-4
 VOCAB = 96
 SEQ_LEN = 30  # 22 prefilled (chunks of 7: 7+7+7+1) + 8 decode steps; pages of 4
 DECODE_STEPS = 8
+GREEDY_TOKENS = 16  # generated per prompt by `_check_greedy`, three prompts decoded together
+NEAR_TIE = 1e-3
 PREFILL_CHUNK = 7
 WINDOW = 5  # sliding window, much shorter than SEQ_LEN
 
@@ -75,9 +77,11 @@ def _randomize(model: torch.nn.Module, *, norm_offset: float) -> None:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 
 
-def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0, edit=None):
+def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0, edit=None,
+           greedy: bool = True):
     """Saves a random model to tmp_path; returns (its loaded jengine form, ids, HF logits).
-    `edit(model)` may change the randomized torch model before it is saved."""
+    `edit(model)` may change the randomized torch model before it is saved. With `greedy`,
+    also checks `GREEDY_TOKENS` greedy tokens of a mixed batch against HF (`_check_greedy`)."""
     torch.manual_seed(0)
     config._attn_implementation = "eager"
     model = model_cls(config).eval()
@@ -91,7 +95,30 @@ def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0, edit=None):
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].float().numpy()
     loaded = load_source(str(tmp_path), dtype="float32", progress=False)
+    if greedy:
+        _check_greedy(model, loaded, [ids[:5], ids[:11], ids[:3]])
     return loaded, ids, expected
+
+
+def _check_greedy(hf_model, loaded, prompts: list[list[int]]) -> None:
+    """`GREEDY_TOKENS` greedy tokens of each prompt, decoded together as one ragged batch over
+    the paged cache (`tests/paged.py`'s `greedy_paged`), equal HF's greedy continuation (its
+    forward over the whole sequence each step, end of sequence ignored). A difference passes
+    only at a near tie: HF's two best logits within `NEAR_TIE` (the two sides' f32 rounding
+    may order them either way), and the continuation is compared up to it."""
+    got = greedy_paged(loaded, prompts, GREEDY_TOKENS, prefill_chunk=PREFILL_CHUNK,
+                       page_size=4)
+    for prompt, ours in zip(prompts, got):
+        seq = list(prompt)
+        for step in range(GREEDY_TOKENS):
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([seq])).logits[0, -1].float().numpy()
+            theirs = int(np.argmax(logits))
+            if ours[step] != theirs:
+                top2 = np.sort(logits)[-2:]
+                assert top2[1] - top2[0] < NEAR_TIE, (prompt, step, ours, theirs)
+                break
+            seq.append(theirs)
 
 
 def _max_diff(model, ids, expected, *, decode_steps: int = DECODE_STEPS,
@@ -531,7 +558,9 @@ def _hf_incremental(model, ids: list[int], prompt_len: int) -> np.ndarray:
 def _build_incremental(tmp_path, config, model_cls, prompt_len: int):
     """`_build`, with HF's logits computed incrementally (`_hf_incremental`)."""
     captured = []
-    loaded, ids, _ = _build(tmp_path, config, model_cls, edit=captured.append)
+    # greedy=False: `_check_greedy`'s reference is HF's full forward each step, which past the
+    # original context is not HF's incremental generate (what these tests compare with).
+    loaded, ids, _ = _build(tmp_path, config, model_cls, edit=captured.append, greedy=False)
     return loaded, ids, _hf_incremental(captured[0], ids, prompt_len)
 
 

@@ -53,7 +53,7 @@ def _record_routing(model) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.
 def test_routing_chooses_hfs_experts_token_for_token(tmp_path):
     models: list = []
     loaded, ids, _ = _build(tmp_path, _qwen3_moe_config(), transformers.Qwen3MoeForCausalLM,
-                            edit=models.append)
+                            edit=models.append, greedy=False)
     calls = _record_routing(models[0])
     with torch.no_grad():
         models[0](torch.tensor([ids]))
@@ -88,7 +88,8 @@ def test_exact_ties_keep_k_experts(tmp_path):
         _duplicate_expert(model, 2, 5)
         models.append(model)
 
-    loaded, ids, expected = _build(tmp_path, config, transformers.MixtralForCausalLM, edit=edit)
+    loaded, ids, expected = _build(tmp_path, config, transformers.MixtralForCausalLM, edit=edit,
+                                   greedy=False)
     calls = _record_routing(models[0])
     with torch.no_grad():
         models[0](torch.tensor([ids]))
@@ -130,7 +131,7 @@ def test_gather_and_dense_strategies_agree():
 def test_info_reports_the_experts(tmp_path, capsys):
     from jengine.cli.main import main
 
-    _build(tmp_path, _qwen3_moe_config(), transformers.Qwen3MoeForCausalLM)
+    _build(tmp_path, _qwen3_moe_config(), transformers.Qwen3MoeForCausalLM, greedy=False)
     assert main(["info", str(tmp_path)]) == 0
     fields = dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines())
     assert fields["architecture"] == "qwen3_moe"
@@ -148,7 +149,7 @@ def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
 def test_tensor_parallel_equals_one_device_and_hf(tmp_path):
     models: list = []
     _build(tmp_path, _qwen3_moe_config(max_position_embeddings=512),
-           transformers.Qwen3MoeForCausalLM, edit=models.append)
+           transformers.Qwen3MoeForCausalLM, edit=models.append, greedy=False)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 17, 40)]
     expected = [_hf_greedy(models[0], p, 16) for p in prompts]
