@@ -6,8 +6,10 @@ tensors at a time in threads (NumPy releases the GIL). What llama.cpp's converte
 (`convert_hf_to_gguf.py`) changes on the way in is undone here, so that the model sees HF's
 layout: the q/k rows its `LlamaModel` subclasses (llama, Mixtral, Granite, SmolLM3) permute for
 their interleaved rope, Gemma's norm weights stored as (1 + w), and the per-expert tensors it
-stacks (read as llama.cpp's `[X, out, in]` stacks). The metadata keys it writes per
-architecture become the HF config fields they came from (`_ARCH_CONFIG`).
+stacks (read as llama.cpp's `[X, out, in]` stacks), and the per-head halves newer converters
+split DeepSeek-V2's kv_b_proj into (`attn_k_b`, transposed, and `attn_v_b`; joined back). The
+metadata keys it writes per architecture become the HF config fields they came from
+(`_ARCH_CONFIG`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _ARCH_TO_MODEL_TYPE = {
     "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gemma3": "gemma3_text",
     "gemma2": "gemma2", "phi3": "phi3", "granite": "granite", "granitemoe": "granitemoe",
     "olmo2": "olmo2", "exaone4": "exaone4", "smollm3": "smollm3", "seed_oss": "seed_oss",
+    "deepseek2": "deepseek_v2",
 }
 # The model type of an architecture's files that carry experts (llama.cpp writes Mixtral as
 # `llama` with `llama.expert_count` set).
@@ -68,6 +71,25 @@ _BLOCK_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Names of one architecture's own: DeepSeek-V2's latent attention projections and its shared
+# experts (HF's `shared_experts`, un-gated). `attn_k_b` is read with `attn_v_b` as the whole
+# kv_b_proj (`_join_kv_b`).
+_ARCH_BLOCK_NAMES = {
+    "deepseek2": {
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.kv_b_proj",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    },
+}
+# llama.cpp's expert gating functions (its `expert_gating_func` key).
+_GATING_SOFTMAX = 1
 
 
 class GGUFModel:
@@ -82,6 +104,7 @@ class GGUFModel:
         except (GGUFFormatError, OSError) as e:
             raise ModelLoadError(f"corrupt or truncated GGUF file {self.path}: {e}") from e
         self.meta = self.reader.metadata
+        self._by_name = {t.name: t for t in self.reader.tensors}
         self.arch = self.meta.get("general.architecture")
         if self.arch not in _ARCH_TO_MODEL_TYPE:
             raise ModelLoadError(
@@ -163,7 +186,7 @@ class GGUFModel:
         return out
 
     def _tensor(self, name: str) -> TensorInfo | None:
-        return next((t for t in self.reader.tensors if t.name == name), None)
+        return self._by_name.get(name)
 
     def _sliding_layers(self, cfg: dict[str, Any]) -> None:
         """`attention.sliding_window` and its per-layer pattern (an array of flags, True where
@@ -258,11 +281,62 @@ class GGUFModel:
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names
         cfg["attention_out_bias"] = "blk.0.attn_output.bias" in names
 
+    def _deepseek2_config(self, cfg: dict[str, Any]) -> None:
+        """DeepSeek-V2's latent attention and MoE keys as HF's `deepseek_v2` fields.
+
+        llama.cpp's converter writes the cache's widths as key / value_length (kv_lora_rank +
+        rope, kv_lora_rank) and the heads' as key / value_length_mla; files older than that
+        have only the heads' widths, as key / value_length. Its yarn mscale_all_dim is stored
+        x 0.1 as `yarn_log_multiplier`, and its graph takes `mscale` equal to it (no key).
+
+        Raises:
+          ModelLoadError: sigmoid expert gating or renormalised top-k weights (DeepSeek-V3's,
+            which llama.cpp writes as `deepseek2` too).
+        """
+        if int(self._get("expert_gating_func", _GATING_SOFTMAX)) != _GATING_SOFTMAX:
+            raise ModelLoadError(f"{self.path.name}: deepseek2 with sigmoid expert gating "
+                                 "(DeepSeek-V3) is not built")
+        if self._get("expert_weights_norm"):
+            raise ModelLoadError(f"{self.path.name}: deepseek2 with renormalised top-k expert "
+                                 "weights is not built (DeepSeek-V2 does not renormalise)")
+        rope = int(self._get("rope.dimension_count"))
+        mla = self._get("attention.key_length_mla") is not None
+        heads = cfg["num_attention_heads"]
+        key = int(self._get("attention.key_length_mla" if mla else "attention.key_length",
+                            cfg["hidden_size"] // heads))
+        value = int(self._get("attention.value_length_mla" if mla else "attention.value_length",
+                              key - rope))
+        cfg.pop("head_dim")  # the file's key_length: not a head width here
+        moe_width = int(self._get("expert_feed_forward_length"))
+        cfg.setdefault("intermediate_size", moe_width)
+        cfg.update(
+            kv_lora_rank=int(self._get("attention.kv_lora_rank")),
+            q_lora_rank=(int(self._get("attention.q_lora_rank"))
+                         if self._get("attention.q_lora_rank") else None),
+            qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, v_head_dim=value,
+            n_routed_experts=int(self._get("expert_count")),
+            num_experts_per_tok=int(self._get("expert_used_count")),
+            moe_intermediate_size=moe_width,
+            n_shared_experts=int(self._get("expert_shared_count", 0)),
+            first_k_dense_replace=int(self._get("leading_dense_block_count", 0)),
+            routed_scaling_factor=float(self._get("expert_weights_scale", 1.0)),
+            topk_method="greedy",
+        )
+        groups = int(self._get("expert_group_count", 1))
+        if groups > 1:  # HF's group-limited greedy: the best groups' experts only
+            cfg.update(topk_method="group_limited_greedy", n_group=groups,
+                       topk_group=int(self._get("expert_group_used_count")))
+        log_mul = self._get("rope.scaling.yarn_log_multiplier")
+        if "rope_scaling" in cfg and log_mul:
+            mscale = float(log_mul) / 0.1
+            cfg["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
+
     def tensors(self, threads: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
         """Yields (HF key, float32 array in HF's [out, in] layout) in file order, dequantized
         `threads` tensors at a time (one per core by default)."""
         cfg = self.hf_config()
-        infos = [t for t in self.reader.tensors if t.name not in _CONFIG_TENSORS]
+        infos = [t for t in self.reader.tensors
+                 if t.name not in _CONFIG_TENSORS and not self._read_with_another(t.name)]
         for t in infos:
             self._hf_name(t.name)  # an unknown tensor fails before any work
         threads = threads or os.cpu_count() or 1
@@ -284,8 +358,21 @@ class GGUFModel:
                 f"in {self.path.name}"
             ) from e
 
+    def _read_with_another(self, name: str) -> bool:
+        """DeepSeek-V2's kv_b_proj halves: `attn_v_b` is read with `attn_k_b`, and neither
+        where the file also keeps the whole `attn_kv_b` (some converters wrote all three)."""
+        if name.endswith(".attn_v_b.weight"):
+            return True
+        return (name.endswith(".attn_k_b.weight")
+                and name.replace("attn_k_b", "attn_kv_b") in self._by_name)
+
     def _hf_tensor(self, t: TensorInfo, cfg: dict[str, Any]) -> tuple[str, np.ndarray]:
         w = self._dequantize(t)
+        if t.name.endswith(".attn_k_b.weight"):
+            v_b = self._tensor(t.name.replace("attn_k_b", "attn_v_b"))
+            if v_b is None:
+                raise ModelLoadError(f"{self.path.name} has {t.name} without its attn_v_b")
+            w = _join_kv_b(w, self._dequantize(v_b))
         permuted = t.name.endswith(("attn_q.weight", "attn_k.weight"))
         if self.arch in _PERMUTED and permuted:
             n = cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"]
@@ -298,7 +385,8 @@ class GGUFModel:
         if name in _TENSOR_NAMES:
             return _TENSOR_NAMES[name]
         parts = name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES | {
+        blocks = _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(self.arch, {})
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in blocks | {
             "ffn_norm": None, "post_attention_norm": None
         }:
             layer, base, kind = parts[1], parts[2], parts[3]
@@ -310,7 +398,7 @@ class GGUFModel:
             elif base == "ffn_up" and self.arch == "phi3":  # gate and up, fused as HF's
                 hf = "mlp.gate_up_proj"
             else:
-                hf = _BLOCK_NAMES[base]
+                hf = blocks[base]
             return f"model.layers.{layer}.{hf}.{kind}"
         raise ModelLoadError(f"unsupported tensor {name!r} in {self.path.name} ({self.arch})")
 
@@ -363,7 +451,17 @@ _ARCH_CONFIG = {
     "qwen2moe": GGUFModel._qwen_moe_config, "qwen3moe": GGUFModel._qwen_moe_config,
     "smollm3": GGUFModel._smollm3_config,
     "seed_oss": GGUFModel._seed_oss_config,
+    "deepseek2": GGUFModel._deepseek2_config,
 }
+
+
+def _join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """DeepSeek-V2's kv_b_proj [H * (N + V), C] from llama.cpp's per-head halves: k_b
+    [H, C, N] (transposed for the absorbed q) and v_b [H, V, C]."""
+    heads, latent = k_b.shape[0], k_b.shape[1]
+    if v_b.shape[0] != heads or v_b.shape[2] != latent:
+        raise ModelLoadError(f"attn_k_b {k_b.shape} and attn_v_b {v_b.shape} do not pair")
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, latent)
 
 
 def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -273,6 +273,10 @@ def _latent_attention_rules(cfg: ModelConfig) -> list[Rule]:
         (mlp + r"experts\.(\d+)\.gate_proj\.weight", "we_gate", _t),
         (mlp + r"experts\.(\d+)\.up_proj\.weight", "we_up", _t),
         (mlp + r"experts\.(\d+)\.down_proj\.weight", "we_down", _t),
+        # GGUF's: all a layer's experts in one tensor [X, out, in].
+        (mlp + r"experts\.gate_proj\.weight", "we_gate", _experts_t),
+        (mlp + r"experts\.up_proj\.weight", "we_up", _experts_t),
+        (mlp + r"experts\.down_proj\.weight", "we_down", _experts_t),
         (mlp + r"shared_experts\.gate_proj\.weight", "ws_gate", _t),
         (mlp + r"shared_experts\.up_proj\.weight", "ws_up", _t),
         (mlp + r"shared_experts\.down_proj\.weight", "ws_down", _t),

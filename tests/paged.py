@@ -145,10 +145,12 @@ def greedy_paged(
     prefill_chunk: int = 16,
     page_size: int = 16,
     seed: int = 0,
+    layer_layout: str = "as_given",
 ) -> list[list[int]]:
     """Greedy continuations of several prompts: each prompt prefilled in chunks, then every
-    sequence decoded together, one token per sequence per step (a ragged decode batch)."""
-    cfg, params = _unpack(model)
+    sequence decoded together, one token per sequence per step (a ragged decode batch);
+    `layer_layout` as `run_paged`'s."""
+    cfg, params = _unpack(model, layer_layout)
     prompts = [[int(t) for t in p] for p in prompts]
     batch = _PagedBatch(cfg, [len(p) + max_new_tokens for p in prompts], page_size, seed)
     outs = [

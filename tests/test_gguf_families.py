@@ -4,10 +4,11 @@ Each test builds the family's tiny random HF checkpoint (`test_models_parity._bu
 safetensors, HF's float32 logits of its ids) and converts that checkpoint the way llama.cpp's
 `convert_hf_to_gguf.py` does: tensor names from `gguf`'s own `TensorNameMap` (llama.cpp's
 canonical table), the metadata keys its model class writes, q/k rows permuted for its
-`LlamaModel` subclasses, Gemma's norms stored as 1 + w, per-expert tensors stacked and
-Granite-MoE's fused input_linear split. jengine loads the file and its logits over the paged
-KV path must equal HF's within the parity tolerance; a negative control per file shows that the
-feature the header carries is really read (a wrong header must fail it).
+`LlamaModel` subclasses, Gemma's norms stored as 1 + w, per-expert tensors stacked,
+Granite-MoE's fused input_linear split and DeepSeek-V2's kv_b_proj split per head (newer
+converters). jengine loads the file and its logits over the paged KV path must equal HF's
+within the parity tolerance (and, where asked, its greedy tokens HF's); a negative control per
+file shows that the feature the header carries is really read (a wrong header must fail it).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import numpy as np
 import pytest
 import transformers
 from safetensors.numpy import load_file
+from test_deepseek import _config as _deepseek_config
 from test_gguf import _llama_cpp_permute, _write, add_tiny_vocab
 from test_models_parity import (
     TOL,
     VOCAB,
     WINDOW,
     _build,
+    _check_greedy,
     _control_diff,
     _gemma_kwargs,
     _llama_kwargs,
@@ -40,6 +43,7 @@ from converters import load_source
 from converters.gguf_file import GGUFModel
 
 Meta = Callable[[gguf.GGUFWriter, dict], None]
+Tensors = dict[str, np.ndarray]
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
@@ -110,10 +114,12 @@ def _llama_cpp_tensors(arch: gguf.MODEL_ARCH, hf: dict, state: dict, *, permute:
 
 def _convert(hf_dir: Path, arch: gguf.MODEL_ARCH, meta: Meta | None = None, *,
              base: bool = True, permute: bool = False, norm_shift: float = 0.0,
-             arch_name: str | None = None) -> Path:
+             arch_name: str | None = None,
+             edit: Callable[[Tensors, dict], Tensors] | None = None) -> Path:
     """`hf_dir`'s checkpoint as llama.cpp's converter writes it: its base keys (unless the
-    family's class writes its own), then `meta`'s, then every tensor in float32. `arch_name`
-    replaces `arch`'s name in the header (a file another writer made)."""
+    family's class writes its own), then `meta`'s, then every tensor in float32 (after `edit`,
+    a family's own transform of the named tensors). `arch_name` replaces `arch`'s name in the
+    header (a file another writer made)."""
     hf = json.loads((hf_dir / "config.json").read_text())
     path = hf_dir / "model.gguf"
     w = gguf.GGUFWriter(str(path), arch_name or gguf.MODEL_ARCH_NAMES[arch])
@@ -124,19 +130,27 @@ def _convert(hf_dir: Path, arch: gguf.MODEL_ARCH, meta: Meta | None = None, *,
     add_tiny_vocab(w, VOCAB)
     state = load_file(str(hf_dir / "model.safetensors"))
     tensors = _llama_cpp_tensors(arch, hf, state, permute=permute, norm_shift=norm_shift)
+    if edit is not None:
+        tensors = edit(tensors, hf)
     for name, value in tensors.items():
         w.add_tensor(name, np.ascontiguousarray(value, np.float32))
     _write(w)
     return path
 
 
-def _gguf_parity(tmp_path, config, model_cls, arch, meta=None, *, norm_offset=1.0, **kw):
-    """(GGUF-loaded model, ids, HF logits), after asserting logit parity over the paged path."""
-    _, ids, expected = _build(tmp_path, config, model_cls, norm_offset=norm_offset, greedy=False)
+def _gguf_parity(tmp_path, config, model_cls, arch, meta=None, *, norm_offset=1.0,
+                 greedy=False, **kw):
+    """(GGUF-loaded model, ids, HF logits), after asserting logit parity over the paged path
+    (and with `greedy`, the greedy tokens of a mixed batch: `test_models_parity._check_greedy`)."""
+    models: list = []
+    _, ids, expected = _build(tmp_path, config, model_cls, norm_offset=norm_offset,
+                              edit=models.append, greedy=False)
     path = _convert(tmp_path, arch, meta, **kw)
     loaded = load_source(str(path), dtype="float32", progress=False)
     assert loaded.kind == "gguf" and loaded.config.model_type == config.model_type
     assert _max_diff(loaded, ids, expected) < TOL
+    if greedy:
+        _check_greedy(models[0], loaded, [ids[:5], ids[:11], ids[:3]], layer_layout="unstacked")
     return loaded, ids, expected
 
 
@@ -315,6 +329,105 @@ def test_seed_oss(tmp_path):
     loaded, _, _ = _gguf_parity(tmp_path, config, transformers.SeedOssForCausalLM,
                                 gguf.MODEL_ARCH.SEED_OSS)
     assert loaded.config.qkv_bias and not loaded.config.o_bias
+
+
+def _deepseek2_meta(w, hf, *, mla_keys: bool = True):
+    """DeepseekV2Model.set_gguf_parameters: the base keys with MLA as MQA (one kv head) and no
+    head_dim, then the latent widths (with `mla_keys`, the newer converter's: the cache's as
+    key / value_length, the heads' as *_mla; the older one's: the heads' as key / value_length),
+    the MoE keys, softmax gating and yarn's mscale_all_dim x 0.1."""
+    _base_meta(w, {**hf, "num_key_value_heads": 1, "head_dim": None})
+    rope, latent = hf["qk_rope_head_dim"], hf["kv_lora_rank"]
+    qk = hf["qk_nope_head_dim"] + rope
+    w.add_leading_dense_block_count(hf["first_k_dense_replace"])
+    w.add_vocab_size(hf["vocab_size"])
+    if hf.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hf["q_lora_rank"])
+    w.add_kv_lora_rank(latent)
+    if mla_keys:
+        w.add_key_length(latent + rope)
+        w.add_value_length(latent)
+        w.add_key_length_mla(qk)
+        w.add_value_length_mla(hf["v_head_dim"])
+    else:
+        w.add_key_length(qk)
+        w.add_value_length(hf["v_head_dim"])
+    w.add_expert_count(hf["n_routed_experts"])
+    w.add_expert_used_count(hf["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    w.add_expert_shared_count(hf["n_shared_experts"])
+    w.add_expert_weights_scale(hf["routed_scaling_factor"])
+    if hf.get("n_group") is not None:
+        w.add_expert_group_count(hf["n_group"])
+        w.add_expert_group_used_count(hf["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_rope_dimension_count(rope)
+    mscale_all = (hf.get("rope_parameters") or {}).get("mscale_all_dim")
+    if mscale_all is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * mscale_all)
+
+
+def _split_kv_b(tensors: Tensors, hf: dict) -> Tensors:
+    """The newer converter's kv_b_proj: per head, the k_nope rows transposed (`attn_k_b`
+    [H, C, N]) and the value rows (`attn_v_b` [H, V, C]), the whole tensor dropped."""
+    nope, heads = hf["qk_nope_head_dim"], hf["num_key_value_heads"]
+    out = {}
+    for name, value in tensors.items():
+        if not name.endswith("attn_kv_b.weight"):
+            out[name] = value
+            continue
+        per_head = value.reshape(heads, -1, value.shape[-1])  # [H, N + V, C]
+        out[name.replace("attn_kv_b", "attn_k_b")] = per_head[:, :nope].transpose(0, 2, 1)
+        out[name.replace("attn_kv_b", "attn_v_b")] = per_head[:, nope:]
+    return out
+
+
+def test_deepseek2_kv_b_halves_yarn_and_info(tmp_path, capsys):
+    # DeepSeek-V2-Lite's shape: q without a lora, a dense first layer, yarn with mscale equal
+    # to mscale_all_dim (all a file can say: llama.cpp takes them equal); the newer converter's
+    # file, kv_b_proj in per-head halves. Greedy tokens too, and `jengine info` on the file.
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+            "original_max_position_embeddings": 16, "mscale": 1.3, "mscale_all_dim": 1.3}
+    config = _deepseek_config(rope_parameters=yarn)
+    loaded, _, _ = _gguf_parity(
+        tmp_path, config, transformers.DeepseekV2ForCausalLM, gguf.MODEL_ARCH.DEEPSEEK2,
+        _deepseek2_meta, base=False, greedy=True, edit=_split_kv_b)
+    cfg = loaded.config
+    assert (cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim) == (0, 16, 16)
+    assert (cfg.first_dense_layers, cfg.shared_expert_intermediate_size) == (1, 64)
+    assert cfg.rope.rope_type == "yarn" and cfg.rope.attention_factor == pytest.approx(1.0)
+    # mscale_all_dim read back from yarn_log_multiplier (test_deepseek.py's control shows the
+    # logits move past TOL without it): HF's softmax scale, qk_head_dim ** -0.5 * mscale ** 2.
+    assert cfg.sm_scale == pytest.approx(24 ** -0.5 * (0.1 * 1.3 * np.log(4.0) + 1) ** 2)
+    fields = _info(capsys, str(tmp_path / "model.gguf"))
+    assert (fields["format"], fields["architecture"], fields["family"]) == (
+        "gguf", "deepseek_v2", "deepseek")
+    assert fields["latent_attention"].startswith("kv_lora_rank 32 + rope 8")
+
+
+def test_deepseek2_q_lora_whole_kv_b_older_keys(tmp_path):
+    # The older converter's file: the whole attn_kv_b, the heads' widths as key / value_length;
+    # q through its lora, no rope scaling, group-limited routing from the group keys.
+    config = _deepseek_config(q_lora_rank=24, rope_parameters=None, n_group=4, topk_group=2,
+                              topk_method="group_limited_greedy", num_experts_per_tok=3)
+    loaded, _, _ = _gguf_parity(
+        tmp_path, config, transformers.DeepseekV2ForCausalLM, gguf.MODEL_ARCH.DEEPSEEK2,
+        lambda w, hf: _deepseek2_meta(w, hf, mla_keys=False), base=False)
+    cfg = loaded.config
+    assert cfg.q_lora_rank == 24 and "wq_a" in loaded.params
+    assert (cfg.expert_groups, cfg.topk_groups, cfg.rope.rope_type) == (4, 2, "default")
+
+
+def test_deepseek2_v3_gating_is_refused(tmp_path):
+    path = tmp_path / "v3.gguf"
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    _write(w)
+    with pytest.raises(Exception, match="sigmoid expert gating"):
+        GGUFModel(path).hf_config()
 
 
 def _info(capsys, model: str) -> dict[str, str]:

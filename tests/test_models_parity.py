@@ -100,14 +100,15 @@ def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0, edit=None,
     return loaded, ids, expected
 
 
-def _check_greedy(hf_model, loaded, prompts: list[list[int]]) -> None:
+def _check_greedy(hf_model, loaded, prompts: list[list[int]], *,
+                  layer_layout: str = "as_given") -> None:
     """`GREEDY_TOKENS` greedy tokens of each prompt, decoded together as one ragged batch over
     the paged cache (`tests/paged.py`'s `greedy_paged`), equal HF's greedy continuation (its
     forward over the whole sequence each step, end of sequence ignored). A difference passes
     only at a near tie: HF's two best logits within `NEAR_TIE` (the two sides' f32 rounding
     may order them either way), and the continuation is compared up to it."""
     got = greedy_paged(loaded, prompts, GREEDY_TOKENS, prefill_chunk=PREFILL_CHUNK,
-                       page_size=4)
+                       page_size=4, layer_layout=layer_layout)
     for prompt, ours in zip(prompts, got):
         seq = list(prompt)
         for step in range(GREEDY_TOKENS):
