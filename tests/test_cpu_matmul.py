@@ -70,18 +70,24 @@ def test_narrow_weights_against_oracle(isa, dtype, rows):
     x = rng.standard_normal((rows, 70), np.float32)
     _check(x, _narrow(rng.standard_normal((70, 300), np.float32), dtype), isa)
     _check(x[:, :1], _narrow(rng.standard_normal((1, 5), np.float32), dtype), isa)
+    if rows <= 2:  # K split over the threads
+        _check(rng.standard_normal((rows, 1001), np.float32),
+               _narrow(rng.standard_normal((1001, 75), np.float32), dtype), isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("k, n", [(1, 1), (3, 7), (576, 192), (200, 1000), (1536, 48)])
+@pytest.mark.parametrize("k, n", [(1, 1), (3, 7), (576, 192), (200, 1000), (1001, 75),
+                                  (1536, 48)])
 def test_shapes_and_threads(isa, k, n):
     """Tiny and model-sized K (several k-blocks), N below one tile and spread over panels, one
-    thread and all of them."""
+    thread and all of them; one and two rows, which split K over the threads from K = 128 on
+    (each thread's partial sums added at the end; K = 1001 splits off the 8-row grid)."""
     rng = np.random.default_rng(k * n)
-    x = rng.standard_normal((5, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)
-    for threads in (0, 1):
-        _check(x, w, isa, max_threads=threads)
+    for rows in (1, 2, 5):
+        x = rng.standard_normal((rows, k), np.float32)
+        for threads in (0, 1):
+            _check(x, w, isa, max_threads=threads)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -110,22 +116,24 @@ def test_zero_rows_and_bad_operands():
 
 def test_dot_routes_only_the_shapes_it_fits():
     """`layers.dot` with `native` runs the kernel for f32 x [R, K] against w's leading axis
-    (a 3-D weight through its [K, N] view) or a 2-D w's last axis, at 2..32 rows, and XLA's
-    einsum otherwise."""
+    (a 3-D weight through its [K, N] view) at 1..32 rows or a 2-D w's last axis at 2..32, and
+    XLA's einsum otherwise."""
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.standard_normal((64, 4, 8), np.float32))  # wq [E, H, D]
     for rows in (1, 2, 16, 32, 33):
         x = jnp.asarray(rng.standard_normal((rows, 64), np.float32))
         text = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native")).lower(
             x, w).as_text()
-        assert ("jengine_small_matmul" in text) == (2 <= rows <= 32), rows
+        assert ("jengine_small_matmul" in text) == (rows <= 32), rows
         got = layers.dot("te,ehd->thd", x, w, "native")
         np.testing.assert_allclose(got, jnp.einsum("te,ehd->thd", x, w), rtol=1e-5, atol=1e-5)
-    # A tied embedding as the output head: w [V, E] contracted over its last axis.
-    x = jnp.asarray(rng.standard_normal((4, 8), np.float32))
+    # A tied embedding as the output head: w [V, E] contracted over its last axis, from two
+    # rows on (XLA's one-row dot streams that form as fast).
     table = jnp.asarray(rng.standard_normal((19, 8), np.float32))
-    lowered = jax.jit(lambda a, b: layers.dot("te,ve->tv", a, b, "native")).lower(x, table)
-    assert "jengine_small_matmul" in lowered.as_text()
+    for rows in (1, 2, 4):
+        x = jnp.asarray(rng.standard_normal((rows, 8), np.float32))
+        lowered = jax.jit(lambda a, b: layers.dot("te,ve->tv", a, b, "native")).lower(x, table)
+        assert ("jengine_small_matmul" in lowered.as_text()) == (rows > 1), rows
     np.testing.assert_allclose(layers.dot("te,ve->tv", x, table, "native"), x @ table.T,
                                rtol=1e-5, atol=1e-5)
     # Narrow weights from one row on: a bf16 weight (under a bf16 or f32 x) and a w8a16 one,

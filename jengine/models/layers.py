@@ -155,12 +155,15 @@ Weight = jax.Array | QArray  # a float weight, or its quantized form (jengine.mo
 
 MATMUL_BACKENDS = ("auto", "xla", "native")
 # The row counts (the step's token bucket) the native kernel takes; XLA's dot keeps the rest.
-# Measured in-program (docs/engine.md, "Small-row matmul"): for an f32 weight XLA's one-row dot
-# streams it as fast as the kernel, and from NATIVE_ROWS[1] + 1 rows on XLA's blocked GEMM wins.
+# Measured in-program (docs/engine.md, "Small-row matmul"): for an f32 weight the kernel streams
+# 1-2 rows faster than XLA (each thread a contiguous run of whole weight rows), except a tied
+# embedding as the output head at one row ([N, K] contracted over K), which XLA's one-row dot
+# streams as fast (NT_NATIVE_ROWS); from NATIVE_ROWS[1] + 1 rows on XLA's blocked GEMM wins.
 # A bf16 or int8 (w8a16) weight is 2x / 4x fewer bytes for the kernel, while XLA:CPU converts
 # it to f32 on every call (10x its f32 dot at one row), so the kernel takes those from one row
 # up to NARROW_NATIVE_ROWS[1].
-NATIVE_ROWS = (2, 32)
+NATIVE_ROWS = (1, 32)
+NT_NATIVE_ROWS = (2, 32)
 NARROW_NATIVE_ROWS = (1, 64)
 
 
@@ -181,9 +184,11 @@ def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
     return "native" if platform == "cpu" and tp == 1 and cpu_matmul.available() else "xla"
 
 
-def _native_operand(x: jax.Array, w: Weight) -> tuple[jax.Array, jax.Array | None] | None:
-    """The weight array the native kernel reads for `x @ w` and the per-channel scale to apply
-    to its f32 result (a w8a16 weight), or None where XLA's dot keeps the product."""
+def _native_operand(x: jax.Array, w: Weight, form: str
+                    ) -> tuple[jax.Array, jax.Array | None] | None:
+    """The weight array the native kernel reads for `x @ w` in `form` (`_native_form`) and the
+    per-channel scale to apply to its f32 result (a w8a16 weight), or None where XLA's dot
+    keeps the product."""
     if isinstance(w, QArray):
         if w.mode != "w8a16":
             return None
@@ -193,7 +198,7 @@ def _native_operand(x: jax.Array, w: Weight) -> tuple[jax.Array, jax.Array | Non
     if x.dtype not in (jnp.float32, jnp.bfloat16) or x.ndim != 2:
         return None
     if operand.dtype == jnp.float32 and x.dtype == jnp.float32:
-        lo, hi = NATIVE_ROWS
+        lo, hi = NT_NATIVE_ROWS if form == "nk" else NATIVE_ROWS
     elif operand.dtype in (jnp.bfloat16, jnp.int8):
         lo, hi = NARROW_NATIVE_ROWS
     else:
@@ -224,9 +229,9 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
     if isinstance(w, Observed):
         w.seen(x)
         w = w.w
-    native = _native_operand(x, w) if backend == "native" else None
-    form = _native_form(eq) if native is not None else None
-    if form is not None:
+    form = _native_form(eq) if backend == "native" else None
+    native = _native_operand(x, w, form) if form is not None else None
+    if native is not None:
         operand, scale = native
         x32 = x.astype(jnp.float32)
         if form == "nk":

@@ -115,8 +115,36 @@ void Run(ffi::ThreadPool& pool, int32_t isa, bool transpose_w, int32_t max_threa
     tile = transpose_w ? avx2::kNtCols : avx2::kTile;
   }
 #endif
+  const int64_t threads = KernelThreads(pool, max_threads);
+  if (!transpose_w && R <= 2 && threads > 1 && K >= 64 * threads) {
+    // One or two rows: each thread streams a contiguous run of whole weight rows (a k range)
+    // into its own partial sums, added at the end. Splitting the columns instead gives every
+    // thread short strided runs of each row (96 floats of a 192-wide weight on two threads),
+    // which the hardware prefetchers stream worse.
+    const int64_t parts = threads;
+    std::vector<float> partial((parts - 1) * R * N);
+    ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
+      const int64_t k0 = i * K / parts / 8 * 8;
+      const int64_t k1 = i + 1 == parts ? K : (i + 1) * K / parts / 8 * 8;
+      float* out = i == 0 ? y : partial.data() + (i - 1) * R * N;
+      if (R == 1) {
+        columns(x + k0, w + k0 * N, out, 1, k1 - k0, N, 0, N);
+      } else {  // the rows' k ranges side by side, as the row stride is the k length
+        std::vector<float> xs(R * (k1 - k0));
+        for (int64_t r = 0; r < R; ++r) {
+          std::copy(x + r * K + k0, x + r * K + k1, xs.begin() + r * (k1 - k0));
+        }
+        columns(xs.data(), w + k0 * N, out, R, k1 - k0, N, 0, N);
+      }
+    });
+    for (int64_t p = 0; p + 1 < parts; ++p) {
+      const float* src = partial.data() + p * R * N;
+      for (int64_t c = 0; c < R * N; ++c) y[c] += src[c];
+    }
+    return;
+  }
   const int64_t tiles = (N + tile - 1) / tile;
-  const int64_t parts = std::min(KernelThreads(pool, max_threads), tiles);
+  const int64_t parts = std::min(threads, tiles);
   ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
     const int64_t c0 = i * tiles / parts * tile;
     const int64_t c1 = std::min(N, (i + 1) * tiles / parts * tile);
