@@ -29,7 +29,7 @@ def _kernel(name: str, source: str, *headers: str) -> Extension:
     return Extension(
         f"jengine.pallas_kernels.{name}",
         sources=[csrc + source],
-        depends=[csrc + h for h in ("parallel_for.h", *headers)],
+        depends=[csrc + h for h in ("isa.h", "parallel_for.h", "per_isa.h", *headers)],
         include_dirs=[_xla_ffi_include()],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-g0", "-fvisibility=hidden", "-w"],

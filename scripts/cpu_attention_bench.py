@@ -7,13 +7,17 @@ blocks, 16 of them real; `scripts/prefill_bench.py` times the runner's path). Al
 64 tokens: a plain XLA scatter (`.at[].set`), the reference `write_kv` (16-bit caches scattered
 as uint16 bits) and the in-place FFI write, f32 and bf16 caches, donated.
 Medians over `--reps` calls of one jitted layer call (4-layer cache, layer 1, pages shuffled).
+`--isa` picks the kernel's instruction set; two or more (`--isa avx2,avx512`) time only the
+kernel, each path against the first, reps interleaved so that load on a shared machine falls on
+all of them alike: decode 64 x 256 and 1 x 256, and the prefill chunk.
 
-    python scripts/cpu_attention_bench.py [--reps 20]
+    python scripts/cpu_attention_bench.py [--reps 20] [--isa auto | --isa avx2,avx512]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -23,6 +27,7 @@ import numpy as np
 
 from jengine.pallas_kernels import (
     blocked_paged_attention,
+    cpu,
     num_query_blocks,
     query_blocks,
     ragged_paged_attention,
@@ -60,15 +65,44 @@ def _page_table(kv_lens: list[int], rng) -> tuple[np.ndarray, int]:
     return table, num_pages
 
 
-def decode_case(num_seqs: int, slots: int, reps: int) -> dict[str, float]:
-    rng = np.random.default_rng(0)
+def _interleaved_median_ms(calls: dict, *args, reps: int) -> dict[str, float]:
+    """Median ms of each call, one rep of every call in turn."""
+    for fn in calls.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def _decode_inputs(num_seqs: int, slots: int, rng) -> tuple[jax.Array, tuple, int]:
+    """q [S, H, D], (token_seq, positions, page_table), pool pages: one query per sequence."""
     table, num_pages = _page_table([slots] * num_seqs, rng)
     q = jnp.asarray(rng.normal(size=(num_seqs, HEADS, HEAD_DIM)), jnp.float32)
     token_seq = jnp.arange(num_seqs, dtype=jnp.int32)
     positions = jnp.full((num_seqs,), slots - 1, jnp.int32)
-    args = (token_seq, positions, jnp.asarray(table))
+    return q, (token_seq, positions, jnp.asarray(table)), num_pages
+
+
+def _prefill_inputs(chunk: int, cached: int, seq_bucket: int,
+                    rng) -> tuple[jax.Array, jax.Array, np.ndarray, int]:
+    """q [chunk, H, D], positions, page table (padded to `seq_bucket` rows), pool pages."""
+    table, num_pages = _page_table([cached + chunk], rng)
+    table = np.concatenate([table, np.zeros((seq_bucket - 1, table.shape[1]), np.int32)])
+    q = jnp.asarray(rng.normal(size=(chunk, HEADS, HEAD_DIM)), jnp.float32)
+    positions = jnp.arange(cached, cached + chunk, dtype=jnp.int32)
+    return q, positions, table, num_pages
+
+
+def decode_case(num_seqs: int, slots: int, reps: int, isa: str) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    q, args, num_pages = _decode_inputs(num_seqs, slots, rng)
+    kernel = functools.partial(ragged_paged_attention_cpu, isa=isa)
     out = {}
-    for name, fn in (("reference", ragged_paged_attention), ("cpu", ragged_paged_attention_cpu)):
+    for name, fn in (("reference", ragged_paged_attention), ("cpu", kernel)):
         for dtype in (jnp.float32, jnp.bfloat16):
             k, v = _cache(num_pages, dtype, rng), _cache(num_pages, dtype, rng)
             call = jax.jit(lambda q, k, v, layer, *a, fn=fn: fn(q, k, v, layer, *a,
@@ -78,12 +112,10 @@ def decode_case(num_seqs: int, slots: int, reps: int) -> dict[str, float]:
     return out
 
 
-def prefill_case(chunk: int, cached: int, seq_bucket: int, reps: int) -> dict[str, float]:
+def prefill_case(chunk: int, cached: int, seq_bucket: int, reps: int,
+                 isa: str) -> dict[str, float]:
     rng = np.random.default_rng(1)
-    table, num_pages = _page_table([cached + chunk], rng)
-    table = np.concatenate([table, np.zeros((seq_bucket - 1, table.shape[1]), np.int32)])
-    q = jnp.asarray(rng.normal(size=(chunk, HEADS, HEAD_DIM)), jnp.float32)
-    positions = jnp.arange(cached, cached + chunk, dtype=jnp.int32)
+    q, positions, table, num_pages = _prefill_inputs(chunk, cached, seq_bucket, rng)
     token_seq = jnp.zeros((chunk,), jnp.int32)
     blocks, block_seq = query_blocks([chunk], chunk, num_query_blocks(chunk, seq_bucket, 32), 32)
     out = {}
@@ -96,7 +128,7 @@ def prefill_case(chunk: int, cached: int, seq_bucket: int, reps: int) -> dict[st
             call, q, k, v, jnp.int32(1), positions, jnp.asarray(table),
             jnp.asarray(blocks), jnp.asarray(block_seq), reps=reps)
         call = jax.jit(lambda q, k, v, layer, ts, pos, pt: ragged_paged_attention_cpu(
-            q, k, v, layer, ts, pos, pt, sm_scale=SCALE))
+            q, k, v, layer, ts, pos, pt, sm_scale=SCALE, isa=isa))
         out[f"cpu {dt}"] = _median_ms(call, q, k, v, jnp.int32(1), token_seq, positions,
                                       jnp.asarray(table), reps=reps)
     return out
@@ -125,21 +157,68 @@ def write_case(num_tokens: int, num_pages: int, reps: int) -> dict[str, float]:
     return out
 
 
+def isa_case(isas: list[str], q: jax.Array, args: tuple, num_pages: int, reps: int,
+             rng) -> dict[str, float]:
+    """The kernel alone on each instruction set, f32 and bf16 caches, reps interleaved."""
+    out = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        k, v = _cache(num_pages, dtype, rng), _cache(num_pages, dtype, rng)
+        calls = {isa: jax.jit(lambda q, k, v, layer, *a, isa=isa: ragged_paged_attention_cpu(
+            q, k, v, layer, *a, sm_scale=SCALE, isa=isa)) for isa in isas}
+        times = _interleaved_median_ms(calls, q, k, v, jnp.int32(1), *args, reps=reps)
+        out.update({f"{isa} {jnp.dtype(dtype).name}": t for isa, t in times.items()})
+    return out
+
+
+def compare_isas(isas: list[str], reps: int) -> None:
+    """One table row per case: each path's median and its ratio to the first path's."""
+    cols = [f"{isa} {dt}{'' if i == 0 else ' (ratio)'}" for dt in ("f32", "bf16")
+            for i, isa in enumerate(isas)]
+    print("| case | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    rng = np.random.default_rng(3)
+    cases = [(f"decode {s} x {n}", *_decode_inputs(s, n, rng), reps) for s, n in ((64, 256),
+                                                                               (1, 256))]
+    q, positions, table, num_pages = _prefill_inputs(512, 1000, 64, rng)
+    cases.append(("prefill 512 over 1000", q, (jnp.zeros((512,), jnp.int32), positions,
+                                               jnp.asarray(table)), num_pages, max(3, reps // 4)))
+    for name, q, args, num_pages, case_reps in cases:
+        r = isa_case(isas, q, args, num_pages, case_reps, rng)
+        cells = []
+        for dt in ("float32", "bfloat16"):
+            base = r[f"{isas[0]} {dt}"]
+            cells.append(f"{base:.3f} ms")
+            cells += [f"{r[f'{isa} {dt}']:.3f} ms ({r[f'{isa} {dt}'] / base:.2f}x)"
+                      for isa in isas[1:]]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--isa", default="auto",
+                        help=f"the kernel's instruction set, or several, comma-separated, to "
+                             f"compare: {', '.join(cpu.ISAS)}")
     args = parser.parse_args()
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    isas = args.isa.split(",")
+    unknown = [isa for isa in isas if isa not in cpu.ISAS]
+    if unknown:
+        parser.error(f"unknown --isa {unknown}; choose from {list(cpu.ISAS)}")
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
+          f"auto = {cpu.best_isa()}, timed: {', '.join(isas)}")
+    if len(isas) > 1:
+        compare_isas(isas, args.reps)
+        return
     print("| case | " + " | ".join(["reference f32", "cpu f32", "ratio f32", "reference bf16",
                                      "cpu bf16", "ratio bf16"]) + " |")
     print("|---|---|---|---|---|---|---|")
     for seqs, slots in ((64, 256), (8, 1024), (1, 2048)):
-        r = decode_case(seqs, slots, args.reps)
+        r = decode_case(seqs, slots, args.reps, isas[0])
         print(f"| decode {seqs} x {slots} | {r['reference float32']:.3f} ms | "
               f"{r['cpu float32']:.3f} ms | {r['cpu float32'] / r['reference float32']:.2f}x | "
               f"{r['reference bfloat16']:.3f} ms | {r['cpu bfloat16']:.3f} ms | "
               f"{r['cpu bfloat16'] / r['reference bfloat16']:.2f}x |")
-    r = prefill_case(512, 1000, 64, max(3, args.reps // 4))
+    r = prefill_case(512, 1000, 64, max(3, args.reps // 4), isas[0])
     print(f"| prefill 512 over 1000, reference blocked | "
           f"{r['reference float32']:.2f} ms | {r['cpu float32']:.2f} ms | "
           f"{r['cpu float32'] / r['reference float32']:.3f}x | "

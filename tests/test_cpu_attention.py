@@ -1,5 +1,5 @@
 """The native CPU kernels (`jengine.pallas_kernels.cpu`) against the float64 oracle and the
-reference, on both instruction-set paths (portable, and AVX2+FMA where the CPU has it).
+reference, on each instruction-set path (portable; AVX2+FMA and AVX-512F where the CPU has them).
 
 Batches are `test_reference_attention.Case`s (shuffled pages, garbage in every unwritten slot).
 The step writes this step's K/V with the kernel's own in-place write, then attends. f32 caches:
@@ -24,8 +24,9 @@ from jengine.pallas_kernels import cpu, ragged_paged_attention, write_kv
 
 TOL = 1e-5
 NO_WINDOW = int(jnp.iinfo(jnp.int32).max)
-ISAS = ["portable", pytest.param("avx2", marks=pytest.mark.skipif(
-    not (cpu.available() and cpu.has_avx2()), reason="no AVX2+FMA on this CPU"))]
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
+    not (cpu.available() and cpu.supports(isa)), reason=f"no {isa} on this CPU"))
+    for isa in ("portable", "avx2", "avx512")]
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernel not built")
 
@@ -38,7 +39,7 @@ def _step(k_cache, v_cache, slots, new_k, new_v, q, token_seq, positions, page_t
     k_cache = write(k_cache, layer, slots, new_k)
     v_cache = write(v_cache, layer, slots, new_v)
     out = kernel(q, k_cache, v_cache, layer, token_seq, positions, page_table,
-                 sm_scale=HEAD_DIM ** -0.5, sliding_window=window, soft_cap=soft_cap,
+                 sm_scale=q.shape[-1] ** -0.5, sliding_window=window, soft_cap=soft_cap,
                  kv_head_map=kv_head_map)
     return out, k_cache, v_cache
 
@@ -151,6 +152,36 @@ def test_bf16_cache(isa):
     check(case, kernel(isa), cache_dtype=jnp.bfloat16, window=3)
     ref = run(case, ragged_paged_attention, cache_dtype=jnp.bfloat16, cpu_write=False)
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_head_dims(isa):
+    """Head dims past the cases' 16: whole vectors of 8 and 16 lanes (64, 128, 256), a half
+    vector past whole 16-lane ones (24, 72) and ragged tails (13, 100); key counts that are not
+    a multiple of the four-key score pass; bf16 caches at two of them."""
+    seqs = [(9, 1), (0, 7), (6, 5), (21, 1)]
+    for head_dim in (13, 24, 64, 72, 100, 128, 256):
+        case = Case(seqs, num_heads=6, num_kv_heads=2, page_size=4, seed=head_dim,
+                    head_dim=head_dim)
+        check(case, kernel(isa), window=9 if head_dim == 72 else None)
+        if head_dim in (24, 64):
+            _round_to_bf16(case)
+            check(case, kernel(isa), cache_dtype=jnp.bfloat16)
+
+
+def test_auto_and_forced_instruction_sets(monkeypatch):
+    """`auto` runs the best path here (AVX-512F, else AVX2+FMA, else portable): the same bits as
+    forcing it. Forcing a path the CPU lacks (or an unknown code) is the kernel's error."""
+    best = next(isa for isa in ("avx512", "avx2", "portable") if cpu.supports(isa))
+    assert cpu.best_isa() == best
+    assert cpu.has_avx2() == cpu.supports("avx2")
+    case = Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=8)
+    np.testing.assert_array_equal(run(case, kernel("auto")), run(case, kernel(best)))
+    monkeypatch.setitem(cpu.ISAS, "unknown", 7)
+    lacking = [isa for isa in ("avx2", "avx512", "unknown") if not cpu.supports(isa)]
+    for isa in lacking:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="instruction set unsupported"):
+            run(case, kernel(isa))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

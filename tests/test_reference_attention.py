@@ -73,11 +73,12 @@ def _step(k_cache, v_cache, slots, new_k, new_v, q, token_seq, positions, page_t
 class Case:
     """A ragged batch over a shuffled page pool, its cache already holding the cached context."""
 
-    def __init__(self, seqs, *, num_heads, num_kv_heads, page_size, seed=0, extra_pages=3):
+    def __init__(self, seqs, *, num_heads, num_kv_heads, page_size, seed=0, extra_pages=3,
+                 head_dim=HEAD_DIM):
         """`seqs`: (cached, q_len) per sequence."""
         rng = np.random.default_rng(seed)
         self.rng, self.seqs, self.page_size = rng, seqs, page_size
-        self.num_heads, self.num_kv = num_heads, num_kv_heads
+        self.num_heads, self.num_kv, self.head_dim = num_heads, num_kv_heads, head_dim
         kv_lens = [c + q for c, q in seqs]
         pages_per_seq = [-(-n // page_size) for n in kv_lens]
         self.num_pages = 1 + sum(pages_per_seq) + extra_pages
@@ -88,13 +89,13 @@ class Case:
         for i, n in enumerate(pages_per_seq):
             self.page_table[i, :n] = pool[start:start + n]
             start += n
-        shape = (NUM_LAYERS, num_kv_heads, self.num_pages, page_size, HEAD_DIM)
+        shape = (NUM_LAYERS, num_kv_heads, self.num_pages, page_size, head_dim)
         self.k_cache = jnp.asarray(rng.uniform(-GARBAGE, GARBAGE, shape), jnp.float32)
         self.v_cache = jnp.asarray(rng.uniform(-GARBAGE, GARBAGE, shape), jnp.float32)
         # Full K/V/Q of every sequence, [kv_len, K|H, D].
-        self.k = [rng.normal(size=(n, num_kv_heads, HEAD_DIM)).astype(np.float32) for n in kv_lens]
-        self.v = [rng.normal(size=(n, num_kv_heads, HEAD_DIM)).astype(np.float32) for n in kv_lens]
-        self.q = [rng.normal(size=(q, num_heads, HEAD_DIM)).astype(np.float32) for _, q in seqs]
+        self.k = [rng.normal(size=(n, num_kv_heads, head_dim)).astype(np.float32) for n in kv_lens]
+        self.v = [rng.normal(size=(n, num_kv_heads, head_dim)).astype(np.float32) for n in kv_lens]
+        self.q = [rng.normal(size=(q, num_heads, head_dim)).astype(np.float32) for _, q in seqs]
         # An earlier step wrote the cached context.
         cached_slots = np.concatenate(
             [self.slots(i, np.arange(c)) for i, (c, _) in enumerate(seqs)] + [np.zeros(0, int)]
@@ -138,7 +139,7 @@ class Case:
             jnp.asarray(x["new_v"]), jnp.asarray(x["q"]), jnp.asarray(x["token_seq"]),
             jnp.asarray(x["positions"]), jnp.asarray(self.page_table),
             None if window is None else jnp.int32(window),
-            sm_scale=HEAD_DIM ** -0.5, soft_cap=soft_cap,
+            sm_scale=self.head_dim ** -0.5, soft_cap=soft_cap,
         )
         return np.asarray(out), np.asarray(k_cache), np.asarray(v_cache)
 
@@ -146,7 +147,7 @@ class Case:
         rows = []
         for i, (c, n) in enumerate(self.seqs):
             rows.append(dense_attention(self.q[i], self.k[i], self.v[i], np.arange(c, c + n),
-                                        sm_scale=HEAD_DIM ** -0.5, window=window,
+                                        sm_scale=self.head_dim ** -0.5, window=window,
                                         soft_cap=soft_cap))
         return np.concatenate(rows)
 

@@ -22,7 +22,7 @@ from jengine.pallas_kernels.native_library import load_native, missing
 
 _ATTENTION_TARGET = "jengine_paged_attention"
 _KV_WRITE_TARGET = "jengine_kv_write"
-ISAS = {"auto": 0, "portable": 1, "avx2": 2}  # instruction set of the attention kernel
+ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # instruction set of the kernel
 
 _LIB, _LOAD_ERROR = load_native("_cpu_attention", {_ATTENTION_TARGET: "JenginePagedAttention",
                                                    _KV_WRITE_TARGET: "JengineKvWrite"})
@@ -39,10 +39,22 @@ def require() -> None:
         raise missing("attention backend 'cpu'", _LOAD_ERROR, "--attention-backend reference")
 
 
-def has_avx2() -> bool:
-    """Whether this CPU runs the kernel's AVX2+FMA path (what `isa="auto"` picks)."""
+def best_isa() -> str:
+    """The instruction set `isa="auto"` runs on this CPU: AVX-512F where present, else AVX2+FMA,
+    else portable C++."""
     require()
-    return bool(_LIB.JengineHasAvx2())
+    return {v: k for k, v in ISAS.items()}[_LIB.JengineAttentionIsa(0)]
+
+
+def supports(isa: str) -> bool:
+    """Whether this CPU runs the kernel's `isa` path; forcing one it does not is an error."""
+    require()
+    return bool(_LIB.JengineAttentionIsa(ISAS[isa]))
+
+
+def has_avx2() -> bool:
+    """Whether this CPU runs the kernel's AVX2+FMA path."""
+    return supports("avx2")
 
 
 def ragged_paged_attention_cpu(
@@ -65,7 +77,8 @@ def ragged_paged_attention_cpu(
     """`reference.ragged_paged_attention`'s result, computed by the native kernel.
 
     `block_q` query rows of one sequence share a pass over its pages; `isa` forces the
-    portable or AVX2 path (tests); scores, softmax and accumulation are f32 throughout.
+    portable, AVX2 or AVX-512 path (tests, benchmarks; `supports` says which run here), where
+    `auto` takes `best_isa()`; scores, softmax and accumulation are f32 throughout.
     """
     require()
     num_heads = q.shape[1]

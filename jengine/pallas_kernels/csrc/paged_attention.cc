@@ -8,8 +8,8 @@
 // (block, kv head) item runs that kv head's q heads together over the keys the block can see,
 // reading pages in place. Items are shared out over XLA's intra-op thread pool; when there are
 // fewer items than threads can keep busy (batch 1, long context), an item's key range is split
-// and the partial softmax states are merged afterwards. The instruction set (AVX2+FMA or
-// portable) is chosen at run time, or forced by the `isa` attribute.
+// and the partial softmax states are merged afterwards. The instruction set (AVX-512F, AVX2+FMA
+// or portable C++) is chosen at run time, or forced by the `isa` attribute.
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +30,7 @@
 #define JE_X86 1
 #endif
 
+#include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -123,40 +124,9 @@ void FinishTask(const Problem& pb, const Task& task, const Scratch& ws) {
   }
 }
 
-namespace portable {
-#define JE_SIMD 0
-#include "paged_attention_impl.h"
-#undef JE_SIMD
-}  // namespace portable
-
-#if JE_X86
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
-namespace avx2 {
-#define JE_SIMD 1
-#include "paged_attention_impl.h"
-#undef JE_SIMD
-}  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif
-
-enum Isa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2 };
-
-bool HasAvx2() {
-#if JE_X86
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
+#define JE_IMPL_HEADER "paged_attention_impl.h"
+#include "per_isa.h"
+#undef JE_IMPL_HEADER
 
 using TaskFn = void (*)(const Problem&, const Task&, Scratch&);
 
@@ -319,13 +289,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   std::memset(pb.out, 0, pb.T * pb.H * pb.D * sizeof(float));
   if (pb.T == 0) return ffi::Error::Success();
 
+  if (isa == kAuto) isa = BestIsa();
+  if (!Supports(isa)) {
+    return ffi::Error::InvalidArgument("paged attention: forced instruction set unsupported");
+  }
   TaskFn run = portable::RunTask;
 #if JE_X86
-  if (isa == kAvx2 || (isa == kAuto && HasAvx2())) run = avx2::RunTask;
+  if (isa == kAvx512) run = avx512::RunTask;
+  if (isa == kAvx2) run = avx2::RunTask;
 #endif
-  if (isa == kAvx2 && !HasAvx2()) {
-    return ffi::Error::InvalidArgument("paged attention: AVX2+FMA forced but not supported");
-  }
   const int64_t threads = KernelThreads(pool, max_threads);
   MakeBlocks(pb, token_seq.typed_data(), page_table.dimensions()[0],
              std::max<int32_t>(block_q, 1));
@@ -380,11 +352,11 @@ ffi::Error KvWrite(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> layer,
 }  // namespace
 }  // namespace jengine
 
-// Only these three symbols leave the library (built with -fvisibility=hidden).
+// Only these symbols leave the library (built with -fvisibility=hidden).
 #define JE_EXPORT extern "C" __attribute__((visibility("default")))
 JE_EXPORT XLA_FFI_Error* JenginePagedAttention(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT XLA_FFI_Error* JengineKvWrite(XLA_FFI_CallFrame* call_frame);
-JE_EXPORT int JengineHasAvx2();
+JE_EXPORT int JengineAttentionIsa(int isa);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JenginePagedAttention, jengine::PagedAttention,
                               ffi::Ffi::Bind()
@@ -413,4 +385,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineKvWrite, jengine::KvWrite,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // new rows
                                   .Ret<ffi::AnyBuffer>());
 
-extern "C" int JengineHasAvx2() { return jengine::HasAvx2() ? 1 : 0; }
+// isa 0: the instruction set `auto` picks here (1 portable, 2 AVX2, 3 AVX-512); else whether
+// that one runs here (1 or 0).
+extern "C" int JengineAttentionIsa(int isa) {
+  if (isa == jengine::kAuto) return jengine::BestIsa();
+  return jengine::Supports(isa) ? 1 : 0;
+}

@@ -1,61 +1,163 @@
-// The per-task kernel of paged_attention.cc, compiled once per instruction set: the including
-// file defines JE_SIMD (0 portable, 1 AVX2+FMA) and wraps this file in its own namespace, under
-// `#pragma GCC target("avx2,fma")` for the AVX2 copy. No include guard on purpose.
+// The per-task kernel of paged_attention.cc, compiled once per instruction set: per_isa.h
+// includes it in the namespaces portable / avx2 / avx512 with JE_SIMD 0 / 1 / 2 under the
+// matching target pragma. No include guard on purpose. The vector primitives below are the only
+// per-ISA code; the kernel is written once over them (kLanes floats a vector: 8, 8, 16).
 //
 // One task: the query rows of one block (consecutive tokens of one sequence) and the q heads of
 // one kv head, over a range of key positions. Each row's visible keys are contiguous (causal and
 // sliding window), so no mask is materialised: each row visits only its own key range, page by
 // page, straight from the cache, with an online softmax in f32.
 
-#if JE_SIMD
-inline float HorizontalSum(__m256 x) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
+#if JE_SIMD == 2
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Set(float x) { return _mm512_set1_ps(x); }
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
+inline Vec Fnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline Vec Round(Vec x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+inline Vec Pow2(Vec n) {  // 2^n for integral n in [-127, 128)
+  const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline __m256 HalfSum(Vec v) {  // the two 256-bit halves added (AVX-512F has no 32x8 extract)
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+inline void Sum4(Vec a, Vec b, Vec c, Vec d, float* out) {  // out[i] = Sum of the i-th
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(HalfSum(a), HalfSum(b)),
+                                  _mm256_hadd_ps(HalfSum(c), HalfSum(d)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+inline Vec LoadBf16(const uint16_t* p) {  // 16 bf16 -> f32: the bits are the f32's upper half
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#elif JE_SIMD == 1
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Set(float x) { return _mm256_set1_ps(x); }
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Fnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Vec Round(Vec x) {
+  return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline Vec Pow2(Vec n) {
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+inline float Sum(Vec v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+}
+inline void Sum4(Vec a, Vec b, Vec c, Vec d, float* out) {
+  // hadd(hadd(a, b), hadd(c, d)) holds the four sums split over the two 128-bit lanes.
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+inline Vec LoadBf16(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#else
+struct Vec {  // eight floats; the compiler vectorises the loops for the baseline target
+  float v[8];
+};
+constexpr int64_t kLanes = 8;
+template <typename F>
+inline Vec Map(F f) {
+  Vec r;
+  for (int i = 0; i < 8; ++i) r.v[i] = f(i);
+  return r;
+}
+inline Vec Zero() { return Vec{}; }
+inline Vec Set(float x) { return Map([&](int) { return x; }); }
+inline Vec Load(const float* p) {
+  Vec r;
+  std::memcpy(r.v, p, sizeof(r.v));
+  return r;
+}
+inline void Store(float* p, Vec v) { std::memcpy(p, v.v, sizeof(v.v)); }
+inline Vec Add(Vec a, Vec b) { return Map([&](int i) { return a.v[i] + b.v[i]; }); }
+inline Vec Sub(Vec a, Vec b) { return Map([&](int i) { return a.v[i] - b.v[i]; }); }
+inline Vec Mul(Vec a, Vec b) { return Map([&](int i) { return a.v[i] * b.v[i]; }); }
+inline Vec Max(Vec a, Vec b) { return Map([&](int i) { return std::max(a.v[i], b.v[i]); }); }
+inline Vec Fma(Vec a, Vec b, Vec c) {
+  return Map([&](int i) { return a.v[i] * b.v[i] + c.v[i]; });
+}
+inline Vec Fnma(Vec a, Vec b, Vec c) {
+  return Map([&](int i) { return c.v[i] - a.v[i] * b.v[i]; });
+}
+inline Vec Round(Vec x) {  // to nearest for |x| < 2^22 (here |x| <= 126), without a libm call
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
+  return Map([&](int i) { return (x.v[i] + kShift) - kShift; });
+}
+inline Vec Pow2(Vec n) {
+  return Map([&](int i) {
+    const uint32_t u = static_cast<uint32_t>(static_cast<int32_t>(n.v[i]) + 127) << 23;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  });
+}
+inline float Sum(Vec v) {
+  return ((v.v[0] + v.v[1]) + (v.v[2] + v.v[3])) + ((v.v[4] + v.v[5]) + (v.v[6] + v.v[7]));
+}
+inline void Sum4(Vec a, Vec b, Vec c, Vec d, float* out) {
+  out[0] = Sum(a);
+  out[1] = Sum(b);
+  out[2] = Sum(c);
+  out[3] = Sum(d);
+}
+inline Vec LoadBf16(const uint16_t* p) { return Map([&](int i) { return Bf16ToF32(p[i]); }); }
+#endif
 
 // exp(x) for x <= 0 (scores minus their running max): Cody-Waite range reduction and a degree-6
 // polynomial, ~1 ulp; inputs below -87 give ~1e-38, which is 0 next to the max's 1.
-inline __m256 Exp(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
-                                23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+inline Vec Exp(Vec x) {
+  x = Max(x, Set(-87.0f));
+  const Vec n = Round(Mul(x, Set(1.44269504088896341f)));
+  Vec r = Fnma(n, Set(0.693359375f), x);
+  r = Fnma(n, Set(-2.12194440e-4f), r);
+  Vec p = Set(1.9875691500e-4f);
+  p = Fma(p, r, Set(1.3981999507e-3f));
+  p = Fma(p, r, Set(8.3334519073e-3f));
+  p = Fma(p, r, Set(4.1665795894e-2f));
+  p = Fma(p, r, Set(1.6666665459e-1f));
+  p = Fma(p, r, Set(5.0000001201e-1f));
+  p = Fma(p, Mul(r, r), Add(r, Set(1.0f)));
+  return Mul(p, Pow2(n));
 }
-#endif
 
 inline float Dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
-  float sum = 0.0f;
-#if JE_SIMD
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  Vec acc0 = Zero(), acc1 = Zero();
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    acc0 = Fma(Load(a + i), Load(b + i), acc0);
+    acc1 = Fma(Load(a + i + kLanes), Load(b + i + kLanes), acc1);
   }
-  for (; i + 8 <= n; i += 8) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  if (i + kLanes <= n) {
+    acc0 = Fma(Load(a + i), Load(b + i), acc0);
+    i += kLanes;
   }
-  sum = HorizontalSum(_mm256_add_ps(acc0, acc1));
-#else
-  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight partial sums: the compiler's SLP vectorises
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
-  }
-  sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-#endif
+  float sum = Sum(Add(acc0, acc1));
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
@@ -63,16 +165,14 @@ inline float Dot(const float* a, const float* b, int64_t n) {
 // s[j] = exp(s[j] - m) for j < n; returns their sum.
 inline float ExpShifted(float* s, float m, int64_t n) {
   int64_t j = 0;
-  float sum = 0.0f;
-#if JE_SIMD
-  __m256 vm = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    __m256 e = Exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-    _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
+  const Vec vm = Set(m);
+  Vec acc = Zero();
+  for (; j + kLanes <= n; j += kLanes) {
+    const Vec e = Exp(Sub(Load(s + j), vm));
+    Store(s + j, e);
+    acc = Add(acc, e);
   }
-  sum = HorizontalSum(acc);
-#endif
+  float sum = Sum(acc);
   for (; j < n; ++j) {
     s[j] = std::exp(s[j] - m);
     sum += s[j];
@@ -80,73 +180,63 @@ inline float ExpShifted(float* s, float m, int64_t n) {
   return sum;
 }
 
-#if JE_SIMD
-// s[j] = q . k_j for n keys (rows of length d), four keys per pass so that one horizontal
-// reduction serves four dot products.
+// s[j] = q . k_j for n keys (rows of length d), four keys per pass so that one reduction
+// serves four dot products.
 inline void Scores(const float* q, const float* k, int64_t n, int64_t d, float* s) {
   int64_t j = 0;
-  if (d % 8 == 0) {
+  if (d % kLanes == 0) {
     for (; j + 4 <= n; j += 4) {
       const float* k0 = k + j * d;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t c = 0; c < d; c += 8) {
-        const __m256 x = _mm256_loadu_ps(q + c);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + c), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + d + c), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 2 * d + c), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 3 * d + c), a3);
+      Vec a0 = Zero(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t c = 0; c < d; c += kLanes) {
+        const Vec x = Load(q + c);
+        a0 = Fma(x, Load(k0 + c), a0);
+        a1 = Fma(x, Load(k0 + d + c), a1);
+        a2 = Fma(x, Load(k0 + 2 * d + c), a2);
+        a3 = Fma(x, Load(k0 + 3 * d + c), a3);
       }
-      // hadd(hadd(a0, a1), hadd(a2, a3)) holds the four sums split over the two 128-bit lanes.
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+      Sum4(a0, a1, a2, a3, s + j);
     }
   }
   for (; j < n; ++j) s[j] = Dot(q, k + j * d, d);
 }
 
-// acc[:8 NC] = alpha * acc + sum_j p[j] v[j, :8 NC], the NC accumulators held in registers so
-// that the FMA chains of different columns overlap.
+// acc[:NC kLanes] = alpha * acc + sum_j p[j] v[j, :NC kLanes], the NC accumulators held in
+// registers so that the FMA chains of different columns overlap.
 template <int NC>
-inline void AccumulateColumns(float* acc, __m256 alpha, const float* p, const float* v,
-                              int64_t n, int64_t d) {
-  __m256 a[NC];
+inline void AccumulateColumns(float* acc, Vec alpha, const float* p, const float* v, int64_t n,
+                              int64_t d) {
+  Vec a[NC];
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) a[c] = _mm256_mul_ps(alpha, _mm256_loadu_ps(acc + 8 * c));
+  for (int c = 0; c < NC; ++c) a[c] = Mul(alpha, Load(acc + kLanes * c));
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
+    const Vec pj = Set(p[j]);
     const float* vj = v + j * d;
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), a[c]);
+    for (int c = 0; c < NC; ++c) a[c] = Fma(pj, Load(vj + kLanes * c), a[c]);
   }
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+  for (int c = 0; c < NC; ++c) Store(acc + kLanes * c, a[c]);
 }
-#else
-inline void Scores(const float* q, const float* k, int64_t n, int64_t d, float* s) {
-  for (int64_t j = 0; j < n; ++j) s[j] = Dot(q, k + j * d, d);
-}
-#endif
 
 // acc[:d] = alpha * acc[:d] + sum_j p[j] * v[j, :d]  (v rows of length d, n of them).
 inline void AccumulateValues(float* acc, float alpha, const float* p, const float* v, int64_t n,
                              int64_t d) {
   int64_t c = 0;
-#if JE_SIMD
-  const __m256 va = _mm256_set1_ps(alpha);
-  for (; c + 64 <= d; c += 64) AccumulateColumns<8>(acc + c, va, p, v + c, n, d);
-  if (c + 32 <= d) {
+  const Vec va = Set(alpha);
+  for (; c + 8 * kLanes <= d; c += 8 * kLanes) AccumulateColumns<8>(acc + c, va, p, v + c, n, d);
+  if (c + 4 * kLanes <= d) {
     AccumulateColumns<4>(acc + c, va, p, v + c, n, d);
-    c += 32;
+    c += 4 * kLanes;
   }
-  if (c + 16 <= d) {
+  if (c + 2 * kLanes <= d) {
     AccumulateColumns<2>(acc + c, va, p, v + c, n, d);
-    c += 16;
+    c += 2 * kLanes;
   }
-  if (c + 8 <= d) {
+  if (c + kLanes <= d) {
     AccumulateColumns<1>(acc + c, va, p, v + c, n, d);
-    c += 8;
+    c += kLanes;
   }
-#endif
   for (; c < d; ++c) {
     float a = alpha * acc[c];
     for (int64_t j = 0; j < n; ++j) a += p[j] * v[j * d + c];
@@ -156,12 +246,7 @@ inline void AccumulateValues(float* acc, float alpha, const float* p, const floa
 
 inline void WidenBf16(float* dst, const uint16_t* src, int64_t n) {
   int64_t i = 0;
-#if JE_SIMD
-  for (; i + 8 <= n; i += 8) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-  }
-#endif
+  for (; i + kLanes <= n; i += kLanes) Store(dst + i, LoadBf16(src + i));
   for (; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
 }
 

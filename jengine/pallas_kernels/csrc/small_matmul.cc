@@ -20,6 +20,7 @@
 #define JE_X86 1
 #endif
 
+#include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,60 +42,9 @@ inline float ToF32(Bf16 v) {
   return f;
 }
 
-namespace portable {
-#define JE_SIMD 0
-#include "small_matmul_impl.h"
-#undef JE_SIMD
-}  // namespace portable
-
-#if JE_X86
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
-namespace avx2 {
-#define JE_SIMD 1
-#include "small_matmul_impl.h"
-#undef JE_SIMD
-}  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma"))), apply_to = function)
-#else
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
-#endif
-namespace avx512 {
-#define JE_SIMD 2
-#include "small_matmul_impl.h"
-#undef JE_SIMD
-}  // namespace avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif
-
-enum Isa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
-
-bool Supports(int32_t isa) {
-#if JE_X86
-  if (isa == kAvx512) return __builtin_cpu_supports("avx512f");
-  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
-  return isa == kPortable;
-}
-
-int32_t BestIsa() {
-  for (int32_t isa : {kAvx512, kAvx2}) {
-    if (Supports(isa)) return isa;
-  }
-  return kPortable;
-}
+#define JE_IMPL_HEADER "small_matmul_impl.h"
+#include "per_isa.h"
+#undef JE_IMPL_HEADER
 
 template <typename W>
 using ColumnsFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t,

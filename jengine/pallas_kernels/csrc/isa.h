@@ -1,0 +1,31 @@
+// The instruction sets the native CPU kernels are compiled for (per_isa.h), and which of them
+// this CPU runs: the `isa` attribute of each FFI handler takes these codes.
+
+#ifndef JENGINE_ISA_H_
+#define JENGINE_ISA_H_
+
+#include <cstdint>
+
+namespace jengine {
+
+enum Isa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+inline bool Supports(int32_t isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (isa == kAvx512) return __builtin_cpu_supports("avx512f");
+  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == kPortable;
+}
+
+// What `auto` runs here: AVX-512F, else AVX2+FMA, else portable C++.
+inline int32_t BestIsa() {
+  for (int32_t isa : {kAvx512, kAvx2}) {
+    if (Supports(isa)) return isa;
+  }
+  return kPortable;
+}
+
+}  // namespace jengine
+
+#endif  // JENGINE_ISA_H_
