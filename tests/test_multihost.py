@@ -1,6 +1,8 @@
 """Two processes on 127.0.0.1 (4 fake CPU devices each, gloo collectives) run one tp=8 engine
 through `jax.distributed`: process 0 schedules and broadcasts each step's inputs, process 1 runs
-the same programs. The greedy text must equal the single-process engine's."""
+the same programs. The greedy text must equal the single-process engine's. The model is the tiny
+random Llama of test_sharding (8 kv heads, one per device), so each process compiles in seconds;
+SmolLM2's replicated kv heads under tp are test_sharding's."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import socket
 import subprocess
 import sys
 
-from jengine import SamplingParams
+from test_sharding import _tiny_llama
 
-PROMPT = "The capital of France is"
+from jengine import Engine, SamplingParams
+
+PROMPT = "t5 t17 t33 t60 t7"
 
 
 def _free_port() -> int:
@@ -23,22 +27,25 @@ def _free_port() -> int:
 # One step shape only: each process compiles a single program.
 ONE_BUCKET = """
 model: {dtype: float32, max_model_len: 512}
-cache: {page_size: 16, kv_cache_memory: 128MiB}  # 4 copies per host (3 kv heads)
+cache: {page_size: 16, kv_cache_memory: 128MiB}
 scheduler: {max_num_seqs: 16, max_num_batched_tokens: 16, token_buckets: [16],
             seq_buckets: [16], page_buckets: [32]}
 """
 
 
-def test_two_processes_tp8_match_one_process(smol_engine, tmp_path):
-    [expected] = smol_engine.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))
+def test_two_processes_tp8_match_one_process(tmp_path):
+    model = tmp_path / "tiny"
+    _tiny_llama(model)
     preset = tmp_path / "one_bucket.yaml"
     preset.write_text(ONE_BUCKET)
+    [expected] = Engine(str(model), config=str(preset), progress=False).generate(
+        [PROMPT], SamplingParams(max_tokens=8, temperature=0))
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 4 devices each, not 8
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "jengine.cli", "generate", PROMPT, "--config", str(preset),
-             "--max-tokens", "8", "--mesh", "tp=8", "--cpu-devices", "4",
+            [sys.executable, "-m", "jengine.cli", "generate", PROMPT, "--model", str(model),
+             "--config", str(preset), "--max-tokens", "8", "--mesh", "tp=8", "--cpu-devices", "4",
              "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
              "--process-id", str(rank)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -50,7 +50,8 @@ template <typename W>
 using ColumnsFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t,
                            int64_t);
 
-// y = x @ w (or x @ w^T) for one weight type, the columns split over the intra-op pool.
+// y = x @ w (or x @ w^T) for one weight type, the columns (one or two rows: K) split over the
+// intra-op pool.
 template <typename W>
 void Run(ffi::ThreadPool& pool, int32_t isa, bool transpose_w, int32_t max_threads,
          const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N) {
