@@ -10,7 +10,7 @@ from pathlib import Path
 
 # Must happen before JAX initialises its backend. The suite is compile-bound (a cold cache in
 # CI), so XLA:CPU's backend runs LLVM without its optimisation passes here: test_engine.py
-# took 72 s instead of 105 s, a parity subset 42 s instead of 55 s (docs/engine.md). The
+# took 72 s instead of 105 s, a parity subset 42 s instead of 55 s (2026-12-02, cold). The
 # numbers do not change (XLA:CPU compiles without fast-math at any level); benchmarks, the
 # servers users start and the subprocesses of tests that replace XLA_FLAGS keep the default.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
