@@ -365,7 +365,8 @@ inline void RunRowsTask(const Problem& pb, const Task& task, Scratch& ws) {
 constexpr float kMasked = -3.0e38f;  // a masked score: finite, below every real one
 constexpr float kPadPosition = -1.0e9f;  // the position of a padding lane: it sees no key
 
-// 1 where 0 <= d <= window - 1, else 0 (d = query position - key position, integral).
+// 1 where 0 <= d <= window - 1, else 0 (d = query position - key position, integral: exact in
+// f32 for positions below 2^24).
 inline Vec Visible(Vec d, Vec window) {
   const Vec one = Set(1.0f), zero = Zero();
   return Mul(Min(Max(Add(d, one), zero), one), Min(Max(Sub(window, d), zero), one));
