@@ -9,14 +9,18 @@ as uint16 bits) and the in-place FFI write, f32 and bf16 caches, donated.
 Medians over `--reps` calls of one jitted layer call (4-layer cache, layer 1, pages shuffled).
 `--isa` picks the kernel's instruction set; two or more (`--isa avx2,avx512`) time only the
 kernel, each path against the first, reps interleaved so that load on a shared machine falls on
-all of them alike: decode 64 x 256 and 1 x 256, and the prefill chunk.
+all of them alike: decode 64 x 256 and 1 x 256, and the prefill chunk. `--baseline LIB` times
+another build of the kernel library (e.g. the last commit's sources compiled into a temporary
+directory) beside this one on each `--isa`, reps interleaved, each ratio against its baseline.
 
     python scripts/cpu_attention_bench.py [--reps 20] [--isa auto | --isa avx2,avx512]
+                                          [--baseline /tmp/old/_cpu_attention.so]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import statistics
 import time
@@ -38,6 +42,7 @@ from jengine.pallas_kernels import (
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 9, 3, 64, 16, 4
 SCALE = HEAD_DIM ** -0.5
+BASELINE_TARGET = "jengine_paged_attention_baseline"
 
 
 def _median_ms(fn, *args, reps: int) -> float:
@@ -157,23 +162,41 @@ def write_case(num_tokens: int, num_pages: int, reps: int) -> dict[str, float]:
     return out
 
 
-def isa_case(isas: list[str], q: jax.Array, args: tuple, num_pages: int, reps: int,
-             rng) -> dict[str, float]:
-    """The kernel alone on each instruction set, f32 and bf16 caches, reps interleaved."""
+def register_baseline(path: str) -> None:
+    """Registers another build's attention handler as BASELINE_TARGET (ctypes loads each file
+    with its own symbols, so both builds live in this process)."""
+    lib = ctypes.CDLL(path)
+    jax.ffi.register_ffi_target(BASELINE_TARGET, jax.ffi.pycapsule(lib.JenginePagedAttention),
+                                platform="cpu")
+
+
+def isa_case(paths: dict[str, tuple[str, str | None]], q: jax.Array, args: tuple, num_pages: int,
+             reps: int, rng) -> dict[str, float]:
+    """The kernel alone on each path (name -> (isa, FFI target; None: this build's)), f32 and
+    bf16 caches, reps interleaved."""
     out = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         k, v = _cache(num_pages, dtype, rng), _cache(num_pages, dtype, rng)
-        calls = {isa: jax.jit(lambda q, k, v, layer, *a, isa=isa: ragged_paged_attention_cpu(
-            q, k, v, layer, *a, sm_scale=SCALE, isa=isa)) for isa in isas}
+        calls = {name: jax.jit(lambda q, k, v, layer, *a, isa=isa, target=target:
+                               ragged_paged_attention_cpu(q, k, v, layer, *a, sm_scale=SCALE,
+                                                          isa=isa, ffi_target=target))
+                 for name, (isa, target) in paths.items()}
         times = _interleaved_median_ms(calls, q, k, v, jnp.int32(1), *args, reps=reps)
-        out.update({f"{isa} {jnp.dtype(dtype).name}": t for isa, t in times.items()})
+        out.update({f"{name} {jnp.dtype(dtype).name}": t for name, t in times.items()})
     return out
 
 
-def compare_isas(isas: list[str], reps: int) -> None:
-    """One table row per case: each path's median and its ratio to the first path's."""
-    cols = [f"{isa} {dt}{'' if i == 0 else ' (ratio)'}" for dt in ("f32", "bf16")
-            for i, isa in enumerate(isas)]
+def compare_paths(isas: list[str], reps: int, baseline: bool) -> None:
+    """One table row per case: each path's median and its ratio to its base (the first isa's,
+    or with a baseline library that isa's baseline)."""
+    paths, base_of = {}, {}
+    for isa in isas:
+        if baseline:
+            paths[f"{isa} baseline"] = (isa, BASELINE_TARGET)
+        paths[isa] = (isa, None)
+        base_of[isa] = f"{isa} baseline" if baseline else isas[0]
+    cols = [f"{name} {dt}{'' if base_of.get(name, name) == name else ' (ratio)'}"
+            for dt in ("f32", "bf16") for name in paths]
     print("| case | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     rng = np.random.default_rng(3)
@@ -183,13 +206,13 @@ def compare_isas(isas: list[str], reps: int) -> None:
     cases.append(("prefill 512 over 1000", q, (jnp.zeros((512,), jnp.int32), positions,
                                                jnp.asarray(table)), num_pages, max(3, reps // 4)))
     for name, q, args, num_pages, case_reps in cases:
-        r = isa_case(isas, q, args, num_pages, case_reps, rng)
+        r = isa_case(paths, q, args, num_pages, case_reps, rng)
         cells = []
         for dt in ("float32", "bfloat16"):
-            base = r[f"{isas[0]} {dt}"]
-            cells.append(f"{base:.3f} ms")
-            cells += [f"{r[f'{isa} {dt}']:.3f} ms ({r[f'{isa} {dt}'] / base:.2f}x)"
-                      for isa in isas[1:]]
+            for path in paths:
+                t, base = r[f"{path} {dt}"], base_of.get(path, path)
+                ratio = "" if base == path else f" ({t / r[f'{base} {dt}']:.2f}x)"
+                cells.append(f"{t:.3f} ms{ratio}")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
@@ -199,6 +222,8 @@ def main() -> None:
     parser.add_argument("--isa", default="auto",
                         help=f"the kernel's instruction set, or several, comma-separated, to "
                              f"compare: {', '.join(cpu.ISAS)}")
+    parser.add_argument("--baseline", metavar="LIB",
+                        help="another build of _cpu_attention*.so to time beside this one")
     args = parser.parse_args()
     isas = args.isa.split(",")
     unknown = [isa for isa in isas if isa not in cpu.ISAS]
@@ -206,8 +231,10 @@ def main() -> None:
         parser.error(f"unknown --isa {unknown}; choose from {list(cpu.ISAS)}")
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
           f"auto = {cpu.best_isa()}, timed: {', '.join(isas)}")
-    if len(isas) > 1:
-        compare_isas(isas, args.reps)
+    if args.baseline:
+        register_baseline(args.baseline)
+    if len(isas) > 1 or args.baseline:
+        compare_paths(isas, args.reps, bool(args.baseline))
         return
     print("| case | " + " | ".join(["reference f32", "cpu f32", "ratio f32", "reference bf16",
                                      "cpu bf16", "ratio bf16"]) + " |")

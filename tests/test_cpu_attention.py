@@ -128,6 +128,25 @@ def test_long_context_splits_keys_across_threads(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_prefill_blocks_as_tiles(isa):
+    """Prefill blocks take the tiled path (query vectors across the lanes): SmolLM2's group of
+    3 over pages of 16, chunks whose rows straddle pages with window edges inside a page, blocks
+    of 8 and 32 rows (a lane tail, several vector pairs), soft-capped; a long chunk's keys split
+    over the threads (rows that see none of a split's keys) merge as one thread's result."""
+    case = Case([(20, 40), (3, 17), (0, 1)], num_heads=9, num_kv_heads=3, page_size=16, seed=14)
+    for block_q in (8, 32):
+        for window in (None, 10, 37):
+            check(case, kernel(isa, block_q=block_q), window=window)
+    case.q = [q * 8 for q in case.q]
+    check(case, kernel(isa), soft_cap=5.0, window=21)
+    case = Case([(300, 24)], num_heads=6, num_kv_heads=2, page_size=4, seed=15)
+    for window in (None, 50):
+        split = check(case, kernel(isa), window=window)
+        single = check(case, kernel(isa, max_threads=1), window=window)
+        np.testing.assert_allclose(split, single, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_explicit_kv_head_map(isa):
     """Tensor-parallel layout: 3 kv heads replicated, q heads padded 6 -> 8 with a head map."""
     case = Case(MIXED, num_heads=8, num_kv_heads=3, page_size=4, seed=5)

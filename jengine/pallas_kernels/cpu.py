@@ -73,12 +73,15 @@ def ragged_paged_attention_cpu(
     block_q: int = 32,
     isa: str = "auto",
     max_threads: int = 0,  # 0: all of XLA's intra-op threads
+    ffi_target: str | None = None,
 ) -> jax.Array:  # [T, H, D]
     """`reference.ragged_paged_attention`'s result, computed by the native kernel.
 
     `block_q` query rows of one sequence share a pass over its pages; `isa` forces the
     portable, AVX2 or AVX-512 path (tests, benchmarks; `supports` says which run here), where
     `auto` takes `best_isa()`; scores, softmax and accumulation are f32 throughout.
+    `ffi_target` calls another build of the kernel, registered under that target name (the
+    benchmark's `--baseline`) instead of this package's.
     """
     require()
     num_heads = q.shape[1]
@@ -86,7 +89,8 @@ def ragged_paged_attention_cpu(
     if kv_head_map is None:
         kv_head_map = np.arange(num_heads, dtype=np.int32) // (num_heads // num_kv_heads)
     window = jnp.iinfo(jnp.int32).max if sliding_window is None else sliding_window
-    call = jax.ffi.ffi_call(_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(ffi_target or _ATTENTION_TARGET,
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(
         q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()),
         token_seq.astype(jnp.int32), positions.astype(jnp.int32), page_table.astype(jnp.int32),

@@ -87,6 +87,10 @@ struct Problem {
 
 struct Scratch {  // one worker's buffers
   std::vector<float> q, m, l, acc, s, k, v;
+  // The tiled path's: Qt [D, lanes], scores / probabilities [O, lanes], per lane the factor
+  // for acc and the row's position, per vector of lanes their least and greatest position.
+  std::vector<float> qt, st, alpha, lane_pos;
+  std::vector<int64_t> lane_min_pos, lane_max_pos;
   void Reserve(int64_t rows, int64_t d, int64_t page_size) {
     if (static_cast<int64_t>(m.size()) < rows) {
       q.resize(rows * d);
@@ -99,6 +103,16 @@ struct Scratch {  // one worker's buffers
       k.resize(page_size * d);
       v.resize(page_size * d);
     }
+  }
+  void ReserveLanes(int64_t lanes, int64_t d, int64_t page_size) {
+    if (static_cast<int64_t>(alpha.size()) < lanes) {
+      qt.resize(lanes * d);
+      alpha.resize(lanes);
+      lane_pos.resize(lanes);
+      lane_min_pos.resize(lanes);
+      lane_max_pos.resize(lanes);
+    }
+    if (static_cast<int64_t>(st.size()) < lanes * page_size) st.resize(lanes * page_size);
   }
 };
 

@@ -4,9 +4,10 @@
 // per-ISA code; the kernel is written once over them (kLanes floats a vector: 8, 8, 16).
 //
 // One task: the query rows of one block (consecutive tokens of one sequence) and the q heads of
-// one kv head, over a range of key positions. Each row's visible keys are contiguous (causal and
-// sliding window), so no mask is materialised: each row visits only its own key range, page by
-// page, straight from the cache, with an online softmax in f32.
+// one kv head, over a range of key positions, page by page straight from the cache, with an
+// online softmax in f32. Each row's visible keys are contiguous (causal and sliding window):
+// the row path (decode) visits only each row's own key range; the tiled path (prefill blocks)
+// computes a page for all of the task's query vectors at once and masks per lane.
 
 #if JE_SIMD == 2
 using Vec = __m512;
@@ -19,6 +20,7 @@ inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec Min(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
 inline Vec Fnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
 inline Vec Round(Vec x) {
@@ -53,6 +55,7 @@ inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec Min(Vec a, Vec b) { return _mm256_min_ps(a, b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec Fnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
 inline Vec Round(Vec x) {
@@ -99,6 +102,7 @@ inline Vec Add(Vec a, Vec b) { return Map([&](int i) { return a.v[i] + b.v[i]; }
 inline Vec Sub(Vec a, Vec b) { return Map([&](int i) { return a.v[i] - b.v[i]; }); }
 inline Vec Mul(Vec a, Vec b) { return Map([&](int i) { return a.v[i] * b.v[i]; }); }
 inline Vec Max(Vec a, Vec b) { return Map([&](int i) { return std::max(a.v[i], b.v[i]); }); }
+inline Vec Min(Vec a, Vec b) { return Map([&](int i) { return std::min(a.v[i], b.v[i]); }); }
 inline Vec Fma(Vec a, Vec b, Vec c) {
   return Map([&](int i) { return a.v[i] * b.v[i] + c.v[i]; });
 }
@@ -272,23 +276,12 @@ inline void Prefetch(const Problem& pb, int64_t offset, int64_t n) {
 #endif
 }
 
-inline void RunTask(const Problem& pb, const Task& task, Scratch& ws) {
+// Calls visit(key0, n, keys, values) for each page of the task's key range: n keys from key
+// position key0 on, their K and V rows [n, D] as f32. The next page is prefetched.
+template <typename Visit>
+inline void ForEachPage(const Problem& pb, const Task& task, Scratch& ws, Visit visit) {
   const Block& b = pb.blocks[task.block];
-  const std::vector<int>& heads = pb.groups[task.kv_head];
-  const int64_t G = static_cast<int64_t>(heads.size()), D = pb.D, O = pb.O;
-  const int64_t rows = b.num_rows * G;
-  ws.Reserve(rows, D, O);
-  for (int64_t r = 0; r < b.num_rows; ++r) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* src = pb.q + ((b.first_token + r) * pb.H + heads[g]) * D;
-      float* dst = ws.q.data() + (r * G + g) * D;
-      for (int64_t c = 0; c < D; ++c) dst[c] = src[c] * pb.sm_scale;
-    }
-  }
-  std::fill(ws.m.begin(), ws.m.begin() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(ws.l.begin(), ws.l.begin() + rows, 0.0f);
-  std::fill(ws.acc.begin(), ws.acc.begin() + rows * D, 0.0f);
-
+  const int64_t D = pb.D, O = pb.O;
   const int32_t* table = pb.page_table + static_cast<int64_t>(b.seq) * pb.max_pages;
   const int64_t head_base = (pb.layer * pb.K + task.kv_head) * pb.P;
   for (int64_t page_index = task.key_lo / O; page_index * O < task.key_hi; ++page_index) {
@@ -304,18 +297,47 @@ inline void RunTask(const Problem& pb, const Task& task, Scratch& ws) {
     }
     const float* keys = PageRows(pb, pb.k, offset, j1 - j0, ws.k.data());
     const float* values = PageRows(pb, pb.v, offset, j1 - j0, ws.v.data());
+    visit(page_start + j0, j1 - j0, keys, values);
+  }
+}
+
+// The softmax state of `rows` query vectors before any key: m = -inf, l = 0, acc = 0.
+inline void ClearState(Scratch& ws, int64_t rows, int64_t d) {
+  std::fill(ws.m.begin(), ws.m.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(ws.l.begin(), ws.l.begin() + rows, 0.0f);
+  std::fill(ws.acc.begin(), ws.acc.begin() + rows * d, 0.0f);
+}
+
+// One query vector at a time: its scores by dot products, its values row by row. Serves
+// decode (one row per sequence) and head dims that are not whole vectors.
+inline void RunRowsTask(const Problem& pb, const Task& task, Scratch& ws) {
+  const Block& b = pb.blocks[task.block];
+  const std::vector<int>& heads = pb.groups[task.kv_head];
+  const int64_t G = static_cast<int64_t>(heads.size()), D = pb.D;
+  const int64_t rows = b.num_rows * G;
+  ws.Reserve(rows, D, pb.O);
+  for (int64_t r = 0; r < b.num_rows; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = pb.q + ((b.first_token + r) * pb.H + heads[g]) * D;
+      float* dst = ws.q.data() + (r * G + g) * D;
+      for (int64_t c = 0; c < D; ++c) dst[c] = src[c] * pb.sm_scale;
+    }
+  }
+  ClearState(ws, rows, D);
+  ForEachPage(pb, task, ws, [&](int64_t key0, int64_t n_page, const float* keys,
+                                const float* values) {
     for (int64_t r = 0; r < b.num_rows; ++r) {
       const int64_t pos = pb.positions[b.first_token + r];
-      // This row's visible keys within the page: [pos - window + 1, pos].
-      const int64_t lo = std::max(j0, pos - pb.window + 1 - page_start);
-      const int64_t hi = std::min(j1, pos + 1 - page_start);
+      // This row's visible keys within the page: [pos - window + 1, pos], from key0 on.
+      const int64_t lo = std::max<int64_t>(0, pos - pb.window + 1 - key0);
+      const int64_t hi = std::min(n_page, pos + 1 - key0);
       if (lo >= hi) continue;
       const int64_t n = hi - lo;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t i = r * G + g;
         float* s = ws.s.data();
         const float* qi = ws.q.data() + i * D;
-        Scores(qi, keys + (lo - j0) * D, n, D, s);
+        Scores(qi, keys + lo * D, n, D, s);
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) {
           if (pb.soft_cap > 0.0f) s[j] = pb.soft_cap * std::tanh(s[j] / pb.soft_cap);
@@ -326,9 +348,185 @@ inline void RunTask(const Problem& pb, const Task& task, Scratch& ws) {
         const float sum = ExpShifted(s, m_new, n);
         ws.l[i] = ws.l[i] * alpha + sum;
         ws.m[i] = m_new;
-        AccumulateValues(ws.acc.data() + i * D, alpha, s, values + (lo - j0) * D, n, D);
+        AccumulateValues(ws.acc.data() + i * D, alpha, s, values + lo * D, n, D);
       }
     }
-  }
+  });
   FinishTask(pb, task, ws);
+}
+
+// ---- Prefill blocks: each page as register-tiled matrix products ----
+// The N = rows x G query vectors of the task lie across the lanes (vector i = r * G + g): a
+// page's scores are St [n, N] = K [n, D] . Qt [D, N] (Qt transposed once per task, keys read in
+// place), so the softmax statistics of kLanes vectors update together, and the values are
+// acc [N, D] += P [N, n] . V [n, D]. Per lane, the keys outside its row's visible range are
+// masked: probability exactly 0, and no effect on the running max.
+
+constexpr float kMasked = -3.0e38f;  // a masked score: finite, below every real one
+constexpr float kPadPosition = -1.0e9f;  // the position of a padding lane: it sees no key
+
+// 1 where 0 <= d <= window - 1, else 0 (d = query position - key position, integral: exact in
+// f32 for positions below 2^24).
+inline Vec Visible(Vec d, Vec window) {
+  const Vec one = Set(1.0f), zero = Zero();
+  return Mul(Min(Max(Add(d, one), zero), one), Min(Max(Sub(window, d), zero), one));
+}
+
+// The register tile of both products: for M rows and N vectors of columns,
+//   c[m, cols] = s[m] c[m, cols] + sum_t a[m * am + t * at] b[t * bt + cols]   (t < steps),
+// one broadcast of a and N loads of b a step; without `s` the sum starts from 0.
+template <int M, int N>
+inline void TileProduct(const float* a, int64_t am, int64_t at, const float* b, int64_t bt,
+                        int64_t steps, const float* s, float* c, int64_t cm) {
+  Vec acc[M][N];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    const Vec sm = s ? Set(s[m]) : Zero();
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) acc[m][n] = s ? Mul(sm, Load(c + m * cm + n * kLanes)) : sm;
+  }
+  for (int64_t t = 0; t < steps; ++t) {
+    Vec x[N];
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) x[n] = Load(b + t * bt + n * kLanes);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const Vec am_t = Set(a[m * am + t * at]);
+#pragma GCC unroll 4
+      for (int n = 0; n < N; ++n) acc[m][n] = Fma(am_t, x[n], acc[m][n]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) Store(c + m * cm + n * kLanes, acc[m][n]);
+  }
+}
+
+// st[j, lanes] = sum_c k[j, c] qt[c, lanes] for n keys and NR vectors of lanes (rows ld apart),
+// kKeys keys a pass.
+template <int NR>
+inline void ScoreLanes(const float* k, int64_t n, const float* qt, int64_t d, int64_t ld,
+                       float* st) {
+  constexpr int kKeys = JE_SIMD == 2 ? 8 : 4;  // kKeys x NR accumulators: 16 of 32, 8 of 16
+  int64_t j = 0;
+  for (; j + kKeys <= n; j += kKeys) {
+    TileProduct<kKeys, NR>(k + j * d, d, 1, qt, ld, d, nullptr, st + j * ld, ld);
+  }
+  for (; j < n; ++j) TileProduct<1, NR>(k + j * d, d, 1, qt, ld, d, nullptr, st + j * ld, ld);
+}
+
+// acc[r, :d] = alpha[r] acc[r, :d] + sum_j st[j, r] v[j, :d] for R rows (d apart; st's rows
+// ld apart; d a multiple of kLanes).
+template <int R>
+inline void ValueRows(const float* st, int64_t ld, const float* alpha, const float* v,
+                      int64_t n, int64_t d, float* acc) {
+  constexpr int kCols = JE_SIMD == 2 ? 4 : 2;  // R x kCols accumulators: 16 of 32, 8 of 16
+  int64_t c = 0;
+  for (; c + kCols * kLanes <= d; c += kCols * kLanes) {
+    TileProduct<R, kCols>(st, 1, ld, v + c, d, n, alpha, acc + c, d);
+  }
+  for (; c < d; c += kLanes) TileProduct<R, 1>(st, 1, ld, v + c, d, n, alpha, acc + c, d);
+}
+
+// One page's online-softmax update of the kLanes vectors at `lane`: st[:n, lane...] turns from
+// scores into probabilities, m and l are updated and alpha gets the factor for acc.
+inline void LaneSoftmax(const Problem& pb, int64_t key0, int64_t n, int64_t ld, int64_t lane,
+                        Scratch& ws, float* st) {
+  const int64_t lo_pos = ws.lane_min_pos[lane / kLanes], hi_pos = ws.lane_max_pos[lane / kLanes];
+  float* alpha = ws.alpha.data() + lane;
+  if (hi_pos < key0 || lo_pos - pb.window + 1 > key0 + n - 1) {  // no lane sees these keys
+    Store(alpha, Set(1.0f));
+    for (int64_t j = 0; j < n; ++j) Store(st + j * ld + lane, Zero());
+    return;
+  }
+  // Whether every real lane sees every key (then padding lanes, whose rows are never written
+  // out, count as seeing them too).
+  const bool all = lo_pos >= key0 + n - 1 && hi_pos - pb.window + 1 <= key0;
+  if (pb.soft_cap > 0.0f) {
+    for (int64_t j = 0; j < n; ++j) {
+      float* s = st + j * ld + lane;
+      for (int64_t t = 0; t < kLanes; ++t) s[t] = pb.soft_cap * std::tanh(s[t] / pb.soft_cap);
+    }
+  }
+  const Vec pos = Load(ws.lane_pos.data() + lane), window = Set(static_cast<float>(pb.window));
+  const Vec one = Set(1.0f), masked = Set(kMasked);
+  Vec mx = masked;
+  for (int64_t j = 0; j < n; ++j) {
+    Vec s = Load(st + j * ld + lane);
+    if (!all) {  // s where visible, kMasked elsewhere (vis 0 or 1: exact)
+      const Vec vis = Visible(Sub(pos, Set(static_cast<float>(key0 + j))), window);
+      s = Fma(vis, s, Mul(Sub(one, vis), masked));
+      Store(st + j * ld + lane, s);
+    }
+    mx = Max(mx, s);
+  }
+  const Vec m_old = Load(ws.m.data() + lane);
+  const Vec m_new = Max(m_old, mx);
+  const Vec a = Exp(Sub(m_old, m_new));  // ~0 on the first visit (m = -inf), 1 if m holds
+  Vec sum = Zero();
+  for (int64_t j = 0; j < n; ++j) {
+    Vec p = Exp(Sub(Load(st + j * ld + lane), m_new));
+    if (!all) p = Mul(p, Visible(Sub(pos, Set(static_cast<float>(key0 + j))), window));
+    Store(st + j * ld + lane, p);
+    sum = Add(sum, p);
+  }
+  Store(ws.m.data() + lane, m_new);
+  Store(ws.l.data() + lane, Fma(Load(ws.l.data() + lane), a, sum));
+  Store(alpha, a);
+}
+
+inline void RunTiledTask(const Problem& pb, const Task& task, Scratch& ws) {
+  const Block& b = pb.blocks[task.block];
+  const std::vector<int>& heads = pb.groups[task.kv_head];
+  const int64_t G = static_cast<int64_t>(heads.size()), D = pb.D;
+  const int64_t rows = b.num_rows * G;
+  const int64_t num_vecs = (rows + kLanes - 1) / kLanes, ld = num_vecs * kLanes;
+  ws.Reserve(ld, D, pb.O);
+  ws.ReserveLanes(ld, D, pb.O);
+  for (int64_t i = 0; i < ld; ++i) {
+    const bool real = i < rows;
+    const int64_t r = i / G;
+    const float* src = pb.q + ((b.first_token + r) * pb.H + heads[i % G]) * D;
+    for (int64_t c = 0; c < D; ++c) ws.qt[c * ld + i] = real ? src[c] * pb.sm_scale : 0.0f;
+    ws.lane_pos[i] = real ? static_cast<float>(pb.positions[b.first_token + r]) : kPadPosition;
+  }
+  for (int64_t v = 0; v < num_vecs; ++v) {  // over the real lanes: every vector has one
+    const float* p = ws.lane_pos.data() + v * kLanes;
+    const int64_t real = std::min<int64_t>(kLanes, rows - v * kLanes);
+    ws.lane_min_pos[v] = static_cast<int64_t>(*std::min_element(p, p + real));
+    ws.lane_max_pos[v] = static_cast<int64_t>(*std::max_element(p, p + real));
+  }
+  ClearState(ws, ld, D);
+  float* st = ws.st.data();
+  ForEachPage(pb, task, ws, [&](int64_t key0, int64_t n, const float* keys,
+                                const float* values) {
+    int64_t lane = 0;
+    for (; lane + 2 * kLanes <= ld; lane += 2 * kLanes) {
+      ScoreLanes<2>(keys, n, ws.qt.data() + lane, D, ld, st + lane);
+    }
+    if (lane < ld) ScoreLanes<1>(keys, n, ws.qt.data() + lane, D, ld, st + lane);
+    for (lane = 0; lane < ld; lane += kLanes) LaneSoftmax(pb, key0, n, ld, lane, ws, st);
+    constexpr int kRows = 4;
+    int64_t i = 0;
+    for (; i + kRows <= rows; i += kRows) {
+      ValueRows<kRows>(st + i, ld, ws.alpha.data() + i, values, n, D, ws.acc.data() + i * D);
+    }
+    for (; i < rows; ++i) {
+      ValueRows<1>(st + i, ld, ws.alpha.data() + i, values, n, D, ws.acc.data() + i * D);
+    }
+  });
+  FinishTask(pb, task, ws);
+}
+
+// Prefill blocks with at least a vector of query vectors and whole-vector head dims take the
+// tiled path; decode rows (one a sequence: a few lanes only) and other head dims the row path.
+inline void RunTask(const Problem& pb, const Task& task, Scratch& ws) {
+  const Block& b = pb.blocks[task.block];
+  const int64_t rows = b.num_rows * static_cast<int64_t>(pb.groups[task.kv_head].size());
+  if (b.num_rows > 1 && rows >= kLanes && pb.D % kLanes == 0) {
+    RunTiledTask(pb, task, ws);
+  } else {
+    RunRowsTask(pb, task, ws);
+  }
 }
