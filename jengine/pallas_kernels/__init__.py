@@ -16,7 +16,7 @@ from jengine.pallas_kernels.backends import (
     shard_write_for_context_mesh,
 )
 from jengine.pallas_kernels.block_layout import num_query_blocks
-from jengine.pallas_kernels.cpu import ragged_paged_attention_cpu, write_kv_cpu
+from jengine.pallas_kernels.cpu import ragged_paged_attention_cpu, untouched_zeros, write_kv_cpu
 from jengine.pallas_kernels.cpu_matmul import small_matmul
 from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
 from jengine.pallas_kernels.reference import (
@@ -42,6 +42,7 @@ __all__ = [
     "small_matmul",
     "shard_over_heads",
     "shard_write_for_context_mesh",
+    "untouched_zeros",
     "write_kv",
     "write_kv_cpu",
 ]
