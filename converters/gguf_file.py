@@ -407,9 +407,8 @@ class GGUFModel:
         """A `PreTrainedTokenizerFast` rebuilt from the file's vocabulary, merges, special tokens
         and chat template (transformers' GGUF converters; no torch needed), or the one a
         previous start built from the same metadata (`converters.tokenizer_cache`)."""
-        inputs = {"arch": self.arch, **{k: v for k, v in self.meta.items()
-                                         if k.startswith("tokenizer.")}}
-        return cached_tokenizer(inputs, self._build_tokenizer)
+        tok_meta = {k: v for k, v in self.meta.items() if k.startswith("tokenizer.")}
+        return cached_tokenizer({"arch": self.arch, **tok_meta}, self._build_tokenizer)
 
     def _build_tokenizer(self):  # reads the architecture and the tokenizer.* metadata only
         from transformers import PreTrainedTokenizerFast
