@@ -1,5 +1,5 @@
-"""The native CPU kernels (paged attention and KV write; the small-row matmul), built against
-the XLA FFI headers that jaxlib ships.
+"""The native CPU kernels (paged attention, KV write and zeros that touch no page; the small-row
+matmul), built against the XLA FFI headers that jaxlib ships.
 
 Everything else about the package is in pyproject.toml; this file only declares the extensions.
 """
@@ -24,11 +24,11 @@ def _xla_ffi_include() -> str:
     return str(include)
 
 
-def _kernel(name: str, source: str, *headers: str) -> Extension:
+def _kernel(name: str, sources: list[str], *headers: str) -> Extension:
     csrc = "jengine/pallas_kernels/csrc/"
     return Extension(
         f"jengine.pallas_kernels.{name}",
-        sources=[csrc + source],
+        sources=[csrc + source for source in sources],
         depends=[csrc + h for h in ("isa.h", "parallel_for.h", "per_isa.h", *headers)],
         include_dirs=[_xla_ffi_include()],
         language="c++",
@@ -38,7 +38,7 @@ def _kernel(name: str, source: str, *headers: str) -> Extension:
 
 setup(
     ext_modules=[
-        _kernel("_cpu_attention", "paged_attention.cc", "paged_attention_impl.h"),
-        _kernel("_cpu_matmul", "small_matmul.cc", "small_matmul_impl.h"),
+        _kernel("_cpu_attention", ["paged_attention.cc", "kv_zeros.cc"], "paged_attention_impl.h"),
+        _kernel("_cpu_matmul", ["small_matmul.cc"], "small_matmul_impl.h"),
     ]
 )

@@ -24,6 +24,7 @@ import numpy as np
 
 from converters.errors import ModelLoadError
 from converters.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo, dequantize
+from converters.tokenizer_cache import cached_tokenizer
 
 _ARCH_TO_MODEL_TYPE = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -404,7 +405,12 @@ class GGUFModel:
 
     def tokenizer(self):
         """A `PreTrainedTokenizerFast` rebuilt from the file's vocabulary, merges, special tokens
-        and chat template (transformers' GGUF converters; no torch needed)."""
+        and chat template (transformers' GGUF converters; no torch needed), or the one a
+        previous start built from the same metadata (`converters.tokenizer_cache`)."""
+        tok_meta = {k: v for k, v in self.meta.items() if k.startswith("tokenizer.")}
+        return cached_tokenizer({"arch": self.arch, **tok_meta}, self._build_tokenizer)
+
+    def _build_tokenizer(self):  # reads the architecture and the tokenizer.* metadata only
         from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf import gguf_tokenizer_mapping as gtm
 

@@ -177,10 +177,12 @@ def assemble_params(
     """Places HF-named tensors into jengine's stacked param arrays, asserting every shape.
 
     The copies run in a thread per core: writing fresh pages costs more than the transposes
-    themselves (page faults), and NumPy's copy releases the GIL."""
+    themselves (page faults), and NumPy's copy releases the GIL. The arrays (and their layer
+    slices) start on XLA:CPU's buffer alignment, so that placing them on a CPU device shares
+    their memory instead of copying it all again."""
     specs = family_module(cfg).param_specs(cfg)
     np_dtype = numpy_dtype(dtype)
-    params = {name: np.empty(spec.shape, np_dtype) for name, spec in specs.items()}
+    params = {name: _aligned_empty(spec.shape, np_dtype) for name, spec in specs.items()}
     filled: set[tuple[str, tuple[int, ...]]] = set()
 
     def put(target, w: np.ndarray) -> None:
@@ -198,3 +200,16 @@ def assemble_params(
         for copy in copies:
             copy.result()
     return params
+
+
+# XLA:CPU uses a host array's memory in place (`jax.device_put` copies nothing) when its data
+# starts on this boundary; NumPy's own allocations are only 16-byte aligned.
+_XLA_CPU_ALIGNMENT = 64
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(size + _XLA_CPU_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _XLA_CPU_ALIGNMENT
+    return raw[start:start + size].view(dtype).reshape(shape)

@@ -92,6 +92,20 @@ def cli_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
         return dict(zip(commands, pool.map(lambda args: jengine(*args), commands)))
 
 
+def test_the_generate_path_imports_no_server_and_no_pallas():
+    """What `jengine generate` imports before it opens a model (its command module and the
+    engine) leaves out the HTTP and gRPC server, Pallas (with its Mosaic and Triton kernels)
+    and transformers: start-up time that a CPU generate has no use for."""
+    unwanted = ("jengine.server", "jax._src.pallas", "jax.experimental.pallas", "transformers",
+                "grpc", "fastapi", "llguidance")
+    code = ("import sys, jengine.cli.main, jengine.engine; "
+            f"print(' '.join(m for m in sys.modules if m.startswith({unwanted!r})))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == []
+
+
 def test_info_describes_the_default_model(cli_runs):
     run = cli_runs[("info",)]
     assert run.returncode == 0, run.stderr[-2000:]

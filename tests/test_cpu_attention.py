@@ -12,7 +12,9 @@ rounding (2e-2) of the kernel.
 from __future__ import annotations
 
 import functools
+import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -320,3 +322,41 @@ def test_kv_write_per_shard_under_a_mesh(kv_replicated):
         got = write(sharded, jnp.asarray(new))
     want = write_kv(jnp.asarray(cache), jnp.int32(LAYER), slots, jnp.asarray(new))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_the_library_has_the_zeros_target():
+    assert cpu._HAS_ZEROS, "rebuild the native library: python setup.py build_ext --inplace"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_untouched_zeros_are_zeros_in_reused_memory(dtype):
+    """Every byte reads zero, also where the allocator hands back memory that held data: sizes
+    from under a page (written) to several MiB (whole pages remapped, the ends written)."""
+    bits = np.uint32 if dtype == jnp.float32 else np.uint16
+    big = jnp.ones((8 << 20,), jnp.float32).block_until_ready()  # raises malloc's mmap threshold,
+    del big  # so that buffers of a few MiB come from (dirty) heap memory too
+    for n in (3, 1000, (1 << 18) + 5, (1 << 20) + 7, (3 << 20) + 1):
+        struct = jax.ShapeDtypeStruct((n,), dtype)
+        dirty = jnp.full((n,), -1.5, dtype).block_until_ready()  # freed just before the zeros
+        del dirty
+        (zeros,) = jax.jit(lambda s=struct: cpu.untouched_zeros(s))()
+        assert not np.asarray(zeros).view(bits).any(), n
+
+
+def test_untouched_zeros_map_only_the_pages_written():
+    """A 256 MiB cache adds almost nothing to resident memory: the pages a donated in-place
+    step writes are mapped then, and reading the rest maps none."""
+    struct = jax.ShapeDtypeStruct((64, 1 << 20), jnp.float32)
+    make = jax.jit(lambda: cpu.untouched_zeros(struct)).lower().compile()
+    write = jax.jit(lambda c: c.at[3, :16].set(1.0), donate_argnums=0).lower(struct).compile()
+    before = _resident_bytes()
+    (cache,) = make()
+    pointer = cache.unsafe_buffer_pointer()
+    cache = write(cache)
+    assert cache.unsafe_buffer_pointer() == pointer  # in place: no copy was faulted in
+    assert float(cache.sum()) == 16.0
+    assert _resident_bytes() - before < 32 << 20

@@ -30,6 +30,7 @@ from jengine.runtime.executables import (
     ProgramsNotStoredError,
     compile_fresh,
     store_key,
+    traced_files,
 )
 from jengine.runtime.step_io import SamplingRows, dummy_batch
 
@@ -132,6 +133,18 @@ def test_the_key_covers_the_devices():
     assert store_key("p", devices[:1]) != store_key("p", devices[1:2])
     assert store_key("p", devices[:2]) != store_key("p", devices[:1])
     assert store_key("p", devices[:1]) != store_key("q", devices[:1])
+
+
+def test_the_key_covers_every_traced_source():
+    """A program is only as current as the code it was traced from: an edit to a model, a
+    kernel (its C++ too), the sharding rules or the step's inputs must change every key."""
+    package = Path(jengine.core.engine_core.__file__).parents[1]
+    files = {str(p.relative_to(package)) for p in traced_files()}
+    for name in ("runtime/runner.py", "runtime/sampler.py", "runtime/step_io.py",
+                 "models/llama.py", "models/attention.py", "pallas_kernels/cpu.py",
+                 "pallas_kernels/csrc/paged_attention.cc", "sharding/rules.py"):
+        assert name in files, name
+    assert not any(p.startswith(("server/", "scheduling/")) for p in files)
 
 
 def _program(x, *, scale: int):

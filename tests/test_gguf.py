@@ -15,6 +15,7 @@ float32 ulps. `rtol=1e-6` of the tensor's largest magnitude.
 from __future__ import annotations
 
 import gguf
+import jax
 import numpy as np
 import pytest
 import torch
@@ -463,6 +464,25 @@ def test_gguf_llama_logits_match_transformers(tiny_llama_gguf):
     assert loaded.kind == "gguf" and loaded.config.num_kv_heads == 2
     assert loaded.tokenizer('!"#$a</s>').input_ids == [92, 93, 64, 95]  # merges, "a", eos
     assert _gguf_logits_diff(path, model) < TOL
+
+
+def test_gguf_weights_are_placed_on_the_cpu_without_a_copy(tiny_llama_gguf):
+    """One CPU device, float weights: every placed weight, each layer's slice included, uses the
+    assembled host array's memory (XLA:CPU aliases 64-byte-aligned arrays), so a start pays
+    neither a second copy of the weights nor its page faults."""
+    from jengine.core.build import place_weights
+
+    path, _, _ = tiny_llama_gguf
+    loaded = load_source(str(path), dtype="float32", progress=False)
+    params = place_weights(loaded, loaded.config, None, dtype="float32", quantization="none",
+                           layer_layout="unstacked", quantize_lm_head=False, smoothing_alpha=0.0,
+                           progress=False)
+    hosts = [np.asarray(w) for w in loaded.params.values()]
+    spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in hosts]
+    leaves = jax.tree.leaves(params)
+    assert len(leaves) > len(hosts)  # the layers were split
+    for leaf in leaves:
+        assert any(lo <= leaf.unsafe_buffer_pointer() < hi for lo, hi in spans), leaf.shape
 
 
 def test_gguf_qwen3(tmp_path):

@@ -14,6 +14,7 @@ from jengine.pallas_kernels import (
     ragged_paged_attention,
     shard_for_context_mesh,
     shard_write_for_context_mesh,
+    untouched_zeros,
     write_kv,
     write_kv_cpu,
 )
@@ -35,9 +36,17 @@ class KVCache:
     v: jax.Array  # [L, K, P, O, D]; [L, K, P, O, 0] under latent attention
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
+    def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, *,
+              untouched: bool = False) -> KVCache:
+        """An empty cache. `untouched` (inside a program for one CPU device): the same zeros,
+        made without writing them (`pallas_kernels.untouched_zeros`), so start-up pays no page
+        faults for pages no step has used yet."""
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         v_shape = shape[:-1] + (0,) if cfg.latent_attention else shape
+        if untouched:
+            k, v = untouched_zeros(jax.ShapeDtypeStruct(shape, dtype),
+                                   jax.ShapeDtypeStruct(v_shape, dtype))
+            return cls(k=k, v=v)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(v_shape, dtype))
 
     @staticmethod

@@ -21,9 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jengine.pallas_kernels import cpu
-from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
 from jengine.pallas_kernels.reference import ragged_paged_attention
-from jengine.pallas_kernels.tpu import ragged_paged_attention_tpu
 
 BACKENDS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
 _AUTO = {"cpu": "cpu", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
@@ -63,11 +61,16 @@ def attention_fn(backend: str, platform: str | None = None, **block_sizes) -> Ca
         if platform != "cpu":
             raise ValueError(f"attention backend 'cpu' runs on the CPU platform, not {platform!r}")
         return functools.partial(cpu.ragged_paged_attention_cpu, **block_sizes)
+    # The Pallas kernels import here: Pallas and Mosaic cost ~0.35 s of a CPU start-up.
     if name == "pallas_tpu":
         from jax.experimental.pallas import tpu as pltpu
 
+        from jengine.pallas_kernels.tpu import ragged_paged_attention_tpu
+
         interpret = pltpu.InterpretParams() if platform != "tpu" else False
         return functools.partial(ragged_paged_attention_tpu, interpret=interpret, **block_sizes)
+    from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
+
     interpret = platform not in ("gpu", "cuda", "rocm")
     return functools.partial(ragged_paged_attention_gpu, interpret=interpret, **block_sizes)
 

@@ -1,10 +1,12 @@
-"""Native CPU ragged paged attention and KV write: C++ kernels called through `jax.ffi`.
+"""Native CPU ragged paged attention, KV write and KV zeros: C++ kernels called through `jax.ffi`.
 
-The kernels (`csrc/paged_attention.cc`) are built into `_cpu_attention*.so` by the package's
-install (a setuptools Extension against the XLA FFI headers of jaxlib); nothing is compiled at
-run time. They read and write the paged cache in place: attention visits only the pages each
-query block can see (no gathered copy), and the KV write is an aliased output, so a donated
-cache is never copied (XLA's own scatter on a bf16 cache rewrites all of it).
+The kernels (`csrc/paged_attention.cc`, `csrc/kv_zeros.cc`) are built into `_cpu_attention*.so`
+by the package's install (a setuptools Extension against the XLA FFI headers of jaxlib); nothing
+is compiled at run time. They read and write the paged cache in place: attention visits only the
+pages each query block can see (no gathered copy), and the KV write is an aliased output, so a
+donated cache is never copied (XLA's own scatter on a bf16 cache rewrites all of it).
+`untouched_zeros` makes the cache itself without writing its pages (the OS maps each page on its
+first write).
 
 The FFI targets are registered when this module is imported (jengine.pallas_kernels imports it),
 before any program that calls them is compiled or loaded from the persistent compilation cache.
@@ -22,10 +24,23 @@ from jengine.pallas_kernels.native_library import load_native, missing
 
 _ATTENTION_TARGET = "jengine_paged_attention"
 _KV_WRITE_TARGET = "jengine_kv_write"
+_ZEROS_TARGET = "jengine_zeros"
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # instruction set of the kernel
 
 _LIB, _LOAD_ERROR = load_native("_cpu_attention", {_ATTENTION_TARGET: "JenginePagedAttention",
                                                    _KV_WRITE_TARGET: "JengineKvWrite"})
+
+
+def _register_zeros() -> bool:
+    # Optional, so that a library built before the target existed still serves attention.
+    if _LIB is None or not hasattr(_LIB, "JengineZeros"):
+        return False
+    jax.ffi.register_ffi_target(_ZEROS_TARGET, jax.ffi.pycapsule(_LIB.JengineZeros),
+                                platform="cpu")
+    return True
+
+
+_HAS_ZEROS = _register_zeros()
 
 
 def available() -> bool:
@@ -114,3 +129,13 @@ def write_kv_cpu(
                             input_output_aliases={0: 0})
     return call(cache, jnp.asarray(layer, jnp.int32).reshape(()), slot_mapping.astype(jnp.int32),
                 new.astype(jnp.float32))
+
+
+def untouched_zeros(*structs: jax.ShapeDtypeStruct) -> tuple[jax.Array, ...]:
+    """Zero arrays of these shapes for a program on one CPU device, made without writing them:
+    their whole pages are fresh mappings that the OS fills with zeros on first touch (calloc's
+    way), so a 2 GiB KV cache costs page faults only for the pages steps write. The result is
+    `jnp.zeros`'s, and is `jnp.zeros` itself when the library lacks the target."""
+    if not _HAS_ZEROS:
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in structs)
+    return tuple(jax.ffi.ffi_call(_ZEROS_TARGET, structs)())

@@ -54,20 +54,31 @@ def default_store_dir() -> Path:
 # The parts of the package that step programs are traced from (a program is only as current
 # as the code that traced it). An edit elsewhere (server, scheduler) keeps the stored programs;
 # code that starts running inside a jitted step must be listed here.
-TRACED_SOURCES = ("runner.py", "sampler.py", "models", "pallas_kernels", "sharding")
+# Paths are relative to the `jengine` package.
+TRACED_SOURCES = ("runtime/runner.py", "runtime/sampler.py", "runtime/step_io.py", "models",
+                  "pallas_kernels", "sharding")
 
 
-@cache
-def _sources_digest() -> str:
-    """A digest of TRACED_SOURCES' Python, C++ and native libraries (milliseconds to hash)."""
-    root = Path(__file__).parent
-    h = hashlib.sha256()
+def traced_files() -> list[Path]:
+    """TRACED_SOURCES' Python, C++ and native library files, in a fixed order."""
+    root = Path(__file__).parent.parent
+    files = []
     for name in TRACED_SOURCES:
         top = root / name
         for path in sorted(top.rglob("*")) if top.is_dir() else [top]:
             if path.suffix in (".py", ".so", ".cc", ".h") and "__pycache__" not in path.parts:
-                h.update(str(path.relative_to(root)).encode())
-                h.update(path.read_bytes())
+                files.append(path)
+    return files
+
+
+@cache
+def _sources_digest() -> str:
+    """A digest of `traced_files()` (milliseconds to hash)."""
+    root = Path(__file__).parent.parent
+    h = hashlib.sha256()
+    for path in traced_files():
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 

@@ -90,8 +90,13 @@ class Runner:
         # find from the mesh in context (jengine.pallas_kernels.backends).
         self._kernel_mesh = rules.mesh if rules and cfg.attention_backend != "reference" else None
         kv_sharding = rules.kv_cache_sharding() if rules else None
+        self._devices = (tuple(rules.mesh.devices.flat) if rules
+                         else tuple(jax.tree.leaves(params)[0].devices()))  # QArrays too
+        # On one CPU device the cache's pages are left for the OS to map as they are first
+        # written (2 GiB of zero-fill page faults is seconds of start-up otherwise).
+        untouched = rules is None and self._devices[0].platform == "cpu"
         self.kv = jax.jit(
-            lambda: KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype),
+            lambda: KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype, untouched=untouched),
             out_shardings=KVCache(k=kv_sharding, v=kv_sharding) if rules else None,
         )()
         forward = family_module(cfg).forward
@@ -137,8 +142,6 @@ class Runner:
         self._programs: dict[tuple, jax.stages.Compiled] = {}
         self._programs_lock = threading.Lock()
         self._store = store if jax.process_count() == 1 else None
-        self._devices = (tuple(rules.mesh.devices.flat) if rules
-                         else tuple(jax.tree.leaves(params)[0].devices()))  # QArrays too
         # What decides the step program besides its inputs' shapes (ExecutableStore's key).
         self._description = {
             "model": cfg, "kv_cache_dtype": str(kv_cache_dtype), "max_seqs": max_seqs,
