@@ -9,7 +9,7 @@ their interleaved rope, Gemma's norm weights stored as (1 + w), and the per-expe
 stacks (read as llama.cpp's `[X, out, in]` stacks), and the per-head halves newer converters
 split DeepSeek-V2's kv_b_proj into (`attn_k_b`, transposed, and `attn_v_b`; joined back). The
 metadata keys it writes per architecture become the HF config fields they came from
-(`_ARCH_CONFIG`).
+(`converters.gguf_arch`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from converters import gguf_arch
 from converters.errors import ModelLoadError
 from converters.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo, dequantize
 from converters.tokenizer_cache import cached_tokenizer
@@ -36,12 +37,9 @@ _ARCH_TO_MODEL_TYPE = {
 # The model type of an architecture's files that carry experts (llama.cpp writes Mixtral as
 # `llama` with `llama.expert_count` set).
 _ARCH_WITH_EXPERTS = {"llama": "mixtral"}
-# ... and of those with a sliding window (llama.cpp writes OLMo 3 as `olmo2`).
-_ARCH_WITH_SLIDING_WINDOW = {"olmo2": "olmo3"}
 # The architectures whose converter is llama.cpp's `LlamaModel` or a subclass: q/k permuted.
 _PERMUTED = ("llama", "mistral", "granite", "granitemoe", "smollm3")
 _GEMMA = ("gemma2", "gemma3")
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's test for its 27B attention scale
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -89,8 +87,6 @@ _ARCH_BLOCK_NAMES = {
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
     },
 }
-# llama.cpp's expert gating functions (its `expert_gating_func` key).
-_GATING_SOFTMAX = 1
 
 
 class GGUFModel:
@@ -155,8 +151,8 @@ class GGUFModel:
                 ),
                 **self._yarn_keys(),
             }
-        if self.arch in _ARCH_CONFIG:
-            _ARCH_CONFIG[self.arch](self, cfg)
+        if self.arch in gguf_arch.ARCH_CONFIG:
+            gguf_arch.ARCH_CONFIG[self.arch](self, cfg)
         if self.arch in ("qwen2", "qwen3", "qwen3moe", "qwen2moe", "smollm3"):
             cfg["use_sliding_window"] = False
         if self.arch in ("qwen3moe", "qwen2moe"):
@@ -188,149 +184,6 @@ class GGUFModel:
 
     def _tensor(self, name: str) -> TensorInfo | None:
         return self._by_name.get(name)
-
-    def _sliding_layers(self, cfg: dict[str, Any]) -> None:
-        """`attention.sliding_window` and its per-layer pattern (an array of flags, True where
-        the window applies) as HF's `sliding_window` and `layer_types`."""
-        window = self._get("attention.sliding_window")
-        if not window:
-            return
-        cfg["sliding_window"] = int(window)
-        pattern = self._get("attention.sliding_window_pattern")
-        if isinstance(pattern, list):
-            cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
-
-    def _gemma_config(self, cfg: dict[str, Any]) -> None:
-        cfg["sliding_window"] = int(self._get("attention.sliding_window", 4096))
-        # llama.cpp scales queries by hidden / heads for the 27B models (46 layers in Gemma 2,
-        # 62 in Gemma 3: their query_pre_attn_scalar), by head_dim otherwise; no key says it.
-        layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
-        cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // heads
-                                        if layers == _GEMMA_27B_LAYERS[self.arch]
-                                        else cfg["head_dim"])
-        if self.arch == "gemma3":
-            cfg["rope_local_base_freq"] = 10000.0
-            cfg["sliding_window_pattern"] = 6
-            return
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if self._get(key) is not None:
-                cfg[key] = float(self._get(key))
-
-    def _phi3_config(self, cfg: dict[str, Any]) -> None:
-        """Phi-3 / Phi-4-mini: the rotary share as `rope.dimension_count`, longrope as two
-        factor tensors, a sliding window when not 0."""
-        rotary = self._get("rope.dimension_count")
-        if rotary is not None:
-            cfg["partial_rotary_factor"] = int(rotary) / cfg["head_dim"]
-        if self._get("attention.sliding_window"):
-            cfg["sliding_window"] = int(self._get("attention.sliding_window"))
-        long, short = self._tensor("rope_factors_long.weight"), self._tensor(
-            "rope_factors_short.weight")
-        if long is not None and short is not None:
-            cfg["original_max_position_embeddings"] = int(
-                self._get("rope.scaling.original_context_length"))
-            cfg["rope_scaling"] = {
-                "rope_type": "longrope",
-                "long_factor": self._dequantize(long).reshape(-1).tolist(),
-                "short_factor": self._dequantize(short).reshape(-1).tolist(),
-                **({"attention_factor": float(self._get("rope.scaling.attn_factor"))}
-                   if self._get("rope.scaling.attn_factor") is not None else {}),
-            }
-
-    def _granite_config(self, cfg: dict[str, Any]) -> None:
-        for key, hf in (("attention.scale", "attention_multiplier"),
-                        ("embedding_scale", "embedding_multiplier"),
-                        ("residual_scale", "residual_multiplier"),
-                        ("logit_scale", "logits_scaling")):
-            if self._get(key) is not None:
-                cfg[hf] = float(self._get(key))
-        if self.arch == "granitemoe":  # the expert width is the feed-forward length
-            cfg["num_local_experts"] = int(self._get("expert_count"))
-            cfg["num_experts_per_tok"] = int(self._get("expert_used_count"))
-
-    def _olmo2_config(self, cfg: dict[str, Any]) -> None:
-        self._sliding_layers(cfg)
-        if "sliding_window" in cfg:
-            cfg["model_type"] = _ARCH_WITH_SLIDING_WINDOW[self.arch]
-            if self._get("rope.freq_base_swa") is not None:  # a rope per layer type, as HF's
-                full = {"rope_type": "default", "rope_theta": cfg["rope_theta"],
-                        "max_position_embeddings": cfg["max_position_embeddings"],
-                        **cfg.pop("rope_scaling", {})}
-                cfg["rope_parameters"] = {
-                    "full_attention": full,
-                    "sliding_attention": {"rope_type": "default",
-                                          "rope_theta": float(self._get("rope.freq_base_swa"))},
-                }
-
-    def _qwen_moe_config(self, cfg: dict[str, Any]) -> None:
-        if self.arch == "qwen3moe":
-            # llama.cpp's qwen3moe graph renormalises the top-k weights (norm_w = true) and
-            # writes no key for it; its qwen2moe graph does not.
-            cfg["norm_topk_prob"] = bool(self._get("expert_weights_norm", True))
-            return
-        cfg["norm_topk_prob"] = False
-        cfg["shared_expert_intermediate_size"] = int(
-            self._get("expert_shared_feed_forward_length", 0))
-
-    def _smollm3_config(self, cfg: dict[str, Any]) -> None:
-        # llama.cpp's smollm3 graph drops rope on every 4th layer (its n_no_rope_layer_step,
-        # fixed in the loader; no key): HF's default no_rope_layer_interval.
-        cfg["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(cfg["num_hidden_layers"])]
-
-    def _seed_oss_config(self, cfg: dict[str, Any]) -> None:
-        names = {t.name for t in self.reader.tensors}
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
-        cfg["attention_out_bias"] = "blk.0.attn_output.bias" in names
-
-    def _deepseek2_config(self, cfg: dict[str, Any]) -> None:
-        """DeepSeek-V2's latent attention and MoE keys as HF's `deepseek_v2` fields.
-
-        llama.cpp's converter writes the cache's widths as key / value_length (kv_lora_rank +
-        rope, kv_lora_rank) and the heads' as key / value_length_mla; files older than that
-        have only the heads' widths, as key / value_length. Its yarn mscale_all_dim is stored
-        x 0.1 as `yarn_log_multiplier`, and its graph takes `mscale` equal to it (no key).
-
-        Raises:
-          ModelLoadError: sigmoid expert gating or renormalised top-k weights (DeepSeek-V3's,
-            which llama.cpp writes as `deepseek2` too).
-        """
-        if int(self._get("expert_gating_func", _GATING_SOFTMAX)) != _GATING_SOFTMAX:
-            raise ModelLoadError(f"{self.path.name}: deepseek2 with sigmoid expert gating "
-                                 "(DeepSeek-V3) is not built")
-        if self._get("expert_weights_norm"):
-            raise ModelLoadError(f"{self.path.name}: deepseek2 with renormalised top-k expert "
-                                 "weights is not built (DeepSeek-V2 does not renormalise)")
-        rope = int(self._get("rope.dimension_count"))
-        mla = self._get("attention.key_length_mla") is not None
-        heads = cfg["num_attention_heads"]
-        key = int(self._get("attention.key_length_mla" if mla else "attention.key_length",
-                            cfg["hidden_size"] // heads))
-        value = int(self._get("attention.value_length_mla" if mla else "attention.value_length",
-                              key - rope))
-        cfg.pop("head_dim")  # the file's key_length: not a head width here
-        moe_width = int(self._get("expert_feed_forward_length"))
-        cfg.setdefault("intermediate_size", moe_width)
-        cfg.update(
-            kv_lora_rank=int(self._get("attention.kv_lora_rank")),
-            q_lora_rank=(int(self._get("attention.q_lora_rank"))
-                         if self._get("attention.q_lora_rank") else None),
-            qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, v_head_dim=value,
-            n_routed_experts=int(self._get("expert_count")),
-            num_experts_per_tok=int(self._get("expert_used_count")),
-            moe_intermediate_size=moe_width,
-            n_shared_experts=int(self._get("expert_shared_count", 0)),
-            first_k_dense_replace=int(self._get("leading_dense_block_count", 0)),
-            routed_scaling_factor=float(self._get("expert_weights_scale", 1.0)),
-            topk_method="greedy",
-        )
-        groups = int(self._get("expert_group_count", 1))
-        if groups > 1:  # HF's group-limited greedy: the best groups' experts only
-            cfg.update(topk_method="group_limited_greedy", n_group=groups,
-                       topk_group=int(self._get("expert_group_used_count")))
-        log_mul = self._get("rope.scaling.yarn_log_multiplier")
-        if "rope_scaling" in cfg and log_mul:
-            mscale = float(log_mul) / 0.1
-            cfg["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
 
     def tensors(self, threads: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
         """Yields (HF key, float32 array in HF's [out, in] layout) in file order, dequantized
@@ -447,18 +300,6 @@ class GGUFModel:
 # Tensors that hf_config reads into the rope settings.
 _CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
-_ARCH_CONFIG = {
-    "llama": GGUFModel._sliding_layers, "mistral": GGUFModel._sliding_layers,
-    "exaone4": GGUFModel._sliding_layers,
-    "gemma2": GGUFModel._gemma_config, "gemma3": GGUFModel._gemma_config,
-    "phi3": GGUFModel._phi3_config,
-    "granite": GGUFModel._granite_config, "granitemoe": GGUFModel._granite_config,
-    "olmo2": GGUFModel._olmo2_config,
-    "qwen2moe": GGUFModel._qwen_moe_config, "qwen3moe": GGUFModel._qwen_moe_config,
-    "smollm3": GGUFModel._smollm3_config,
-    "seed_oss": GGUFModel._seed_oss_config,
-    "deepseek2": GGUFModel._deepseek2_config,
-}
 
 
 def _join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:

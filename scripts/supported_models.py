@@ -17,11 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from converters.gguf_file import (
-    _ARCH_TO_MODEL_TYPE,
-    _ARCH_WITH_EXPERTS,
-    _ARCH_WITH_SLIDING_WINDOW,
-)
+from converters.gguf_arch import ARCH_WITH_SLIDING_WINDOW
+from converters.gguf_file import _ARCH_TO_MODEL_TYPE, _ARCH_WITH_EXPERTS
 from jengine.models import _FAMILIES
 from jengine.models.config import FAMILIES
 
@@ -80,7 +77,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     gguf.update({model_type: f"`{arch}` with experts"
                  for arch, model_type in _ARCH_WITH_EXPERTS.items()})
     gguf.update({model_type: f"`{arch}` with a sliding window"
-                 for arch, model_type in _ARCH_WITH_SLIDING_WINDOW.items()})
+                 for arch, model_type in ARCH_WITH_SLIDING_WINDOW.items()})
     out = []
     for model_type, family in FAMILIES.items():
         features, test = NOTES[model_type]
