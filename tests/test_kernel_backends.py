@@ -61,11 +61,14 @@ def test_test_preset_prefills_in_blocks_without_recompiling(tiny, backend):
     """The test preset's 64-token bucket is prefill-heavy (T > S = 16): the reference backend
     runs it through `blocked_paged_attention` (host-built blocks, a bound per bucket), the
     kernels block on device and get no host blocks. Same greedy tokens as ONE_BUCKET's
-    per-token steps, and no program compiled after warm-up."""
+    per-token steps, over one page bucket (cpu) or two (reference), and no program compiled
+    after warm-up."""
     path, prompts, expected = tiny
     engine = Engine(path, config="test", attention_backend=backend, progress=False, warmup=True)
     runner = engine.core.runner
     assert runner.buckets.blocked(64) and not runner.buckets.blocked(16)
+    # The native kernel reads pages by position: one page bucket; the reference gathers them.
+    assert runner.buckets.pages == ((32,) if backend == "cpu" else (16, 32))
     assert _greedy(engine, prompts, 6) == expected  # the first step holds 59 prompt tokens
     assert engine.core.compiles_since_ready == 0
     batch = dummy_batch(64, 16, 8)

@@ -77,14 +77,21 @@ def kv_pages(cfg: EngineConfig, mesh_spec: MeshSpec, model_config: ModelConfig,
     return num_pages
 
 
-def step_buckets(cfg: EngineConfig, max_model_len: int) -> Buckets:
-    """The preset's buckets, or the defaults for the scheduler limits; checked to cover them."""
+def step_buckets(cfg: EngineConfig, max_model_len: int, attention_backend: str) -> Buckets:
+    """The preset's buckets, or the defaults for the scheduler limits; checked to cover them.
+
+    The native `cpu` attention kernel reads a sequence's pages up to its position, whatever
+    the page table's width, so by default it gets one page bucket (the longest): a quarter of
+    the CPU preset's programs to compile or load, for a page table of 32 KiB at 64 rows. The
+    other backends' work (the reference's gather) or their on-chip page tables grow with it.
+    """
     sched = cfg.scheduler
     if sched.max_num_seqs > sched.max_num_batched_tokens:
         raise ValueError("max_num_seqs cannot exceed max_num_batched_tokens")
     max_pages = -(-max_model_len // cfg.cache.page_size)
     default = Buckets.default(sched.max_num_batched_tokens, sched.max_num_seqs, max_pages,
-                              min_tokens=1 if jax.default_backend() == "cpu" else 8)
+                              min_tokens=1 if jax.default_backend() == "cpu" else 8,
+                              min_pages=max_pages if attention_backend == "cpu" else 16)
     buckets = Buckets(
         tokens=sched.token_buckets or default.tokens,
         seqs=sched.seq_buckets or default.seqs,

@@ -118,7 +118,7 @@ class EngineCore:
         page_size = cfg.cache.page_size
         num_pages = kv_pages(cfg, self.mesh_spec, self.model_config, loaded.config.num_kv_heads,
                              self.kv_cache_dtype, self.max_model_len)
-        buckets = step_buckets(cfg, self.max_model_len)
+        buckets = step_buckets(cfg, self.max_model_len, backends["attention_backend"])
         sched = cfg.scheduler
         self.allocator = PageAllocator(num_pages, page_size)
         self.prefix_cache = PrefixCache(self.allocator) if cfg.cache.enable_prefix_caching else None

@@ -28,12 +28,12 @@ class Buckets:
 
     @classmethod
     def default(cls, max_tokens: int, max_seqs: int, max_pages: int,
-                min_tokens: int = 8) -> Buckets:
+                min_tokens: int = 8, min_pages: int = 16) -> Buckets:
         """Powers of two from `min_tokens` (1 on CPU: XLA:CPU's dots run near memory speed
         for 1-2 rows but at half that for 8, so a lone decode padded to 8 took twice as long
-        in its GEMMs) to `max_tokens`; pages likewise from 16."""
+        in its GEMMs) to `max_tokens`; pages likewise from `min_pages`."""
         tokens = _powers_of_two(min(min_tokens, max_tokens), max_tokens)
-        pages = _powers_of_two(min(16, max_pages), max_pages)
+        pages = _powers_of_two(min(min_pages, max_pages), max_pages)
         return cls(
             tokens=tokens,
             seqs=tuple(sorted({min(t, max_seqs) for t in tokens})),
