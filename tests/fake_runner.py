@@ -52,6 +52,9 @@ class ArithmeticRunner:
     def warmup(self, progress=None, threads=None, *, require_stored: bool = False) -> float:
         return 0.0
 
+    def warmup_programs(self) -> list:
+        return []
+
     def warmup_keys(self) -> list[str | None]:
         return []
 

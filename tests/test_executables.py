@@ -32,7 +32,7 @@ from jengine.runtime.executables import (
     store_key,
     traced_files,
 )
-from jengine.runtime.step_io import SamplingRows, dummy_batch
+from jengine.runtime.step_io import VARIANTS, SamplingRows, Variant, dummy_batch
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_BUCKET = str(Path(__file__).with_name("one_bucket.yaml"))
@@ -79,27 +79,28 @@ def _unseen_model(tiny: str, path: Path) -> str:
 
 def test_programs_survive_a_restart(tiny, tmp_path, monkeypatch):
     """`--require-warm` refuses an empty store before anything is built; a warm-up stores the
-    program; then a second process (native attention kernel included: its FFI target is
+    programs (the bucket's three variants); then a second process (native attention kernel included: its FFI target is
     registered before anything is deserialized) and `--require-warm` load it and give the same
     tokens."""
     store = tmp_path / "jengine" / "executables"  # where the second process's store lives
     monkeypatch.setattr(jengine.core.engine_core, "default_store_dir", lambda: store)
     model = _unseen_model(tiny, tmp_path / "model")
     cfg = build_config(model, ONE_BUCKET)
-    with pytest.raises(ProgramsNotStoredError, match="1 of 1 step programs are not stored"):
+    with pytest.raises(ProgramsNotStoredError, match="3 of 3 step programs are not stored"):
         EngineCore(cfg, progress=False, require_warm=True)
     assert not store.exists()  # it failed before compiling anything
     cold = Engine(model, config=ONE_BUCKET, warmup=True, progress=False)
-    assert (cold.core.runner.programs_compiled, cold.core.runner.programs_loaded) == (1, 0)
+    n = len(VARIANTS)
+    assert (cold.core.runner.programs_compiled, cold.core.runner.programs_loaded) == (n, 0)
     tokens = cold.generate([[5, 9, 17, 33]], GREEDY)[0].outputs[0].token_ids
-    [key] = cold.core.runner.warmup_keys()
-    assert ExecutableStore(store).size(key) > 0
+    keys = cold.core.runner.warmup_keys()
+    assert len(set(keys)) == n and all(ExecutableStore(store).size(k) > 0 for k in keys)
     again = EngineCore(cfg, progress=False, require_warm=True)
-    assert (again.runner.programs_loaded, again.runner.programs_compiled) == (1, 0)
+    assert (again.runner.programs_loaded, again.runner.programs_compiled) == (n, 0)
     warm = _start(model, tmp_path)
-    assert (warm["compiled"], warm["loaded"]) == (0, 1)
+    assert (warm["compiled"], warm["loaded"]) == (0, n)
     assert warm["tokens"] == tokens
-    assert len(list(store.glob("*.jex"))) == 1
+    assert len(list(store.glob("*.jex"))) == n
 
 
 def _key(model: str, **kwargs) -> str:
@@ -188,12 +189,23 @@ def test_an_offline_engine_builds_only_the_buckets_it_uses(tiny):
 
 
 def test_a_program_built_after_ready_is_counted_and_logged(tiny, caplog):
+    """Warm-up builds every variant of every bucket, so a request with any sampling feature
+    builds nothing after ready; a program missing then (here: dropped from the runner, as a
+    missed warm-up would leave it) is built on demand, counted and logged with its shape."""
     engine = Engine(tiny, config=ONE_BUCKET, progress=False, warmup=True)
+    runner = engine.core.runner
+    assert runner.programs_loaded + runner.programs_compiled == len(VARIANTS)
+    featured = SamplingParams(max_tokens=2, temperature=0, logprobs=2, presence_penalty=0.5,
+                              logit_bias={7: -3.0}, min_tokens=1)
+    first = engine.generate([[5, 9, 17]], featured)
     assert engine.core.compiles_since_ready == 0
+    [signature] = [sig for sig in runner._programs if sig[0] == Variant(features=True)]
+    del runner._programs[signature]
     with caplog.at_level(logging.WARNING, logger="jengine"):
-        engine.generate([[5, 9, 17]], SamplingParams(max_tokens=2, logprobs=2))
+        again = engine.generate([[5, 9, 17]], featured)
     assert engine.core.compiles_since_ready == 1
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     [record] = [r for r in caplog.records if "after ready" in r.getMessage()]
     assert "T=16 S=16 P=32" in record.getMessage()
-    assert "num_top_logprobs=2" in record.getMessage()
+    assert "features=True" in record.getMessage()
 

@@ -166,8 +166,9 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
 
 
 def warm_up(runner: Runner, progress: bool, require_stored: bool) -> float:
-    """Builds every bucket's step program, with a progress bar; returns the seconds taken."""
-    bar = tqdm(total=len(runner.buckets.shapes()), desc="step programs (load/compile)",
+    """Builds every variant of every bucket's step program, with a progress bar; returns the
+    seconds taken."""
+    bar = tqdm(total=len(runner.warmup_programs()), desc="step programs (load/compile)",
                disable=not progress, file=sys.stderr, unit="program")
 
     def tick(done: int, total: int) -> None:

@@ -3,10 +3,10 @@
 All `jax.jit` objects of the serving path are built here. One step program is
 `forward (embed -> scanned layers over the paged cache -> last-token logits) -> sample`, with
 the KV cache donated so XLA updates the pages in place. Shapes come from a small set of buckets
-(tokens T, sequences S, pages per sequence P) that `warmup()` compiles up front (in threads) or
-that the first step of each shape compiles (lazily, for offline use); sampling features that
-need extra inputs (penalties, logit bias, grammar masks, top logprobs) are step variants
-compiled on first use.
+(tokens T, sequences S, pages per sequence P), each with three step variants (plain sampling;
+every sampling feature at once; that plus prompt logprobs: `step_io.Variant`), which
+`warmup()` compiles up front (in threads) or the first step of each compiles (lazily, for
+offline use).
 
 Every program is compiled ahead of time (`lower().compile()`) and kept per input signature, so a
 step is dispatched without jit's retracing checks, and an `ExecutableStore` can hand back the
@@ -39,6 +39,7 @@ from jengine.runtime.executables import (
 from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
     MAX_TOP_LOGPROBS,
+    VARIANTS,
     PromptLogprobs,
     SamplingRows,
     StepInputs,
@@ -163,7 +164,9 @@ class Runner:
                     feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
         """`batch`'s padded inputs as NumPy (what a multi-host leader broadcasts)."""
         blocked = self.cfg.attention_backend == "reference"
-        return step_inputs(batch, rows, self.buckets, blocked_queries=blocked, feed=feed)
+        return step_inputs(batch, rows, self.buckets, blocked_queries=blocked,
+                           vocab_size=self.cfg.vocab_size,
+                           history_width=self.buckets.pages[-1] * self.page_size, feed=feed)
 
     def _to_device(self, host):  # a pytree of NumPy arrays
         if self._input_sharding is None:
@@ -304,32 +307,32 @@ class Runner:
 
     def warmup(self, progress: Callable[[int, int], None] | None = None,
                threads: int | None = None, *, require_stored: bool = False) -> float:
-        """Builds (loads, or compiles in `threads` threads: one per core by default) the base
-        step of every bucket, then runs the smallest once. A multi-host leader instead runs
-        every bucket, one by one, so that its followers compile the same programs.
+        """Builds (loads, or compiles in `threads` threads: one per core by default) every
+        variant of every bucket's step, then runs the smallest once. A multi-host leader
+        instead runs each, one by one, so that its followers compile the same programs.
 
         Raises:
           ProgramsNotStoredError: with `require_stored`, some program is not in the store
             (checked before anything is built) or could not be loaded from it.
         """
         start = time.perf_counter()
-        shapes = self.buckets.shapes()
+        programs = self.warmup_programs()
         if require_stored:
-            self._check_stored(shapes)
+            self._check_stored(programs)
         if self._channel is not None:
-            for i, shape in enumerate(shapes):
-                self._run_dummy(shape)
+            for i, program in enumerate(programs):
+                self._run_dummy(*program)
                 if progress:
-                    progress(i + 1, len(shapes))
+                    progress(i + 1, len(programs))
         else:
             with ThreadPoolExecutor(threads or os.cpu_count() or 1,
                                     thread_name_prefix="jengine-compile") as pool:
-                futures = [pool.submit(self._build_dummy, shape) for shape in shapes]
+                futures = [pool.submit(self._build_dummy, *program) for program in programs]
                 for i, future in enumerate(as_completed(futures)):
                     future.result()
                     if progress:
-                        progress(i + 1, len(shapes))
-            self._run_dummy(shapes[0])
+                        progress(i + 1, len(programs))
+            self._run_dummy(*programs[0])
         if require_stored and self.programs_compiled:
             raise ProgramsNotStoredError(
                 f"{self.programs_compiled} step programs were compiled: their stored files "
@@ -337,24 +340,28 @@ class Runner:
         self.ready = True
         return time.perf_counter() - start
 
-    def warmup_keys(self) -> list[str | None]:
-        """The store key of each program `warmup` builds, in `buckets.shapes()` order: what
-        `jengine compile` stores and `serve --require-warm` needs (None without a store)."""
-        return [self.program_key(dummy_batch(t, s, p), SamplingRows.empty(s))
-                for t, s, p in self.buckets.shapes()]
+    def warmup_programs(self) -> list[tuple[tuple[int, int, int], Variant]]:
+        """Every (bucket shape, variant) that `warmup` builds: all a step can need."""
+        return [(shape, variant) for shape in self.buckets.shapes() for variant in VARIANTS]
 
-    def _check_stored(self, shapes: list[tuple[int, int, int]]) -> None:
+    def warmup_keys(self) -> list[str | None]:
+        """The store key of each program `warmup` builds, in `warmup_programs()` order: what
+        `jengine compile` stores and `serve --require-warm` needs (None without a store)."""
+        return [self.program_key(*_dummy(shape, variant))
+                for shape, variant in self.warmup_programs()]
+
+    def _check_stored(self, programs: list[tuple[tuple[int, int, int], Variant]]) -> None:
         if self._store is None:
             raise ProgramsNotStoredError(
                 "--require-warm needs the executable store, which multi-process runs do not use")
-        missing = [shape for shape, key in zip(shapes, self.warmup_keys(), strict=True)
+        missing = [program for program, key in zip(programs, self.warmup_keys(), strict=True)
                    if self._store.size(key) is None]
         if missing:
-            t, s, p = missing[0]
+            (t, s, p), variant = missing[0]
             raise ProgramsNotStoredError(
-                f"{len(missing)} of {len(shapes)} step programs are not stored in "
-                f"{self._store.path} (the first: T={t} S={s} P={p}); run `jengine compile` "
-                "with the same model and engine flags first")
+                f"{len(missing)} of {len(programs)} step programs are not stored in "
+                f"{self._store.path} (the first: T={t} S={s} P={p} {variant}); run "
+                "`jengine compile` with the same model and engine flags first")
 
     def program(self, batch: ScheduledBatch, rows: SamplingRows) -> jax.stages.Compiled:
         """The compiled step program that `batch` runs (built if need be): what warm-up
@@ -362,14 +369,18 @@ class Runner:
         host, variant = self.host_inputs(batch, rows)
         return self._program(host, variant, (self._to_device(host), self._no_tokens))
 
-    def _build_dummy(self, shape: tuple[int, int, int]) -> None:
-        t, s, p = shape
-        self.program(dummy_batch(t, s, p), SamplingRows.empty(s))
+    def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
+        self.program(*_dummy(shape, variant))
 
-    def _run_dummy(self, shape: tuple[int, int, int]) -> None:
-        t, s, p = shape
-        out = self._launch(*self.host_inputs(dummy_batch(t, s, p), SamplingRows.empty(s)))
+    def _run_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
+        out = self._launch(*self.host_inputs(*_dummy(shape, variant)))
         jax.block_until_ready(out.sampled.tokens)
+
+
+def _dummy(shape: tuple[int, int, int], variant: Variant) -> tuple[ScheduledBatch, SamplingRows]:
+    """A batch of bucket `shape` whose rows run `variant`'s program."""
+    t, s, p = shape
+    return dummy_batch(t, s, p), SamplingRows.for_variant(s, t, variant)
 
 
 def _aval(a: jax.Array) -> tuple:

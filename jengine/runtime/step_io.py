@@ -27,13 +27,26 @@ MAX_TOP_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's l
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """Static features of a step program (each combination compiles once)."""
+    """Static features of a step program: three programs per bucket shape serve every request.
 
-    num_top_logprobs: int = 0
-    history: bool = False
-    logit_bias: bool = False
-    mask: bool = False
-    prompt_logprobs: bool = False  # also return every token's logprob of its successor
+    `features` turns on everything a request may add to plain sampling at once: the top
+    `MAX_TOP_LOGPROBS` logprobs, the token history (penalties, at a fixed width), a logit bias
+    and a grammar mask, each given neutral values (-1 ids, zeros, all ones) for rows that do
+    not use them, so a batch never needs a program of its own for its mix of features and
+    `serve` can build all of them before it is ready. They cost a few [S, V] passes that plain
+    steps skip. `prompt_logprobs` (with `features`) also returns every query token's logprob
+    of its successor: logits for all T tokens, too costly to fold into the others.
+    """
+
+    features: bool = False
+    prompt_logprobs: bool = False
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return MAX_TOP_LOGPROBS if self.features else 0
+
+
+VARIANTS = (Variant(), Variant(features=True), Variant(features=True, prompt_logprobs=True))
 
 
 @dataclasses.dataclass
@@ -65,13 +78,31 @@ class SamplingRows:
             steps=np.zeros((n,), np.int32),
         )
 
-    def padded(self, s: int) -> tuple[SamplingArrays, Variant]:
-        """These rows padded to `S = s` with no-op rows, and the program variant they need."""
-        n = len(self.temperature)
+    @classmethod
+    def for_variant(cls, n: int, num_tokens: int, variant: Variant) -> SamplingRows:
+        """`n` no-op rows, for a batch of `num_tokens`, that run `variant`'s program."""
+        rows = cls.empty(n)
+        if variant.features:
+            rows.num_top_logprobs = MAX_TOP_LOGPROBS
+        if variant.prompt_logprobs:
+            rows.prompt_targets = np.full((num_tokens,), -1, np.int32)
+        return rows
+
+    @property
+    def has_features(self) -> bool:
+        """Whether any row needs the `features` program (see `Variant`)."""
+        return (self.num_top_logprobs > 0 or self.history is not None
+                or self.logit_bias is not None or self.allowed_mask is not None
+                or self.prompt_targets is not None)
+
+    def padded(self, s: int, vocab_size: int, history_width: int) -> tuple[SamplingArrays, bool]:
+        """These rows padded to `S = s` with no-op rows, and whether they use the features
+        program; if so every feature input is present, neutral where unused, the history
+        `history_width` wide (prompt + output ids never exceed it)."""
 
         def pad(a: np.ndarray, fill) -> np.ndarray:
             out = np.full((s, *a.shape[1:]), fill, a.dtype)
-            out[:n] = a
+            out[: len(a)] = a
             return out
 
         arrays: dict[str, np.ndarray | None] = {
@@ -86,25 +117,21 @@ class SamplingRows:
             "steps": pad(self.steps, 0),
             "history": None, "history_is_output": None, "logit_bias": None, "allowed_mask": None,
         }
-        if self.history is not None:
-            width = _next_pow2(max(len(ids) for ids, _ in self.history))
-            hist = np.full((s, width), -1, np.int32)
-            is_out = np.zeros((s, width), bool)
-            for i, (ids, num_prompt) in enumerate(self.history):
-                hist[i, : len(ids)] = ids
-                is_out[i, num_prompt: len(ids)] = True
-            arrays["history"], arrays["history_is_output"] = hist, is_out
+        if not self.has_features:
+            return SamplingArrays(**arrays), False
+        hist = np.full((s, history_width), -1, np.int32)
+        is_out = np.zeros((s, history_width), bool)
+        for i, (ids, num_prompt) in enumerate(self.history or ()):
+            hist[i, : len(ids)] = ids
+            is_out[i, num_prompt: len(ids)] = True
+        arrays["history"], arrays["history_is_output"] = hist, is_out
+        arrays["logit_bias"] = np.zeros((s, vocab_size), np.float32)
         if self.logit_bias is not None:
-            arrays["logit_bias"] = pad(self.logit_bias, 0.0)
+            arrays["logit_bias"][: len(self.logit_bias)] = self.logit_bias
+        arrays["allowed_mask"] = np.full((s, -(-vocab_size // 32)), -1, np.int32)
         if self.allowed_mask is not None:
-            arrays["allowed_mask"] = pad(self.allowed_mask, -1)
-        variant = Variant(
-            num_top_logprobs=self.num_top_logprobs,
-            history=self.history is not None,
-            logit_bias=self.logit_bias is not None,
-            mask=self.allowed_mask is not None,
-        )
-        return SamplingArrays(**arrays), variant
+            arrays["allowed_mask"][: len(self.allowed_mask)] = self.allowed_mask
+        return SamplingArrays(**arrays), True
 
 
 @jax.tree_util.register_dataclass
@@ -140,11 +167,12 @@ class StepInputs:
 
 
 def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
-                blocked_queries: bool,
+                blocked_queries: bool, vocab_size: int, history_width: int,
                 feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
     """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
     whose sampled token it takes (-1: its own id). `blocked_queries`: build the query blocks
-    that the reference attention reads in prefill-heavy buckets.
+    that the reference attention reads in prefill-heavy buckets. `vocab_size` and
+    `history_width` size the features program's inputs (`SamplingRows.padded`).
 
     Raises:
       ValueError: the batch has more sampled rows than its bucket's S.
@@ -165,7 +193,7 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
     page_table[:n_seq, : batch.page_table.shape[1]] = batch.page_table
     logits_indices = np.zeros((s,), np.int32)
     logits_indices[:n_row] = batch.logits_indices
-    sampling, variant = rows.padded(s)
+    sampling, features = rows.padded(s, vocab_size, history_width)
     blocks = None  # only the reference backend reads them; the kernels block on device
     if blocked_queries and buckets.blocked(t):
         blocks = query_blocks(batch.q_lens, t, buckets.num_blocks(t), QUERY_BLOCK)
@@ -173,7 +201,7 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
     if rows.prompt_targets is not None:
         targets = np.full((t,), -1, np.int32)
         targets[:n_tok] = rows.prompt_targets
-        variant = dataclasses.replace(variant, prompt_logprobs=True)
+    variant = Variant(features=features, prompt_logprobs=targets is not None)
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, sampling=sampling, blocks=blocks,
                         targets=targets)
@@ -242,7 +270,3 @@ def dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
         page_table=np.zeros((s, p), np.int32),
         sample=np.ones((s,), bool),
     )
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
