@@ -79,9 +79,9 @@ def _unseen_model(tiny: str, path: Path) -> str:
 
 def test_programs_survive_a_restart(tiny, tmp_path, monkeypatch):
     """`--require-warm` refuses an empty store before anything is built; a warm-up stores the
-    programs (the bucket's three variants); then a second process (native attention kernel included: its FFI target is
-    registered before anything is deserialized) and `--require-warm` load it and give the same
-    tokens."""
+    programs (the bucket's three variants); then a second process (native attention kernel
+    included: its FFI target is registered before anything is deserialized) and
+    `--require-warm` load them and give the same tokens."""
     store = tmp_path / "jengine" / "executables"  # where the second process's store lives
     monkeypatch.setattr(jengine.core.engine_core, "default_store_dir", lambda: store)
     model = _unseen_model(tiny, tmp_path / "model")
