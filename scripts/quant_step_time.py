@@ -36,8 +36,9 @@ def build(mode: str, decodes: list[int], context: int) -> EngineCore:
     return EngineCore(cfg, progress=False)
 
 
-def step_ms(core: EngineCore, batch, reps: int) -> float:
-    rows = SamplingRows.empty(batch.num_seqs)
+def step_ms(core: EngineCore, batch, reps: int, rows: SamplingRows | None = None) -> float:
+    """The median of `reps` timed steps of `batch` (plain sampling unless `rows`)."""
+    rows = rows or SamplingRows.empty(batch.num_seqs)
     core.runner.execute(batch, rows)
     times = []
     for _ in range(reps):

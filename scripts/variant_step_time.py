@@ -12,24 +12,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from quant_step_time import build
+from quant_step_time import build, step_ms
 from step_batch import synthetic_batch
 
 from jengine.runtime.step_io import SamplingRows, Variant
 
 PAGE = 16
-
-
-def step_ms(core, batch, rows: SamplingRows, reps: int) -> float:
-    core.runner.execute(batch, rows)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        core.runner.execute(batch, rows)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -47,7 +36,7 @@ def main() -> None:
             batch = synthetic_batch(n, 1, args.context - 1, PAGE)
             for name, variant in variants.items():
                 rows = SamplingRows.for_variant(n, batch.num_tokens, variant)
-                runs[name, n].append(step_ms(core, batch, rows, args.reps))
+                runs[name, n].append(step_ms(core, batch, args.reps, rows))
     med = {key: statistics.median(v) for key, v in runs.items()}
     print(f"medians over {args.rounds} rounds of {args.reps}-call medians, context "
           f"{args.context}")
