@@ -183,6 +183,17 @@ def test_greedy_is_argmax_and_ignores_filters():
     np.testing.assert_array_equal(_processed(logits, arrays), logits)
 
 
+def test_greedy_takes_the_first_of_tied_maxima():
+    logits = np.zeros((S, V), np.float32)
+    logits[0, [7, V - 2]] = 2.0  # tie: first wins
+    logits[1, [V - 1]] = 1.0  # the last id
+    logits[2] = -np.inf  # nothing allowed: id 0, as argmax
+    logits[3, [0, 1]] = 5.0
+    expected = np.argmax(logits, -1)
+    np.testing.assert_array_equal(_tokens(logits, _arrays(S)), expected)
+    assert expected.tolist() == [7, V - 1, 0, 0]
+
+
 def test_greedy_rows_in_mixed_batch_and_bare_arrays():
     logits = _logits(S)
     settings = {"temperature": np.array([0, 1.0, 0, 0.7], np.float32), "seeds": np.arange(S)}
