@@ -111,6 +111,7 @@ def forward(
     md: AttentionMetadata,
     *,
     all_logits: bool = False,
+    head: bool = True,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step; same contract as `llama.forward`.
 
@@ -142,9 +143,13 @@ def forward(
     x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, (), cfg.num_layers)
     if not all_logits:
         x = x[md.logits_indices]
+    return (logits(params, cfg, x) if head else x), kv
+
+
+def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Hidden states [N, E] (`forward` without `head`) -> float32 logits [N, V]."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = layers.lm_head(x, params, cfg.tie_word_embeddings, mm)
-    return logits, kv
+    return layers.lm_head(x, params, cfg.tie_word_embeddings, cfg.matmul_backend)
 
 
 def _latent_attention(h, p, kv, index, md, cfg: ModelConfig, inv_freq):

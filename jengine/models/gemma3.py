@@ -76,6 +76,7 @@ def forward(
     md: AttentionMetadata,
     *,
     all_logits: bool = False,
+    head: bool = True,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step; same contract as `llama.forward`."""
     eps = cfg.rms_norm_eps
@@ -123,10 +124,15 @@ def forward(
     x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, per_layer, cfg.num_layers)
     if not all_logits:
         x = x[md.logits_indices]
-    x = rms_norm(x, params["final_norm"], eps, offset=1.0)
+    return (logits(params, cfg, x) if head else x), kv
+
+
+def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Hidden states [N, E] (`forward` without `head`) -> float32 logits [N, V]."""
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, offset=1.0)
     with jax.named_scope("lm_head"):
-        logits = layers.dot("te,ve->tv", x, params["embed"], mm)
+        out = layers.dot("te,ve->tv", x, params["embed"], cfg.matmul_backend)
     if cfg.final_logit_softcapping:
         cap = cfg.final_logit_softcapping
-        logits = cap * jnp.tanh(logits / cap)
-    return logits, kv
+        out = cap * jnp.tanh(out / cap)
+    return out

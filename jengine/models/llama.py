@@ -97,9 +97,11 @@ def forward(
     md: AttentionMetadata,
     *,
     all_logits: bool = False,
+    head: bool = True,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step. Returns float32 logits [S, V] at `md.logits_indices` ([T, V] with
-    `all_logits`) and the updated cache."""
+    `all_logits`) and the updated cache; without `head`, the hidden states [S, E] (or [T, E])
+    that `logits` turns into them, so a caller can take the logits of fewer rows."""
     x = layers.embed_tokens(params["embed"], md.token_ids, params["final_norm"].dtype)  # [T, E]
     if cfg.embedding_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
@@ -165,11 +167,16 @@ def forward(
     x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, per_layer, cfg.num_layers)
     if not all_logits:
         x = x[md.logits_indices]
+    return (logits(params, cfg, x) if head else x), kv
+
+
+def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Hidden states [N, E] (`forward` without `head`) -> float32 logits [N, V]."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = layers.lm_head(x, params, cfg.tie_word_embeddings, mm)
+    out = layers.lm_head(x, params, cfg.tie_word_embeddings, cfg.matmul_backend)
     if cfg.logits_scaling != 1.0:
-        logits = logits / cfg.logits_scaling
-    return logits, kv
+        out = out / cfg.logits_scaling
+    return out
 
 
 def _layer_inv_freq(cfg: ModelConfig) -> np.ndarray:

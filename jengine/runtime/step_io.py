@@ -147,6 +147,7 @@ class StepInputs:
     token_rows: np.ndarray  # [5, T] int32: token id, position, KV slot, sequence row, feed
     page_table: np.ndarray  # [S, P] int32 (padding rows and pages: the scratch page 0)
     logits_indices: np.ndarray  # [S] int32 flat token of each sampled row
+    num_rows: np.ndarray  # [] int32 the sampled rows (the first); the rest of S is padding
     sampling: SamplingArrays  # [S] rows (see SamplingArrays)
     # Reference backend, prefill-heavy buckets only: (block_tokens [NB, B], block_seq [NB]).
     blocks: tuple[np.ndarray, np.ndarray] | None = None
@@ -203,8 +204,8 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
         targets[:n_tok] = rows.prompt_targets
     variant = Variant(features=features, prompt_logprobs=targets is not None)
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
-                        logits_indices=logits_indices, sampling=sampling, blocks=blocks,
-                        targets=targets)
+                        logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
+                        sampling=sampling, blocks=blocks, targets=targets)
     return inputs, variant
 
 
