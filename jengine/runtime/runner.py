@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import KVCache, ModelConfig, family_module
+from jengine.models import KVCache, ModelConfig, family_module, layers
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import (
     ExecutableStore,
@@ -46,7 +46,7 @@ from jengine.runtime.step_io import (
     StepOutputs,
     StepResult,
     Variant,
-    dummy_batch,
+    dummy_step,
     step_inputs,
 )
 from jengine.scheduling.batch import ScheduledBatch
@@ -55,7 +55,7 @@ from jengine.sharding.distributed import StepChannel
 
 log = logging.getLogger("jengine")
 
-SAMPLED_ROWS = (1, 8)  # row counts below S that a step's lm_head and sampler can run on
+SAMPLED_ROWS = (1, 8)  # row counts below S that a step's lm_head can run on
 
 
 class Runner:
@@ -123,7 +123,10 @@ class Runner:
             k = variant.num_top_logprobs
             if not variant.prompt_logprobs:
                 hidden, kv = forward(params, cfg, kv, md, head=False)  # [S, E]
-                out = _sample_rows(params, hidden, inputs.sampling, inputs.num_rows, k)
+                logits = layers.first_rows_logits(lambda h: head(params, cfg, h), hidden,
+                                                  inputs.num_rows, SAMPLED_ROWS)
+                with jax.named_scope("sample"):
+                    out = sample(logits, inputs.sampling, num_top_logprobs=k)
                 return (out, None), kv
             all_logits, kv = forward(params, cfg, kv, md, all_logits=True)  # [T, V]
             out = sample(all_logits[md.logits_indices], inputs.sampling, num_top_logprobs=k)
@@ -134,31 +137,6 @@ class Runner:
             prompt = PromptLogprobs(chosen=chosen, top_ids=top_ids.astype(jnp.int32),
                                     top_logprobs=top_lp)
             return (out, prompt), kv
-
-        def _sample_rows(params, hidden, sampling, num_rows, k: int):
-            """The lm_head and the sampler over the first n of S rows, n the smallest of
-            `SAMPLED_ROWS` and S that holds `num_rows`, chosen on device (`lax.switch` runs
-            one branch): one prefill in a 64-row bucket computes 1 row of logits, not 64
-            (19 of SmolLM2's 122 ms at T = 64). Rows past n come back as zeros (padding)."""
-            s = hidden.shape[0]
-            sizes = sorted({n for n in SAMPLED_ROWS if n < s} | {s})
-
-            def rows(n: int):
-                def branch():
-                    first = (lambda a: a) if n == s else (lambda a: a[:n])
-                    logits = head(params, cfg, first(hidden))
-                    with jax.named_scope("sample"):
-                        out = sample(logits, jax.tree.map(first, sampling), num_top_logprobs=k)
-                    if n == s:
-                        return out
-                    return jax.tree.map(
-                        lambda a: jnp.zeros((s, *a.shape[1:]), a.dtype).at[:n].set(a), out)
-                return branch
-
-            if len(sizes) == 1:
-                return rows(s)()
-            index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), num_rows)
-            return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), [rows(n) for n in sizes])
 
         # Under a mesh the sampled tokens come back replicated, so every process can read them.
         out_shardings = None
@@ -374,7 +352,7 @@ class Runner:
     def warmup_keys(self) -> list[str | None]:
         """The store key of each program `warmup` builds, in `warmup_programs()` order: what
         `jengine compile` stores and `serve --require-warm` needs (None without a store)."""
-        return [self.program_key(*_dummy(shape, variant))
+        return [self.program_key(*dummy_step(shape, variant))
                 for shape, variant in self.warmup_programs()]
 
     def _check_stored(self, programs: list[tuple[tuple[int, int, int], Variant]]) -> None:
@@ -397,17 +375,12 @@ class Runner:
         return self._program(host, variant, (self._to_device(host), self._no_tokens))
 
     def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        self.program(*_dummy(shape, variant))
+        self.program(*dummy_step(shape, variant))
 
     def _run_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        out = self._launch(*self.host_inputs(*_dummy(shape, variant)))
+        out = self._launch(*self.host_inputs(*dummy_step(shape, variant)))
         jax.block_until_ready(out.sampled.tokens)
 
-
-def _dummy(shape: tuple[int, int, int], variant: Variant) -> tuple[ScheduledBatch, SamplingRows]:
-    """A batch of bucket `shape` whose rows run `variant`'s program."""
-    t, s, p = shape
-    return dummy_batch(t, s, p), SamplingRows.for_variant(s, t, variant)
 
 
 def _aval(a: jax.Array) -> tuple:

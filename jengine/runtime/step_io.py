@@ -271,3 +271,10 @@ def dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
         page_table=np.zeros((s, p), np.int32),
         sample=np.ones((s,), bool),
     )
+
+
+def dummy_step(shape: tuple[int, int, int], variant: Variant) -> tuple[ScheduledBatch,
+                                                                       SamplingRows]:
+    """A batch of bucket `shape` (T, S, P) whose rows run `variant`'s program (warm-up)."""
+    t, s, p = shape
+    return dummy_batch(t, s, p), SamplingRows.for_variant(s, t, variant)
