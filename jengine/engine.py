@@ -83,6 +83,7 @@ class Engine:
         attention_backend: str | None = None,  # "auto"
         kv_cache_dtype: str | None = None,  # "auto"
         quantization: str | None = None,  # "none"
+        quantize_lm_head: bool | None = None,  # False
         speculative: str | None = None,  # None (off) | "ngram"
         num_speculative_tokens: int | None = None,  # 3
         draft_model: str | None = None,
@@ -107,6 +108,7 @@ class Engine:
 
         `quantization` ("none" | "int8" | "w8a16" | "fp8") quantizes the projections at load
         time (jengine/models/quant.py); an unknown mode, or fp8 on CPU, is a ValueError.
+        `quantize_lm_head=True` quantizes the output head (a tied embedding table) too.
 
         `speculative="ngram"` proposes `num_speculative_tokens` tokens per decode by prompt
         lookup and verifies them in the same step (jengine/scheduling/speculative.py);
@@ -120,7 +122,8 @@ class Engine:
         cfg = build_config(
             model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-            speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+            quantize_lm_head=quantize_lm_head, speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
             draft_model=draft_model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,

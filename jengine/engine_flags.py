@@ -10,9 +10,9 @@ import argparse
 
 ENGINE_FLAGS = (
     "model", "config", "mesh", "dtype", "attention_backend", "kv_cache_dtype", "quantization",
-    "speculative", "num_speculative_tokens", "draft_model", "max_model_len", "max_num_seqs",
-    "max_num_batched_tokens", "page_size", "kv_cache_memory", "enable_prefix_caching",
-    "coordinator", "num_processes", "process_id", "seed",
+    "quantize_lm_head", "speculative", "num_speculative_tokens", "draft_model", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
+    "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
 )
 
 
@@ -37,6 +37,9 @@ def engine_parent() -> argparse.ArgumentParser:
                    help="int8: int8 weights and activations (W8A8); w8a16: int8 weights only; "
                    "fp8: e4m3 weights (GPU/TPU). Quantized at load time from any source "
                    "(default none)")
+    g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction,
+                   help="with --quantization: the output head (a tied embedding too) as well; "
+                   "saves its bytes and its float dot for ~1 point of perplexity (default off)")
     g.add_argument("--speculative", choices=["ngram", "draft"],
                    help="speculative decoding: ngram = prompt lookup, verified in the same step "
                    "(outputs unchanged); draft = a smaller model of the same tokenizer "

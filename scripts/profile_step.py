@@ -69,9 +69,11 @@ def instruction_parts(hlo_text: str) -> dict[str, str]:
         if not m:
             continue
         op = re.search(r'op_name="([^"]*)"', line)
-        part = _part(op.group(1) if op else "", line)
+        # A conditional's thunk spans the branch's own thunks, which the trace also has.
+        nested = re.search(r"= \S+ conditional\(", line)
+        part = "nested" if nested else _part(op.group(1) if op else "", line)
         parts[m.group(1)] = part
-        if computation and part != "other":
+        if computation and part not in ("other", "nested"):
             fused.setdefault(computation, part)
         call = re.search(r"calls=%?([\w.\-]+)", line)
         if call and parts[m.group(1)] == "other" and call.group(1) in fused:
@@ -134,6 +136,8 @@ def main() -> None:
     total, unnamed = collections.Counter(), collections.Counter()
     for e in thunks:
         part = parts.get(e["args"]["hlo_op"], "other")
+        if part == "nested":
+            continue
         total[part] += e["dur"]
         if part == "other":
             unnamed[e["args"]["hlo_op"]] += e["dur"]

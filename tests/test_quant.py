@@ -27,6 +27,7 @@ from converters.checkpoint import load_checkpoint, save_checkpoint
 from jengine import Engine, SamplingParams
 from jengine.cli.main import build_parser
 from jengine.config import load_config
+from jengine.engine import build_config
 from jengine.engine_flags import engine_kwargs
 from jengine.models import ModelConfig, family_module, quant
 from jengine.models.quant import INT8_REFERENCE, QArray, quantize_params
@@ -276,6 +277,10 @@ def test_quantization_config_key_and_cli_flag(tmp_path):
     assert load_config(None, quantization="int8").model.quantization == "int8"
     args = build_parser().parse_args(["generate", "hi", "--quantization", "int8"])
     assert engine_kwargs(args)["quantization"] == "int8"
+    args = build_parser().parse_args(["serve", "--config", str(preset), "--no-quantize-lm-head"])
+    assert build_config(**engine_kwargs(args)).model.quantize_lm_head is False
+    args = build_parser().parse_args(["generate", "hi", "--quantize-lm-head"])
+    assert build_config(**engine_kwargs(args)).model.quantize_lm_head is True
     # Not given: the preset decides, else the config default "none".
     assert build_parser().parse_args(["generate", "hi"]).quantization is None
     assert load_config(str(preset), quantization=None).model.quantization == "w8a16"
