@@ -50,6 +50,11 @@ def save_checkpoint(model: LoadedModel, out: str | Path, *, overwrite: bool = Fa
     """
     if quantization not in ("none", "int8", "w8a16"):
         raise ValueError(f"cannot store quantization {quantization!r}; use none, int8 or w8a16")
+    if model.quantization != "none":  # read as int8 (compressed-tensors): stored as read
+        quantization = model.quantization if quantization == "none" else quantization
+        smoothing_alpha = 0.0  # nothing float to smooth
+        head = "embed" if model.config.tie_word_embeddings else "lm_head"
+        quantize_lm_head = quantize_lm_head or isinstance(model.params.get(head), QArray)
     if smoothing_alpha is None:
         smoothing_alpha = DEFAULT_ALPHA
     import orbax.checkpoint as ocp
@@ -83,20 +88,22 @@ def _host_tree(model: LoadedModel, quantization: str, lm_head: bool, alpha: floa
     """The param tree to store: numpy arrays, quantized weights as {"q", "scale"} pairs
     (smoothed for int8 and quantized on the host's CPU device, with the engine's own
     functions)."""
-    tree = {k: np.asarray(v) for k, v in model.params.items()}
+    tree = {k: v if isinstance(v, QArray) else np.asarray(v) for k, v in model.params.items()}
     if quantization == "none":
         return tree
     cfg = model.config
     family = family_module(cfg)
     specs = family.param_specs(cfg)
     with jax.default_device(jax.devices("cpu")[0]):
-        if quantization == "int8":
+        if quantization == "int8" and model.quantization == "none":  # float weights
             run_cfg = dataclasses.replace(cfg, attention_backend=resolve_backend("auto", "cpu"))
             smoothed = smooth_for_int8({k: jax.numpy.asarray(v) for k, v in tree.items()},
                                        run_cfg, family, model.tokenizer, alpha)
             tree = {k: np.asarray(v) for k, v in smoothed.items()}
         for name in quantized_names(specs, cfg.tie_word_embeddings, lm_head):
-            qa = quantize_weight(tree[name], specs[name].contract, quantization)
+            qa = tree[name]
+            if not isinstance(qa, QArray):
+                qa = quantize_weight(qa, specs[name].contract, quantization)
             tree[name] = {"q": np.asarray(qa.q), "scale": np.asarray(qa.scale)}
     return tree
 
@@ -117,6 +124,8 @@ def load_checkpoint(
     return LoadedModel(
         cfg, dict(params), tokenizer, str(path), "checkpoint", meta.get("generation_config", {}),
         quantization=meta.get("quantization", "none"),
+        weights_note=("int8 values and scales restored as stored"
+                      if meta.get("quantization", "none") != "none" else "float"),
     )
 
 

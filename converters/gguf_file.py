@@ -15,6 +15,7 @@ metadata keys it writes per architecture become the HF config fields they came f
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,10 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from converters import gguf_arch
+from converters import gguf_arch, prequant, tables
 from converters.errors import ModelLoadError
 from converters.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo, dequantize
 from converters.tokenizer_cache import cached_tokenizer
+from jengine.models import ModelConfig, family_module
+from jengine.models.quant import quantized_names
 
 _ARCH_TO_MODEL_TYPE = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -185,23 +188,61 @@ class GGUFModel:
     def _tensor(self, name: str) -> TensorInfo | None:
         return self._by_name.get(name)
 
-    def tensors(self, threads: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    def tensors(self, threads: int | None = None, int8: set[str] = frozenset()
+                ) -> Iterator[tuple[str, np.ndarray | prequant.Int8Tensor]]:
         """Yields (HF key, float32 array in HF's [out, in] layout) in file order, dequantized
-        `threads` tensors at a time (one per core by default)."""
+        `threads` tensors at a time (one per core by default); the Q8_0 tensors named in `int8`
+        come as `Int8Tensor`s instead (`int8_tensors`), never dequantized."""
         cfg = self.hf_config()
-        infos = [t for t in self.reader.tensors
-                 if t.name not in _CONFIG_TENSORS and not self._read_with_another(t.name)]
+        infos = self._weight_tensors()
         for t in infos:
             self._hf_name(t.name)  # an unknown tensor fails before any work
         threads = threads or os.cpu_count() or 1
         window = 2 * threads  # tensors dequantized ahead of the consumer, at most
         with ThreadPoolExecutor(threads, thread_name_prefix="jengine-gguf") as pool:
-            pending = [pool.submit(self._hf_tensor, t, cfg) for t in infos[:window]]
+            def submit(t: TensorInfo):
+                return pool.submit(self._hf_tensor, t, cfg, t.name in int8)
+
+            pending = [submit(t) for t in infos[:window]]
             for i in range(len(infos)):
                 if i + window < len(infos):
-                    pending.append(pool.submit(self._hf_tensor, infos[i + window], cfg))
+                    pending.append(submit(infos[i + window]))
                 yield pending[i].result()
                 pending[i] = None  # the consumer owns the array now
+
+    def _weight_tensors(self) -> list[TensorInfo]:
+        return [t for t in self.reader.tensors
+                if t.name not in _CONFIG_TENSORS and not self._read_with_another(t.name)]
+
+    def int8_tensors(self, cfg: ModelConfig, lm_head: bool) -> tuple[set[str], set[str]]:
+        """(names of the Q8_0 tensors to read as int8, the params they fill): the projections
+        (and the head, with `lm_head`) every tensor of which is Q8_0 with its blocks along the
+        input axis (not DeepSeek's split `attn_k_b`, whose blocks run along output channels)."""
+        specs = family_module(cfg).param_specs(cfg)
+        eligible = set(quantized_names(specs, cfg.tie_word_embeddings, lm_head))
+        placed = {}
+        for t in self._weight_tensors():
+            if not t.name.endswith(".attn_k_b.weight"):
+                foldable = t.tensor_type.name == "Q8_0" and len(t.shape) >= 2
+                placed[t.name] = (tables.place(cfg, specs, self._hf_name(t.name), t.shape),
+                                  foldable)
+        params, _ = prequant.int8_params(list(placed.values()), specs, eligible)
+        names = {name for name, (targets, foldable) in placed.items()
+                 if foldable and any(target.name in params for target in targets)}
+        return names, params
+
+    def formats_note(self, cfg: ModelConfig) -> str:
+        """One line: the tensor formats an int8 / w8a16 engine reads as int8, and the rest."""
+        folds, _ = self.int8_tensors(cfg, lm_head=False)
+        int8, floats = Counter(), Counter()
+        for t in self._weight_tensors():
+            (int8 if t.name in folds else floats)[t.tensor_type.name] += 1
+
+        def counts(c: Counter) -> str:
+            return ", ".join(f"{n} x {kind}" for kind, n in c.most_common()) or "none"
+
+        return (f"read as int8 with --quantization int8|w8a16: {counts(int8)}; dequantized to "
+                f"float: {counts(floats)}")
 
     def _dequantize(self, t: TensorInfo) -> np.ndarray:
         try:
@@ -220,20 +261,29 @@ class GGUFModel:
         return (name.endswith(".attn_k_b.weight")
                 and name.replace("attn_k_b", "attn_kv_b") in self._by_name)
 
-    def _hf_tensor(self, t: TensorInfo, cfg: dict[str, Any]) -> tuple[str, np.ndarray]:
+    def _hf_tensor(self, t: TensorInfo, cfg: dict[str, Any], int8: bool = False
+                   ) -> tuple[str, np.ndarray | prequant.Int8Tensor]:
+        if int8:  # the int8 rows with their scales, in the rows' HF order
+            w = prequant.fold_q8_0(np.asarray(self.reader.data(t)).reshape(-1, 34), t.shape)
+            return self._hf_name(t.name), prequant.Int8Tensor(self._hf_rows(t.name, w.q, cfg),
+                                                              self._hf_rows(t.name, w.scale, cfg))
         w = self._dequantize(t)
         if t.name.endswith(".attn_k_b.weight"):
             v_b = self._tensor(t.name.replace("attn_k_b", "attn_v_b"))
             if v_b is None:
                 raise ModelLoadError(f"{self.path.name} has {t.name} without its attn_v_b")
             w = _join_kv_b(w, self._dequantize(v_b))
-        permuted = t.name.endswith(("attn_q.weight", "attn_k.weight"))
-        if self.arch in _PERMUTED and permuted:
-            n = cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"]
-            w = _unpermute_rope(w, n)
+        w = self._hf_rows(t.name, w, cfg)
         if self.arch in _GEMMA and t.name.endswith("norm.weight"):
             w = w - 1.0
         return self._hf_name(t.name), w
+
+    def _hf_rows(self, name: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+        """`w` (or its per-row scales) with the q/k rows llama.cpp permuted back in HF's order."""
+        if self.arch in _PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight")):
+            n = cfg["num_attention_heads"] if "attn_q" in name else cfg["num_key_value_heads"]
+            return _unpermute_rope(w, n)
+        return w
 
     def _hf_name(self, name: str) -> str:
         if name in _TENSOR_NAMES:

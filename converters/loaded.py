@@ -19,12 +19,17 @@ class LoadedModel:
     """A model on the host: config, params in jengine layout, tokenizer, and its source."""
 
     config: ModelConfig
-    params: dict[str, np.ndarray]  # or LazyParam (lazy HF), or {} (lazy checkpoint)
+    # Or LazyParam (lazy HF), or {} (lazy checkpoint); a weight read as int8 (a pre-quantized
+    # source, `converters.prequant`) is a host QArray of int8 values (or an int8 LazyParam).
+    params: dict[str, np.ndarray]
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     source: str
     kind: str  # "gguf" | "hf" | "checkpoint"
     generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
-    quantization: str = "none"  # of the stored weights (a checkpoint `jengine convert` quantized)
+    # Of the weights as read: a checkpoint `jengine convert` quantized, a compressed-tensors int8
+    # checkpoint, a GGUF's Q8_0 projections read as int8 for an int8 / w8a16 engine.
+    quantization: str = "none"
+    weights_note: str = ""  # one line: which stored formats are read as int8, which as float
 
 
 def numpy_dtype(dtype: str) -> np.dtype:

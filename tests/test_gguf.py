@@ -347,8 +347,10 @@ def add_tiny_vocab(w: gguf.GGUFWriter, vocab: int) -> None:
 
 
 def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama", *,
-                    mixtral: bool = False):
-    """A random HF Llama (GQA 4q/2kv) written as an F32 GGUF the way llama.cpp converts it:
+                    mixtral: bool = False, matrices=Q.F32, dequantized: bool = False):
+    """A random HF Llama (GQA 4q/2kv) written as a GGUF the way llama.cpp converts it (F32, or
+    its 2-D weights in `matrices`, quantized by gguf-py, which matches llama.cpp's bit for bit;
+    `dequantized`: those weights' values after that quantization, written as F32):
     q/k rows permuted, llama3 rope scaling (if any) as a `rope_freqs.weight` tensor. With
     `arch="qwen3"`: a Qwen3 (q/k norms, head_dim 32 apart from hidden // heads), not permuted
     (llama.cpp permutes only its `llama` architecture). `arch="qwen3moe"` or `mixtral` (a
@@ -409,7 +411,15 @@ def _tiny_llama_gguf(path, rope: dict | None = None, arch: str = "llama", *,
             value = _llama_cpp_permute(value, heads, heads)
         elif arch == "llama" and key.endswith("k_proj.weight"):
             value = _llama_cpp_permute(value, heads, kv_heads)
-        w.add_tensor(_gguf_name(key), np.ascontiguousarray(value, np.float32))
+        value = np.ascontiguousarray(value, np.float32)
+        if value.ndim == 2 and matrices != Q.F32:
+            blocks = gguf.quants.quantize(value, matrices)
+            if dequantized:
+                w.add_tensor(_gguf_name(key), gguf.quants.dequantize(blocks, matrices))
+            else:
+                w.add_tensor(_gguf_name(key), blocks, raw_dtype=matrices)
+        else:
+            w.add_tensor(_gguf_name(key), value)
     _write(w)
     return path, model, state
 

@@ -238,6 +238,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "parameters": sum(math.prod(spec.shape) for spec in specs.values()),
         "dtype": str(next(iter(loaded.params.values())).dtype),
         "quantization": loaded.quantization,  # of the stored weights
+        "weights": loaded.weights_note,  # which stored formats read as int8, which as float
         "layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
         "heads": f"{cfg.num_heads} q / {cfg.num_kv_heads} kv, head_dim {cfg.head_dim}",
@@ -269,7 +270,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from converters.source import load_source
 
     start = time.perf_counter()
-    loaded = load_source(args.src, dtype=args.dtype, progress=True)
+    loaded = load_source(args.src, dtype=args.dtype, progress=True,  # Q8_0 read as int8
+                         quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
     out = save_checkpoint(loaded, args.out, overwrite=args.overwrite,
                           quantization=args.quantization,
                           quantize_lm_head=args.quantize_lm_head,

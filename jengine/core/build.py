@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from converters import LoadedModel
-from jengine.config import EngineConfig
+from converters import LoadedModel, load_source
+from jengine.config import EngineConfig, ModelSection
 from jengine.core.kv_budget import host_kv_budget
 from jengine.models import KVCache, ModelConfig, family_module, layer_offsets
 from jengine.models.layers import unstack_layers
@@ -129,6 +129,14 @@ def eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def open_model(model: ModelSection, dtype: str, quantization: str,
+               progress: bool) -> LoadedModel:
+    """The model's source opened lazily (each device reads its own slices when the weights are
+    placed). An int8 / w8a16 engine reads a GGUF's Q8_0 projections as int8 straight away."""
+    return load_source(model.model, dtype=dtype, progress=progress, lazy=True,
+                       quantization=quantization, quantize_lm_head=model.quantize_lm_head)
+
+
 def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | None, *,
                   dtype: str, quantization: str, layer_layout: str, quantize_lm_head: bool,
                   smoothing_alpha: float, progress: bool) -> dict:
@@ -151,7 +159,9 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         loaded, cfg, rules.param_shardings(specs) if rules else None, dtype,
         progress=progress,
     )
-    if quantization == "int8" and loaded.quantization == "none":  # float weights
+    # Float weights only: a source stored quantized (a converted checkpoint, compressed-tensors,
+    # a GGUF's Q8_0 read as int8) has no float weights to smooth, so none of it is smoothed.
+    if quantization == "int8" and loaded.quantization == "none":
         params = smooth_for_int8(params, cfg, family, loaded.tokenizer, smoothing_alpha,
                                  delete_float=True)
     # Quantized from the float weights, whatever their source, shard by shard in place.

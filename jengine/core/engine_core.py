@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import jax
 
-from converters import LoadedModel, load_config, load_source
+from converters import LoadedModel, load_config
 from jengine.config import EngineConfig
 from jengine.core.admission import Admission
 from jengine.core.build import (
@@ -22,6 +22,7 @@ from jengine.core.build import (
     eos_ids,
     kv_pages,
     max_model_len,
+    open_model,
     place_weights,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -106,10 +107,9 @@ class EngineCore:
         self.quantization = resolve_quantization(cfg.model.quantization, platform)
         if mesh is not None:  # before any weight is read
             check_divisible(load_config(cfg.model.model), self.mesh_spec.tp)
-        if loaded is None:
-            loaded = load_source(cfg.model.model, dtype=self.dtype, progress=progress, lazy=True)
+        loaded = loaded or open_model(cfg.model, self.dtype, self.quantization, progress)
         phases.end("open model")
-        if self.quantization == "none":  # a checkpoint converted with --quantization: as stored
+        if self.quantization == "none":  # a source stored quantized: as stored
             self.quantization = loaded.quantization
         self.model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
         self.tokenizer = loaded.tokenizer

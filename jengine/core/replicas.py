@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from converters import load_source
 from jengine.config import EngineConfig
-from jengine.core.build import resolve_dtype
+from jengine.core.build import open_model, resolve_dtype
 from jengine.core.contract import CoreContract, ProgramReport
 from jengine.core.engine_core import EngineCore
 from jengine.core.request import RequestState
@@ -54,8 +53,8 @@ class ReplicaSet:
                  require_warm: bool = False):
         spec = MeshSpec.parse(cfg.parallel.mesh)
         spec.check_devices()  # before any weight is read
-        loaded = load_source(cfg.model.model, dtype=resolve_dtype(cfg.model.dtype),
-                             progress=progress, lazy=True)
+        loaded = open_model(cfg.model, resolve_dtype(cfg.model.dtype), cfg.model.quantization,
+                            progress)
         self.replicas: list[EngineCore] = [
             EngineCore(cfg, progress=progress, replica=r, loaded=loaded, warmup=warmup,
                        require_warm=require_warm)

@@ -7,6 +7,8 @@
 - GGUF: tensors were dequantized whole on the host (ggml blocks do not slice along heads); they
   are placed shard by shard the same way.
 - Converted (Orbax) checkpoints: restored straight onto the shardings (`restore_params`).
+- Pre-quantized weights (a host `QArray`: compressed-tensors int8, GGUF Q8_0 read as int8): the
+  int8 values shard like the float weight would, the scales like their output channels.
 Q heads padded for tp (`padded_config`) read as zeros: `ZeroPadded` cuts a shard index at the
 real heads, so the padding is never read from the source.
 """
@@ -22,6 +24,8 @@ from tqdm import tqdm
 from converters.lazy import normalize_index
 from converters.loaded import LoadedModel
 from jengine.models import ModelConfig, family_module
+from jengine.models.layers import ParamSpec
+from jengine.models.quant import QArray, scale_shape, scale_sharding
 
 
 class ZeroPadded:
@@ -71,12 +75,31 @@ def load_params_sharded(
     out = {}
     for name, spec in tqdm(specs.items(), desc="loading weights", disable=not progress,
                            unit="param", leave=False):
-        source = _pad_to(loaded.params[name], spec.shape)
-        if shardings is None:
-            out[name] = jax.device_put(np.asarray(source[...]))
+        sharding = shardings[name] if shardings is not None else None
+        source = loaded.params[name]
+        if isinstance(source, QArray):
+            out[name] = _place_int8(source, spec, sharding)
         else:
-            out[name] = place(source, shardings[name])
+            out[name] = _place_padded(source, spec.shape, sharding)
     return out
+
+
+def _place_padded(source, shape: tuple[int, ...], sharding) -> jax.Array:
+    source = _pad_to(source, shape)
+    if sharding is None:
+        return jax.device_put(np.asarray(source[...]))
+    return place(source, sharding)
+
+
+def _place_int8(source: QArray, spec: ParamSpec, sharding) -> QArray:
+    """A host QArray on the devices: q sharded as the float weight, the scale as its output
+    channels (padded q heads get zero values and zero scales, as a checkpoint restores them)."""
+    scales = None if sharding is None else scale_sharding(sharding, len(spec.shape),
+                                                          spec.contract)
+    return QArray(q=_place_padded(source.q, spec.shape, sharding),
+                  scale=_place_padded(source.scale, scale_shape(spec.shape, spec.contract),
+                                      scales),
+                  mode=source.mode)
 
 
 def place(source, sharding: jax.sharding.Sharding) -> jax.Array:
