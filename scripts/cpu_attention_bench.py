@@ -9,7 +9,8 @@ as uint16 bits) and the in-place FFI write, f32 and bf16 caches, donated.
 Medians over `--reps` calls of one jitted layer call (4-layer cache, layer 1, pages shuffled).
 `--isa` picks the kernel's instruction set; two or more (`--isa avx2,avx512`) time only the
 kernel, each path against the first, reps interleaved so that load on a shared machine falls on
-all of them alike: decode 64 x 256 and 1 x 256, and the prefill chunk. `--baseline LIB` times
+all of them alike: decode 64 x 256 and 1 x 256, and the prefill chunk, over f32, bf16 and int8
+caches (int8: one f32 scale per row, widened per page like bf16). `--baseline LIB` times
 another build of the kernel library (e.g. the last commit's sources compiled into a temporary
 directory) beside this one on each `--isa`, reps interleaved, each ratio against its baseline.
 
@@ -33,6 +34,7 @@ from jengine.pallas_kernels import (
     blocked_paged_attention,
     cpu,
     num_query_blocks,
+    quantize_rows,
     query_blocks,
     ragged_paged_attention,
     ragged_paged_attention_cpu,
@@ -43,6 +45,7 @@ from jengine.pallas_kernels import (
 HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 9, 3, 64, 16, 4
 SCALE = HEAD_DIM ** -0.5
 BASELINE_TARGET = "jengine_paged_attention_baseline"
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)  # the per-path table's caches
 
 
 def _median_ms(fn, *args, reps: int) -> float:
@@ -170,18 +173,28 @@ def register_baseline(path: str) -> None:
                                 platform="cpu")
 
 
+def _kernel_cache(num_pages: int, dtype, rng) -> tuple:
+    """(k, v, k_scale, v_scale): float caches without scales, an int8 one quantized per row."""
+    if jnp.dtype(dtype) != jnp.int8:
+        return _cache(num_pages, dtype, rng), _cache(num_pages, dtype, rng), None, None
+    (k, k_scale), (v, v_scale) = (quantize_rows(_cache(num_pages, jnp.float32, rng))
+                                  for _ in range(2))
+    return k, v, k_scale, v_scale
+
+
 def isa_case(paths: dict[str, tuple[str, str | None]], q: jax.Array, args: tuple, num_pages: int,
              reps: int, rng) -> dict[str, float]:
-    """The kernel alone on each path (name -> (isa, FFI target; None: this build's)), f32 and
-    bf16 caches, reps interleaved."""
+    """The kernel alone on each path (name -> (isa, FFI target; None: this build's)), f32,
+    bf16 and int8 caches, reps interleaved."""
     out = {}
-    for dtype in (jnp.float32, jnp.bfloat16):
-        k, v = _cache(num_pages, dtype, rng), _cache(num_pages, dtype, rng)
-        calls = {name: jax.jit(lambda q, k, v, layer, *a, isa=isa, target=target:
+    for dtype in KERNEL_DTYPES:
+        caches = _kernel_cache(num_pages, dtype, rng)
+        calls = {name: jax.jit(lambda q, k, v, ks, vs, layer, *a, isa=isa, target=target:
                                ragged_paged_attention_cpu(q, k, v, layer, *a, sm_scale=SCALE,
-                                                          isa=isa, ffi_target=target))
+                                                          k_scale=ks, v_scale=vs, isa=isa,
+                                                          ffi_target=target))
                  for name, (isa, target) in paths.items()}
-        times = _interleaved_median_ms(calls, q, k, v, jnp.int32(1), *args, reps=reps)
+        times = _interleaved_median_ms(calls, q, *caches, jnp.int32(1), *args, reps=reps)
         out.update({f"{name} {jnp.dtype(dtype).name}": t for name, t in times.items()})
     return out
 
@@ -196,7 +209,7 @@ def compare_paths(isas: list[str], reps: int, baseline: bool) -> None:
         paths[isa] = (isa, None)
         base_of[isa] = f"{isa} baseline" if baseline else isas[0]
     cols = [f"{name} {dt}{'' if base_of.get(name, name) == name else ' (ratio)'}"
-            for dt in ("f32", "bf16") for name in paths]
+            for dt in ("f32", "bf16", "int8") for name in paths]
     print("| case | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     rng = np.random.default_rng(3)
@@ -208,7 +221,7 @@ def compare_paths(isas: list[str], reps: int, baseline: bool) -> None:
     for name, q, args, num_pages, case_reps in cases:
         r = isa_case(paths, q, args, num_pages, case_reps, rng)
         cells = []
-        for dt in ("float32", "bfloat16"):
+        for dt in ("float32", "bfloat16", "int8"):
             for path in paths:
                 t, base = r[f"{path} {dt}"], base_of.get(path, path)
                 ratio = "" if base == path else f" ({t / r[f'{base} {dt}']:.2f}x)"

@@ -19,6 +19,7 @@ thunks: input preparation, transfers and dispatch. Thunks may overlap on XLA's t
 parts are shares of the summed thunk time.
 
     python scripts/profile_step.py [--seqs 64] [--context 256] [--steps 5] [--trace-dir DIR]
+                                   [--kv-cache-dtype auto|float32|bfloat16|int8]
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="one chunk of N tokens instead")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--config", default="cpu")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    choices=["auto", "float32", "bfloat16", "int8"])
     ap.add_argument("--trace-dir")
     ap.add_argument("--min-bucket", type=int, default=1,
                     help="pad to at least this many tokens (8: the pre-2026-12-01 CPU default)")
@@ -103,7 +106,8 @@ def main() -> None:
     small = tuple(b for b in (1, 8) if b >= args.min_bucket)
     core = EngineCore(load_config(args.config, token_buckets=(*small, 64, 512),
                                   seq_buckets=(*small, 64),
-                                  page_buckets=(16, 128)), progress=False)
+                                  page_buckets=(16, 128), kv_cache_dtype=args.kv_cache_dtype),
+                      progress=False)
     runner = core.runner
     if args.prefill:
         batch = synthetic_batch(1, args.prefill, args.context, runner.page_size)
@@ -146,8 +150,9 @@ def main() -> None:
     span_ms = statistics.median(spans) / 1e3
     what = (f"prefill {args.prefill} over {args.context}" if args.prefill
             else f"decode {args.seqs} x {args.context}")
-    print(f"{what}: step {wall_ms:.1f} ms (median of {args.steps}), thunk span "
-          f"{span_ms:.1f} ms, host gap {wall_ms - span_ms:.1f} ms; trace: {path}")
+    print(f"{what}, kv cache {core.kv_cache_dtype}: step {wall_ms:.1f} ms (median of "
+          f"{args.steps}), thunk span {span_ms:.1f} ms, host gap {wall_ms - span_ms:.1f} ms; "
+          f"trace: {path}")
     print("| part | ms per step | share of thunk time |")
     print("|---|---|---|")
     runs = max(len(by_run), 1)

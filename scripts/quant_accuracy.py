@@ -1,7 +1,7 @@
 """Accuracy of each quantization mode against the unquantized model, in one run.
 
-For every mode (default: int8 smoothed, int8 unsmoothed, int8 with the lm_head, w8a16) beside
-`none` (the model dtype):
+For every mode (default: int8 smoothed, int8 unsmoothed, int8 with the lm_head, w8a16; `/int8`
+after a mode: over an int8 KV cache) beside `none` (the model dtype, its KV cache too):
 - perplexity of a fixed public-domain text (`data/pride_and_prejudice_ch1-3.txt`: chapters 1-3
   of Jane Austen's *Pride and Prejudice*, 1813), in independent windows of `--window` tokens;
 - mean KL(unquantized || quantized) of the next-token distributions at every window position,
@@ -15,6 +15,7 @@ Every model is an `EngineCore` of this tree (weights loaded, quantized, laid out
 the window logits come from the model's own forward over the engine's params.
 
     python scripts/quant_accuracy.py [--model PATH] [--modes int8 int8@0 int8+head w8a16]
+    python scripts/quant_accuracy.py --modes none/int8 int8/int8   # an int8 KV cache
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ PROMPT_LEN = 24
 
 
 def build(model: str | None, mode: str, num_prompts: int, new_tokens: int) -> EngineCore:
-    """`mode` is a quantization mode, with `+head` to quantize the lm_head too and `@A` for
-    int8 smoothing strength A (`int8@0`: no smoothing; default: the config's)."""
+    """`mode` is a quantization mode, with `+head` to quantize the lm_head too, `@A` for
+    int8 smoothing strength A (`int8@0`: no smoothing; default: the config's) and `/KV` for
+    the KV cache dtype (`none/int8`: unquantized weights over an int8 KV cache)."""
+    mode, _, kv_cache_dtype = mode.partition("/")
     mode, _, alpha = mode.partition("@")
     quantization, _, head = mode.partition("+")
     smoothing = {"smoothing_alpha": float(alpha)} if alpha else {}
@@ -50,7 +53,7 @@ def build(model: str | None, mode: str, num_prompts: int, new_tokens: int) -> En
         "cpu", model=model, quantization=quantization, quantize_lm_head=bool(head), **smoothing,
         max_model_len=max_len, kv_cache_memory="256MiB", max_num_seqs=num_prompts,
         max_num_batched_tokens=256, token_buckets=(num_prompts, 256), seq_buckets=(num_prompts,),
-        page_buckets=(-(-max_len // PAGE),),
+        page_buckets=(-(-max_len // PAGE),), kv_cache_dtype=kv_cache_dtype or None,
     )
     return EngineCore(cfg, progress=False)
 

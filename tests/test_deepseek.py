@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,6 +34,7 @@ from test_models_parity import TOL, VOCAB, _build, _max_diff
 from jengine import Engine, SamplingParams
 from jengine.models import AttentionMetadata, KVCache, ModelConfig, deepseek
 from jengine.models.attention import attend_latent
+from jengine.pallas_kernels import quantize_rows
 from jengine.pallas_kernels.block_layout import num_query_blocks
 from jengine.pallas_kernels.reference import query_blocks
 
@@ -182,15 +184,21 @@ def _latent_q() -> np.ndarray:
 
 
 def _latent_step(backend: str, num_pages: int = 9, page_size: int = 16, *,
-                 blocked: bool = False):
+                 blocked: bool = False, dtype=jnp.float32):
     """One ragged step of `attend_latent` at DeepSeek-V2's widths (latent 512 + rope 64,
     16 q heads): a 3-token prefill chunk after 37 cached tokens, and two decodes; `blocked`:
-    the reference's per-query-block layout (prefill-heavy buckets)."""
+    the reference's per-query-block layout (prefill-heavy buckets); `dtype` int8: the random
+    cache quantized, one scale per latent row."""
     cfg = ModelConfig.from_hf(_config(kv_lora_rank=512, qk_rope_head_dim=64,
                                       num_attention_heads=16).to_dict())
     rng = np.random.default_rng(0)
-    kv = KVCache.zeros(cfg, num_pages, page_size, jnp.float32)
-    kv = KVCache(k=jnp.asarray(rng.standard_normal(kv.k.shape), jnp.float32), v=kv.v)
+    kv = KVCache.zeros(cfg, num_pages, page_size, dtype)
+    rows = jnp.asarray(rng.standard_normal(kv.k.shape), jnp.float32)
+    if dtype == jnp.int8:
+        k, k_scale = quantize_rows(rows)
+        kv = dataclasses.replace(kv, k=k, k_scale=k_scale)
+    else:
+        kv = dataclasses.replace(kv, k=rows)
     page_table = np.asarray([[3, 7, 1, 0], [5, 0, 0, 0], [2, 8, 0, 0]], np.int32)
     seqs, positions = np.asarray([0, 0, 0, 1, 2]), np.asarray([37, 38, 39, 4, 20])
     slots = page_table[seqs, positions // page_size] * page_size + positions % page_size
@@ -225,3 +233,18 @@ def test_latent_attention_cpu_kernel_equals_reference_at_real_widths():
     np.testing.assert_allclose(ref[3], weights @ keys[:, :512], atol=2e-5)
     with pytest.raises(ValueError, match="latent attention"):
         _latent_step("pallas_tpu")
+
+
+def test_latent_attention_on_an_int8_cache():
+    """An int8 cache holds each latent row with one scale (`k_scale`; `v_scale` empty): the
+    `cpu` kernel equals the reference (per token and per query block), both write the same
+    cache, and the result stays near the f32 cache's."""
+    ref, ref_kv = _latent_step("reference", dtype=jnp.int8)
+    assert ref_kv.k.dtype == jnp.int8 and ref_kv.k_scale.shape == ref_kv.k.shape[:-1] + (1,)
+    assert ref_kv.v_scale.size == 0
+    for got, got_kv in (_latent_step("cpu", dtype=jnp.int8),
+                        _latent_step("reference", blocked=True, dtype=jnp.int8)):
+        for a, b in zip(jax.tree.leaves(got_kv), jax.tree.leaves(ref_kv), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(got, ref, atol=2e-5)
+    np.testing.assert_allclose(ref, _latent_step("reference")[0], atol=0.05)

@@ -121,6 +121,7 @@ def test_the_key_changes_with_model_dtype_mesh_and_jax_version(tiny, tmp_path, m
         "model": _key(str(other)),
         "dtype": _key(tiny, dtype="bfloat16"),
         "kv dtype": _key(tiny, kv_cache_dtype="bfloat16"),
+        "kv int8": _key(tiny, kv_cache_dtype="int8"),
         "mesh": _key(tiny, mesh="tp=2"),
         "backend": _key(tiny, attention_backend="reference"),
     }

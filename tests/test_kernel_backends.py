@@ -110,6 +110,30 @@ def test_bf16_kv_cache_halves_page_bytes(tiny, backend):
     assert same >= 0.75 * sum(len(e) for e in expected), (got, expected)
 
 
+def test_int8_kv_cache_cpu_matches_reference(tiny):
+    """`kv_cache_dtype="int8"`: int8 rows with one f32 scale per token and kv head; the budget
+    holds 4 D / (D + 4) times the f32 pages (2.67x at the tiny model's D = 8); the `cpu` kernel
+    gives the reference backend's greedy tokens on the same int8 cache, also under tp=2 (kv
+    heads and their scales split over the devices)."""
+    if not cpu.available():
+        pytest.skip("native CPU kernel not built")
+    path, prompts, expected = tiny
+    got = {}
+    for backend, mesh in (("reference", "tp=1"), ("cpu", "tp=1"), ("cpu", "tp=2")):
+        engine = Engine(path, config=ONE_BUCKET, attention_backend=backend, mesh=mesh,
+                        kv_cache_dtype="int8", progress=False)
+        got[backend, mesh] = _greedy(engine, prompts, 6)
+    kv = engine.core.runner.kv
+    assert str(kv.k.dtype) == "int8" and kv.k_scale.shape == kv.k.shape[:-1] + (1,)
+    assert tuple(kv.k_scale.sharding.spec)[1] == "tp"
+    f32_pages = Engine(path, config=ONE_BUCKET, attention_backend="reference",
+                       progress=False).core.allocator.num_pages
+    assert engine.core.allocator.num_pages // f32_pages == 2  # 2.67x, one page rounding aside
+    assert got["cpu", "tp=1"] == got["reference", "tp=1"] == got["cpu", "tp=2"]
+    same = sum(a == b for g, e in zip(got["cpu", "tp=1"], expected) for a, b in zip(g, e))
+    assert same >= 0.5 * sum(len(e) for e in expected), (got, expected)
+
+
 def test_kv_cache_dtype_from_config_and_errors(tmp_path):
     from jengine.config import load_config
     from jengine.core.engine_core import resolve_kv_cache_dtype
@@ -120,3 +144,7 @@ def test_kv_cache_dtype_from_config_and_errors(tmp_path):
     assert resolve_kv_cache_dtype("auto", "float32") == "float32"
     with pytest.raises(ValueError, match="unsupported kv_cache_dtype"):
         resolve_kv_cache_dtype("int4", "float32")
+    with pytest.raises(ValueError, match="unsupported kv_cache_dtype"):
+        Engine(kv_cache_dtype="int4", progress=False)
+    with pytest.raises(ValueError, match="int8 runs on the 'reference' and 'cpu'"):
+        Engine(kv_cache_dtype="int8", attention_backend="pallas_gpu", progress=False)

@@ -30,12 +30,13 @@ DEFAULT_MAX_MODEL_LEN = 2048
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
-    """auto -> the model dtype (so greedy tokens stay those of the model's own precision)."""
+    """auto -> the model dtype (so greedy tokens stay those of the model's own precision);
+    int8 (rows with one f32 scale per token and kv head, `pallas_kernels.kv_quant`) is opt-in."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype not in ("float32", "bfloat16"):
+    if kv_cache_dtype not in ("float32", "bfloat16", "int8"):
         raise ValueError(
-            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; use auto, float32 or bfloat16")
+            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; use auto, float32, bfloat16 or int8")
     return kv_cache_dtype
 
 
@@ -64,6 +65,9 @@ class Phases:
 def kv_pages(cfg: EngineConfig, mesh_spec: MeshSpec, model_config: ModelConfig,
              num_kv_heads: int, kv_cache_dtype: str, max_model_len: int) -> int:
     """The pages `cache.kv_cache_memory` holds (per device); at least one full sequence's."""
+    if kv_cache_dtype == "int8" and model_config.attention_backend not in ("reference", "cpu"):
+        raise ValueError(f"kv_cache_dtype int8 runs on the 'reference' and 'cpu' attention "
+                         f"backends, not {model_config.attention_backend!r}")
     page_size = cfg.cache.page_size
     budget = host_kv_budget(cfg.cache.kv_cache_memory, mesh_spec, num_kv_heads,
                             cfg.parallel.num_processes)

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 
 from jengine.models.config import ModelConfig
 from jengine.pallas_kernels import (
+    KV_INT8,
     attention_fn,
     blocked_paged_attention,
+    quantize_rows,
     ragged_paged_attention,
     shard_for_context_mesh,
     shard_write_for_context_mesh,
@@ -30,10 +32,27 @@ class KVCache:
     `v` is empty ([L, 1, P, O, 0]): the values are the latent columns of the same rows
     (`attend_latent`), so nothing is stored twice. `v` stays a (zero-byte) leaf so that the
     cache has one pytree structure and one sharding for every family.
+
+    An int8 cache (`--kv-cache-dtype int8`) holds each row as int8 with one f32 scale per
+    (token, kv head) in `k_scale` / `v_scale` (`pallas_kernels.kv_quant`); a float cache keeps
+    them as zero-byte leaves [L, K, P, O, 0], for the same reason. The scales are written and
+    sharded like the rows (the trailing axis of 1 lets the same KV write serve them).
     """
 
     k: jax.Array  # [L, K, P, O, D]
     v: jax.Array  # [L, K, P, O, D]; [L, K, P, O, 0] under latent attention
+    k_scale: jax.Array  # [L, K, P, O, 1] f32 for int8, else [L, K, P, O, 0]
+    v_scale: jax.Array  # [L, K, P, O, 1] f32 for int8 (not latent), else [L, K, P, O, 0]
+
+    @classmethod
+    def of_each(cls, leaf) -> KVCache:
+        """The same `leaf` in every field: a sharding for each of the cache's arrays."""
+        return cls(k=leaf, v=leaf, k_scale=leaf, v_scale=leaf)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether rows are int8 with scales."""
+        return self.k.dtype == KV_INT8
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, *,
@@ -42,18 +61,23 @@ class KVCache:
         made without writing them (`pallas_kernels.untouched_zeros`), so start-up pays no page
         faults for pages no step has used yet."""
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        v_shape = shape[:-1] + (0,) if cfg.latent_attention else shape
+        rows = shape[:-1]
+        int8 = jnp.dtype(dtype) == KV_INT8
+        structs = [(shape, dtype), (rows + (0,) if cfg.latent_attention else shape, dtype),
+                   (rows + (int(int8),), jnp.float32),
+                   (rows + (int(int8 and not cfg.latent_attention),), jnp.float32)]
         if untouched:
-            k, v = untouched_zeros(jax.ShapeDtypeStruct(shape, dtype),
-                                   jax.ShapeDtypeStruct(v_shape, dtype))
-            return cls(k=k, v=v)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(v_shape, dtype))
+            return cls(*untouched_zeros(*(jax.ShapeDtypeStruct(*s) for s in structs)))
+        return cls(*(jnp.zeros(*s) for s in structs))
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
-        itemsize = jnp.dtype(dtype).itemsize
+        """Bytes of one page over all layers and kv heads, scales included."""
+        row = cfg.head_dim * jnp.dtype(dtype).itemsize
+        if jnp.dtype(dtype) == KV_INT8:
+            row += jnp.dtype(jnp.float32).itemsize  # the row's scale
         copies = 1 if cfg.latent_attention else 2  # latent rows only, else keys and values
-        return copies * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return copies * cfg.num_layers * page_size * cfg.num_kv_heads * row
 
 
 @jax.tree_util.register_dataclass
@@ -98,14 +122,11 @@ def attend(
     `jax.set_mesh` with a `tp` axis, they run per shard in `shard_map` (a kernel call is opaque
     to the partitioner). The `cpu` backend also writes K/V with its own in-place FFI write
     (XLA's scatter on a bf16 cache rewrites the whole cache), per shard under such a mesh.
+    An int8 cache is written as quantized rows and their scales, and read dequantized (the
+    `reference` and `cpu` backends; the Pallas ones raise `ValueError`).
     """
-    write = write_kv
-    if backend == "cpu":
-        write = shard_write_for_context_mesh(write_kv_cpu, kv_replicated=kv_head_map is not None)
     with jax.named_scope("kv_write"):
-        kv = KVCache(
-            k=write(kv.k, layer, md.slot_mapping, k), v=write(kv.v, layer, md.slot_mapping, v)
-        )
+        kv = _write(kv, layer, md.slot_mapping, k, v, backend=backend, kv_head_map=kv_head_map)
     with jax.named_scope("attention"):
         return _attention(q, kv, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
                           soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend), kv
@@ -133,6 +154,9 @@ def attend_latent(
     (softmax-weighted rope keys) are dropped: R / (C + R) extra value work, 11% at
     DeepSeek-V2's 512 + 64, for one kernel signature.
 
+    An int8 cache quantizes the whole latent row with one scale (`k_scale`, read for the keys
+    and the values alike).
+
     Raises:
       ValueError: a Pallas backend (not built for latent rows: the TPU kernel's lanes want
         head dims in multiples of 128, and neither kernel has been checked on 576-wide rows).
@@ -140,34 +164,47 @@ def attend_latent(
     if backend not in ("reference", "cpu"):
         raise ValueError(f"multi-head latent attention (deepseek_v2) runs on the 'reference' "
                          f"and 'cpu' attention backends, not {backend!r}")
-    write = write_kv
-    if backend == "cpu":
-        write = shard_write_for_context_mesh(write_kv_cpu, kv_replicated=kv_head_map is not None)
     with jax.named_scope("kv_write"):
-        kv = KVCache(k=write(kv.k, layer, md.slot_mapping, rows), v=kv.v)
+        kv = _write(kv, layer, md.slot_mapping, rows, None, backend=backend,
+                    kv_head_map=kv_head_map)
     with jax.named_scope("attention"):
-        shared = KVCache(k=kv.k, v=kv.k)
+        shared = KVCache(k=kv.k, v=kv.k, k_scale=kv.k_scale, v_scale=kv.k_scale)
         out = _attention(q, shared, layer, md, sm_scale=sm_scale, sliding_window=None,
                          soft_cap=None, kv_head_map=kv_head_map, backend=backend)
     return out[..., :value_dim], kv
 
 
+def _write(kv: KVCache, layer, slot_mapping, k, v, *, backend: str, kv_head_map) -> KVCache:
+    """This layer's new rows (v None: latent rows, k only) into their slots, quantized first
+    for an int8 cache; the `cpu` backend writes in place with its FFI write."""
+    write = write_kv
+    if backend == "cpu":
+        write = shard_write_for_context_mesh(write_kv_cpu, kv_replicated=kv_head_map is not None)
+
+    def put(cache, scales, new):
+        if new is None:
+            return cache, scales
+        if not kv.quantized:
+            return write(cache, layer, slot_mapping, new), scales
+        rows, scale = quantize_rows(new)
+        return write(cache, layer, slot_mapping, rows), write(scales, layer, slot_mapping, scale)
+
+    (k_cache, k_scale), (v_cache, v_scale) = put(kv.k, kv.k_scale, k), put(kv.v, kv.v_scale, v)
+    return KVCache(k=k_cache, v=v_cache, k_scale=k_scale, v_scale=v_scale)
+
+
 def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend):
+    args = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                kv_head_map=kv_head_map)
+    if kv.quantized:
+        args.update(k_scale=kv.k_scale, v_scale=kv.v_scale)
     if backend != "reference":
         return shard_for_context_mesh(attention_fn(backend))(
-            q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            kv_head_map=kv_head_map,
-        )
+            q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table, **args)
     if md.block_tokens is not None:
         return blocked_paged_attention(
             q, kv.k, kv.v, layer, md.positions, md.page_table, md.block_tokens, md.block_seq,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            kv_head_map=kv_head_map,
-        )
+            **args)
     return ragged_paged_attention(
-        q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        kv_head_map=kv_head_map,
-    )
+        q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table, **args)
 

@@ -2,7 +2,8 @@
 
 Every backend has the reference's signature:
 `fn(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale, sliding_window,
-soft_cap, kv_head_map) -> [T, H, D]`. `auto` resolves by platform: cpu -> cpu (the native
+soft_cap, kv_head_map, k_scale=None, v_scale=None) -> [T, H, D]` (the scales: an int8
+cache's, `reference` and `cpu` only). `auto` resolves by platform: cpu -> cpu (the native
 C++ kernel, jengine.pallas_kernels.cpu; reference, with a warning, when its library was not
 built), tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. Asking for `cpu` itself without the
 library is a `RuntimeError` naming the fix. A Pallas backend asked for on CPU runs its kernel
@@ -115,29 +116,33 @@ def shard_over_heads(fn: Callable, mesh: Mesh | AbstractMesh, axis: str = "tp") 
     size = mesh.shape[axis]
 
     def sharded(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale,
-                sliding_window=None, soft_cap=None, kv_head_map=None):
+                sliding_window=None, soft_cap=None, kv_head_map=None, k_scale=None,
+                v_scale=None):
         head_map = None if kv_head_map is None else jnp.asarray(kv_head_map, jnp.int32)
         window = jnp.asarray(
             jnp.iinfo(jnp.int32).max if sliding_window is None else sliding_window, jnp.int32
         )
         cache_spec = PartitionSpec() if head_map is not None else PartitionSpec(None, axis)
         local_heads = q.shape[1] // size
+        scales = () if k_scale is None else (k_scale, v_scale)  # split like the caches
 
         def local(q, k_cache, v_cache, layer, token_seq, positions, page_table, window, *rest):
+            local_scales = dict(zip(("k_scale", "v_scale")[:len(scales)], rest, strict=False))
             local_map = None
-            if rest:  # this shard's slice of the q -> kv head map
+            if head_map is not None:  # this shard's slice of the q -> kv head map
                 start = jax.lax.axis_index(axis) * local_heads
-                local_map = jax.lax.dynamic_slice_in_dim(rest[0], start, local_heads)
+                local_map = jax.lax.dynamic_slice_in_dim(rest[-1], start, local_heads)
             return fn(q, k_cache, v_cache, layer, token_seq, positions, page_table,
                       sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
-                      kv_head_map=local_map)
+                      kv_head_map=local_map, **local_scales)
 
         heads, rep = PartitionSpec(None, axis, None), PartitionSpec()
         extra = () if head_map is None else (head_map,)
         return jax.shard_map(
             local, mesh=mesh,
-            in_specs=(heads, cache_spec, cache_spec) + (rep,) * (5 + len(extra)),
+            in_specs=(heads, cache_spec, cache_spec) + (rep,) * 5 + (cache_spec,) * len(scales)
+            + (rep,) * len(extra),
             out_specs=heads, check_vma=False,
-        )(q, k_cache, v_cache, layer, token_seq, positions, page_table, window, *extra)
+        )(q, k_cache, v_cache, layer, token_seq, positions, page_table, window, *scales, *extra)
 
     return sharded

@@ -22,6 +22,14 @@ import jax.numpy as jnp
 NO_WINDOW = jnp.iinfo(jnp.int32).max
 
 
+def require_float_cache(backend: str, k_cache: jax.Array, k_scale: jax.Array | None) -> None:
+    """The Pallas kernels read f32 / bf16 pages only: an int8 cache is a `ValueError` naming
+    the backends that read it."""
+    if k_scale is not None or k_cache.dtype == jnp.int8:
+        raise ValueError(f"an int8 KV cache runs on the 'reference' and 'cpu' attention "
+                         f"backends, not {backend!r}")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QueryBlocks:

@@ -74,7 +74,7 @@ def has_avx2() -> bool:
 
 def ragged_paged_attention_cpu(
     q: jax.Array,  # [T, H, D]
-    k_cache: jax.Array,  # [L, K, P, O, D] float32 or bfloat16
+    k_cache: jax.Array,  # [L, K, P, O, D] float32, bfloat16 or int8
     v_cache: jax.Array,  # [L, K, P, O, D]
     layer: jax.Array,  # [] int32
     token_seq: jax.Array,  # [T] int32
@@ -85,6 +85,8 @@ def ragged_paged_attention_cpu(
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     kv_head_map: tuple[int, ...] | jax.Array | None = None,  # [H] (else h // G)
+    k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
+    v_scale: jax.Array | None = None,
     block_q: int = 32,
     isa: str = "auto",
     max_threads: int = 0,  # 0: all of XLA's intra-op threads
@@ -94,7 +96,9 @@ def ragged_paged_attention_cpu(
 
     `block_q` query rows of one sequence share a pass over its pages; `isa` forces the
     portable, AVX2 or AVX-512 path (tests, benchmarks; `supports` says which run here), where
-    `auto` takes `best_isa()`; scores, softmax and accumulation are f32 throughout.
+    `auto` takes `best_isa()`; scores, softmax and accumulation are f32 throughout. bf16 and
+    int8 pages are widened to f32 a page at a time as they are read (int8 times its rows'
+    scales).
     `ffi_target` calls another build of the kernel, registered under that target name (the
     benchmark's `--baseline`) instead of this package's.
     """
@@ -104,10 +108,15 @@ def ragged_paged_attention_cpu(
     if kv_head_map is None:
         kv_head_map = np.arange(num_heads, dtype=np.int32) // (num_heads // num_kv_heads)
     window = jnp.iinfo(jnp.int32).max if sliding_window is None else sliding_window
+    if (k_scale is None) != (k_cache.dtype != jnp.int8):
+        raise ValueError("an int8 KV cache needs its scales (k_scale, v_scale), a float one none")
+    no_scales = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(ffi_target or _ATTENTION_TARGET,
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(
-        q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(()),
+        q.astype(jnp.float32), k_cache, v_cache,
+        no_scales if k_scale is None else k_scale, no_scales if v_scale is None else v_scale,
+        jnp.asarray(layer, jnp.int32).reshape(()),
         token_seq.astype(jnp.int32), positions.astype(jnp.int32), page_table.astype(jnp.int32),
         jnp.asarray(window, jnp.int32).reshape(()), jnp.asarray(kv_head_map, jnp.int32),
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
@@ -117,18 +126,20 @@ def ragged_paged_attention_cpu(
 
 
 def write_kv_cpu(
-    cache: jax.Array,  # [L, K, P, O, D] float32 or bfloat16
+    cache: jax.Array,  # [L, K, P, O, D] float32, bfloat16 or int8 (or int8 scales, D = 1)
     layer: jax.Array,  # [] int32
     slot_mapping: jax.Array,  # [T] int32 flat slot = page * O + offset
     new: jax.Array,  # [T, K, D]
 ) -> jax.Array:
     """`reference.write_kv`, in place: the result aliases `cache` (donate it to avoid a copy).
-    Slots outside the pool are skipped; bf16 rounds to nearest even."""
+    Slots outside the pool are skipped; bf16 rounds to nearest even; an int8 cache takes rows
+    already quantized (`kv_quant.quantize_rows`)."""
     require()
+    new = new.astype(jnp.int8 if cache.dtype == jnp.int8 else jnp.float32)
     call = jax.ffi.ffi_call(_KV_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype),
                             input_output_aliases={0: 0})
     return call(cache, jnp.asarray(layer, jnp.int32).reshape(()), slot_mapping.astype(jnp.int32),
-                new.astype(jnp.float32))
+                new)
 
 
 def untouched_zeros(*structs: jax.ShapeDtypeStruct) -> tuple[jax.Array, ...]:

@@ -44,6 +44,8 @@ def ragged_paged_attention_gpu(
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     kv_head_map=None,  # [H] tuple or int32 array, or None
+    k_scale: jax.Array | None = None,  # an int8 cache's scales: not read here (ValueError)
+    v_scale: jax.Array | None = None,
     block_q: int | None = None,  # default: `block_layout.default_block_q`
     num_kv_splits: int | None = None,  # default: decode blocks split long contexts up to 8 ways
     pages_per_step: int = 4,  # pages gathered per loop step (one [C*O, D] tile)
@@ -52,6 +54,7 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D]
     """Causal GQA attention of each query token over its sequence's pages (GPU kernel)."""
+    qb.require_float_cache("pallas_gpu", k_cache, k_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size = k_cache.shape[1:4]
     num_seqs, max_pages = page_table.shape

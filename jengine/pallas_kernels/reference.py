@@ -26,6 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jengine.pallas_kernels.kv_quant import gather_rows
+
 # Loop sizes of `blocked_paged_attention`: blocks per group and pages per key chunk. Smaller
 # groups waste fewer empty blocks; a group's scores [Gb, K, G, B, C*O] should stay in cache
 # (0.6 MB at SmolLM2's shapes). On a 512-token chunk over 1000 keys, 2-8 x 4-16 timed
@@ -42,7 +44,9 @@ def write_kv(
 ) -> jax.Array:
     """Scatters this step's keys (or values) of one layer into their pages, in place.
 
-    A 16-bit float cache is scattered as its uint16 bits: XLA:CPU's scatter into a bf16 array
+    An int8 cache takes rows its caller quantized (`kv_quant.quantize_rows`), and their scales
+    are written the same way into the [L, K, P, O, 1] scale array. A 16-bit float cache is
+    scattered as its uint16 bits: XLA:CPU's scatter into a bf16 array
     converts the whole cache to f32 and back on every write (measured 17x slower), while the
     integer view is written in place."""
     rows = new.astype(cache.dtype)
@@ -72,13 +76,21 @@ def ragged_paged_attention(
     sliding_window: jax.Array | int | None = None,  # [] int32; keys within this many positions
     soft_cap: float | None = None,
     kv_head_map: tuple[int, ...] | None = None,  # [H] kv head of each q head (else h // G)
+    k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
+    v_scale: jax.Array | None = None,  # [L, K, P, O, 1]
 ) -> jax.Array:  # [T, H, D]
-    """Causal attention of each query token over its sequence's cached keys (GQA aware)."""
+    """Causal attention of each query token over its sequence's cached keys (GQA aware).
+
+    An int8 cache (with `k_scale`, `v_scale`) is dequantized to f32 after the gather."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size = k_cache.shape[1:4]
     pages = page_table[token_seq]  # [T, Pmax]
-    k = k_cache[layer][:, pages].reshape(num_kv_heads, num_tokens, -1, head_dim)  # [K, T, S, D]
-    v = v_cache[layer][:, pages].reshape(num_kv_heads, num_tokens, -1, head_dim)
+
+    def take(x):
+        return x[layer][:, pages]
+
+    k, v = (gather_rows(cache, scale, take).reshape(num_kv_heads, num_tokens, -1, head_dim)
+            for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)))  # [K, T, S, D]
     k, v, num_kv_heads = _per_query_head(k, v, num_kv_heads, kv_head_map)
     qg = q.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = jnp.einsum("ktsd,tkgd->ktsg", k, qg, preferred_element_type=jnp.float32)
@@ -111,6 +123,8 @@ def blocked_paged_attention(
     kv_head_map: tuple[int, ...] | None = None,
     blocks_per_group: int = BLOCKS_PER_GROUP,
     pages_per_chunk: int = PAGES_PER_CHUNK,
+    k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Same result as `ragged_paged_attention`, computed per block of one sequence's queries.
 
@@ -140,6 +154,8 @@ def blocked_paged_attention(
     q_pad = jnp.concatenate([q, jnp.zeros((1, num_heads, head_dim), q.dtype)])  # row T: empty
     k_flat = k_cache.reshape(-1, page_size, head_dim)  # [L*K*P, O, D]: one gather per chunk
     v_flat = v_cache.reshape(-1, page_size, head_dim)
+    k_scale_flat, v_scale_flat = (None if x is None else x.reshape(-1, page_size, 1)
+                                  for x in (k_scale, v_scale))
     head_rows = (layer * num_kv_heads + heads) * num_pages  # [NK]
     state_shape = (group, num_rows, per_kv, block)  # [Gb, NK, G, B]
 
@@ -155,8 +171,9 @@ def blocked_paged_attention(
             table_col = jnp.minimum(page_idx, page_table.shape[1] - 1)
             pages = jnp.where(in_span, page_table[seqs[g][:, None], table_col], 0)
             rows = head_rows[None, :, None] + pages[:, None, :]  # [Gb, NK, C]
-            k = k_flat[rows].reshape(group, num_rows, chunk * page_size, head_dim)
-            v = v_flat[rows].reshape(group, num_rows, chunk * page_size, head_dim)
+            k, v = (gather_rows(flat, scale, lambda x: x[rows])
+                    .reshape(group, num_rows, chunk * page_size, head_dim)
+                    for flat, scale in ((k_flat, k_scale_flat), (v_flat, v_scale_flat)))
             key_pos = (page_idx[:, :, None] * page_size + jnp.arange(page_size)).reshape(group, -1)
             mask = key_pos[:, None, :] <= row_pos[:, :, None]  # [Gb, B, C*O]; empty rows: none
             if sliding_window is not None:

@@ -44,11 +44,14 @@ def ragged_paged_attention_tpu(
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     kv_head_map=None,  # [H] tuple or int32 array, or None
+    k_scale: jax.Array | None = None,  # an int8 cache's scales: not read here (ValueError)
+    v_scale: jax.Array | None = None,
     block_q: int | None = None,  # default: `block_layout.default_block_q`
     pages_per_chunk: int = 8,
     interpret=False,  # False, or pltpu.InterpretParams() for TPU emulation on CPU
 ) -> jax.Array:  # [T, H, D]
     """Causal GQA attention of each query token over its sequence's pages (TPU kernel)."""
+    qb.require_float_cache("pallas_tpu", k_cache, k_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size = k_cache.shape[1:4]
     num_seqs, max_pages = page_table.shape

@@ -100,7 +100,7 @@ class Runner:
         untouched = rules is None and self._devices[0].platform == "cpu"
         self.kv = jax.jit(
             lambda: KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype, untouched=untouched),
-            out_shardings=KVCache(k=kv_sharding, v=kv_sharding) if rules else None,
+            out_shardings=KVCache.of_each(kv_sharding) if rules else None,
         )()
         family = family_module(cfg)
         forward, head = family.forward, family.logits
@@ -141,7 +141,7 @@ class Runner:
         # Under a mesh the sampled tokens come back replicated, so every process can read them.
         out_shardings = None
         if rules:
-            out_shardings = (rules.replicated(), KVCache(k=kv_sharding, v=kv_sharding))
+            out_shardings = (rules.replicated(), KVCache.of_each(kv_sharding))
         self._step_fn = step
         self._jit_kwargs = dict(donate_argnames=("kv",), static_argnames=("variant",),
                                 out_shardings=out_shardings)

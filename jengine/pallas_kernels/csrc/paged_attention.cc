@@ -1,7 +1,7 @@
 // Ragged paged attention and the paged KV write for XLA:CPU, called through the XLA FFI.
 //
 // Layouts are the reference's (jengine/pallas_kernels/reference.py): q [T, H, D] f32, caches
-// [L, K, P, O, D] f32 or bf16, page_table [S, Pmax], token_seq / positions [T]. Key slot s of a
+// [L, K, P, O, D] f32, bf16 or int8 (with f32 scales [L, K, P, O, 1], one a row), page_table [S, Pmax], token_seq / positions [T]. Key slot s of a
 // sequence holds position s, so a query at position p sees slots max(0, p - W + 1) .. p.
 //
 // Work split: consecutive tokens of one sequence form blocks of up to `block_q` rows; a
@@ -67,11 +67,16 @@ struct Task {  // one (block, kv head) item, or one key range of it
   int64_t cost;
 };
 
+enum class KvType { kF32, kBf16, kInt8 };  // int8: rows times one f32 scale each
+
 struct Problem {
   const float* q;
   const void* k;
   const void* v;
-  bool bf16;
+  KvType kv_type;
+  int64_t item;  // bytes of a cache element
+  const float* k_scale;  // int8: [L, K, P, O], one per row of D; else unused
+  const float* v_scale;
   const int32_t* positions;
   const int32_t* page_table;
   int64_t T, H, D, K, P, O, max_pages;
@@ -256,7 +261,8 @@ std::vector<Task> MakeTasks(Problem& pb, int64_t threads) {
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
-                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::F32> k_scale,
+                          ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
                           ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> window,
                           ffi::Buffer<ffi::S32> kv_head_map, float sm_scale, float soft_cap,
@@ -268,9 +274,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     return ffi::Error::InvalidArgument("paged attention: expected q [T,H,D], caches [L,K,P,O,D]");
   }
   const auto dtype = k_cache.element_type();
-  if (dtype != v_cache.element_type() ||
-      (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16)) {
-    return ffi::Error::InvalidArgument("paged attention: caches must both be f32 or bf16");
+  if (dtype != v_cache.element_type() || (dtype != ffi::DataType::F32 &&
+                                          dtype != ffi::DataType::BF16 &&
+                                          dtype != ffi::DataType::S8)) {
+    return ffi::Error::InvalidArgument("paged attention: caches must both be f32, bf16 or int8");
+  }
+  const int64_t rows = k_cache.element_count() / std::max<int64_t>(cd[4], 1);
+  if (dtype == ffi::DataType::S8 &&
+      (k_scale.element_count() != rows || v_scale.element_count() != rows)) {
+    return ffi::Error::InvalidArgument("paged attention: int8 caches need one scale a row");
   }
   if (cd[4] != qd[2] || kv_head_map.element_count() != qd[1]) {
     return ffi::Error::InvalidArgument("paged attention: head_dim or kv_head_map mismatch");
@@ -279,7 +291,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   pb.q = q.typed_data();
   pb.k = k_cache.untyped_data();
   pb.v = v_cache.untyped_data();
-  pb.bf16 = dtype == ffi::DataType::BF16;
+  pb.kv_type = dtype == ffi::DataType::BF16 ? KvType::kBf16
+               : dtype == ffi::DataType::S8 ? KvType::kInt8 : KvType::kF32;
+  pb.item = dtype == ffi::DataType::BF16 ? 2 : dtype == ffi::DataType::S8 ? 1 : 4;
+  pb.k_scale = k_scale.typed_data();
+  pb.v_scale = v_scale.typed_data();
   pb.positions = positions.typed_data();
   pb.page_table = page_table.typed_data();
   pb.T = qd[0];
@@ -324,9 +340,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
 }
 
 // Writes this step's keys (or values) of one layer into their slots; `out` aliases `cache`, so
-// the write is in place and only T * K rows of D are touched.
+// the write is in place and only T * K rows of D are touched. New rows are f32 for an f32 or
+// bf16 cache (bf16 rounds to nearest even) and already int8 for an int8 one; an int8 cache's
+// scales ([L, K, P, O, 1] f32) are written by the same call with new [T, K, 1].
 ffi::Error KvWrite(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> layer,
-                   ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::F32> new_rows,
+                   ffi::Buffer<ffi::S32> slot_mapping, ffi::AnyBuffer new_rows,
                    ffi::Result<ffi::AnyBuffer> out) {
   const auto cd = cache.dimensions();
   const auto nd = new_rows.dimensions();
@@ -335,28 +353,35 @@ ffi::Error KvWrite(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> layer,
     return ffi::Error::InvalidArgument("kv write: expected cache [L,K,P,O,D], new [T,K,D]");
   }
   const auto dtype = cache.element_type();
-  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument("kv write: cache must be f32 or bf16");
+  const bool bf16 = dtype == ffi::DataType::BF16, int8 = dtype == ffi::DataType::S8;
+  if (dtype != ffi::DataType::F32 && !bf16 && !int8) {
+    return ffi::Error::InvalidArgument("kv write: cache must be f32, bf16 or int8");
   }
-  const bool bf16 = dtype == ffi::DataType::BF16;
-  const size_t item = bf16 ? 2 : 4;
-  if (out->untyped_data() != cache.untyped_data()) {  // not aliased after all: copy, then write
-    std::memcpy(out->untyped_data(), cache.untyped_data(), cache.element_count() * item);
+  if (new_rows.element_type() != (int8 ? ffi::DataType::S8 : ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument("kv write: new rows must be int8 for an int8 cache, "
+                                       "else f32");
+  }
+  const size_t item = bf16 ? 2 : int8 ? 1 : 4;
+  char* dst_base = static_cast<char*>(out->untyped_data());
+  if (dst_base != cache.untyped_data()) {  // not aliased after all: copy, then write
+    std::memcpy(dst_base, cache.untyped_data(), cache.element_count() * item);
   }
   const int64_t K = cd[1], slots = cd[2] * cd[3], D = cd[4];
   const int64_t lay = std::min<int64_t>(std::max<int32_t>(layer.typed_data()[0], 0), cd[0] - 1);
-  const float* src = new_rows.typed_data();
+  const char* src = static_cast<const char*>(new_rows.untyped_data());
+  const size_t src_item = int8 ? 1 : 4;
   for (int64_t t = 0; t < nd[0]; ++t) {
     const int64_t slot = slot_mapping.typed_data()[t];
     if (slot < 0 || slot >= slots) continue;
     for (int64_t kh = 0; kh < K; ++kh) {
       const int64_t dst = ((lay * K + kh) * slots + slot) * D;
-      const float* row = src + (t * K + kh) * D;
+      const char* row = src + (t * K + kh) * D * src_item;
       if (bf16) {
-        uint16_t* d = static_cast<uint16_t*>(out->untyped_data()) + dst;
-        for (int64_t c = 0; c < D; ++c) d[c] = F32ToBf16(row[c]);
-      } else {
-        std::memcpy(static_cast<float*>(out->untyped_data()) + dst, row, D * sizeof(float));
+        uint16_t* d = reinterpret_cast<uint16_t*>(dst_base) + dst;
+        const float* f = reinterpret_cast<const float*>(row);
+        for (int64_t c = 0; c < D; ++c) d[c] = F32ToBf16(f[c]);
+      } else {  // the same element type: a copy
+        std::memcpy(dst_base + dst * item, row, D * item);
       }
     }
   }
@@ -378,6 +403,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JenginePagedAttention, jengine::PagedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::AnyBuffer>()          // k_cache
                                   .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scale (int8; else empty)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scale
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // token_seq
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions
@@ -396,7 +423,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineKvWrite, jengine::KvWrite,
                                   .Arg<ffi::AnyBuffer>()          // cache
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // new rows
+                                  .Arg<ffi::AnyBuffer>()          // new rows
                                   .Ret<ffi::AnyBuffer>());
 
 // isa 0: the instruction set `auto` picks here (1 portable, 2 AVX2, 3 AVX-512); else whether

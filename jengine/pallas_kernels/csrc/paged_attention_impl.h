@@ -44,6 +44,9 @@ inline Vec LoadBf16(const uint16_t* p) {  // 16 bf16 -> f32: the bits are the f3
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+inline Vec LoadInt8(const int8_t* p) {  // 16 int8 -> f32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 #elif JE_SIMD == 1
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -78,6 +81,9 @@ inline void Sum4(Vec a, Vec b, Vec c, Vec d, float* out) {
 inline Vec LoadBf16(const uint16_t* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline Vec LoadInt8(const int8_t* p) {  // 8 int8 -> f32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #else
 struct Vec {  // eight floats; the compiler vectorises the loops for the baseline target
@@ -131,6 +137,7 @@ inline void Sum4(Vec a, Vec b, Vec c, Vec d, float* out) {
   out[3] = Sum(d);
 }
 inline Vec LoadBf16(const uint16_t* p) { return Map([&](int i) { return Bf16ToF32(p[i]); }); }
+inline Vec LoadInt8(const int8_t* p) { return Map([&](int i) { return static_cast<float>(p[i]); }); }
 #endif
 
 // exp(x) for x <= 0 (scores minus their running max): Cody-Waite range reduction and a degree-6
@@ -254,24 +261,50 @@ inline void WidenBf16(float* dst, const uint16_t* src, int64_t n) {
   for (; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
 }
 
+// n int8 rows of d times their scales (one a row) -> f32.
+inline void WidenInt8(float* dst, const int8_t* src, const float* scale, int64_t n, int64_t d) {
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec s = Set(scale[j]);
+    int64_t c = 0;
+    for (; c + kLanes <= d; c += kLanes) Store(dst + j * d + c, Mul(LoadInt8(src + j * d + c), s));
+    for (; c < d; ++c) dst[j * d + c] = static_cast<float>(src[j * d + c]) * scale[j];
+  }
+}
+
 // The pointer to `n` keys (or values) of one page row range as f32: in place for an f32
-// cache, widened into `buf` for a bf16 one.
-inline const float* PageRows(const Problem& pb, const void* cache, int64_t offset, int64_t n,
-                             float* buf) {
-  if (!pb.bf16) return static_cast<const float*>(cache) + offset;
-  WidenBf16(buf, static_cast<const uint16_t*>(cache) + offset, n * pb.D);
+// cache, widened into `buf` for a bf16 one, dequantized into `buf` with the rows' scales
+// (`scales`, one per row of D) for an int8 one.
+inline const float* PageRows(const Problem& pb, const void* cache, const float* scales,
+                             int64_t offset, int64_t n, float* buf) {
+  switch (pb.kv_type) {
+    case KvType::kF32:
+      return static_cast<const float*>(cache) + offset;
+    case KvType::kBf16:
+      WidenBf16(buf, static_cast<const uint16_t*>(cache) + offset, n * pb.D);
+      return buf;
+    case KvType::kInt8:
+      WidenInt8(buf, static_cast<const int8_t*>(cache) + offset, scales + offset / pb.D, n, pb.D);
+      return buf;
+  }
   return buf;
 }
 
-// Asks for `n` cache elements of K and V from `offset` on, ahead of their use.
+// Asks for `n` cache elements of K and V from `offset` on, ahead of their use (and an int8
+// cache's scales of those rows).
 inline void Prefetch(const Problem& pb, int64_t offset, int64_t n) {
 #if JE_X86
-  const int64_t item = pb.bf16 ? 2 : 4;
+  const int64_t item = pb.item;
   const char* k = static_cast<const char*>(pb.k) + offset * item;
   const char* v = static_cast<const char*>(pb.v) + offset * item;
   for (int64_t b = 0; b < n * item; b += 64) {
     _mm_prefetch(k + b, _MM_HINT_T0);
     _mm_prefetch(v + b, _MM_HINT_T0);
+  }
+  if (pb.kv_type == KvType::kInt8) {
+    for (int64_t r = 0; r < n / pb.D; r += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(pb.k_scale + offset / pb.D + r), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pb.v_scale + offset / pb.D + r), _MM_HINT_T0);
+    }
   }
 #endif
 }
@@ -295,8 +328,8 @@ inline void ForEachPage(const Problem& pb, const Task& task, Scratch& ws, Visit 
                                              pb.P - 1);
       Prefetch(pb, (head_base + next) * O * D, O * D);
     }
-    const float* keys = PageRows(pb, pb.k, offset, j1 - j0, ws.k.data());
-    const float* values = PageRows(pb, pb.v, offset, j1 - j0, ws.v.data());
+    const float* keys = PageRows(pb, pb.k, pb.k_scale, offset, j1 - j0, ws.k.data());
+    const float* values = PageRows(pb, pb.v, pb.v_scale, offset, j1 - j0, ws.v.data());
     visit(page_start + j0, j1 - j0, keys, values);
   }
 }
