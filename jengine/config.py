@@ -65,12 +65,9 @@ class SpeculativeConfig:
     """Speculative decoding (jengine/scheduling/speculative.py): off unless `method` is set."""
 
     method: str | None = None  # None (off) | "ngram" (prompt lookup) | "draft" (draft_model)
-    # Proposed tokens per step at most (4 query rows; the cost model cuts each step to what pays:
-    # 7, an 8-row step, measured 1.20x against 1.29x on the edit case and lost 10-17% on 8 and 32
-    # streams on this CPU, where an 8-row step costs ~2.2x a 1-row one).
-    num_tokens: int = 3
+    num_tokens: int = 3  # proposed tokens per step (4 query rows: a CPU step's cheap size)
     ngram_min: int = 1  # the shortest suffix the n-gram proposer matches
-    ngram_max: int = 8  # the longest, tried first (a long match is a copy: ~75% accepted)
+    ngram_max: int = 4  # the longest, tried first
     draft_model: str | None = None  # the proposer model of method "draft"
 
 

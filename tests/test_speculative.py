@@ -18,9 +18,6 @@ from scheduler_harness import (
 )
 
 from jengine.scheduling.speculative import (
-    ACCEPTANCE_PRIOR,
-    REEXPLORE_DECLINES,
-    Acceptance,
     NgramProposer,
     StepCosts,
     best_cap,
@@ -50,29 +47,6 @@ def test_ngram_min_bounds_the_match():
     p = NgramProposer(num_tokens=2, ngram_min=2, ngram_max=2)
     assert p.propose([1, 9, 3, 1], limit=5) == []  # only a 1-gram matches
     assert p.propose([1, 9, 3, 1, 9], limit=5) == [3, 1]
-
-
-def test_ngram_reports_the_length_it_matched():
-    p = NgramProposer(num_tokens=2, ngram_min=1, ngram_max=3)
-    assert p.propose_matched([0, 5, 6, 9, 9, 5, 6, 1, 0, 5, 6], limit=10) == ([9, 9], 3)
-    assert p.propose_matched([1, 2, 3, 1, 2], limit=10) == ([3, 1], 2)
-    assert p.propose_matched([4, 1, 2, 3, 1], limit=10) == ([2, 3], 1)
-    assert p.propose_matched([1, 2, 3, 4], limit=10) == ([], 0)
-    # ngram_max bounds the match: the 5-token repeat counts as 3.
-    assert p.propose_matched([1, 2, 3, 4, 5, 7, 1, 2, 3, 4, 5], limit=1) == ([7], 3)
-
-
-def test_acceptance_is_learnt_per_kind():
-    a = Acceptance()
-    assert a[1] == a[8] == ACCEPTANCE_PRIOR
-    a.verified(1, proposed=7, accepted=0)  # a 1-token match: rejected at once
-    a.verified(8, proposed=7, accepted=7)  # an 8-token match: all of it
-    assert a[1] < ACCEPTANCE_PRIOR < a[8]
-    a.verified(1, proposed=7, accepted=2)  # 2 of the 3 tried: the rest were never tried
-    assert a[1] == pytest.approx(0.42 + 0.3 * (2 / 3 - 0.42))
-    for _ in range(REEXPLORE_DECLINES):  # left out again and again: tried afresh
-        a.declined(1)
-    assert a[1] == ACCEPTANCE_PRIOR and a[8] > ACCEPTANCE_PRIOR
 
 
 @pytest.mark.parametrize("bad", [dict(num_tokens=0), dict(num_tokens=2, ngram_min=0),

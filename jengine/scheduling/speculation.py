@@ -11,7 +11,6 @@ from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.sequence import PENDING, Sequence
 from jengine.scheduling.speculative import (
     DECLINED_PAUSE,
-    Acceptance,
     NgramProposer,
     SpecCounters,
     SpecState,
@@ -35,7 +34,6 @@ class Speculator:
     def __init__(self, proposer: Proposer | NgramProposer):
         self.proposer = proposer
         self.counters = SpecCounters()
-        self.acceptance = Acceptance()  # per kind of proposal, from every verification
         # Measured step seconds per token bucket (the engine fills it); None: verify everything.
         self.step_costs: StepCosts | None = None
         self.paused = 0  # steps left in which nobody proposes (DECLINED_PAUSE)
@@ -75,11 +73,10 @@ class Speculator:
             limit = min(seq.max_tokens - len(seq.output_ids) - 1,
                         max_model_len - seq.num_tokens - 1)
             eligible.append((i, seq, limit))
-        proposals = self._propose([(seq.tokens(0, seq.num_tokens), limit)
-                                   for _, seq, limit in eligible])
+        proposals = self.proposer.propose_many(
+            [(seq.tokens(0, seq.num_tokens), limit) for _, seq, limit in eligible])
         candidates = []
-        for (i, seq, _), (proposal, kind) in zip(eligible, proposals):
-            seq.spec.kind = kind
+        for (i, seq, _), proposal in zip(eligible, proposals):
             if not proposal:
                 seq.spec.found_nothing()
                 continue
@@ -92,7 +89,7 @@ class Speculator:
             return
         tokens = sum(n for _, n in chosen)
         sampling = sum(1 for seq, n in chosen if seq.num_computed + n == seq.num_tokens)
-        cap = best_cap(tokens, sampling, [(len(p), self.acceptance[seq.spec.kind])
+        cap = best_cap(tokens, sampling, [(len(p), seq.spec.acceptance)
                                           for _, seq, p in candidates], self.step_costs)
         if cap == 0:
             self.paused = DECLINED_PAUSE
@@ -108,25 +105,8 @@ class Speculator:
                     proposal = proposal[: held - seq.num_tokens]
             if not proposal:
                 seq.spec.decline()
-                self.acceptance.declined(seq.spec.kind)
                 continue
             seq.spec.proposal = proposal
             chosen[i] = (seq, 1 + len(proposal))
             rows += len(proposal)
             budget -= len(proposal)
-
-    def verified(self, seq: Sequence, accepted: int) -> None:
-        """Records a verification of `seq`'s proposal that accepted `accepted` tokens."""
-        spec = seq.spec
-        self.counters.num_drafts += 1
-        self.counters.num_draft_tokens += len(spec.proposal)
-        self.counters.num_accepted_tokens += accepted
-        self.acceptance.verified(spec.kind, len(spec.proposal), accepted)
-        spec.verified(accepted)
-
-    def _propose(self, requests: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
-        """Each request's proposal and its kind (`Acceptance`): the n-gram match length, or 0
-        for a proposer that gives none (a draft model)."""
-        if isinstance(self.proposer, NgramProposer):
-            return [self.proposer.propose_matched(t, limit) for t, limit in requests]
-        return [(p, 0) for p in self.proposer.propose_many(requests)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from jengine.config import SpeculativeConfig
 
@@ -39,12 +40,12 @@ NO_PROPOSAL_PAUSE = 4
 # When the cost model turns every proposal of a step down, nobody proposes for this many steps
 # (so the engine keeps running ahead), then it weighs the batch again.
 DECLINED_PAUSE = 6
-# The acceptance estimate (per proposed token) of each kind of proposal (`Acceptance`) starts
-# here and follows the verifications of its kind with this weight; a kind the cost model left
-# out `REEXPLORE_DECLINES` times in a row gets the prior back, so it is tried again now and then.
+# Each sequence's acceptance estimate (per proposed token) starts here and follows its own
+# verifications with this weight; a sequence left out for `REEXPLORE_STEPS` steps by the cost
+# model gets the prior back, so a change in the text can turn speculation on again.
 ACCEPTANCE_PRIOR = 0.6
 ACCEPTANCE_WEIGHT = 0.3
-REEXPLORE_DECLINES = 8
+REEXPLORE_STEPS = 32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,7 +55,7 @@ class NgramProposer:
 
     num_tokens: int
     ngram_min: int = 1
-    ngram_max: int = 8
+    ngram_max: int = 4
 
     def __post_init__(self):
         if self.num_tokens < 1:
@@ -69,34 +70,18 @@ class NgramProposer:
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to `min(num_tokens, limit)` proposed next tokens of `tokens` ([] for none)."""
-        return self.propose_matched(tokens, limit)[0]
-
-    def propose_matched(self, tokens: list[int], limit: int) -> tuple[list[int], int]:
-        """`propose`'s proposal and the length of the suffix it matched (0 with none): a
-        proposal after a long match is far likelier to be accepted (SmolLM2 on the edit
-        workload, every proposal verified: ~10% of tokens after a 1-token match, ~75% after
-        8 tokens), so the cost model weighs each match length by its own record."""
         k = min(self.num_tokens, limit)
         if k <= 0 or len(tokens) <= self.ngram_min:
-            return [], 0
+            return []
         ids = np.asarray(tokens, np.int64)
-        last, longest = len(ids) - 1, min(self.ngram_max, len(ids) - 1)
-        # Ends p < last of earlier windows equal to the suffix, grown one token at a time: one
-        # pass over the history, then only the few survivors are compared again.
-        ends = np.flatnonzero(ids[:last] == ids[last])
-        found, n = None, 1
-        while ends.size:
-            if n >= self.ngram_min:
-                found = (int(ends[-1]), n)  # the latest occurrence predicts best when copying
-            if n == longest:
-                break
-            ends = ends[ends >= n]
-            ends = ends[ids[ends - n] == ids[last - n]]
-            n += 1
-        if found is None:
-            return [], 0
-        start, n = found[0] + 1, found[1]
-        return ids[start:start + k].tolist(), n
+        for n in range(min(self.ngram_max, len(ids) - 1), self.ngram_min - 1, -1):
+            # Windows that start before the suffix itself and have a token after them.
+            windows = sliding_window_view(ids[:-1], n)
+            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the latest occurrence predicts best when copying
+                return ids[start:start + k].tolist()
+        return []
 
 
 def make_proposer(spec: SpeculativeConfig) -> NgramProposer | None:
@@ -128,9 +113,10 @@ class SpecState:
     """
 
     proposal: list[int] = dataclasses.field(default_factory=list)
-    kind: int = 0  # the proposal's `Acceptance` key (the n-gram proposer's match length)
     misses: int = 0
     paused: int = 0
+    acceptance: float = ACCEPTANCE_PRIOR  # estimated chance that a proposed token is accepted
+    declined: int = 0  # steps in a row the cost model chose not to verify its proposal
 
     def may_propose(self) -> bool:
         return self.paused == 0
@@ -144,43 +130,23 @@ class SpecState:
 
     def verified(self, accepted: int) -> None:
         """Records how many of `proposal` the step accepted, and clears it."""
-        self.proposal = []
+        # Tokens after the first rejection were never tried: the run of `accepted` successes
+        # and one failure (if any) is what the estimate learns from.
+        tried = min(len(self.proposal), accepted + 1)
+        rate = accepted / max(tried, 1)
+        self.acceptance += ACCEPTANCE_WEIGHT * (rate - self.acceptance)
+        self.proposal, self.declined = [], 0
         self.misses = 0 if accepted else self.misses + 1
         if self.misses >= MISSES_BEFORE_BACKOFF:
             self.misses, self.paused = 0, BACKOFF_STEPS
 
     def decline(self) -> None:
-        """The cost model left this proposal out."""
+        """The cost model left this proposal out; after a while the estimate starts over."""
         self.proposal = []
+        self.declined += 1
         self.paused = NO_PROPOSAL_PAUSE
-
-
-class Acceptance:
-    """The estimated chance that a proposed token is accepted, per kind of proposal (the
-    n-gram match length; one kind for a draft model), learnt from every sequence's
-    verifications: what decides whether a proposal pays is mostly what it was proposed from,
-    and an engine-wide record per kind learns from far more verifications than one sequence."""
-
-    def __init__(self):
-        self._rate: dict[int, float] = {}
-        self._declined: dict[int, int] = {}
-
-    def __getitem__(self, kind: int) -> float:
-        return self._rate.get(kind, ACCEPTANCE_PRIOR)
-
-    def verified(self, kind: int, proposed: int, accepted: int) -> None:
-        # Tokens after the first rejection were never tried: the run of `accepted` successes
-        # and one failure (if any) is what the estimate learns from.
-        rate = accepted / max(min(proposed, accepted + 1), 1)
-        self._rate[kind] = self[kind] + ACCEPTANCE_WEIGHT * (rate - self[kind])
-        self._declined[kind] = 0
-
-    def declined(self, kind: int) -> None:
-        """The cost model left a proposal of `kind` out; after a few, its prior comes back."""
-        self._declined[kind] = self._declined.get(kind, 0) + 1
-        if self._declined[kind] >= REEXPLORE_DECLINES:
-            self._declined[kind] = 0
-            self._rate.pop(kind, None)
+        if self.declined * NO_PROPOSAL_PAUSE >= REEXPLORE_STEPS:
+            self.declined, self.acceptance = 0, ACCEPTANCE_PRIOR
 
 
 def expected_tokens(length: int, acceptance: float) -> float:
