@@ -62,15 +62,15 @@ def _narrow(w: np.ndarray, dtype: str) -> np.ndarray:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 13, 40, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 40, 64])
 def test_narrow_weights_against_oracle(isa, dtype, rows):
-    """bf16 and int8 weights, widened to f32 in registers: every path (the 1-2 row streams,
+    """bf16 and int8 weights, widened to f32 in registers: every path (the 1-4 row streams,
     the register tiles and their row groups, the transposed form), ragged N and K."""
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 70), np.float32)
     _check(x, _narrow(rng.standard_normal((70, 300), np.float32), dtype), isa)
     _check(x[:, :1], _narrow(rng.standard_normal((1, 5), np.float32), dtype), isa)
-    if rows <= 2:  # K split over the threads
+    if rows <= 4:  # K split over the threads (3-4 rows: AVX-512 only)
         _check(rng.standard_normal((rows, 1001), np.float32),
                _narrow(rng.standard_normal((1001, 75), np.float32), dtype), isa)
 
@@ -80,11 +80,12 @@ def test_narrow_weights_against_oracle(isa, dtype, rows):
                                   (1536, 48)])
 def test_shapes_and_threads(isa, k, n):
     """Tiny and model-sized K (several k-blocks), N below one tile and spread over panels, one
-    thread and all of them; one and two rows, which split K over the threads from K = 128 on
-    (each thread's partial sums added at the end; K = 1001 splits off the 8-row grid)."""
+    thread and all of them; up to two rows (four with AVX-512), which split K over the threads
+    from K = 128 on (each thread's partial sums added at the end; K = 1001 splits off the 8-row
+    grid)."""
     rng = np.random.default_rng(k * n)
     w = rng.standard_normal((k, n), np.float32)
-    for rows in (1, 2, 5):
+    for rows in (1, 2, 3, 4, 5):
         x = rng.standard_normal((rows, k), np.float32)
         for threads in (0, 1):
             _check(x, w, isa, max_threads=threads)

@@ -50,25 +50,28 @@ template <typename W>
 using ColumnsFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t,
                            int64_t);
 
-// y = x @ w (or x @ w^T) for one weight type, the columns (one or two rows: K) split over the
+// y = x @ w (or x @ w^T) for one weight type, the columns (streamed rows: K) split over the
 // intra-op pool.
 template <typename W>
 void Run(ffi::ThreadPool& pool, int32_t isa, bool transpose_w, int32_t max_threads,
          const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N) {
   ColumnsFn<W> columns = transpose_w ? portable::NtColumns<W> : portable::Columns<W>;
   int64_t tile = transpose_w ? portable::kNtCols : portable::kTile;
+  int64_t stream_rows = portable::kStreamRows;
 #if JE_X86
   if (isa == kAvx512) {
     columns = transpose_w ? avx512::NtColumns<W> : avx512::Columns<W>;
     tile = transpose_w ? avx512::kNtCols : avx512::kTile;
+    stream_rows = avx512::kStreamRows;
   } else if (isa == kAvx2) {
     columns = transpose_w ? avx2::NtColumns<W> : avx2::Columns<W>;
     tile = transpose_w ? avx2::kNtCols : avx2::kTile;
+    stream_rows = avx2::kStreamRows;
   }
 #endif
   const int64_t threads = KernelThreads(pool, max_threads);
-  if (!transpose_w && R <= 2 && threads > 1 && K >= 64 * threads) {
-    // One or two rows: each thread streams a contiguous run of whole weight rows (a k range)
+  if (!transpose_w && R <= stream_rows && threads > 1 && K >= 64 * threads) {
+    // Streamed rows (one to four): each thread streams a contiguous run of whole weight rows (a k range)
     // into its own partial sums, added at the end. Splitting the columns instead gives every
     // thread short strided runs of each row (96 floats of a 192-wide weight on two threads),
     // which the hardware prefetchers stream worse.

@@ -5,8 +5,7 @@
 // template parameter: float, Bf16 (bfloat16 bits) or int8_t (a per-channel int8 weight whose
 // scale the caller applies to y); LoadW widens a vector of W to float32 in registers, so a
 // narrower weight is fewer bytes streamed from memory at the same arithmetic.
-// One or two rows stream w (StreamRows). From three
-// rows on, a thread's columns are taken a k-block (~64 KiB) at a time; each tile of kTile columns (two vectors) keeps its R x kTile sums in registers
+// Up to kStreamRows rows stream w (StreamRows: 4 with AVX-512's 32 registers, else 2). Beyond, a thread's columns are taken a k-block (~64 KiB) at a time; each tile of kTile columns (two vectors) keeps its R x kTile sums in registers
 // while k runs over the block, so each weight is loaded once per group of up to kMaxRows rows
 // and broadcast-multiplied into every row of the group. While a block is computed, the next
 // one is prefetched into L2 row by row (contiguous runs, which the memory system streams well;
@@ -17,6 +16,7 @@
 using Vec = __m512;
 constexpr int64_t kLanes = 16;
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors of 32 zmm registers
+constexpr int kStreamRows = 4;  // StreamRows<4>: 16 broadcasts + 4 weight vectors + 1 sum
 inline Vec Zero() { return _mm512_setzero_ps(); }
 inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
 inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
@@ -37,6 +37,7 @@ inline Vec LoadW(const int8_t* p) {  // 16 int8 -> f32 (exact)
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
 constexpr int kMaxRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 ymm
+constexpr int kStreamRows = 2;  // StreamRows<2>: 8 broadcasts + 4 weight vectors + 1 sum
 inline Vec Zero() { return _mm256_setzero_ps(); }
 inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
 inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
@@ -63,6 +64,7 @@ struct Vec {
 };
 constexpr int64_t kLanes = 8;
 constexpr int kMaxRows = 4;
+constexpr int kStreamRows = 2;
 inline Vec Zero() { return Vec{}; }
 inline Vec Load(const float* p) {
   Vec r;
@@ -156,8 +158,8 @@ int64_t Lines(const Block& b) {
   return b.kn * ((b.width + kLine<W> - 1) / kLine<W>);
 }
 
-// y[0:RB, 0:width] = x[0:RB, :] @ w[:, 0:width] (width a multiple of kLanes) for one or two
-// rows, where the step is memory-bound and register tiles gain nothing: four weight rows at a
+// y[0:RB, 0:width] = x[0:RB, :] @ w[:, 0:width] (width a multiple of kLanes) for up to
+// kStreamRows rows, where the step is memory-bound and register tiles gain nothing: four weight rows at a
 // time stream contiguously through the whole width (the hardware prefetchers' best case; it
 // ran 1.3-1.4x faster than the tiles at 1-2 rows), the sums staying in y (L1).
 template <int RB, typename W>
@@ -236,6 +238,10 @@ void Columns(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t
     StreamRows<1>(x, K, w + c0, N, full_end - c0, y + c0);
   } else if (R == 2) {
     StreamRows<2>(x, K, w + c0, N, full_end - c0, y + c0);
+  } else if (R == 3 && kStreamRows >= 3) {
+    StreamRows<3>(x, K, w + c0, N, full_end - c0, y + c0);
+  } else if (R == 4 && kStreamRows >= 4) {
+    StreamRows<4>(x, K, w + c0, N, full_end - c0, y + c0);
   } else {
     TiledColumns(x, w, y, R, K, N, c0, full_end);
   }
