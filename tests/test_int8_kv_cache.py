@@ -9,6 +9,7 @@ the reference backend (per token and per query block), stay within 1e-5 of it an
 
 from __future__ import annotations
 
+import functools
 import re
 from types import SimpleNamespace
 
@@ -181,11 +182,13 @@ def _attend(case, backend, *, blocked=False, window=None):
 
 def test_attend_on_every_backend_layout():
     """Through `attend` (quantize, write, read): the `cpu` backend, the reference per token and
-    per query block all equal the oracle on the round-tripped K/V, and write the same cache."""
+    per query block, and the Pallas GPU kernel (interpret mode) all equal the oracle on the
+    round-tripped K/V, and write the same cache."""
     case = _round_trip(Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=21))
     want = case.expected(window=6)
     outs = {}
-    for backend, blocked in (("cpu", False), ("reference", False), ("reference", True)):
+    for backend, blocked in (("cpu", False), ("reference", False), ("reference", True),
+                             ("pallas_gpu", False)):  # the GPU kernel in interpret mode
         outs[backend, blocked], kv = _attend(case, backend, blocked=blocked, window=6)
         np.testing.assert_allclose(outs[backend, blocked], want, rtol=TOL, atol=TOL)
         assert kv.quantized and kv.k.dtype == jnp.int8 and kv.k_scale.dtype == jnp.float32
@@ -196,11 +199,10 @@ def test_attend_on_every_backend_layout():
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_pallas_backends_refuse_an_int8_cache():
+def test_pallas_tpu_refuses_an_int8_cache():
     case = Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=21)
-    for backend in ("pallas_gpu", "pallas_tpu"):
-        with pytest.raises(ValueError, match="'reference' and 'cpu' attention backends"):
-            _attend(case, backend)
+    with pytest.raises(ValueError, match="'cpu' and 'pallas_gpu' attention backends"):
+        _attend(case, "pallas_tpu")
 
 
 def test_reference_int8_write_touches_only_its_rows():
@@ -245,3 +247,24 @@ def test_cache_layout_pool_size_and_dtype_choice():
     assert resolve_kv_cache_dtype("auto", "bfloat16") == "bfloat16"  # int8 is opt-in
     with pytest.raises(ValueError, match="int8"):
         resolve_kv_cache_dtype("int4", "float32")
+
+
+def test_pallas_gpu_int8_kernel_lowers_for_cuda():
+    """The int8 read (scales gathered with their pages) lowers to Triton without a GPU; its
+    numbers are the interpret-mode run in `test_attend_on_every_backend_layout`."""
+    from jengine.pallas_kernels import ragged_paged_attention_gpu
+
+    shape = (2, 3, 32, 16, 64)  # SmolLM2's kv heads and head dim, pages of 16
+    cache = jax.ShapeDtypeStruct(shape, jnp.int8)
+    scale = jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+
+    def fn(q, k, v, ks, vs, layer, token_seq, positions, page_table):
+        return ragged_paged_attention_gpu(q, k, v, layer, token_seq, positions, page_table,
+                                          sm_scale=0.125, k_scale=ks, v_scale=vs)
+
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(
+        jax.ShapeDtypeStruct((16, 9, 64), jnp.bfloat16), cache, cache, scale, scale, i32(()),
+        i32((16,)), i32((16,)), i32((4, 8)))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()

@@ -15,6 +15,10 @@ block leaves few programs: batch x kv heads); prefill wants 1.
 Query rows are padded to at least 16 (zero heads) so that decode tiles use `tl.dot` as well
 (decode is bound by reading K/V, not by the wasted rows); only a page tile or head dim below 16
 falls back to broadcast-multiply-sum. K/V writing stays `reference.write_kv`.
+
+An int8 cache (`kv_quant`: one f32 scale per token and kv head) is read with its scales: each
+gathered tile is dequantized (`int8 * scale`, in float32) before its dots, so the kernel computes
+what the reference computes on the same cache; it halves the bytes a decode reads against bf16.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def ragged_paged_attention_gpu(
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     kv_head_map=None,  # [H] tuple or int32 array, or None
-    k_scale: jax.Array | None = None,  # an int8 cache's scales: not read here (ValueError)
+    k_scale: jax.Array | None = None,  # an int8 cache's scales [L, K, P, O, 1] (`kv_quant`)
     v_scale: jax.Array | None = None,
     block_q: int | None = None,  # default: `block_layout.default_block_q`
     num_kv_splits: int | None = None,  # default: decode blocks split long contexts up to 8 ways
@@ -54,7 +58,6 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D]
     """Causal GQA attention of each query token over its sequence's pages (GPU kernel)."""
-    qb.require_float_cache("pallas_gpu", k_cache, k_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size = k_cache.shape[1:4]
     num_seqs, max_pages = page_table.shape
@@ -73,11 +76,18 @@ def ragged_paged_attention_gpu(
     queries = qb.gather_queries(q, blocks, group, group_pad)  # [NB, NG, R, D]
     row_pos = qb.row_positions(blocks, group_pad)  # [NB, R] (padded heads: harmless rows)
     num_blocks, num_groups, rows, _ = queries.shape
+    quantized = k_scale is not None
+    if quantized != (k_cache.dtype == jnp.int8):
+        raise ValueError("pallas_gpu: an int8 cache needs its k_scale / v_scale, a float one none")
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, soft_cap=soft_cap, page_size=page_size,
         max_pages=max_pages, num_splits=num_kv_splits, pages_per_step=pages_per_step,
+        quantized=quantized,
     )
     whole = pl.BlockSpec()  # the whole array, indexed in place by the kernel
+    # The scales without their trailing axis of 1 ([L, K, P, O]: a free reshape), gathered with
+    # the pages they belong to; a float cache passes none.
+    scales = [s.reshape(s.shape[:-1]) for s in (k_scale, v_scale)] if quantized else []
     grid = (num_blocks, num_groups, num_kv_splits)
     part = (num_blocks, num_groups, num_kv_splits, rows)
     acc, m, l = pl.pallas_call(
@@ -87,7 +97,7 @@ def ragged_paged_attention_gpu(
             whole, whole, whole, whole, whole, whole, whole,
             pl.BlockSpec((None, None, rows, head_dim), lambda n, g, s: (n, g, 0, 0)),
             pl.BlockSpec((None, rows), lambda n, g, s: (n, 0)),
-            whole, whole,
+            whole, whole, *(whole for _ in scales),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda n, g, s: (n, g, s, 0, 0)),
@@ -104,7 +114,7 @@ def ragged_paged_attention_gpu(
     )(
         jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.reshape(window, (1,)),
         blocks.seq, blocks.kv_lo, blocks.kv_hi, head_kv, page_table.reshape(-1),
-        queries, row_pos, k_cache, v_cache,
+        queries, row_pos, k_cache, v_cache, *scales,
     )
     out = merge_splits(acc, m, l).astype(q.dtype)  # [NB, NG, R, D]
     return qb.scatter_outputs(out, blocks, num_tokens, group)
@@ -122,10 +132,12 @@ def merge_splits(acc, m, l):
 
 def _kernel(
     layer_ref, window_ref, seq_ref, lo_ref, hi_ref, head_kv_ref, pages_ref,
-    q_ref, pos_ref, k_ref, v_ref,  # [R, D], [R], caches [L, K, P, O, D]
-    acc_ref, m_ref, l_ref,  # [R, D], [R], [R]
-    *, sm_scale, soft_cap, page_size, max_pages, num_splits, pages_per_step,
+    q_ref, pos_ref, k_ref, v_ref, *refs,  # [R, D], [R], caches [L, K, P, O, D], (scales)
+    sm_scale, soft_cap, page_size, max_pages, num_splits, pages_per_step, quantized,
 ):
+    # refs: an int8 cache's scales [L, K, P, O], then the outputs [R, D], [R], [R].
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    acc_ref, m_ref, l_ref = refs[2:] if quantized else refs
     n, g, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, kv_head, layer, window = seq_ref[n], head_kv_ref[g], layer_ref[0], window_ref[0]
     first_page = lo_ref[n] // page_size
@@ -148,6 +160,11 @@ def _kernel(
         pages = pages_ref[seq * max_pages + index]  # [C] gathered from the flat page table
         k = k_ref[layer, kv_head, pages].reshape(keys, head_dim)  # [C*O, D] gathered pages
         v = v_ref[layer, kv_head, pages].reshape(keys, head_dim)
+        if quantized:  # int8 rows times their scales, in the queries' dtype for the dots
+            k_rows = ks_ref[layer, kv_head, pages].reshape(keys, 1)
+            v_rows = vs_ref[layer, kv_head, pages].reshape(keys, 1)
+            k = (k.astype(jnp.float32) * k_rows).astype(q.dtype)
+            v = (v.astype(jnp.float32) * v_rows).astype(q.dtype)
         if use_dot:
             s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact).astype(jnp.float32)
         else:
