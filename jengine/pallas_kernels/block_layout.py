@@ -22,14 +22,6 @@ import jax.numpy as jnp
 NO_WINDOW = jnp.iinfo(jnp.int32).max
 
 
-def require_float_cache(backend: str, k_cache: jax.Array, k_scale: jax.Array | None) -> None:
-    """A kernel that reads f32 / bf16 pages only (the TPU one): an int8 cache is a `ValueError`
-    naming the backends that read it."""
-    if k_scale is not None or k_cache.dtype == jnp.int8:
-        raise ValueError(f"an int8 KV cache runs on the 'reference', 'cpu' and 'pallas_gpu' "
-                         f"attention backends, not {backend!r}")
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QueryBlocks:

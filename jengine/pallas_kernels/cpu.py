@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.pallas_kernels.kv_quant import check_cache
 from jengine.pallas_kernels.native_library import load_native, missing
 
 _ATTENTION_TARGET = "jengine_paged_attention"
@@ -108,8 +109,7 @@ def ragged_paged_attention_cpu(
     if kv_head_map is None:
         kv_head_map = np.arange(num_heads, dtype=np.int32) // (num_heads // num_kv_heads)
     window = jnp.iinfo(jnp.int32).max if sliding_window is None else sliding_window
-    if (k_scale is None) != (k_cache.dtype != jnp.int8):
-        raise ValueError("an int8 KV cache needs its scales (k_scale, v_scale), a float one none")
+    check_cache("cpu", k_cache, k_scale)
     no_scales = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(ffi_target or _ATTENTION_TARGET,
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jengine.pallas_kernels import block_layout as qb
+from jengine.pallas_kernels.kv_quant import check_cache
 
 MASKED = -1e30
 
@@ -76,9 +77,8 @@ def ragged_paged_attention_gpu(
     queries = qb.gather_queries(q, blocks, group, group_pad)  # [NB, NG, R, D]
     row_pos = qb.row_positions(blocks, group_pad)  # [NB, R] (padded heads: harmless rows)
     num_blocks, num_groups, rows, _ = queries.shape
+    check_cache("pallas_gpu", k_cache, k_scale)
     quantized = k_scale is not None
-    if quantized != (k_cache.dtype == jnp.int8):
-        raise ValueError("pallas_gpu: an int8 cache needs its k_scale / v_scale, a float one none")
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, soft_cap=soft_cap, page_size=page_size,
         max_pages=max_pages, num_splits=num_kv_splits, pages_per_step=pages_per_step,

@@ -30,6 +30,23 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
+def check_cache(backend: str, k_cache: jax.Array, k_scale: jax.Array | None, *,
+                reads_int8: bool = True) -> None:
+    """A kernel's check of the cache it is given: an int8 cache comes with its scales and a
+    float one without; `reads_int8=False` (the TPU kernel) refuses an int8 cache, naming the
+    backends that read one.
+
+    Raises:
+      ValueError: either mismatch."""
+    int8 = k_cache.dtype == KV_INT8
+    if int8 and not reads_int8:
+        raise ValueError(f"an int8 KV cache runs on the 'reference', 'cpu' and 'pallas_gpu' "
+                         f"attention backends, not {backend!r}")
+    if int8 != (k_scale is not None):
+        raise ValueError(f"{backend}: an int8 KV cache needs its scales (k_scale, v_scale), a "
+                         "float one none")
+
+
 def gather_rows(cache: jax.Array, scale: jax.Array | None,
                 take: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """`take(cache)` (a gather of rows [..., D]), dequantized to f32 with `take(scale)` [..., 1]

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jengine.pallas_kernels import block_layout as qb
+from jengine.pallas_kernels.kv_quant import check_cache
 
 MASKED = -1e30  # finite, so a fully masked row gives exp(MASKED - MASKED) = 1 -> masked to 0
 
@@ -51,7 +52,7 @@ def ragged_paged_attention_tpu(
     interpret=False,  # False, or pltpu.InterpretParams() for TPU emulation on CPU
 ) -> jax.Array:  # [T, H, D]
     """Causal GQA attention of each query token over its sequence's pages (TPU kernel)."""
-    qb.require_float_cache("pallas_tpu", k_cache, k_scale)
+    check_cache("pallas_tpu", k_cache, k_scale, reads_int8=False)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size = k_cache.shape[1:4]
     num_seqs, max_pages = page_table.shape

@@ -71,8 +71,8 @@ void Run(ffi::ThreadPool& pool, int32_t isa, bool transpose_w, int32_t max_threa
 #endif
   const int64_t threads = KernelThreads(pool, max_threads);
   if (!transpose_w && R <= stream_rows && threads > 1 && K >= 64 * threads) {
-    // Streamed rows (one to four): each thread streams a contiguous run of whole weight rows (a k range)
-    // into its own partial sums, added at the end. Splitting the columns instead gives every
+    // Streamed rows (one to four): each thread streams a contiguous run of whole weight rows
+    // (a k range) into its own partial sums, added at the end. Splitting the columns instead gives every
     // thread short strided runs of each row (96 floats of a 192-wide weight on two threads),
     // which the hardware prefetchers stream worse.
     const int64_t parts = threads;

@@ -5,11 +5,13 @@
 // template parameter: float, Bf16 (bfloat16 bits) or int8_t (a per-channel int8 weight whose
 // scale the caller applies to y); LoadW widens a vector of W to float32 in registers, so a
 // narrower weight is fewer bytes streamed from memory at the same arithmetic.
-// Up to kStreamRows rows stream w (StreamRows: 4 with AVX-512's 32 registers, else 2). Beyond, a thread's columns are taken a k-block (~64 KiB) at a time; each tile of kTile columns (two vectors) keeps its R x kTile sums in registers
-// while k runs over the block, so each weight is loaded once per group of up to kMaxRows rows
-// and broadcast-multiplied into every row of the group. While a block is computed, the next
-// one is prefetched into L2 row by row (contiguous runs, which the memory system streams well;
-// the tiles' own column-strided loads would not). Rows beyond kMaxRows form further groups of
+// Up to kStreamRows rows stream w (StreamRows: 4 with AVX-512's 32 registers, else 2).
+// Beyond, a thread's columns are taken a k-block (~64 KiB) at a time; each tile of kTile
+// columns (two vectors) keeps its R x kTile sums in registers while k runs over the block,
+// so each weight is loaded once per group of up to kMaxRows rows and broadcast-multiplied into
+// every row of the group. While a block is computed, the next one is prefetched into L2 row by
+// row (contiguous runs, which the memory system streams well; the tiles' own column-strided
+// loads would not). Rows beyond kMaxRows form further groups of
 // near-equal size (they re-read the block from L2, not memory).
 
 #if JE_SIMD == 2
@@ -159,8 +161,8 @@ int64_t Lines(const Block& b) {
 }
 
 // y[0:RB, 0:width] = x[0:RB, :] @ w[:, 0:width] (width a multiple of kLanes) for up to
-// kStreamRows rows, where the step is memory-bound and register tiles gain nothing: four weight rows at a
-// time stream contiguously through the whole width (the hardware prefetchers' best case; it
+// kStreamRows rows, where the step is memory-bound and register tiles gain nothing: four
+// weight rows at a time stream contiguously through the whole width (the hardware prefetchers' best case; it
 // ran 1.3-1.4x faster than the tiles at 1-2 rows), the sums staying in y (L1).
 template <int RB, typename W>
 void StreamRows(const float* x, int64_t K, const W* w, int64_t N, int64_t width, float* y) {
