@@ -165,6 +165,7 @@ MATMUL_BACKENDS = ("auto", "xla", "native")
 NATIVE_ROWS = (1, 32)
 NT_NATIVE_ROWS = (2, 32)
 NARROW_NATIVE_ROWS = (1, 64)
+INT8_NATIVE_ROWS = 128  # from this many rows an `int8` projection runs the native W8A8 kernel
 
 
 def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
@@ -206,6 +207,28 @@ def _native_operand(x: jax.Array, w: Weight, form: str
     return (operand, scale) if lo <= x.shape[0] <= hi else None
 
 
+def _native_int8(x: jax.Array, w: Weight, form: str) -> bool:
+    """Whether the native W8A8 kernel (cpu_matmul.int8_matmul) takes this `int8` product: a
+    projection (`kn`) of at least INT8_NATIVE_ROWS rows on a VNNI CPU.
+
+    Alone, with the weights streamed from DRAM, the kernel ran 1.0-1.8x XLA's int8 dot at 1 to
+    64 rows (scripts/int8_matmul_bench.py); inside a decode step it lost (1.5x slower steps at
+    1 and 8 rows, 1.03x at 64): each call hands half its work to a pool thread, while XLA runs
+    its single-threaded small dots side by side (q/k/v, gate/up) with no handoff. Prefill
+    chunks gain (0.89-0.97x the step). The tied output head (`nk`) stays on XLA: packing
+    w^T costs more than the kernel saves there."""
+    return (isinstance(w, QArray) and w.mode == "int8" and form == "kn" and x.ndim == 2
+            and x.shape[0] >= INT8_NATIVE_ROWS and cpu_matmul.int8_isa() == "avx512_vnni")
+
+
+def _int8_dot(x: jax.Array, w: QArray) -> jax.Array:
+    """`quant.einsum` of an `int8` projection by the native kernel: the same per-row quantized
+    x, int32 sums and rescale, so the same floats."""
+    xq, sx = quant.quantize_rows(x)
+    y = cpu_matmul.int8_matmul(xq, sx, w.q.reshape(w.q.shape[0], -1), w.scale)
+    return y.reshape(x.shape[0], *w.q.shape[1:])
+
+
 def _native_form(eq: str) -> str | None:
     """How the native kernel takes `eq` for a 2-D x [R, K]: "kn" (w's leading axis contracted,
     `te,ehd->thd`), "nk" (w [N, K]'s last, `te,ve->tv`: a tied embedding as the output head),
@@ -230,6 +253,8 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
         w.seen(x)
         w = w.w
     form = _native_form(eq) if backend == "native" else None
+    if form is not None and _native_int8(x, w, form):
+        return _int8_dot(x, w)
     native = _native_operand(x, w, form) if form is not None else None
     if native is not None:
         operand, scale = native

@@ -28,7 +28,11 @@ ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # instruction set of 
 
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
-_LIB, _LOAD_ERROR = load_native("_cpu_matmul", {_TARGET: "JengineSmallMatmul"})
+_INT8_TARGET = "jengine_int8_matmul"
+INT8_ISAS = {"auto": 0, "portable": 1, "avx512_vnni": 4}  # instruction set of the int8 kernel
+
+_LIB, _LOAD_ERROR = load_native("_cpu_matmul", {_TARGET: "JengineSmallMatmul",
+                                                _INT8_TARGET: "JengineInt8Matmul"})
 
 
 def available() -> bool:
@@ -71,4 +75,38 @@ def small_matmul(
     n = w.shape[0] if transpose_w else w.shape[1]
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, w, isa=np.int32(ISAS[isa]), transpose_w=np.int32(transpose_w),
+                max_threads=np.int32(max_threads))
+
+
+def int8_isa() -> str:
+    """The instruction set the W8A8 kernel runs here with `isa="auto"`: `avx512_vnni`, or
+    `portable` (exact but slow; the engine keeps XLA's int8 dot then)."""
+    require()
+    return {v: k for k, v in INT8_ISAS.items()}[_LIB.JengineInt8MatmulIsa(0)]
+
+
+def int8_matmul(
+    xq: jax.Array,  # [R, K] int8: per-row quantized activations
+    sx: jax.Array,  # [R, 1] float32 row scales
+    w: jax.Array,  # [K, N] int8; [N, K] with transpose_w (K divisible by 4 then)
+    sw: jax.Array,  # N float32 channel scales (any shape of N elements)
+    *,
+    transpose_w: bool = False,
+    isa: str = "auto",
+    max_threads: int = 0,
+) -> jax.Array:  # [R, N] float32
+    """`float(xq @ w) * sx * sw` (int32 sums, rescaled in that order) by the native VNNI kernel
+    (`csrc/int8_matmul.cc`): equal to `jengine.models.quant`'s XLA int8 dot bit for bit."""
+    require()
+    if (xq.dtype != jnp.int8 or w.dtype != jnp.int8 or xq.ndim != 2 or w.ndim != 2
+            or sx.size != xq.shape[0]):
+        raise ValueError(f"int8_matmul takes 2-D int8 xq and w and one scale per row, got "
+                         f"{xq.dtype}{xq.shape}, {w.dtype}{w.shape}, scales {sx.shape}")
+    n = w.shape[0] if transpose_w else w.shape[1]
+    if sw.size != n or (transpose_w and xq.shape[1] % 4):
+        raise ValueError(f"int8_matmul: {sw.size} channel scales for {n} columns"
+                         + (", K not divisible by 4" if transpose_w else ""))
+    call = jax.ffi.ffi_call(_INT8_TARGET, jax.ShapeDtypeStruct((xq.shape[0], n), jnp.float32))
+    return call(xq, sx.astype(jnp.float32), w, sw.astype(jnp.float32),
+                isa=np.int32(INT8_ISAS[isa]), transpose_w=np.int32(transpose_w),
                 max_threads=np.int32(max_threads))

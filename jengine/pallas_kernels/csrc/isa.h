@@ -6,12 +6,20 @@
 
 #include <cstdint>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define JE_X86 1
+#endif
+
+// Only the symbols marked so leave a library (each is built with -fvisibility=hidden).
+#define JE_EXPORT extern "C" __attribute__((visibility("default")))
+
 namespace jengine {
 
 enum Isa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
 
 inline bool Supports(int32_t isa) {
-#if defined(__x86_64__) || defined(__i386__)
+#if JE_X86
   if (isa == kAvx512) return __builtin_cpu_supports("avx512f");
   if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif

@@ -25,11 +25,6 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define JE_X86 1
-#endif
-
 #include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -391,8 +386,6 @@ ffi::Error KvWrite(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> layer,
 }  // namespace
 }  // namespace jengine
 
-// Only these symbols leave the library (built with -fvisibility=hidden).
-#define JE_EXPORT extern "C" __attribute__((visibility("default")))
 JE_EXPORT XLA_FFI_Error* JenginePagedAttention(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT XLA_FFI_Error* JengineKvWrite(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT int JengineAttentionIsa(int isa);

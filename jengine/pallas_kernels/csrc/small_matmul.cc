@@ -15,11 +15,6 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define JE_X86 1
-#endif
-
 #include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -147,8 +142,6 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 }  // namespace
 }  // namespace jengine
 
-// Only these symbols leave the library (built with -fvisibility=hidden).
-#define JE_EXPORT extern "C" __attribute__((visibility("default")))
 JE_EXPORT XLA_FFI_Error* JengineSmallMatmul(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT int JengineMatmulIsa(int isa);
 
