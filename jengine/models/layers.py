@@ -211,10 +211,11 @@ def _native_int8(x: jax.Array, w: Weight, form: str) -> bool:
     """Whether the native W8A8 kernel (cpu_matmul.int8_matmul) takes this `int8` product: a
     projection (`kn`) of at least INT8_NATIVE_ROWS rows on a VNNI CPU.
 
-    Alone, with the weights streamed from DRAM, the kernel ran 1.0-1.8x XLA's int8 dot at 1 to
-    64 rows (scripts/int8_matmul_bench.py); inside a decode step it lost (1.5x slower steps at
-    1 and 8 rows, 1.03x at 64): each call hands half its work to a pool thread, while XLA runs
-    its single-threaded small dots side by side (q/k/v, gate/up) with no handoff. Prefill
+    Alone, with the weights streamed from DRAM, the kernel was 1.0-1.8x as fast as XLA's int8
+    dot at 1 to 64 rows (scripts/int8_matmul_bench.py); inside a decode step it lost (steps
+    1.4-1.8x as long at 1 and 8 rows, 1.03-1.24x at 64): each call hands half its work to a
+    pool thread, while XLA runs its single-threaded small dots side by side (q/k/v, gate/up)
+    with no handoff. Prefill
     chunks gain (0.89-0.97x the step). The tied output head (`nk`) stays on XLA: packing
     w^T costs more than the kernel saves there."""
     return (isinstance(w, QArray) and w.mode == "int8" and form == "kn" and x.ndim == 2

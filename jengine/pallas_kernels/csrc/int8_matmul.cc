@@ -4,10 +4,12 @@
 // int8 operands, exact int32 sums, and the f32 rescale in the order jengine.models.quant applies
 // it, so the result equals XLA's int8 dot bit for bit.
 //
-// XLA:CPU reaches ~250-450 GOP/s with its int8 dots on a 2-core AVX-512 VNNI machine, a third
-// of what VPDPBUSD allows. This kernel runs VPDPBUSD directly: it multiplies unsigned bytes by
-// signed ones, so x is shifted to u8 (x + 128, a bit flip) and 128 * (column sum of w) is taken
-// off again; the column sums come from the same instruction run on a vector of 128s.
+// XLA:CPU's int8 dots already reach 300-600 GOP/s on large hot shapes of a 2-core Zen 5, near
+// VPDPBUSD's ~1 zmm instruction per cycle per core there, so the kernel gains little on hot
+// weights and more on weights streamed from DRAM (docs/kernels.md). It runs VPDPBUSD directly:
+// it multiplies unsigned bytes by signed ones, so x is shifted to u8 (x + 128, a bit flip) and
+// 128 * (column sum of w) is taken off again; the column sums come from the same instruction
+// run on a vector of 128s.
 // VPDPBUSD sums 4 consecutive k per 32-bit lane, so each block of 64 output columns is first
 // packed into [K/4][64 columns][4 k] bytes (byte/word unpacks of four weight rows; a 16 x 16
 // dword transpose for w^T), kept in L1/L2 while every row tile of 6 x 64 sums runs over it.
