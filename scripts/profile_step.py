@@ -20,6 +20,7 @@ parts are shares of the summed thunk time.
 
     python scripts/profile_step.py [--seqs 64] [--context 256] [--steps 5] [--trace-dir DIR]
                                    [--kv-cache-dtype auto|float32|bfloat16|int8]
+                                   [--set quantization=int8 ...]
 """
 
 from __future__ import annotations
@@ -92,10 +93,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto",
                     choices=["auto", "float32", "bfloat16", "int8"])
     ap.add_argument("--trace-dir")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another engine setting, e.g. quantization=int8 (step_ab.py's parsing)")
     ap.add_argument("--min-bucket", type=int, default=1,
                     help="pad to at least this many tokens (8: the pre-2026-12-01 CPU default)")
     args = ap.parse_args()
 
+    from step_ab import _value
     from step_batch import synthetic_batch
 
     from jengine.config import load_config
@@ -106,7 +110,9 @@ def main() -> None:
     small = tuple(b for b in (1, 8) if b >= args.min_bucket)
     core = EngineCore(load_config(args.config, token_buckets=(*small, 64, 512),
                                   seq_buckets=(*small, 64),
-                                  page_buckets=(16, 128), kv_cache_dtype=args.kv_cache_dtype),
+                                  page_buckets=(16, 128), kv_cache_dtype=args.kv_cache_dtype,
+                                  **{k: _value(v) for k, v in
+                                     (item.split("=", 1) for item in args.set)}),
                       progress=False)
     runner = core.runner
     if args.prefill:

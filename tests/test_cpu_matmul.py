@@ -115,7 +115,26 @@ def test_zero_rows_and_bad_operands():
         cpu_matmul.small_matmul(jnp.ones((2, 4), jnp.float32), w.astype(jnp.float16))
 
 
-def test_dot_routes_only_the_shapes_it_fits():
+def _narrow_limit(weight, x_dtype) -> int:
+    """The most rows the kernel takes for a bf16 or w8a16 weight: fewer with bf16 activations
+    on an AMX-BF16 CPU, where XLA's bf16 dot runs on the tiles."""
+    if x_dtype == jnp.bfloat16 and "amx_bf16" in cpu_matmul.cpu_flags():
+        rows = (layers.AMX_BF16_NATIVE_ROWS if weight.dtype == jnp.bfloat16
+                else layers.AMX_INT8_WEIGHT_NATIVE_ROWS)
+        return rows[1]
+    return layers.NARROW_NATIVE_ROWS[1]
+
+
+# This CPU's flags, and the routing as it would be with and without AMX (the kernel and XLA's
+# dot both run for real either way; only the choice between them follows the flags).
+CPU_FLAGS = [pytest.param(None, id="this-cpu"), pytest.param({"amx_bf16", "amx_int8"}, id="amx"),
+             pytest.param(set(), id="no-amx")]
+
+
+@pytest.mark.parametrize("flags", CPU_FLAGS)
+def test_dot_routes_only_the_shapes_it_fits(flags, monkeypatch):
+    if flags is not None:
+        monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset(flags))
     """`layers.dot` with `native` runs the kernel for f32 x [R, K] against w's leading axis
     (a 3-D weight through its [K, N] view) at 1..32 rows or a 2-D w's last axis at 2..32, and
     XLA's einsum otherwise."""
@@ -141,7 +160,7 @@ def test_dot_routes_only_the_shapes_it_fits():
     # whose scale applies after the kernel; W8A8 int8 keeps its int8 x int8 dot.
     w16 = w.astype(jnp.bfloat16)
     q = quant.quantize_weight(w, (0,), "w8a16")
-    for rows in (1, 64, 65):
+    for rows in (1, 4, 5, 16, 17, 64, 65):
         for xdt in (jnp.float32, jnp.bfloat16):
             xn = jnp.asarray(rng.standard_normal((rows, 64), np.float32)).astype(xdt)
             for weight, want in ((w16, jnp.einsum("te,ehd->thd", xn.astype(jnp.float32),
@@ -149,7 +168,8 @@ def test_dot_routes_only_the_shapes_it_fits():
                                  (q, quant.einsum("te,ehd->thd", xn, q))):
                 text = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native")).lower(
                     xn, weight).as_text()
-                assert ("jengine_small_matmul" in text) == (rows <= 64), (rows, xdt)
+                assert ("jengine_small_matmul" in text) == (rows <= _narrow_limit(
+                    weight, xdt)), (rows, xdt)
                 np.testing.assert_allclose(layers.dot("te,ehd->thd", xn, weight, "native"),
                                            want, rtol=1e-4, atol=1e-4)
     text = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native")).lower(

@@ -162,9 +162,17 @@ MATMUL_BACKENDS = ("auto", "xla", "native")
 # A bf16 or int8 (w8a16) weight is 2x / 4x fewer bytes for the kernel, while XLA:CPU converts
 # it to f32 on every call (10x its f32 dot at one row), so the kernel takes those from one row
 # up to NARROW_NATIVE_ROWS[1].
+# On a CPU with AMX-BF16, XLA:CPU runs a bf16 x bf16 -> f32 dot on the tiles (2-4.5x its f32
+# rate, measured 2026-12-03 on a Xeon), so with bf16 activations the kernel keeps only what it
+# still streams faster: a bf16 weight up to AMX_BF16_NATIVE_ROWS[1] rows (alone XLA took
+# 0.3x the kernel's time at 64 rows, 0.13x for the tied head, 0.6-1.0x at 8, yet the 8-row
+# step ran 12% faster on the kernel), an int8 (w8a16) one up to AMX_INT8_WEIGHT_NATIVE_ROWS[1]
+# (XLA 0.5x at 64, 1.7-1.8x at 8).
 NATIVE_ROWS = (1, 32)
 NT_NATIVE_ROWS = (2, 32)
 NARROW_NATIVE_ROWS = (1, 64)
+AMX_BF16_NATIVE_ROWS = (1, 8)
+AMX_INT8_WEIGHT_NATIVE_ROWS = (1, 16)
 INT8_NATIVE_ROWS = 128  # from this many rows an `int8` projection runs the native W8A8 kernel
 
 
@@ -202,6 +210,9 @@ def _native_operand(x: jax.Array, w: Weight, form: str
         lo, hi = NT_NATIVE_ROWS if form == "nk" else NATIVE_ROWS
     elif operand.dtype in (jnp.bfloat16, jnp.int8):
         lo, hi = NARROW_NATIVE_ROWS
+        if x.dtype == jnp.bfloat16 and "amx_bf16" in cpu_matmul.cpu_flags():
+            lo, hi = AMX_BF16_NATIVE_ROWS if operand.dtype == jnp.bfloat16 \
+                else AMX_INT8_WEIGHT_NATIVE_ROWS
     else:
         return None
     return (operand, scale) if lo <= x.shape[0] <= hi else None
@@ -209,7 +220,9 @@ def _native_operand(x: jax.Array, w: Weight, form: str
 
 def _native_int8(x: jax.Array, w: Weight, form: str) -> bool:
     """Whether the native W8A8 kernel (cpu_matmul.int8_matmul) takes this `int8` product: a
-    projection (`kn`) of at least INT8_NATIVE_ROWS rows on a VNNI CPU.
+    projection (`kn`) of at least INT8_NATIVE_ROWS rows on a VNNI CPU without AMX-INT8 (where
+    XLA's int8 dot runs on the tiles at 1.4-2.1 TOP/s on two cores, 2-3x the kernel's rate:
+    docs/kernels.md).
 
     Alone, with the weights streamed from DRAM, the kernel was 1.0-1.8x as fast as XLA's int8
     dot at 1 to 64 rows (scripts/int8_matmul_bench.py); inside a decode step it lost (steps
@@ -219,7 +232,8 @@ def _native_int8(x: jax.Array, w: Weight, form: str) -> bool:
     chunks gain (0.89-0.97x the step). The tied output head (`nk`) stays on XLA: packing
     w^T costs more than the kernel saves there."""
     return (isinstance(w, QArray) and w.mode == "int8" and form == "kn" and x.ndim == 2
-            and x.shape[0] >= INT8_NATIVE_ROWS and cpu_matmul.int8_isa() == "avx512_vnni")
+            and x.shape[0] >= INT8_NATIVE_ROWS and cpu_matmul.int8_isa() == "avx512_vnni"
+            and "amx_int8" not in cpu_matmul.cpu_flags())
 
 
 def _int8_dot(x: jax.Array, w: QArray) -> jax.Array:
