@@ -6,7 +6,7 @@ HF: one forward of the same ids (`logits_to_keep=1`, what a first token needs) f
 `--hf-dtypes`, torch on the same number of threads as XLA's pool. The cases alternate for
 `--reps` rounds (a shared machine's load drifts); medians.
 
-    python -P scripts/ttft_vs_hf.py --hf-dir DIR [--tokens 1500 --reps 3]
+    python -P scripts/ttft_vs_hf.py --hf-dir DIR [--tokens 1500 --reps 3] [--dtypes auto bfloat16]
 
 DIR is the default model as an HF directory (FACTS.md says how to export one from the GGUF).
 """
@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--config", default="cpu")
     ap.add_argument("--hf-dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--dtypes", nargs="+", default=["auto"],
+                    help="jengine's model dtypes, each its own engine (e.g. auto bfloat16)")
     args = ap.parse_args()
 
     import numpy as np
@@ -35,26 +37,31 @@ def main() -> None:
     from jengine import Engine, SamplingParams
 
     torch.set_num_threads(os.cpu_count() or 1)
-    engine = Engine(config=args.config, progress=False)
     rng = np.random.default_rng(0)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    engine.generate([rng.integers(100, 40000, args.tokens).tolist()], one)  # compiles
+    engines = {}
+    for dt in args.dtypes:
+        engines[dt] = Engine(config=args.config, dtype=dt, progress=False)
+        engines[dt].generate([rng.integers(100, 40000, args.tokens).tolist()], one)  # compiles
     models = {dt: transformers.AutoModelForCausalLM.from_pretrained(
         args.hf_dir, dtype=getattr(torch, dt)) for dt in args.hf_dtypes}
-    times: dict[str, list[float]] = {"jengine": [], **{f"hf {dt}": [] for dt in models}}
+    names = {dt: "jengine" if dt == "auto" else f"jengine {dt}" for dt in engines}
+    times: dict[str, list[float]] = {**{names[dt]: [] for dt in engines},
+                                     **{f"hf {dt}": [] for dt in models}}
     for _ in range(args.reps):
         ids = rng.integers(100, 40000, args.tokens).tolist()  # new ids: no prefix-cache hit
-        start = time.perf_counter()
-        engine.generate([ids], one)
-        times["jengine"].append(time.perf_counter() - start)
+        for dt, engine in engines.items():
+            start = time.perf_counter()
+            engine.generate([ids], one)
+            times[names[dt]].append(time.perf_counter() - start)
         for dt, model in models.items():
             with torch.no_grad():
                 start = time.perf_counter()
                 model(torch.tensor([ids]), logits_to_keep=1)
                 times[f"hf {dt}"].append(time.perf_counter() - start)
-    base = statistics.median(times["jengine"])
+    base = statistics.median(times[names[args.dtypes[0]]])
     print(f"one {args.tokens}-token prompt to its first token, medians of {args.reps}")
-    print("| | seconds | vs jengine |")
+    print(f"| | seconds | vs {names[args.dtypes[0]]} |")
     print("|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
