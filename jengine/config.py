@@ -19,7 +19,7 @@ CONFIG_DIR = Path(_configs.__file__).resolve().parent
 class ModelSection:
     # A path, GGUF file, converted checkpoint or cached hub id; None = the bundled SmolLM2.
     model: str | None = None
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU/TPU
+    dtype: str = "auto"  # auto = bfloat16 on GPU/TPU and AMX-BF16 CPUs, else float32
     max_model_len: int | None = None  # None = min(model context, 2048)
     attention_backend: str = "auto"
     # How layer weights sit in memory: auto = unstacked on CPU (read in place), stacked (one

@@ -134,6 +134,22 @@ def test_int8_kv_cache_cpu_matches_reference(tiny):
     assert same >= 0.5 * sum(len(e) for e in expected), (got, expected)
 
 
+@pytest.mark.parametrize("flags, want", [({"avx512f", "amx_bf16"}, "bfloat16"),
+                                         ({"avx512f", "avx512_bf16"}, "float32"),
+                                         (set(), "float32")])
+def test_auto_dtype_on_cpu_is_bf16_only_with_amx_bf16(flags, want, monkeypatch):
+    """`dtype: auto` on CPU follows what XLA:CPU's dots run fastest: bf16 where the CPU has the
+    AMX-BF16 tiles, f32 elsewhere; a named dtype is taken as given, anything else refused."""
+    from jengine.core.build import resolve_dtype
+    from jengine.pallas_kernels import cpu_matmul
+
+    monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset(flags))
+    assert resolve_dtype("auto") == want
+    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("int4")
+
+
 def test_kv_cache_dtype_from_config_and_errors(tmp_path):
     from jengine.config import load_config
     from jengine.core.engine_core import resolve_kv_cache_dtype
