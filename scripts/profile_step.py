@@ -99,7 +99,7 @@ def main() -> None:
                     help="pad to at least this many tokens (8: the pre-2026-12-01 CPU default)")
     args = ap.parse_args()
 
-    from step_ab import _value
+    from step_ab import settings
     from step_batch import synthetic_batch
 
     from jengine.config import load_config
@@ -111,8 +111,7 @@ def main() -> None:
     core = EngineCore(load_config(args.config, token_buckets=(*small, 64, 512),
                                   seq_buckets=(*small, 64),
                                   page_buckets=(16, 128), kv_cache_dtype=args.kv_cache_dtype,
-                                  **{k: _value(v) for k, v in
-                                     (item.split("=", 1) for item in args.set)}),
+                                  **settings(args.set)),
                       progress=False)
     runner = core.runner
     if args.prefill:

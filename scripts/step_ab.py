@@ -80,6 +80,11 @@ def _value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+def settings(items: list[str]) -> dict:
+    """`--set KEY=VALUE` items as `load_config` keywords (true / false as booleans)."""
+    return {k: _value(v) for k, v in (item.split("=", 1) for item in items)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--key", required=True, help="the setting to compare, e.g. matmul_backend")
@@ -93,7 +98,7 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     common = {"attention_backend": "cpu"}
-    common.update({k: _value(v) for k, v in (item.split("=", 1) for item in args.set)})
+    common.update(settings(args.set))
     sides = {value: {**common, args.key: _value(value)} for value in args.values}
     if args.child:
         print(json.dumps(_compile(sides[args.child])))

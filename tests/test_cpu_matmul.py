@@ -13,7 +13,7 @@ import pytest
 import yaml
 from test_sharding import _tiny_llama
 
-from jengine import Engine, SamplingParams
+from jengine import Engine, SamplingParams, cpu_info
 from jengine.models import layers, quant
 from jengine.pallas_kernels import cpu_matmul
 
@@ -118,7 +118,7 @@ def test_zero_rows_and_bad_operands():
 def _narrow_limit(weight, x_dtype) -> int:
     """The most rows the kernel takes for a bf16 or w8a16 weight: fewer with bf16 activations
     on an AMX-BF16 CPU, where XLA's bf16 dot runs on the tiles."""
-    if x_dtype == jnp.bfloat16 and "amx_bf16" in cpu_matmul.cpu_flags():
+    if x_dtype == jnp.bfloat16 and "amx_bf16" in cpu_info.flags():
         rows = (layers.AMX_BF16_NATIVE_ROWS if weight.dtype == jnp.bfloat16
                 else layers.AMX_INT8_WEIGHT_NATIVE_ROWS)
         return rows[1]
@@ -133,11 +133,11 @@ CPU_FLAGS = [pytest.param(None, id="this-cpu"), pytest.param({"amx_bf16", "amx_i
 
 @pytest.mark.parametrize("flags", CPU_FLAGS)
 def test_dot_routes_only_the_shapes_it_fits(flags, monkeypatch):
-    if flags is not None:
-        monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset(flags))
     """`layers.dot` with `native` runs the kernel for f32 x [R, K] against w's leading axis
     (a 3-D weight through its [K, N] view) at 1..32 rows or a 2-D w's last axis at 2..32, and
     XLA's einsum otherwise."""
+    if flags is not None:
+        monkeypatch.setattr(cpu_info, "flags", lambda: frozenset(flags))
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.standard_normal((64, 4, 8), np.float32))  # wq [E, H, D]
     for rows in (1, 2, 16, 32, 33):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jengine import cpu_info
 from jengine.models import layers, quant
 from jengine.pallas_kernels import cpu_matmul
 
@@ -90,16 +91,15 @@ def test_zero_rows_and_bad_operands():
 def test_dot_routes_int8_prefill_projections_to_the_kernel(amx, monkeypatch):
     """`layers.dot` with `native` sends an `int8` projection of INT8_NATIVE_ROWS rows or more
     to the kernel on a VNNI CPU without AMX-INT8 (XLA's int8 dot below that, and everywhere on
-    other CPUs), with the same floats either way. `amx`: as routed on this CPU with AMX added
-    to its flags (XLA's int8 dot runs on the tiles there)."""
-    if amx:
-        flags = cpu_matmul.cpu_flags() | {"amx_int8"}
-        monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: flags)
+    other CPUs), with the same floats either way. `amx`: as routed on this CPU with AMX-INT8
+    added to its flags (XLA's int8 dot runs on the tiles there), or taken out of them."""
+    flags = cpu_info.flags() | {"amx_int8"} if amx else cpu_info.flags() - {"amx_int8"}
+    monkeypatch.setattr(cpu_info, "flags", lambda: flags)
     rng = np.random.default_rng(5)
     w = quant.quantize_weight(jnp.asarray(rng.standard_normal((64, 4, 8), np.float32)), (0,),
                               "int8")
     vnni = (cpu_matmul.int8_isa() == "avx512_vnni"
-            and "amx_int8" not in cpu_matmul.cpu_flags())
+            and "amx_int8" not in cpu_info.flags())
     rows_at = layers.INT8_NATIVE_ROWS
     for rows in (rows_at - 1, rows_at, rows_at + 70):
         x = jnp.asarray(rng.standard_normal((rows, 64), np.float32))

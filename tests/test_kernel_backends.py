@@ -140,10 +140,10 @@ def test_int8_kv_cache_cpu_matches_reference(tiny):
 def test_auto_dtype_on_cpu_is_bf16_only_with_amx_bf16(flags, want, monkeypatch):
     """`dtype: auto` on CPU follows what XLA:CPU's dots run fastest: bf16 where the CPU has the
     AMX-BF16 tiles, f32 elsewhere; a named dtype is taken as given, anything else refused."""
+    from jengine import cpu_info
     from jengine.core.build import resolve_dtype
-    from jengine.pallas_kernels import cpu_matmul
 
-    monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_info, "flags", lambda: frozenset(flags))
     assert resolve_dtype("auto") == want
     assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match="unsupported dtype"):

@@ -14,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from converters import LoadedModel, load_source
+from jengine import cpu_info
 from jengine.config import EngineConfig, ModelSection
 from jengine.core.kv_budget import host_kv_budget
 from jengine.models import KVCache, ModelConfig, family_module, layer_offsets
@@ -47,9 +48,7 @@ def resolve_dtype(dtype: str) -> str:
     if dtype == "auto":
         if jax.default_backend() != "cpu":
             return "bfloat16"
-        from jengine.pallas_kernels.cpu_matmul import cpu_flags
-
-        return "bfloat16" if "amx_bf16" in cpu_flags() else "float32"
+        return "bfloat16" if "amx_bf16" in cpu_info.flags() else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return dtype

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine import cpu_info
 from jengine.models import quant
 from jengine.models.config import RopeConfig
 from jengine.models.quant import QArray
@@ -210,7 +211,7 @@ def _native_operand(x: jax.Array, w: Weight, form: str
         lo, hi = NT_NATIVE_ROWS if form == "nk" else NATIVE_ROWS
     elif operand.dtype in (jnp.bfloat16, jnp.int8):
         lo, hi = NARROW_NATIVE_ROWS
-        if x.dtype == jnp.bfloat16 and "amx_bf16" in cpu_matmul.cpu_flags():
+        if x.dtype == jnp.bfloat16 and "amx_bf16" in cpu_info.flags():
             lo, hi = AMX_BF16_NATIVE_ROWS if operand.dtype == jnp.bfloat16 \
                 else AMX_INT8_WEIGHT_NATIVE_ROWS
     else:
@@ -233,7 +234,7 @@ def _native_int8(x: jax.Array, w: Weight, form: str) -> bool:
     w^T costs more than the kernel saves there."""
     return (isinstance(w, QArray) and w.mode == "int8" and form == "kn" and x.ndim == 2
             and x.shape[0] >= INT8_NATIVE_ROWS and cpu_matmul.int8_isa() == "avx512_vnni"
-            and "amx_int8" not in cpu_matmul.cpu_flags())
+            and "amx_int8" not in cpu_info.flags())
 
 
 def _int8_dot(x: jax.Array, w: QArray) -> jax.Array:

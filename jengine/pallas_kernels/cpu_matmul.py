@@ -18,7 +18,6 @@ keeps XLA's dot.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -87,22 +86,6 @@ def int8_isa() -> str:
     `portable` (exact but slow; the engine keeps XLA's int8 dot then)."""
     require()
     return {v: k for k, v in INT8_ISAS.items()}[_LIB.JengineInt8MatmulIsa(0)]
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as Linux names them in /proc/cpuinfo (`amx_bf16`, `amx_int8`,
-    `avx512_bf16`, ...); empty where there is no such file. XLA:CPU runs bf16 and int8 dots on
-    the AMX tiles where the CPU has them, which moves where the native kernels pay
-    (jengine.models.layers)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
 
 
 def int8_matmul(

@@ -37,6 +37,8 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
+from jengine import cpu_info
+
 log = logging.getLogger("jengine")
 
 FORMAT = 1  # bump when what a file holds changes
@@ -87,15 +89,10 @@ def _cpu_description() -> dict[str, str]:
     """XLA:CPU compiles for the host's instruction set; a program built with AVX-512 must not
     load on a machine without it."""
     info = {"machine": platform.machine(), "processor": platform.processor()}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "flags", "Features") and key not in info:
-            info[key] = " ".join(sorted(value.split())) if key != "model name" else value.strip()
+    host = cpu_info.fields()
+    for key in ("model name", "flags", "Features"):
+        if key in host:
+            info[key] = host[key] if key == "model name" else " ".join(sorted(host[key].split()))
     return info
 
 
