@@ -26,7 +26,7 @@ class ModelSection:
     # lax.scan over a leading layer axis) elsewhere; see jengine.models.layers.
     layer_layout: str = "auto"
     # f32 projections of a few rows: auto = the native small-row kernel on one CPU device
-    # (`native`), XLA's dot (`xla`) elsewhere; see jengine.models.layers.resolve_matmul_backend.
+    # (`native`), XLA's dot (`xla`) elsewhere; see jengine.models.matmul.resolve_matmul_backend.
     matmul_backend: str = "auto"
     # none | int8 (W8A8: int8 weights per output channel, int8 activations per token) | w8a16
     # (int8 weights, float activations) | fp8 (e4m3 weights; GPU/TPU); see models/quant.py.

@@ -1,7 +1,7 @@
 """The host CPU as Linux describes it in /proc/cpuinfo, read once per process.
 
 Its feature flags decide where jengine's native CPU kernels pay (XLA:CPU runs bf16 and int8
-dots on the AMX tiles where the CPU has them: `jengine.models.layers`), what `dtype: auto`
+dots on the AMX tiles where the CPU has them: `jengine.models.matmul`), what `dtype: auto`
 means on CPU (`jengine.core.build`), and part of a stored program's key (XLA:CPU compiles for
 the host's instruction set: `jengine.runtime.executables`).
 """

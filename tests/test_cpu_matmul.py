@@ -14,7 +14,7 @@ import yaml
 from test_sharding import _tiny_llama
 
 from jengine import Engine, SamplingParams, cpu_info
-from jengine.models import layers, quant
+from jengine.models import matmul, quant
 from jengine.pallas_kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="native matmul not built")
@@ -119,10 +119,10 @@ def _narrow_limit(weight, x_dtype) -> int:
     """The most rows the kernel takes for a bf16 or w8a16 weight: fewer with bf16 activations
     on an AMX-BF16 CPU, where XLA's bf16 dot runs on the tiles."""
     if x_dtype == jnp.bfloat16 and "amx_bf16" in cpu_info.flags():
-        rows = (layers.AMX_BF16_NATIVE_ROWS if weight.dtype == jnp.bfloat16
-                else layers.AMX_INT8_WEIGHT_NATIVE_ROWS)
+        rows = (matmul.AMX_BF16_NATIVE_ROWS if weight.dtype == jnp.bfloat16
+                else matmul.AMX_INT8_WEIGHT_NATIVE_ROWS)
         return rows[1]
-    return layers.NARROW_NATIVE_ROWS[1]
+    return matmul.NARROW_NATIVE_ROWS[1]
 
 
 # This CPU's flags, and the routing as it would be with and without AMX (the kernel and XLA's
@@ -133,7 +133,7 @@ CPU_FLAGS = [pytest.param(None, id="this-cpu"), pytest.param({"amx_bf16", "amx_i
 
 @pytest.mark.parametrize("flags", CPU_FLAGS)
 def test_dot_routes_only_the_shapes_it_fits(flags, monkeypatch):
-    """`layers.dot` with `native` runs the kernel for f32 x [R, K] against w's leading axis
+    """`matmul.dot` with `native` runs the kernel for f32 x [R, K] against w's leading axis
     (a 3-D weight through its [K, N] view) at 1..32 rows or a 2-D w's last axis at 2..32, and
     XLA's einsum otherwise."""
     if flags is not None:
@@ -142,19 +142,19 @@ def test_dot_routes_only_the_shapes_it_fits(flags, monkeypatch):
     w = jnp.asarray(rng.standard_normal((64, 4, 8), np.float32))  # wq [E, H, D]
     for rows in (1, 2, 16, 32, 33):
         x = jnp.asarray(rng.standard_normal((rows, 64), np.float32))
-        text = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native")).lower(
+        text = jax.jit(lambda a, b: matmul.dot("te,ehd->thd", a, b, "native")).lower(
             x, w).as_text()
         assert ("jengine_small_matmul" in text) == (rows <= 32), rows
-        got = layers.dot("te,ehd->thd", x, w, "native")
+        got = matmul.dot("te,ehd->thd", x, w, "native")
         np.testing.assert_allclose(got, jnp.einsum("te,ehd->thd", x, w), rtol=1e-5, atol=1e-5)
     # A tied embedding as the output head: w [V, E] contracted over its last axis, from two
     # rows on (XLA's one-row dot streams that form as fast).
     table = jnp.asarray(rng.standard_normal((19, 8), np.float32))
     for rows in (1, 2, 4):
         x = jnp.asarray(rng.standard_normal((rows, 8), np.float32))
-        lowered = jax.jit(lambda a, b: layers.dot("te,ve->tv", a, b, "native")).lower(x, table)
+        lowered = jax.jit(lambda a, b: matmul.dot("te,ve->tv", a, b, "native")).lower(x, table)
         assert ("jengine_small_matmul" in lowered.as_text()) == (rows > 1), rows
-    np.testing.assert_allclose(layers.dot("te,ve->tv", x, table, "native"), x @ table.T,
+    np.testing.assert_allclose(matmul.dot("te,ve->tv", x, table, "native"), x @ table.T,
                                rtol=1e-5, atol=1e-5)
     # Narrow weights from one row on: a bf16 weight (under a bf16 or f32 x) and a w8a16 one,
     # whose scale applies after the kernel; W8A8 int8 keeps its int8 x int8 dot.
@@ -166,38 +166,38 @@ def test_dot_routes_only_the_shapes_it_fits(flags, monkeypatch):
             for weight, want in ((w16, jnp.einsum("te,ehd->thd", xn.astype(jnp.float32),
                                                   w16.astype(jnp.float32))),
                                  (q, quant.einsum("te,ehd->thd", xn, q))):
-                text = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native")).lower(
+                text = jax.jit(lambda a, b: matmul.dot("te,ehd->thd", a, b, "native")).lower(
                     xn, weight).as_text()
                 assert ("jengine_small_matmul" in text) == (rows <= _narrow_limit(
                     weight, xdt)), (rows, xdt)
-                np.testing.assert_allclose(layers.dot("te,ehd->thd", xn, weight, "native"),
+                np.testing.assert_allclose(matmul.dot("te,ehd->thd", xn, weight, "native"),
                                            want, rtol=1e-4, atol=1e-4)
-    text = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native")).lower(
+    text = jax.jit(lambda a, b: matmul.dot("te,ehd->thd", a, b, "native")).lower(
         xn[:4].astype(jnp.float32), quant.quantize_weight(w, (0,), "int8")).as_text()
     assert "jengine_small_matmul" not in text
     # Neither form (w's middle axis contracted): XLA's einsum.
-    text = jax.jit(lambda a, b: layers.dot("te,hed->thd", a, b, "native")).lower(
+    text = jax.jit(lambda a, b: matmul.dot("te,hed->thd", a, b, "native")).lower(
         x, jnp.ones((2, 8, 3), jnp.float32)).as_text()
     assert "jengine_small_matmul" not in text
 
 
 def test_resolve_matmul_backend():
-    assert layers.resolve_matmul_backend("auto", "cpu", 1) == "native"
-    assert layers.resolve_matmul_backend("auto", "cpu", 2) == "xla"
-    assert layers.resolve_matmul_backend("auto", "gpu", 1) == "xla"
-    assert layers.resolve_matmul_backend("xla", "cpu", 1) == "xla"
+    assert matmul.resolve_matmul_backend("auto", "cpu", 1) == "native"
+    assert matmul.resolve_matmul_backend("auto", "cpu", 2) == "xla"
+    assert matmul.resolve_matmul_backend("auto", "gpu", 1) == "xla"
+    assert matmul.resolve_matmul_backend("xla", "cpu", 1) == "xla"
     with pytest.raises(ValueError, match="tensor parallelism"):
-        layers.resolve_matmul_backend("native", "cpu", 2)
+        matmul.resolve_matmul_backend("native", "cpu", 2)
     with pytest.raises(ValueError, match="unknown matmul_backend"):
-        layers.resolve_matmul_backend("blas", "cpu", 1)
+        matmul.resolve_matmul_backend("blas", "cpu", 1)
 
 
 def test_auto_keeps_xla_without_the_library(monkeypatch):
     monkeypatch.setattr(cpu_matmul, "_LIB", None)
     monkeypatch.setattr(cpu_matmul, "_LOAD_ERROR", "no _cpu_matmul library")
-    assert layers.resolve_matmul_backend("auto", "cpu", 1) == "xla"
+    assert matmul.resolve_matmul_backend("auto", "cpu", 1) == "xla"
     with pytest.raises(RuntimeError, match="pip install -e .*matmul_backend 'xla'"):
-        layers.resolve_matmul_backend("native", "cpu", 1)
+        matmul.resolve_matmul_backend("native", "cpu", 1)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The native W8A8 matmul (`cpu_matmul.int8_matmul`) against XLA's int8 dot with jengine's
 rescale: equal bit for bit on every instruction-set path this CPU runs, over shapes that cross
-its tiles, k chunks and thread splits; and `layers.dot`'s routing of `int8` projections to it."""
+its tiles, k chunks and thread splits; and `matmul.dot`'s routing of `int8` projections to it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jengine import cpu_info
-from jengine.models import layers, quant
+from jengine.models import matmul, quant
 from jengine.pallas_kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="native matmul not built")
@@ -89,7 +89,7 @@ def test_zero_rows_and_bad_operands():
 
 @pytest.mark.parametrize("amx", [False, True])
 def test_dot_routes_int8_prefill_projections_to_the_kernel(amx, monkeypatch):
-    """`layers.dot` with `native` sends an `int8` projection of INT8_NATIVE_ROWS rows or more
+    """`matmul.dot` with `native` sends an `int8` projection of INT8_NATIVE_ROWS rows or more
     to the kernel on a VNNI CPU without AMX-INT8 (XLA's int8 dot below that, and everywhere on
     other CPUs), with the same floats either way. `amx`: as routed on this CPU with AMX-INT8
     added to its flags (XLA's int8 dot runs on the tiles there), or taken out of them."""
@@ -100,9 +100,9 @@ def test_dot_routes_int8_prefill_projections_to_the_kernel(amx, monkeypatch):
                               "int8")
     vnni = (cpu_matmul.int8_isa() == "avx512_vnni"
             and "amx_int8" not in cpu_info.flags())
-    rows_at = layers.INT8_NATIVE_ROWS
+    rows_at = matmul.INT8_NATIVE_ROWS
     for rows in (rows_at - 1, rows_at, rows_at + 70):
         x = jnp.asarray(rng.standard_normal((rows, 64), np.float32))
-        fn = jax.jit(lambda a, b: layers.dot("te,ehd->thd", a, b, "native"))
+        fn = jax.jit(lambda a, b: matmul.dot("te,ehd->thd", a, b, "native"))
         assert ("jengine_int8_matmul" in fn.lower(x, w).as_text()) == (vnni and rows >= rows_at)
         np.testing.assert_array_equal(fn(x, w), quant.einsum("te,ehd->thd", x, w))

@@ -37,7 +37,8 @@ from jengine.core.logprobs import prompt_targets, record_prompt_logprobs
 from jengine.core.request import RequestState
 from jengine.core.sampling_rows import sampling_rows
 from jengine.core.stats import EngineStats
-from jengine.models.layers import resolve_layer_layout, resolve_matmul_backend
+from jengine.models.layers import resolve_layer_layout
+from jengine.models.matmul import resolve_matmul_backend
 from jengine.models.quant import resolve_quantization
 from jengine.outputs import RequestOutput
 from jengine.pallas_kernels import resolve_backend

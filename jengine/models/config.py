@@ -225,7 +225,7 @@ class ModelConfig:
     # The attention implementation the forward pass calls (resolved by the engine, never auto).
     attention_backend: str = "reference"  # reference | cpu | pallas_tpu | pallas_gpu
     # The float32 projections' implementation (resolved by the engine, never auto): xla | native
-    # (the small-row kernel, one CPU device; jengine.models.layers.resolve_matmul_backend).
+    # (the small-row kernel, one CPU device; jengine.models.matmul.resolve_matmul_backend).
     matmul_backend: str = "xla"
 
     @property

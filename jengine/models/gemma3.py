@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import layers
+from jengine.models import layers, matmul
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
@@ -131,7 +131,7 @@ def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.
     """Hidden states [N, E] (`forward` without `head`) -> float32 logits [N, V]."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, offset=1.0)
     with jax.named_scope("lm_head"):
-        out = layers.dot("te,ve->tv", x, params["embed"], cfg.matmul_backend)
+        out = matmul.dot("te,ve->tv", x, params["embed"], cfg.matmul_backend)
     if cfg.final_logit_softcapping:
         cap = cfg.final_logit_softcapping
         out = cap * jnp.tanh(out / cap)

@@ -1,4 +1,5 @@
-"""Building blocks shared by the model families: norms, rotary embeddings, parameter specs."""
+"""Building blocks shared by the model families: norms, rotary embeddings, parameter specs,
+projections (their dots: jengine.models.matmul), layer layouts."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine import cpu_info
 from jengine.models import quant
 from jengine.models.config import RopeConfig
-from jengine.models.quant import QArray
-from jengine.pallas_kernels import cpu_matmul
+from jengine.models.matmul import Weight, dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,159 +130,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
         out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary:]],
                               axis=-1)
         return out.astype(x.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class Observed:
-    """A float weight whose dots report their input `x` [T, K] to `seen` (at trace time).
-
-    Only calibration (`jengine.models.smoothing`) builds these, inside its own jitted function,
-    to learn each projection's per-input-channel activation range; the step never sees one."""
-
-    w: jax.Array
-    seen: Callable[[jax.Array], None]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.w.shape
-
-    def reshape(self, *shape) -> Observed:
-        return Observed(self.w.reshape(*shape), self.seen)
-
-
-Weight = jax.Array | QArray  # a float weight, or its quantized form (jengine.models.quant)
-
-
-MATMUL_BACKENDS = ("auto", "xla", "native")
-# The row counts (the step's token bucket) the native kernel takes; XLA's dot keeps the rest.
-# Measured in-program (docs/engine.md, "Small-row matmul"): for an f32 weight the kernel streams
-# 1-2 rows faster than XLA (each thread a contiguous run of whole weight rows), except a tied
-# embedding as the output head at one row ([N, K] contracted over K), which XLA's one-row dot
-# streams as fast (NT_NATIVE_ROWS); from NATIVE_ROWS[1] + 1 rows on XLA's blocked GEMM wins.
-# A bf16 or int8 (w8a16) weight is 2x / 4x fewer bytes for the kernel, while XLA:CPU converts
-# it to f32 on every call (10x its f32 dot at one row), so the kernel takes those from one row
-# up to NARROW_NATIVE_ROWS[1].
-# On a CPU with AMX-BF16, XLA:CPU runs a bf16 x bf16 -> f32 dot on the tiles (2-4.5x its f32
-# rate, measured 2026-12-03 on a Xeon), so with bf16 activations the kernel keeps only what it
-# still streams faster: a bf16 weight up to AMX_BF16_NATIVE_ROWS[1] rows (alone XLA took
-# 0.3x the kernel's time at 64 rows, 0.13x for the tied head, 0.6-1.0x at 8, yet the 8-row
-# step ran 12% faster on the kernel), an int8 (w8a16) one up to AMX_INT8_WEIGHT_NATIVE_ROWS[1]
-# (XLA 0.5x at 64, 1.7-1.8x at 8).
-NATIVE_ROWS = (1, 32)
-NT_NATIVE_ROWS = (2, 32)
-NARROW_NATIVE_ROWS = (1, 64)
-AMX_BF16_NATIVE_ROWS = (1, 8)
-AMX_INT8_WEIGHT_NATIVE_ROWS = (1, 16)
-INT8_NATIVE_ROWS = 128  # from this many rows an `int8` projection runs the native W8A8 kernel
-
-
-def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
-    """`auto` -> `native` (jengine.pallas_kernels.cpu_matmul) on one CPU device when the
-    library loaded, else `xla`. XLA cannot partition the custom call, so a tp mesh keeps XLA's
-    dot, and so do accelerators; `native` there is an error."""
-    if backend not in MATMUL_BACKENDS:
-        raise ValueError(f"unknown matmul_backend {backend!r}; expected one of {MATMUL_BACKENDS}")
-    if backend == "native":
-        if platform != "cpu" or tp > 1:
-            raise ValueError("matmul_backend 'native' runs on CPU without tensor parallelism "
-                             f"(here: platform {platform}, tp={tp})")
-        cpu_matmul.require()
-        return backend
-    if backend == "xla":
-        return backend
-    return "native" if platform == "cpu" and tp == 1 and cpu_matmul.available() else "xla"
-
-
-def _native_operand(x: jax.Array, w: Weight, form: str
-                    ) -> tuple[jax.Array, jax.Array | None] | None:
-    """The weight array the native kernel reads for `x @ w` in `form` (`_native_form`) and the
-    per-channel scale to apply to its f32 result (a w8a16 weight), or None where XLA's dot
-    keeps the product."""
-    if isinstance(w, QArray):
-        if w.mode != "w8a16":
-            return None
-        operand, scale = w.q, w.scale
-    else:
-        operand, scale = w, None
-    if x.dtype not in (jnp.float32, jnp.bfloat16) or x.ndim != 2:
-        return None
-    if operand.dtype == jnp.float32 and x.dtype == jnp.float32:
-        lo, hi = NT_NATIVE_ROWS if form == "nk" else NATIVE_ROWS
-    elif operand.dtype in (jnp.bfloat16, jnp.int8):
-        lo, hi = NARROW_NATIVE_ROWS
-        if x.dtype == jnp.bfloat16 and "amx_bf16" in cpu_info.flags():
-            lo, hi = AMX_BF16_NATIVE_ROWS if operand.dtype == jnp.bfloat16 \
-                else AMX_INT8_WEIGHT_NATIVE_ROWS
-    else:
-        return None
-    return (operand, scale) if lo <= x.shape[0] <= hi else None
-
-
-def _native_int8(x: jax.Array, w: Weight, form: str) -> bool:
-    """Whether the native W8A8 kernel (cpu_matmul.int8_matmul) takes this `int8` product: a
-    projection (`kn`) of at least INT8_NATIVE_ROWS rows on a VNNI CPU without AMX-INT8 (where
-    XLA's int8 dot runs on the tiles at 1.4-2.1 TOP/s on two cores, 2-3x the kernel's rate:
-    docs/kernels.md).
-
-    Alone, with the weights streamed from DRAM, the kernel was 1.0-1.8x as fast as XLA's int8
-    dot at 1 to 64 rows (scripts/int8_matmul_bench.py); inside a decode step it lost (steps
-    1.4-1.8x as long at 1 and 8 rows, 1.03-1.24x at 64): each call hands half its work to a
-    pool thread, while XLA runs its single-threaded small dots side by side (q/k/v, gate/up)
-    with no handoff. Prefill
-    chunks gain (0.89-0.97x the step). The tied output head (`nk`) stays on XLA: packing
-    w^T costs more than the kernel saves there."""
-    return (isinstance(w, QArray) and w.mode == "int8" and form == "kn" and x.ndim == 2
-            and x.shape[0] >= INT8_NATIVE_ROWS and cpu_matmul.int8_isa() == "avx512_vnni"
-            and "amx_int8" not in cpu_info.flags())
-
-
-def _int8_dot(x: jax.Array, w: QArray) -> jax.Array:
-    """`quant.einsum` of an `int8` projection by the native kernel: the same per-row quantized
-    x, int32 sums and rescale, so the same floats."""
-    xq, sx = quant.quantize_rows(x)
-    y = cpu_matmul.int8_matmul(xq, sx, w.q.reshape(w.q.shape[0], -1), w.scale)
-    return y.reshape(x.shape[0], *w.q.shape[1:])
-
-
-def _native_form(eq: str) -> str | None:
-    """How the native kernel takes `eq` for a 2-D x [R, K]: "kn" (w's leading axis contracted,
-    `te,ehd->thd`), "nk" (w [N, K]'s last, `te,ve->tv`: a tied embedding as the output head),
-    or None (XLA's einsum)."""
-    lhs, rest = eq.split(",")
-    rhs, out = rest.split("->")
-    if len(lhs) != 2:
-        return None
-    if rhs[0] == lhs[1] and out == lhs[0] + rhs[1:]:
-        return "kn"
-    if len(rhs) == 2 and rhs[1] == lhs[1] and out == lhs[0] + rhs[0]:
-        return "nk"
-    return None
-
-
-def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
-    """`einsum(eq, x, w)` accumulated and returned in float32; a quantized `w` runs its
-    int8 (or weight-only) dot. `backend="native"` sends the shapes it fits (`_native_operand`,
-    `_native_form`) to the native small-row kernel, a 3-D weight over its free row-major
-    [K, N] view, a bf16 x widened to f32 first (exact), a w8a16 weight's scale applied after."""
-    if isinstance(w, Observed):
-        w.seen(x)
-        w = w.w
-    form = _native_form(eq) if backend == "native" else None
-    if form is not None and _native_int8(x, w, form):
-        return _int8_dot(x, w)
-    native = _native_operand(x, w, form) if form is not None else None
-    if native is not None:
-        operand, scale = native
-        x32 = x.astype(jnp.float32)
-        if form == "nk":
-            y = cpu_matmul.small_matmul(x32, operand, transpose_w=True)
-        else:
-            y = cpu_matmul.small_matmul(x32, operand.reshape(operand.shape[0], -1))
-            y = y.reshape(x.shape[0], *operand.shape[1:])
-        return y if scale is None else y * scale.reshape(y.shape[1:])
-    if isinstance(w, QArray):
-        return quant.einsum(eq, x, w)
-    return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
 
 
 def project(x: jax.Array, w: Weight, eq: str, bias: jax.Array | None = None, *,

@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from jengine.models.config import ModelConfig
-from jengine.models.layers import ParamSpec, dot
+from jengine.models.layers import ParamSpec
+from jengine.models.matmul import dot
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:

@@ -38,7 +38,7 @@ import numpy as np
 from jengine.config import ModelSection
 from jengine.models.attention import AttentionMetadata, KVCache
 from jengine.models.config import ModelConfig
-from jengine.models.layers import Observed
+from jengine.models.matmul import Observed
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 DEFAULT_ALPHA = ModelSection.smoothing_alpha  # the one default, in jengine/config.py
