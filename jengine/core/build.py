@@ -19,8 +19,10 @@ from jengine.config import EngineConfig, ModelSection
 from jengine.core.kv_budget import host_kv_budget
 from jengine.models import KVCache, ModelConfig, family_module, layer_offsets
 from jengine.models.layers import unstack_layers
+from jengine.models.matmul import resolve_matmul_backend
 from jengine.models.quant import quantize_params
 from jengine.models.smoothing import smooth_for_int8
+from jengine.pallas_kernels import resolve_backend
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.runner import Runner
 from jengine.sharding import MeshSpec, ShardingRules, load_params_sharded
@@ -39,6 +41,12 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
         raise ValueError(
             f"unsupported kv_cache_dtype {kv_cache_dtype!r}; use auto, float32, bfloat16 or int8")
     return kv_cache_dtype
+
+
+def resolve_backends(model: ModelSection, platform: str, tp: int) -> dict[str, str]:
+    """The attention and matmul backends `auto` (or the preset) means here, checked."""
+    return dict(attention_backend=resolve_backend(model.attention_backend, platform),
+                matmul_backend=resolve_matmul_backend(model.matmul_backend, platform, tp))
 
 
 def resolve_dtype(dtype: str) -> str:

@@ -24,6 +24,7 @@ from jengine.core.build import (
     max_model_len,
     open_model,
     place_weights,
+    resolve_backends,
     resolve_dtype,
     resolve_kv_cache_dtype,
     step_buckets,
@@ -38,10 +39,8 @@ from jengine.core.request import RequestState
 from jengine.core.sampling_rows import sampling_rows
 from jengine.core.stats import EngineStats
 from jengine.models.layers import resolve_layer_layout
-from jengine.models.matmul import resolve_matmul_backend
 from jengine.models.quant import resolve_quantization
 from jengine.outputs import RequestOutput
-from jengine.pallas_kernels import resolve_backend
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.compilation import enable_persistent_cache
 from jengine.runtime.executables import ExecutableStore, default_store_dir
@@ -101,9 +100,7 @@ class EngineCore:
         self.mesh_spec = MeshSpec.parse(cfg.parallel.mesh)
         mesh = self.mesh_spec.replica_mesh(replica) if self.mesh_spec.num_devices > 1 else None
         platform, tp = jax.default_backend(), self.mesh_spec.tp
-        backends = dict(  # checked before any weight is read, like the rest
-            attention_backend=resolve_backend(cfg.model.attention_backend, platform),
-            matmul_backend=resolve_matmul_backend(cfg.model.matmul_backend, platform, tp))
+        backends = resolve_backends(cfg.model, platform, tp)  # before any weight is read
         self.layer_layout = resolve_layer_layout(cfg.model.layer_layout, platform)
         self.quantization = resolve_quantization(cfg.model.quantization, platform)
         if mesh is not None:  # before any weight is read
