@@ -5,8 +5,7 @@ All `jax.jit` objects of the serving path are built here. One step program is
 the KV cache donated so XLA updates the pages in place. Shapes come from a small set of buckets
 (tokens T, sequences S, pages per sequence P), each with three step variants (plain sampling;
 every sampling feature at once; that plus prompt logprobs: `step_io.Variant`), which
-`warmup()` compiles up front (in threads) or the first step of each compiles (lazily, for
-offline use).
+`warmup()` builds and runs up front, or the first step of each compiles (lazily, offline).
 
 Every program is compiled ahead of time (`lower().compile()`) and kept per input signature, so a
 step is dispatched without jit's retracing checks, and an `ExecutableStore` can hand back the
@@ -312,9 +311,10 @@ class Runner:
 
     def warmup(self, progress: Callable[[int, int], None] | None = None,
                threads: int | None = None, *, require_stored: bool = False) -> float:
-        """Builds (loads, or compiles in `threads` threads: one per core by default) every
-        variant of every bucket's step, then runs the smallest once. A multi-host leader
-        instead runs each, one by one, so that its followers compile the same programs.
+        """Builds (loads, or compiles in `threads` threads: one per core by default) and runs
+        once every variant of every bucket's step (XLA:CPU sets up each dot on a program's first
+        run: 0.2-0.5 s a program, else on the first requests). A multi-host leader builds by
+        running, one by one, so that its followers compile the same programs.
 
         Raises:
           ProgramsNotStoredError: with `require_stored`, some program is not in the store
@@ -337,7 +337,8 @@ class Runner:
                     future.result()
                     if progress:
                         progress(i + 1, len(programs))
-            self._run_dummy(*programs[0])
+            for program in programs:
+                self._run_dummy(*program)
         if require_stored and self.programs_compiled:
             raise ProgramsNotStoredError(
                 f"{self.programs_compiled} step programs were compiled: their stored files "
@@ -380,7 +381,6 @@ class Runner:
     def _run_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
         out = self._launch(*self.host_inputs(*dummy_step(shape, variant)))
         jax.block_until_ready(out.sampled.tokens)
-
 
 
 def _aval(a: jax.Array) -> tuple:
