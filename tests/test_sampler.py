@@ -226,14 +226,27 @@ def test_temperature_processed_logits():
     _assert_same_logits(processed, expected)  # XLA may divide by multiplying with 1 / T
 
 
-def test_temperature_draw_is_categorical_with_row_key():
+def test_temperature_draw_inverts_the_cdf_at_the_row_keys_uniform():
     logits = _logits(S)
     seeds = np.arange(100, 100 + S)
     steps = np.arange(S) * 3
     tokens = _tokens(logits, _arrays(S, temperature=0.8, seeds=seeds, steps=steps))
     for row, seed, step, token in zip(logits, seeds, steps, tokens):
-        key = jax.random.fold_in(jax.random.key(int(seed)), int(step))
-        assert token == int(jax.random.categorical(key, jnp.asarray(row / np.float32(0.8))))
+        u = float(jax.random.uniform(jax.random.fold_in(jax.random.key(int(seed)), int(step))))
+        cdf = np.cumsum(_softmax64(row / 0.8))
+        assert token == int(np.searchsorted(cdf, u, side="right"))
+
+
+def test_draw_never_picks_a_token_of_zero_probability():
+    # Only the first 3 tokens allowed: a uniform near 1 must not run past them to the -inf
+    # tail, and a row with one allowed token always draws it.
+    logits = np.full((2, 64), -np.inf, np.float32)
+    logits[0, :3] = [0.0, 1.0, 2.0]
+    logits[1, 10] = 5.0
+    rows = np.concatenate([np.repeat(logits[:1], 300, 0), np.repeat(logits[1:], 100, 0)])
+    tokens = np.asarray(jax.jit(sampler._draw)(
+        jnp.asarray(rows), jnp.arange(400, dtype=jnp.uint32), jnp.zeros(400, jnp.int32)))
+    assert set(tokens[:300]) == {0, 1, 2} and set(tokens[300:]) == {10}
 
 
 def test_temperature_empirical_distribution():

@@ -148,27 +148,6 @@ def lm_head(x: jax.Array, params: dict, tied: bool, backend: str = "xla") -> jax
         return dot("te,ev->tv", x, params["lm_head"], backend)
 
 
-def first_rows_logits(head: Callable[[jax.Array], jax.Array], hidden: jax.Array,
-                      num_rows: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
-    """[S, E] hidden rows -> [S, V] `head` logits of the first n rows, zeros after them: n the
-    smallest of `sizes` and S that holds `num_rows`, chosen on device (`lax.switch` runs one
-    branch). A lone prefill in a 64-row bucket so computes 1 row of logits, not 64 (19 of
-    SmolLM2's 122 ms at T = 64 on CPU). The sampler stays outside: a copy of it per branch
-    cost 70% more compile time for its last 8 ms."""
-    s = hidden.shape[0]
-    widths = sorted({n for n in sizes if n < s} | {s})
-
-    def rows(n: int) -> Callable[[], jax.Array]:
-        if n == s:
-            return lambda: head(hidden)
-        return lambda: jnp.pad(head(hidden[:n]), ((0, s - n), (0, 0)))
-
-    if len(widths) == 1:
-        return rows(s)()
-    index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), num_rows)
-    return jax.lax.switch(jnp.minimum(index, len(widths) - 1), [rows(n) for n in widths])
-
-
 def embed_tokens(table: Weight, ids: jax.Array, dtype) -> jax.Array:
     """[T] ids -> [T, E] rows of the embedding table."""
     return quant.take_rows(table, ids).astype(dtype)

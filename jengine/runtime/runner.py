@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import KVCache, ModelConfig, family_module, layers
+from jengine.models import KVCache, ModelConfig, family_module
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import (
     ExecutableStore,
@@ -48,14 +48,12 @@ from jengine.runtime.step_io import (
     dummy_step,
     step_inputs,
 )
+from jengine.runtime.step_tail import head_and_sample
 from jengine.scheduling.batch import ScheduledBatch
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
 
 log = logging.getLogger("jengine")
-
-SAMPLED_ROWS = (1, 8)  # row counts below S that a step's lm_head can run on
-
 
 class Runner:
     """Owns the device state (params, KV cache) and the compiled step programs."""
@@ -122,10 +120,8 @@ class Runner:
             k = variant.num_top_logprobs
             if not variant.prompt_logprobs:
                 hidden, kv = forward(params, cfg, kv, md, head=False)  # [S, E]
-                logits = layers.first_rows_logits(lambda h: head(params, cfg, h), hidden,
-                                                  inputs.num_rows, SAMPLED_ROWS)
-                with jax.named_scope("sample"):
-                    out = sample(logits, inputs.sampling, num_top_logprobs=k)
+                out = head_and_sample(lambda h: head(params, cfg, h), hidden, inputs.num_rows,
+                                      inputs.sampling, variant)
                 return (out, None), kv
             all_logits, kv = forward(params, cfg, kv, md, all_logits=True)  # [T, V]
             out = sample(all_logits[md.logits_indices], inputs.sampling, num_top_logprobs=k)

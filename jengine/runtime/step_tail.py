@@ -1,0 +1,85 @@
+"""The tail of a step: the logits of the rows that are sampled, then the sampler.
+
+A step's sequence bucket S holds more rows than most steps sample (a lone prefill runs in a
+64-row bucket; a decode batch of 40 in one of 64), and everything after the last hidden state
+is per row: the lm_head, the argmax, the log-normaliser. So the head runs on the first n rows
+only, n the smallest of `SAMPLED_ROWS` and S that holds the step's `num_rows`, chosen on device
+(`lax.switch` runs one branch), and the rest are zeros.
+
+The plain variant (`step_io.Variant`: no logprobs, penalties, bias or grammar) adjusts no logit
+and reports no logprob, so it skips the log-normaliser, and a batch whose rows are all greedy
+(temperature 0) takes the argmax inside the branch, on its n rows, never padding the logits to
+S. On SmolLM2 at T = 64 with one live row that is 16 of a prefill step's ~60 ms on CPU (the pad,
+the argmax and the normaliser over [64, 49152]). The full sampler stays outside the branches: a
+copy of it per branch cost 70% more compile time for its last 8 ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jengine.runtime.sampler import (
+    GREEDY_TEMPERATURE,
+    SamplerOutput,
+    SamplingArrays,
+    first_argmax,
+    sample,
+)
+from jengine.runtime.step_io import Variant
+
+SAMPLED_ROWS = (1, 8)  # row counts below S that a step's lm_head can run on
+
+
+def first_rows(fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, num_rows: jax.Array,
+               sizes: tuple[int, ...] = SAMPLED_ROWS) -> jax.Array:
+    """[S, E] hidden rows -> `fn` of the first n of them, zeros after (padded to S along the
+    first axis), n the smallest of `sizes` and S that holds `num_rows`."""
+    s = hidden.shape[0]
+    widths = sorted({n for n in sizes if n < s} | {s})
+
+    def rows(n: int) -> Callable[[], jax.Array]:
+        def run() -> jax.Array:
+            out = fn(hidden[:n])
+            return jnp.pad(out, ((0, s - n),) + ((0, 0),) * (out.ndim - 1))
+        return run
+
+    if len(widths) == 1:
+        return fn(hidden)
+    index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), num_rows)
+    return jax.lax.switch(jnp.minimum(index, len(widths) - 1), [rows(n) for n in widths])
+
+
+def head_and_sample(logits_of: Callable[[jax.Array], jax.Array], hidden: jax.Array,
+                    num_rows: jax.Array, arrays: SamplingArrays,
+                    variant: Variant) -> SamplerOutput:
+    """[S, E] last hidden states -> the sampler's output for the first `num_rows` rows.
+
+    Args:
+      logits_of: [n, E] -> [n, V] f32 logits (the model's head).
+      hidden: [S, E] the hidden state of each sampled row.
+      num_rows: scalar i32, the rows the host reads; rows after it are padding.
+      arrays: the rows' sampling settings, padded to S.
+      variant: the step's static features; a plain one reports zero logprobs.
+    """
+
+    def full() -> SamplerOutput:
+        logits = first_rows(logits_of, hidden, num_rows)
+        with jax.named_scope("sample"):
+            return sample(logits, arrays, num_top_logprobs=variant.num_top_logprobs,
+                          with_logprobs=variant.features)
+
+    if variant.features:
+        return full()
+
+    def greedy() -> SamplerOutput:
+        def tokens_of(h: jax.Array) -> jax.Array:
+            logits = logits_of(h)
+            with jax.named_scope("sample"):
+                return first_argmax(logits)
+        return SamplerOutput.of_tokens(first_rows(tokens_of, hidden, num_rows))
+
+    all_greedy = jnp.all(arrays.temperature < GREEDY_TEMPERATURE)  # padding rows are greedy
+    return jax.lax.cond(all_greedy, greedy, full)
