@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.runtime import sampler
+from jengine.runtime import pick, sampler
 from jengine.runtime.sampler import SamplingArrays, pack_bitmask, process_logits, sample
 
 V = 1000
@@ -247,6 +247,25 @@ def test_draw_never_picks_a_token_of_zero_probability():
     tokens = np.asarray(jax.jit(sampler._draw)(
         jnp.asarray(rows), jnp.arange(400, dtype=jnp.uint32), jnp.zeros(400, jnp.int32)))
     assert set(tokens[:300]) == {0, 1, 2} and set(tokens[300:]) == {10}
+
+
+@pytest.mark.parametrize("vocab", [128 * 5, 1000, 7])  # whole blocks, a padded last block, one
+def test_blocked_picks_equal_the_one_level_forms(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(size=(6, vocab)).astype(np.float32) * 3
+    logits[1, :] = logits[1, 0]  # all tied: the first index
+    logits[2, vocab // 2:] = -np.inf
+    logits[3, -1] = 50.0  # the maximum in the last (maybe padded) block
+    logits[4, :] = -np.inf
+    logits[4, vocab - 1] = 0.0  # one allowed token, the last
+    np.testing.assert_array_equal(pick.first_argmax(jnp.asarray(logits)),
+                                  np.argmax(logits, axis=-1))
+    keys = jax.vmap(jax.random.key)(jnp.arange(6, dtype=jnp.uint32))
+    tokens = np.asarray(pick.draw(jnp.asarray(logits), keys))
+    u = np.asarray(jax.vmap(jax.random.uniform)(keys), np.float64)
+    cdf = np.cumsum(np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True)), -1)
+    np.testing.assert_array_equal(
+        tokens, [np.searchsorted(c, x * c[-1], side="right") for c, x in zip(cdf, u)])
 
 
 def test_temperature_empirical_distribution():

@@ -23,7 +23,9 @@ Cost control (a full-vocabulary sort costs more than a decode step on CPU):
   - top-k/top-p never sort the vocabulary unless they must: the filter works on the
     `lax.top_k` candidates of `CANDIDATE_WIDTHS`, falling back to the next width, and last to a
     full sort, only when some row's answer does not lie within the candidates (see
-    `_filter_top_k_top_p`).
+    `_filter_top_k_top_p`);
+  - the argmax and the draw work in two levels over blocks of the vocabulary
+    (`jengine.runtime.pick`), never one [S, V] scan or cumulative sum.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jengine.runtime.pick import draw, first_argmax
 
 # Temperatures below this are greedy (vLLM's epsilon): dividing by them would overflow the logits.
 GREEDY_TEMPERATURE = 1e-5
@@ -190,20 +194,6 @@ def process_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
 def _when(pred: jax.Array, fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
     """`fn(x)` if the scalar `pred` holds, else `x`, computing `fn` only when it is needed."""
     return jax.lax.cond(pred, fn, lambda y: y, x)
-
-
-def first_argmax(logits: jax.Array) -> jax.Array:
-    """[S, V] -> [S] i32, first index on ties.
-
-    As the first index holding the row's maximum: two plain reductions, which XLA:CPU
-    vectorises, where `jnp.argmax`'s (value, index) reduction is not (11.3 vs 5.0 ms over
-    [64, 49152]). A row without a maximum (NaN) gives the last id rather than an unusable V.
-    """
-    vocab = logits.shape[-1]
-    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    first = jnp.min(jnp.where(logits == jnp.max(logits, axis=-1, keepdims=True), ids, vocab),
-                    axis=-1)
-    return jnp.minimum(first, vocab - 1)
 
 
 def _row_max(logits: jax.Array) -> jax.Array:
@@ -372,19 +362,10 @@ def _filter_with_candidates(
 
 
 def _draw(logits: jax.Array, seeds: jax.Array, steps: jax.Array) -> jax.Array:
-    """[S] i32 tokens drawn from [S, V] processed logits (-inf where not allowed): row i's is
-    the first whose cumulative probability exceeds u times the total, u uniform from the key
-    `fold_in(key(seeds[i]), steps[i])`, so it depends only on that row. One random number a
-    row, not one a token (`jax.random.categorical`'s Gumbel noise over [64, 49152] took 73 ms
-    on CPU, this 15); capped at the row's last token of nonzero probability."""
+    """[S] i32 tokens from [S, V] processed logits, row i's drawn with the key
+    `fold_in(key(seeds[i]), steps[i])` ([S] u32 and [S] i32), so it depends only on that row."""
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds, steps)
-    u = jax.vmap(jax.random.uniform)(keys)  # [S] in [0, 1)
-    probs = jnp.exp(logits - _row_max(logits))  # unnormalised; 0 at -inf
-    cumulative = jnp.cumsum(probs, axis=-1)
-    below = jnp.sum(cumulative <= (u * cumulative[:, -1])[:, None], axis=-1)
-    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    last = jnp.max(jnp.where(probs > 0, ids, 0), axis=-1)
-    return jnp.minimum(below.astype(jnp.int32), last)
+    return draw(logits, keys)
 
 
 def _raw_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> SamplerOutput:

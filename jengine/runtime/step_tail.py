@@ -21,13 +21,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jengine.runtime.sampler import (
-    GREEDY_TEMPERATURE,
-    SamplerOutput,
-    SamplingArrays,
-    first_argmax,
-    sample,
-)
+from jengine.runtime.pick import first_argmax
+from jengine.runtime.sampler import GREEDY_TEMPERATURE, SamplerOutput, SamplingArrays, sample
 from jengine.runtime.step_io import Variant
 
 SAMPLED_ROWS = (1, 8)  # row counts below S that a step's lm_head can run on
