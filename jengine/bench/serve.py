@@ -14,13 +14,14 @@ import time
 from typing import Any
 
 
-async def _one(client, model: str, prompt: str, output_len: int) -> dict[str, float]:
+async def _one(client, model: str, prompt: str, output_len: int,
+               temperature: float) -> dict[str, float]:
     start = time.perf_counter()
     first = None
     tokens = 0
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=output_len,
-        temperature=0, stream=True, stream_options={"include_usage": True},
+        temperature=temperature, stream=True, stream_options={"include_usage": True},
         extra_body={"ignore_eos": True, "min_tokens": output_len},
     )
     async for chunk in stream:
@@ -51,7 +52,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     async def worker() -> None:
         while not queue.empty():
-            results.append(await _one(client, model, queue.get_nowait(), args.output_len))
+            results.append(await _one(client, model, queue.get_nowait(), args.output_len,
+                                      args.temperature))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -59,6 +61,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(r["tokens"] for r in results)
     return {
         "url": args.url, "model": model, "concurrency": args.concurrency,
+        "temperature": args.temperature,
         "requests": len(results), "output_tokens": total, "seconds": elapsed,
         "output_tok_per_s": total / elapsed,
         "ttft_median_s": statistics.median(r["ttft"] for r in results),

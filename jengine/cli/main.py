@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--concurrency", type=int, default=8)
     sv.add_argument("--num-prompts", type=int, default=32)
     sv.add_argument("--output-len", type=int, default=128)
+    sv.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (0: greedy)")
     sv.add_argument("--output-json")
     return parser
 
