@@ -307,10 +307,10 @@ class Runner:
 
     def warmup(self, progress: Callable[[int, int], None] | None = None,
                threads: int | None = None, *, require_stored: bool = False) -> float:
-        """Builds (loads, or compiles in `threads` threads: one per core by default) and runs
-        once every variant of every bucket's step (XLA:CPU sets up each dot on a program's first
-        run: 0.2-0.5 s a program, else on the first requests). A multi-host leader builds by
-        running, one by one, so that its followers compile the same programs.
+        """Builds (loads, or compiles in `threads` threads: one per core by default) every
+        variant of every bucket's step and runs each once, but those with prompt logprobs (a
+        program's first run sets up its dots on XLA:CPU: 0.2-0.5 s that the first requests
+        paid). A multi-host leader builds by running, one by one, for its followers to follow.
 
         Raises:
           ProgramsNotStoredError: with `require_stored`, some program is not in the store
@@ -333,8 +333,9 @@ class Runner:
                     future.result()
                     if progress:
                         progress(i + 1, len(programs))
-            for program in programs:
-                self._run_dummy(*program)
+            for shape, variant in programs:  # rare and costly to run: left to first use
+                if not variant.prompt_logprobs:
+                    self._run_dummy(shape, variant)
         if require_stored and self.programs_compiled:
             raise ProgramsNotStoredError(
                 f"{self.programs_compiled} step programs were compiled: their stored files "
