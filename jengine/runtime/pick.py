@@ -36,9 +36,7 @@ def draw(logits: jax.Array, keys: jax.Array) -> jax.Array:
     exceeds u times the row's total, u uniform in [0, 1). Never a token of zero probability
     (where rounding would run past the last one, the pick stops at it)."""
     u = jax.vmap(jax.random.uniform)(keys)  # [S]
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    probs = jnp.exp(_blocks(logits) - top[..., None])  # [S, NB, B], unnormalised
+    probs = jnp.exp(_blocks(logits) - row_max(logits)[..., None])  # [S, NB, B], unnormalised
     sums = jnp.sum(probs, axis=-1)  # [S, NB]
     cumulative = jnp.cumsum(sums, axis=-1)
     target = u * cumulative[:, -1]
@@ -47,6 +45,12 @@ def draw(logits: jax.Array, keys: jax.Array) -> jax.Array:
     inner = _take_block(probs, block)  # [S, B]
     token = block * BLOCK + _first_above(jnp.cumsum(inner, axis=-1), inner, target - before)
     return jnp.minimum(token, logits.shape[-1] - 1)
+
+
+def row_max(logits: jax.Array) -> jax.Array:
+    """[S, V] -> [S, 1] row maximum, 0 for a row with no finite logit (keeps exp() NaN-free)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    return jnp.where(jnp.isfinite(top), top, 0.0)
 
 
 def _blocks(x: jax.Array) -> jax.Array:

@@ -55,6 +55,7 @@ from jengine.sharding.distributed import StepChannel
 
 log = logging.getLogger("jengine")
 
+
 class Runner:
     """Owns the device state (params, KV cache) and the compiled step programs."""
 

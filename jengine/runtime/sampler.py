@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.runtime.pick import draw, first_argmax
+from jengine.runtime import pick
 
 # Temperatures below this are greedy (vLLM's epsilon): dividing by them would overflow the logits.
 GREEDY_TEMPERATURE = 1e-5
@@ -160,7 +160,7 @@ def sample(
       The tokens [S], their raw logprobs [S] and the raw top-K ids and logprobs [S, K].
     """
     adjusted = _adjust_logits(logits, arrays)
-    greedy_tokens = first_argmax(adjusted)
+    greedy_tokens = pick.first_argmax(adjusted)
     is_greedy = arrays.temperature < GREEDY_TEMPERATURE
 
     def draw() -> jax.Array:
@@ -194,12 +194,6 @@ def process_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
 def _when(pred: jax.Array, fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
     """`fn(x)` if the scalar `pred` holds, else `x`, computing `fn` only when it is needed."""
     return jax.lax.cond(pred, fn, lambda y: y, x)
-
-
-def _row_max(logits: jax.Array) -> jax.Array:
-    """[S, V] -> [S, 1] row maximum, 0 for a row with no finite logit (keeps exp() NaN-free)."""
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    return jnp.where(jnp.isfinite(top), top, 0.0)
 
 
 def _adjust_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
@@ -285,7 +279,7 @@ def _filter_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     Returns:
       [S, V] with dropped tokens at -inf.
     """
-    keep = jnp.exp(logits - _row_max(logits)) >= min_p[:, None]
+    keep = jnp.exp(logits - pick.row_max(logits)) >= min_p[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 
 
@@ -346,7 +340,7 @@ def _filter_with_candidates(
     logits = jnp.where(logits >= kth, logits, -jnp.inf)
     candidates = jnp.where(candidates >= kth, candidates, -jnp.inf)
 
-    top = _row_max(candidates)
+    top = pick.row_max(candidates)
     denominator = jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True)  # [S, 1]
     probs = jnp.exp(candidates - top) / jnp.where(denominator > 0, denominator, 1.0)
     cumulative = jnp.cumsum(probs, axis=-1)  # [S, C]
@@ -365,7 +359,7 @@ def _draw(logits: jax.Array, seeds: jax.Array, steps: jax.Array) -> jax.Array:
     """[S] i32 tokens from [S, V] processed logits, row i's drawn with the key
     `fold_in(key(seeds[i]), steps[i])` ([S] u32 and [S] i32), so it depends only on that row."""
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds, steps)
-    return draw(logits, keys)
+    return pick.draw(logits, keys)
 
 
 def _raw_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> SamplerOutput:
