@@ -24,7 +24,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jengine.pallas_kernels import ragged_paged_attention, ragged_paged_attention_gpu  # noqa: E402
+from jengine.pallas_kernels import (  # noqa: E402
+    quantize_rows,
+    ragged_paged_attention,
+    ragged_paged_attention_gpu,
+)
+
+
+def emit(row: dict) -> None:
+    """One result line (scripts/gpu_session.py replaces this to log them)."""
+    print(json.dumps(row), flush=True)
 
 
 def make_batch(rng, seqs, *, num_heads, num_kv, head_dim, page_size, dtype, spare_pages=4):
@@ -49,30 +58,54 @@ def make_batch(rng, seqs, *, num_heads, num_kv, head_dim, page_size, dtype, spar
             jnp.asarray(table))
 
 
-def correctness(args, rng):
+def _cases(interpret: bool, wide: bool):
+    """(dtype, tol, heads, kv heads, head dim, int8 KV, soft-cap) per kernel configuration."""
+    if interpret:  # ~5 s per kernel call in interpret mode: one
+        return [(jnp.float32, 2e-4, 9, 3, 64, False, None)]
+    cases = [(dtype, tol, h, kv, 64, False, None)
+             for dtype, tol in ((jnp.float32, 2e-4), (jnp.bfloat16, 3e-2))
+             for h, kv in ((8, 8), (9, 3), (16, 2))]
+    if wide:  # Llama-3-8B's heads, a soft-capped model, an int8 cache
+        cases += [(jnp.bfloat16, 3e-2, 32, 8, 128, False, None),
+                  (jnp.float32, 2e-4, 32, 8, 128, False, None),
+                  (jnp.bfloat16, 3e-2, 8, 8, 64, False, 20.0),
+                  (jnp.bfloat16, 3e-2, 32, 8, 128, True, None),
+                  (jnp.float32, 2e-4, 9, 3, 64, True, None)]
+    return cases
+
+
+def correctness(args, rng, wide: bool = False):
+    """The kernel against the reference on a ragged batch (decodes, prefill chunks, kv len 1,
+    page boundaries) for each case and three (window, splits, block_q) settings; `wide` adds
+    Llama-3-8B's head shape, soft-cap and an int8 cache."""
     ok = True
     kernel = functools.partial(ragged_paged_attention_gpu, interpret=args.interpret)
     seqs = [(37, 1), (5, 5), (64, 16), (1, 1), (20, 1), (33, 9)]
-    dtypes = ((jnp.float32, 2e-4), (jnp.bfloat16, 3e-2))
-    heads = ((8, 8), (9, 3), (16, 2))
-    if args.interpret:  # ~5 s per kernel call in interpret mode: one of each
-        dtypes, heads = dtypes[:1], heads[1:2]
-    for dtype, tol in dtypes:
-        for num_heads, num_kv in heads:
-            batch = make_batch(rng, seqs, num_heads=num_heads, num_kv=num_kv, head_dim=64,
-                               page_size=16, dtype=dtype)
-            for window, splits, block_q in ((None, 1, 16), (24, 1, 4), (None, 4, 1)):
-                kw = dict(sm_scale=0.125, sliding_window=window, soft_cap=None)
+    for dtype, tol, num_heads, num_kv, head_dim, kv_int8, cap in _cases(args.interpret, wide):
+        batch = make_batch(rng, seqs, num_heads=num_heads, num_kv=num_kv, head_dim=head_dim,
+                           page_size=16, dtype=dtype)
+        scales = {}
+        if kv_int8:
+            (kq, ks), (vq, vs) = quantize_rows(batch[1]), quantize_rows(batch[2])
+            batch = (batch[0], kq, vq, *batch[3:])
+            scales = dict(k_scale=ks, v_scale=vs)
+        for window, splits, block_q in ((None, 1, 16), (24, 1, 4), (None, 4, 1)):
+            kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap, **scales)
+            # XLA's default precision rounds f32 dots to tf32 on a GPU (3e-4 off float64 on
+            # the H200); the kernel's f32 dots are exact, so the oracle must be too.
+            with jax.default_matmul_precision("highest"):
                 ref = jax.jit(functools.partial(ragged_paged_attention, **kw))(*batch)
-                out = jax.jit(functools.partial(kernel, block_q=block_q, num_kv_splits=splits,
-                                                **kw))(*batch)
-                err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-                passed = err <= tol
-                ok &= passed
-                print(json.dumps({
-                    "check": "correctness", "dtype": jnp.dtype(dtype).name, "heads": num_heads,
-                    "kv_heads": num_kv, "window": window, "splits": splits, "block_q": block_q,
-                    "max_abs_err": err, "tol": tol, "ok": passed}), flush=True)
+            out = jax.jit(functools.partial(kernel, block_q=block_q, num_kv_splits=splits,
+                                            **kw))(*batch)
+            diff = out.astype(jnp.float32) - ref.astype(jnp.float32)
+            err = float(jnp.max(jnp.abs(diff)))
+            rel = float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref.astype(jnp.float32)))
+            passed = err <= tol and bool(jnp.all(jnp.isfinite(out)))
+            ok &= passed
+            emit({"check": "correctness", "dtype": jnp.dtype(dtype).name, "heads": num_heads,
+                  "kv_heads": num_kv, "head_dim": head_dim, "kv_int8": kv_int8,
+                  "soft_cap": cap, "window": window, "splits": splits, "block_q": block_q,
+                  "max_abs_err": err, "rel_err": rel, "tol": tol, "ok": passed})
     return ok
 
 
@@ -105,7 +138,7 @@ def decode_timing(args, rng):
         kv_bytes = 2 * batch_size * context * num_kv * head_dim * 2
         best = min(v for k, v in row.items() if k.startswith("pallas"))
         row["pallas_best_GBps"] = kv_bytes / (best * 1e-3) / 1e9
-        print(json.dumps(row), flush=True)
+        emit(row)
 
 
 def main() -> int:

@@ -1,0 +1,707 @@
+"""Everything a lent GPU machine should check, in one call that fits its short lease.
+
+Sections, each in its own subprocess with its own time limit (so one failure or hang does not
+cost the others), each appending JSON lines to OUT/gpu_session.jsonl:
+
+  kernels     the Pallas GPU attention kernel against the reference on real shapes (f32, bf16,
+              int8 KV; GQA 1/3/8; windows, soft-cap, split-K) and decode attention time
+              (scripts/gpu_attention_check.py)
+  parity      the engine's greedy tokens with `attention_backend="pallas_gpu"` against the
+              `reference` backend and HF transformers (torch, CPU, float32), on tiny random
+              Llama / Mistral (sliding window) / Gemma 2 (soft-cap) models built here; bf16 and
+              int8-KV engines against the reference backend in the same dtype
+  throughput  Llama-3-8B shapes with random bf16 weights made on the device: offline
+              generation at C = 1, 32, 256 concurrent requests (128 prompt + 128 new tokens),
+              with pallas_gpu, and the reference backend at C = 32 when time allows
+  hf          the peer in the same run: HF transformers `generate` (torch bf16, sdpa, static
+              batch) at the same shapes and C
+
+Then a markdown table of all of it goes to OUT/gpu_table.md (and stdout).
+
+    python3 scripts/gpu_session.py --out "$OUT"            # on the GPU machine
+    python3 scripts/gpu_session.py --out /tmp/x --section parity   # one section
+    python scripts/gpu_session.py --out /tmp/x --dry    # anywhere: tiny shapes, code paths only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+SECTIONS = {"kernels": 110, "parity": 140, "throughput": 220, "hf": 80, "accuracy": 60}
+PROMPT_LEN, NEW_TOKENS = 128, 128
+CONCURRENCY = (1, 32, 256)
+KV_MEMORY = "24GiB"  # 196k tokens of Llama-3-8B's bf16 KV; C = 256 needs 65k
+LLAMA3_8B = {  # Llama-3.1-8B's config.json, less what the engine ignores
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+
+
+def shrink_for_dry_run() -> None:
+    """Tiny shapes, so that every code path runs on a CPU (Pallas in interpret mode)."""
+    global PROMPT_LEN, NEW_TOKENS, CONCURRENCY, KV_MEMORY
+    PROMPT_LEN, NEW_TOKENS, CONCURRENCY, KV_MEMORY = 16, 6, (1, 4), "64MiB"
+    LLAMA3_8B.update(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    for name in SECTIONS:
+        SECTIONS[name] *= 4
+
+
+class Log:
+    """JSON lines to OUT/gpu_session.jsonl and stdout."""
+
+    def __init__(self, out: Path, section: str):
+        self.path, self.section = out / "gpu_session.jsonl", section
+
+    def __call__(self, **row) -> None:
+        row = {"section": self.section, **row}
+        line = json.dumps(row, default=str)
+        print(line, flush=True)
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+# --- kernels ---------------------------------------------------------------------------------
+
+
+def run_kernels(log: Log) -> None:
+    import gpu_attention_check as check
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    interpret = jax.default_backend() != "gpu"  # a dry run on CPU
+    args = argparse.Namespace(interpret=interpret, batch=64, context=2048, iters=20)
+    check.emit = lambda row: log(**row)
+    ok = check.correctness(args, rng, wide=True)
+    log(check="kernel_correctness_all", ok=ok)
+    check.decode_timing(args, rng)
+
+
+def run_accuracy(log: Log) -> None:
+    """f32: the kernel and the reference (XLA's default precision, and `highest`) against a
+    float64 NumPy oracle, to tell which side rounds like tf32."""
+    import functools
+
+    import gpu_attention_check as check
+    import jax
+    import numpy as np
+
+    from jengine.pallas_kernels import ragged_paged_attention, ragged_paged_attention_gpu
+
+    rng = np.random.default_rng(5)
+    seqs = [(37, 1), (5, 5), (64, 16), (1, 1), (20, 1), (33, 9)]
+    for heads, kv, dim in ((8, 8, 64), (9, 3, 64), (32, 8, 128)):
+        batch = check.make_batch(
+            rng, seqs, num_heads=heads, num_kv=kv, head_dim=dim, page_size=16, dtype=np.float32
+        )
+        kw = dict(sm_scale=dim**-0.5, sliding_window=None, soft_cap=None)
+        with jax.default_device(jax.devices("cpu")[0]):
+            cpu_batch = jax.device_put(batch, jax.devices("cpu")[0])
+            with jax.default_matmul_precision("highest"):
+                oracle = np.asarray(
+                    jax.jit(functools.partial(ragged_paged_attention, **kw))(*cpu_batch), np.float64
+                )
+        row = {"heads": heads, "kv_heads": kv, "head_dim": dim}
+        for name, fn, prec in (
+            ("reference_default", ragged_paged_attention, None),
+            ("reference_highest", ragged_paged_attention, "highest"),
+            ("kernel", functools.partial(ragged_paged_attention_gpu, block_q=16), None),
+            (
+                "kernel_split4",
+                functools.partial(ragged_paged_attention_gpu, block_q=1, num_kv_splits=4),
+                None,
+            ),
+        ):
+            with jax.default_matmul_precision(prec) if prec else contextlib.nullcontext():
+                out = np.asarray(jax.jit(functools.partial(fn, **kw))(*batch), np.float64)
+            row[name] = float(np.linalg.norm(out - oracle) / np.linalg.norm(oracle))
+        log(check="f32_vs_cpu_highest", **row)
+
+
+# --- parity ----------------------------------------------------------------------------------
+
+
+def _tokenizer(path: Path, vocab: int) -> None:
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
+    ).save_pretrained(path)
+
+
+def _tiny_models(root: Path) -> dict[str, tuple[Path, object]]:
+    """name -> (HF directory, the torch model), random and O(1)-scaled like the parity tests."""
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    configs = {
+        "llama_gqa4": (transformers.LlamaConfig(**common), transformers.LlamaForCausalLM, 1.0),
+        "mistral_window32": (
+            transformers.MistralConfig(**common, sliding_window=32),
+            transformers.MistralForCausalLM,
+            1.0,
+        ),
+        "gemma2_softcap": (
+            transformers.Gemma2Config(
+                **{**common, "num_key_value_heads": 8},
+                attn_logit_softcapping=20.0,
+                final_logit_softcapping=30.0,
+                sliding_window=32,
+                query_pre_attn_scalar=64,
+            ),
+            transformers.Gemma2ForCausalLM,
+            0.0,
+        ),
+    }
+    out = {}
+    for name, (config, cls, norm_offset) in configs.items():
+        torch.manual_seed(0)
+        config._attn_implementation = "eager"
+        model = cls(config).eval()
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=gen)
+                if "norm" in pname:
+                    p.copy_(norm_offset + 0.3 * noise)
+                elif "embed_tokens" in pname:
+                    p.copy_(noise)
+                else:
+                    p.copy_(noise / p.shape[-1] ** 0.5)
+        path = root / name
+        model.save_pretrained(path)
+        _tokenizer(path, config.vocab_size)
+        out[name] = (path, model)
+    return out
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """HF's greedy continuation (a full forward per step) and each step's top-2 logit gap."""
+    import numpy as np
+    import torch
+
+    seq, gaps = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, -1].float().numpy()
+        top2 = np.sort(logits)[-2:]
+        gaps.append(float(top2[1] - top2[0]))
+        seq.append(int(np.argmax(logits)))
+    return seq[len(prompt) :], gaps
+
+
+def _compare(ours: list[int], theirs: list[int], gaps: list[float] | None) -> str:
+    """match | near_tie@i (first difference where HF's top two were within 1e-3) | DIFF@i."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            return f"near_tie@{i}" if gaps is not None and gaps[i] < 1e-3 else f"DIFF@{i}"
+    return "match"
+
+
+def run_parity(log: Log) -> None:
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # no tf32 in f32 parity
+    from jengine import Engine, SamplingParams
+
+    root = Path(tempfile.mkdtemp())
+    preset = root / "parity.yaml"
+    preset.write_text(
+        "model: {max_model_len: 512}\ncache: {page_size: 16, kv_cache_memory: 256MiB}\n"
+        "scheduler: {max_num_seqs: 16, max_num_batched_tokens: 64, token_buckets: [16, 64],\n"
+        "            seq_buckets: [16], page_buckets: [32]}\n"
+    )
+    rng = np.random.default_rng(3)
+    new = 16
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    for name, (path, model) in _tiny_models(root).items():
+        prompts = [rng.integers(3, 128, n).tolist() for n in (3, 19, 37, 90)]  # 90: 2 chunks
+        hf = [_hf_greedy(model, p, new) for p in prompts]
+        runs = {}
+        # bf16 and the int8 cache on the first model only: each engine compiles its programs.
+        settings = [("float32", "auto")]
+        if name == "llama_gqa4":
+            settings += [("bfloat16", "auto"), ("float32", "int8")]
+        for dtype, kv in settings:
+            for backend in ("reference", "pallas_gpu"):
+                t = time.perf_counter()
+                try:
+                    engine = Engine(
+                        str(path),
+                        config=str(preset),
+                        dtype=dtype,
+                        kv_cache_dtype=kv,
+                        attention_backend=backend,
+                        progress=False,
+                    )
+                    outs = engine.generate(prompts, params)
+                    runs[(dtype, kv, backend)] = [o.outputs[0].token_ids for o in outs]
+                    del engine
+                except Exception as e:  # noqa: BLE001 - recorded, and the next run goes on
+                    log(
+                        model=name,
+                        dtype=dtype,
+                        kv=kv,
+                        backend=backend,
+                        error=f"{type(e).__name__}: {e}"[:2000],
+                    )
+                    traceback.print_exc()
+                    continue
+                vs_hf = [_compare(o, h, g) for o, (h, g) in zip(runs[(dtype, kv, backend)], hf)]
+                ref = runs.get((dtype, kv, "reference"))
+                vs_ref = (
+                    [_compare(o, r, None) for o, r in zip(runs[(dtype, kv, backend)], ref)]
+                    if backend != "reference" and ref is not None
+                    else None
+                )
+                log(
+                    model=name,
+                    dtype=dtype,
+                    kv=kv,
+                    backend=backend,
+                    vs_hf=vs_hf,
+                    vs_ref=vs_ref,
+                    seconds=round(time.perf_counter() - t, 1),
+                )
+
+
+# --- throughput ------------------------------------------------------------------------------
+
+
+def _random_params(cfg) -> dict:
+    """Every weight of the family's declarations, random bf16 on the device (norms ones)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jengine.models import family_module
+
+    specs = family_module(cfg).param_specs(cfg)
+
+    def make(key, shape, init):
+        if init == "ones":
+            return jnp.ones(shape, jnp.bfloat16)
+        if init == "zeros":
+            return jnp.zeros(shape, jnp.bfloat16)
+        return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+
+    params = {}
+    for i, (name, spec) in enumerate(specs.items()):
+        fn = jax.jit(make, static_argnums=(1, 2))
+        params[name] = fn(jax.random.key(i), spec.shape, spec.init)
+        params[name].block_until_ready()
+    return params
+
+
+def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked"):
+    """An EngineCore at Llama-3-8B shapes, random weights, the real scheduler and runner."""
+    from converters.loaded import LoadedModel
+    from jengine.config import load_config
+    from jengine.core.build import resolve_kv_cache_dtype
+    from jengine.core.engine_core import EngineCore
+    from jengine.models import ModelConfig
+    from jengine.runtime.runner import Runner
+
+    path = root / "llama3-8b-random"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    _tokenizer(path, LLAMA3_8B["vocab_size"])
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    cfg = load_config(
+        None,
+        model=str(path),
+        dtype="bfloat16",
+        attention_backend=backend,
+        max_model_len=512,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        kv_cache_memory=kv_memory,
+        enable_prefix_caching=False,
+        token_buckets=(8, 32, 256, 2048),
+        page_buckets=(32,),
+        layer_layout=layout,
+    )
+    loaded = LoadedModel(
+        config=ModelConfig.from_hf(LLAMA3_8B),
+        params={},
+        tokenizer=tokenizer,
+        source=str(path),
+        kind="hf",
+    )
+    holder = {}
+
+    def make_runner(model_config, *, num_pages, page_size, buckets):
+        t = time.perf_counter()
+        params = _random_params(model_config)
+        if layout == "unstacked":
+            from jengine.models import family_module, layer_offsets
+            from jengine.models.layers import unstack_layers
+
+            params = unstack_layers(
+                params,
+                family_module(model_config).LAYER_KEYS,
+                model_config.num_layers,
+                delete_stacked=True,
+                first_layer=layer_offsets(model_config),
+            )
+        holder["weights_s"] = time.perf_counter() - t
+        return Runner(
+            model_config,
+            params,
+            num_pages=num_pages,
+            page_size=page_size,
+            buckets=buckets,
+            kv_cache_dtype=resolve_kv_cache_dtype("auto", "bfloat16"),
+        )
+
+    core = EngineCore(cfg, progress=False, loaded=loaded, warmup=False, make_runner=make_runner)
+    return core, holder["weights_s"]
+
+
+def _generate(core, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
+    """Runs the prompts together to completion; wall, TTFT and decode figures."""
+    from jengine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    built = core.runner.programs_built
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", p, params)
+    first, counts, steps = {}, {}, 0
+    while core.has_unfinished:
+        outs = core.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            if n and out.request_id not in first:
+                first[out.request_id] = now - t0
+            counts[out.request_id] = counts.get(out.request_id, 0) + n
+    wall = time.perf_counter() - t0
+    total = sum(counts.values())
+    last_first = max(first.values())
+    decode_tokens = total - len(prompts)
+    return {
+        "wall_s": round(wall, 3),
+        "tokens": total,
+        "tok_per_s": round(total / wall, 1),
+        "ttft_median_s": round(statistics.median(first.values()), 4),
+        "decode_tok_per_s": round(decode_tokens / max(wall - last_first, 1e-9), 1),
+        "tpot_ms": round((wall - last_first) / max(new_tokens - 1, 1) * 1e3, 2),
+        "steps": steps,
+        "programs_compiled_in_run": core.runner.programs_built - built,
+    }
+
+
+def run_throughput(log: Log, plan: list[tuple[str, str, int]] | None = None) -> None:
+    import jax
+    import numpy as np
+
+    root = Path(tempfile.mkdtemp())
+    deadline = time.monotonic() + SECTIONS["throughput"] - 25
+    rng = np.random.default_rng(0)
+    plan = plan or (
+        [("pallas_gpu", "stacked", c) for c in CONCURRENCY]
+        + [("reference", "stacked", CONCURRENCY[1])]
+    )
+    core, backend = None, None
+    for want, layout, c in plan:
+        want = (want, layout)
+        if time.monotonic() > deadline:
+            log(backend=want, layout=layout, concurrency=c, skipped="out of time")
+            continue
+        try:
+            if backend != want:
+                del core
+                t = time.perf_counter()
+                core, weights_s = _engine_8b(root, want[0], KV_MEMORY, want[1])
+                backend = want
+                log(
+                    backend=want[0],
+                    layout=want[1],
+                    event="engine_ready",
+                    weights_s=round(weights_s, 1),
+                    start_s=round(time.perf_counter() - t, 1),
+                    num_pages=core.allocator.num_pages,
+                    device=str(jax.devices()[0]),
+                )
+            vocab = LLAMA3_8B["vocab_size"]
+            warm = [rng.integers(0, vocab, PROMPT_LEN).tolist() for _ in range(c)]
+            t = time.perf_counter()
+            _generate(core, warm, 3, f"warm{c}")  # compiles this C's programs
+            compile_s = time.perf_counter() - t
+            prompts = [rng.integers(0, vocab, PROMPT_LEN).tolist() for _ in range(c)]
+            row = _generate(core, prompts, NEW_TOKENS, f"run{c}")
+            log(
+                backend=want[0],
+                layout=want[1],
+                concurrency=c,
+                prompt_len=PROMPT_LEN,
+                new_tokens=NEW_TOKENS,
+                warmup_s=round(compile_s, 1),
+                **row,
+            )
+        except Exception as e:  # noqa: BLE001 - recorded; the plan goes on
+            log(
+                backend=want[0],
+                layout=want[1],
+                concurrency=c,
+                error=f"{type(e).__name__}: {e}"[:2000],
+            )
+            traceback.print_exc()
+            core, backend = None, None
+
+
+# --- the HF peer -----------------------------------------------------------------------------
+
+
+def run_hf(log: Log) -> None:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        **{k: v for k, v in LLAMA3_8B.items() if k not in ("model_type", "architectures")}
+    )
+    t = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).eval()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    log(
+        peer="hf_transformers",
+        event="model_ready",
+        seconds=round(time.perf_counter() - t, 1),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        attn=model.config._attn_implementation,
+    )
+    gen = torch.Generator(device=device).manual_seed(0)
+    deadline = time.monotonic() + SECTIONS["hf"] - 15
+    for c in CONCURRENCY:
+        if time.monotonic() > deadline:
+            log(peer="hf_transformers", concurrency=c, skipped="out of time")
+            continue
+        ids = torch.randint(0, config.vocab_size, (c, PROMPT_LEN), device=device, generator=gen)
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm
+            sync()
+            t = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, **kw)
+            sync()
+        wall = time.perf_counter() - t
+        new = (out.shape[1] - PROMPT_LEN) * c
+        log(
+            peer="hf_transformers",
+            concurrency=c,
+            wall_s=round(wall, 3),
+            tokens=new,
+            tok_per_s=round(new / wall, 1),
+        )
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def table(out: Path) -> str:
+    rows = [
+        json.loads(line)
+        for line in (out / "gpu_session.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    lines = [
+        "## Kernel checks (Pallas GPU vs reference)",
+        "",
+        "| dtype | heads / kv | D | window | cap | splits | block_q | rel err | max abs | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("check") == "correctness":
+            lines.append(
+                f"| {r['dtype']}{' kv int8' if r.get('kv_int8') else ''} | "
+                f"{r['heads']} / {r['kv_heads']} | {r.get('head_dim', 64)} | "
+                f"{r['window']} | {r.get('soft_cap')} | {r['splits']} | {r['block_q']} | "
+                f"{r.get('rel_err', float('nan')):.2e} | {r['max_abs_err']:.2e} | "
+                f"{r['ok']} |"
+            )
+    lines += ["", "## Decode attention time (bf16, ms)", ""]
+    for r in rows:
+        if r.get("check") == "decode_time":
+            parts = ", ".join(
+                f"{k.removeprefix('pallas_gpu_').removesuffix('_ms')} {v:.3f}"
+                for k, v in r.items()
+                if k.endswith("_ms")
+            )
+            lines.append(
+                f"- {r['batch']} x {r['context']}, {r['heads']}/{r['kv_heads']} heads, "
+                f"D {r['head_dim']}: {parts}; best {r['pallas_best_GBps']:.0f} GB/s"
+            )
+    lines += [
+        "",
+        "## Engine greedy parity",
+        "",
+        "| model | dtype | kv | backend | vs HF f32 | vs reference | s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["section"] == "parity" and "model" in r:
+            lines.append(
+                f"| {r['model']} | {r['dtype']} | {r['kv']} | {r['backend']} | "
+                f"{r.get('vs_hf', r.get('error'))} | {r.get('vs_ref')} | "
+                f"{r.get('seconds')} |"
+            )
+    lines += [
+        "",
+        f"## Throughput, Llama-3-8B shapes, random bf16 weights, {PROMPT_LEN} prompt "
+        f"+ {NEW_TOKENS} new tokens per request",
+        "",
+        "| server | C | tok/s | decode tok/s | TPOT ms | TTFT median s | wall s | "
+        "compiles in run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "concurrency" in r and "tok_per_s" in r:
+            who = (f"jengine {r['backend']} {r.get('layout', 'stacked')}" if r.get("backend")
+                   else r.get("peer"))
+            lines.append(
+                f"| {who} | {r['concurrency']} | {r['tok_per_s']} | "
+                f"{r.get('decode_tok_per_s', '-')} | {r.get('tpot_ms', '-')} | "
+                f"{r.get('ttft_median_s', '-')} | {r['wall_s']} | "
+                f"{r.get('programs_compiled_in_run', '-')} |"
+            )
+        elif "concurrency" in r:
+            lines.append(
+                f"| {r.get('backend') or r.get('peer')} | {r['concurrency']} | "
+                f"{r.get('error') or r.get('skipped')} | | | | | |"
+            )
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- {json.dumps(r)[:600]}" for r in errors]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
+    parser.add_argument("--dry", action="store_true", help="tiny shapes (a CPU check)")
+    parser.add_argument(
+        "--plan",
+        default=None,
+        help="throughput runs, e.g. pallas_gpu:unstacked:1,reference:stacked:32",
+    )
+    args = parser.parse_args()
+    if args.dry:
+        shrink_for_dry_run()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.section != "all":
+        plan = (
+            [
+                (b, layout, int(c))
+                for b, layout, c in (item.split(":") for item in args.plan.split(","))
+            ]
+            if args.plan
+            else None
+        )
+        runners = {
+            "kernels": run_kernels,
+            "parity": run_parity,
+            "accuracy": run_accuracy,
+            "throughput": functools.partial(run_throughput, plan=plan),
+            "hf": run_hf,
+        }
+        runners[args.section](Log(args.out, args.section))
+        return 0
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for section, limit in SECTIONS.items():
+        t = time.perf_counter()
+        cmd = [
+            sys.executable,
+            __file__,
+            "--out",
+            str(args.out),
+            "--section",
+            section,
+            *(["--dry"] if args.dry else []),
+        ]
+        try:
+            rc = subprocess.run(cmd, env=env, timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        Log(args.out, section)(
+            event="section_done", rc=rc, seconds=round(time.perf_counter() - t, 1)
+        )
+    text = table(args.out)
+    (args.out / "gpu_table.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
