@@ -22,8 +22,8 @@ class ModelSection:
     dtype: str = "auto"  # auto = bfloat16 on GPU/TPU and AMX-BF16 CPUs, else float32
     max_model_len: int | None = None  # None = min(model context, 2048)
     attention_backend: str = "auto"
-    # How layer weights sit in memory: auto = unstacked on CPU (read in place), stacked (one
-    # lax.scan over a leading layer axis) elsewhere; see jengine.models.layers.
+    # How layer weights sit in memory: auto = unstacked (per-layer arrays, read in place) on CPU
+    # and GPU, stacked (one lax.scan over a leading layer axis) on TPU; jengine.models.layers.
     layer_layout: str = "auto"
     # f32 projections of a few rows: auto = the native small-row kernel on one CPU device
     # (`native`), XLA's dot (`xla`) elsewhere; see jengine.models.matmul.resolve_matmul_backend.

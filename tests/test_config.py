@@ -68,3 +68,15 @@ def test_speculative_settings_from_keywords_flags_and_presets(tmp_path):
                 dict(speculative="ngram", num_speculative_tokens=0)):
         with pytest.raises(ValueError):
             make_proposer(build_config(None, "test", **bad).speculative)
+
+
+def test_auto_layer_layout_is_per_layer_arrays_except_on_tpu():
+    """Measured: per-layer arrays beat the scan over stacked weights on XLA:CPU and on an H200
+    (docs/kernels.md); TPU keeps the scan until it is measured."""
+    from jengine.models.layers import resolve_layer_layout
+
+    assert [resolve_layer_layout("auto", p) for p in ("cpu", "gpu", "tpu")] == [
+        "unstacked", "unstacked", "stacked"]
+    assert resolve_layer_layout("stacked", "gpu") == "stacked"
+    with pytest.raises(ValueError, match="unknown layer_layout"):
+        resolve_layer_layout("interleaved", "cpu")
