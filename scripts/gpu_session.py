@@ -125,8 +125,9 @@ def run_kernels(log: Log) -> None:
 
 
 def run_accuracy(log: Log) -> None:
-    """f32: the kernel and the reference (XLA's default precision, and `highest`) against a
-    float64 NumPy oracle, to tell which side rounds like tf32."""
+    """f32: the kernel and the reference (XLA's default precision, and `highest`) on the GPU
+    against the reference on the CPU at `highest` precision (exact f32 dots), to tell which
+    side rounds like tf32; relative errors (norm of the difference over the oracle's)."""
     import functools
 
     import gpu_attention_check as check
