@@ -128,7 +128,7 @@ class ServerState:
 
     def _fail(self, error: Exception) -> None:
         self.load_error = error
-        log.error("the engine failed to start: %s", error)
+        log.error("the server failed to start: %s", error)
         if self.on_load_error is not None:
             self.on_load_error()
 
