@@ -6,6 +6,7 @@ and read their deltas from asyncio queues on their own event loops. The step loo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -117,6 +118,17 @@ class AsyncEngine:
             self._commands.append(("abort", request_id))
             self._lock.notify()
 
+    async def reset_prefix_cache(self) -> int:
+        """Drops the cached pages no request holds and zeroes the prefix-cache counters, between
+        two steps of the engine thread (the cache is that thread's); returns the pages freed."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            if self.error is not None:
+                raise RuntimeError(f"engine failed: {self.error}")
+            self._commands.append(("reset_prefix_cache", done))
+            self._lock.notify()
+        return await asyncio.wrap_future(done)
+
     def shutdown(self) -> None:
         with self._lock:
             self._stopped = True
@@ -149,15 +161,20 @@ class AsyncEngine:
             log.exception("the engine thread died; requests in flight: %s",
                           ", ".join(sorted(streams)[:20]) or "none")
             failure = RuntimeError(f"engine failed: {e}")
-            for kind, arg in self._taken + pending:  # adds not yet answered
+            for kind, arg in self._taken + pending:  # commands not yet answered
                 if kind == "add":
                     self._resolve(arg[0], arg[-1], failure)
+                elif kind == "reset_prefix_cache" and not arg.done():
+                    arg.set_exception(failure)
             for rid in streams:
                 self._deliver(rid, failure)
 
     def _run_command(self, kind: str, arg: Any) -> None:
         if kind == "abort":
             self.core.abort(arg)
+            return
+        if kind == "reset_prefix_cache":
+            arg.set_result(self.core.reset_prefix_cache())
             return
         rid, prompt, params, grammar, done = arg
         try:

@@ -17,6 +17,9 @@ import dataclasses
 import numpy as np
 from scheduler_harness import FakeRunner, solo_tokens
 
+from jengine.async_engine import AsyncEngine
+from jengine.core.engine_core import EngineCore
+from jengine.engine import build_config
 from jengine.runtime.step_io import MAX_TOP_LOGPROBS, StepResult
 from jengine.scheduling.sequence import PENDING
 
@@ -88,3 +91,11 @@ class ArithmeticRunner:
 
     def follow(self) -> int:
         raise RuntimeError("the fake runner has no followers")
+
+
+def fake_async_engine() -> AsyncEngine:
+    """The real `EngineCore` (`--config test`) and engine thread over `ArithmeticRunner`."""
+    core = EngineCore(build_config(None, "test"), progress=False, make_runner=ArithmeticRunner)
+    engine = AsyncEngine.__new__(AsyncEngine)
+    engine._start(core)  # the real engine thread, over the fake model
+    return engine

@@ -11,12 +11,17 @@ from collections.abc import Iterator
 import uvicorn
 
 
-@contextlib.contextmanager
-def serving(app) -> Iterator[str]:
-    """Serves `app` on a free loopback port until the block ends; yields its base URL."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app, port: int | None = None) -> Iterator[str]:
+    """Serves `app` on `port` (default: a free one) of the loopback interface until the block
+    ends; yields its base URL."""
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

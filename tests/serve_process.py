@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from local_server import free_port  # tests/local_server.py
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -43,6 +43,8 @@ class Server:
         self.grpc_target = f"127.0.0.1:{grpc_port}" if grpc_port else None
         self.log = log
         self.health_seen = health_seen  # (status, body) of /health while starting
+        self.ready_at = time.time()  # when /health first answered 200 (this is made then)
+        self.metrics_at_ready = self.metrics()  # before any test sent anything
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0,
@@ -67,18 +69,12 @@ class Server:
         return values
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(log: Path) -> Iterator[Server]:
     """Starts the server (its output to `log`), waits until /health is 200, and stops it with
     SIGTERM at the end unless a test already did."""
-    port = _free_port()
-    grpc_port = _free_port() if grpc is not None else None
+    port = free_port()
+    grpc_port = free_port() if grpc is not None else None
     cmd = [sys.executable, "-m", "jengine.cli", "serve", "--config", "test", "--port", str(port),
            "--api-key", KEY]
     if grpc_port:

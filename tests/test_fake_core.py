@@ -10,13 +10,11 @@ import time
 
 import openai
 import pytest
-from fake_runner import ArithmeticRunner, expected_ids
+from fake_runner import expected_ids, fake_async_engine
 from local_server import serving
 
 from jengine.async_engine import AsyncEngine
 from jengine.config import ServerConfig
-from jengine.core.engine_core import EngineCore
-from jengine.engine import build_config
 from jengine.server.app import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -24,9 +22,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def fake_engine():
-    core = EngineCore(build_config(None, "test"), progress=False, make_runner=ArithmeticRunner)
-    engine = AsyncEngine.__new__(AsyncEngine)
-    engine._start(core)  # the real engine thread, over the fake model
+    engine = fake_async_engine()
     yield engine
     engine.shutdown()
 

@@ -21,7 +21,7 @@ from scheduler_harness import (
 )
 
 from jengine.scheduling.page_allocator import PageAllocator
-from jengine.scheduling.prefix_cache import PrefixCache
+from jengine.scheduling.prefix_cache import PrefixCache, PrefixCacheStats
 from jengine.scheduling.sequence import PENDING, SequenceStatus
 
 PS = 4  # page size of the unit tests
@@ -117,6 +117,20 @@ def test_pages_a_sequence_holds_are_never_evicted():
     assert alloc.num_evictable == 1 and cache.evict(3) == 1
     alloc.free(pages[:2])
     assert cache.evict(3) == 2 and alloc.num_free == 31
+
+
+def test_reset_drops_every_page_nobody_holds_and_zeroes_the_counters():
+    alloc, cache = cache_with()
+    computed(alloc, cache, list(range(1, 9)))  # two pages only the tree holds
+    held = alloc.allocate(1)
+    cache.insert([7] * PS, held)  # a running sequence's page
+    cache.stats.queries, cache.stats.hit_tokens = 3, 8
+    assert cache.evict(1) == 1 and cache.stats.evicted_pages == 1
+    assert cache.reset() == 1  # the last page nobody holds
+    assert cache.stats == PrefixCacheStats()
+    assert cache.num_pages == 1 and cache.match([7] * PS) == held
+    alloc.free(held)
+    assert cache.reset() == 1 and cache.num_pages == 0 and alloc.num_free == 31
 
 
 def test_allocator_counts_evictable_pages_through_share_and_free():

@@ -89,6 +89,10 @@ class CoreContract(Protocol):
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request at once and frees what it holds; its final delta, if it ran."""
 
+    def reset_prefix_cache(self) -> int:
+        """Drops the cached pages no request holds and zeroes the prefix-cache counters (so
+        the server's start-up requests leave nothing behind); returns the pages freed."""
+
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; the deltas of the requests it advanced."""
 

@@ -153,8 +153,7 @@ class EngineCore:
         warm = (warmup or require_warm) and self.distributed.is_leader
         self.warmup_seconds = warm_up(self.runner, progress, require_warm) if warm else 0.0
         phases.end("step programs")
-        # Seconds per start-up phase, in order (what `jengine generate` prints on stderr).
-        self.start_phases = phases.seconds
+        self.start_phases = phases.seconds  # per start-up phase, in order (`generate` prints them)
         log.info("engine ready in %.1fs (%s)", sum(phases.seconds.values()), self.phase_summary())
         if self.distributed.num_processes > 1 and self.distributed.is_leader:
             atexit.register(self.runner.stop_followers)
@@ -244,6 +243,9 @@ class EngineCore:
             return None
         self.scheduler.abort(request_id)  # every unfinished sequence ends with "abort"
         return state.take_delta()
+
+    def reset_prefix_cache(self) -> int:
+        return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
     @property
     def has_unfinished(self) -> bool:

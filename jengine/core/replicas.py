@@ -141,6 +141,9 @@ class ReplicaSet:
         core = self._owner.pop(request_id, None)
         return core.abort(request_id) if core is not None else None
 
+    def reset_prefix_cache(self) -> int:
+        return sum(r.reset_prefix_cache() for r in self.replicas)
+
     def follow(self) -> int:
         raise RuntimeError("data-parallel replicas run in one process; nothing follows them")
 

@@ -234,3 +234,10 @@ class PrefixCache:
         """Evicts every evictable page; returns how many."""
         return self.evict(self.allocator.num_evictable)
 
+    def reset(self) -> int:
+        """`clear`, and the counters back to zero: as if nothing had been cached (pages that
+        running sequences hold stay). Returns the pages freed."""
+        freed = self.clear()
+        self.stats = PrefixCacheStats()
+        return freed
+

@@ -3,9 +3,11 @@
     jengine serve [engine flags] [--host H] [--port P] [--api-key K] [--max-queue N]
 
 `serve` validates the configuration, starts listening at once and builds the engine in a
-background thread (warm-up compiles show a progress bar on stderr; `/health` answers 503 until
-the engine is ready). SIGTERM stops admission (new requests get 503, `/health` 503), lets
-in-flight requests finish within `drain_timeout` seconds, then shuts the engine down.
+background thread (warm-up compiles show a progress bar on stderr), then sends itself a few real
+requests through its own socket, so that the first client does not pay Python's first pass
+through the request path (`warmup.py`); `/health` answers 503 until all that is done. SIGTERM
+stops admission (new requests get 503, `/health` 503), lets in-flight requests finish within
+`drain_timeout` seconds, then shuts the engine down.
 
 Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (completions.py, chat.py), and
 `/health`, `/metrics`, `/version`, `/tokenize`, `/detokenize` here. Handlers only translate
@@ -39,6 +41,7 @@ from jengine.server.middleware import EdgeMiddleware
 from jengine.server.openapi import install_openapi
 from jengine.server.protocol import DetokenizeRequest, TokenizeRequest, check_text_fields
 from jengine.server.state import ServerState, served_model_name
+from jengine.server.warmup import loopback_url
 from jengine.text.chat import render_chat
 
 if TYPE_CHECKING:
@@ -99,7 +102,8 @@ def create_app(
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, api_key=config.api_key,
-                       max_body_bytes=config.max_body_bytes, log_requests=config.log_requests)
+                       max_body_bytes=config.max_body_bytes, log_requests=config.log_requests,
+                       warmup_token=state.warmup_token)
     if config.allowed_origins:  # added last, so outermost: preflights need no API key
         app.add_middleware(
             CORSMiddleware, allow_origins=list(config.allowed_origins),
@@ -276,6 +280,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     state: ServerState = app.state.server
     sock = _listen(config.host, config.port)
+    state.warmup_url = loopback_url(sock, tls=bool(config.ssl_certfile))
     uv_config = uvicorn.Config(
         app, access_log=False, log_config=None, timeout_graceful_shutdown=drain_timeout,
         ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,

@@ -48,7 +48,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     tools = body.tool_setup()
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
-    engine = state.admit()
+    engine = state.admit(request)
     state.check_limits(params, 1, engine.core.model.max_model_len)
     # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
     prompt = await asyncio.to_thread(

@@ -42,7 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise bad_request("max_tokens may be 0 only with echo (to score the prompt)",
                           "max_tokens")
     params = body.sampling_params()
-    engine = state.admit()
+    engine = state.admit(request)
     state.check_limits(params, len(prompts), engine.core.model.max_model_len)
     # Text is tokenized here, off the event loop, not in the engine thread that steps everyone.
     prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,

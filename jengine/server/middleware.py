@@ -7,6 +7,8 @@
   `/version` (and the other routes outside `/v1`) stay open. Checked before the body is read,
   so a request without the key gets 401 whatever its body.
 - Body size: a POST body over `max_body_bytes` is a 413 before anything parses it.
+- `X-Jengine-Warmup`: a request that carries this process's secret `warmup_token` is one of the
+  server's own start-up requests (`jengine.server.warmup`); `request.state.warmup` says so.
 
 A plain ASGI middleware (not Starlette's `BaseHTTPMiddleware`) hands the app a `receive` that
 replays the body and then is the client's own, so a streaming response still sees the client
@@ -29,6 +31,7 @@ log = logging.getLogger("jengine.server")
 
 MAX_REQUEST_ID = 128
 QUIET_PATHS = ("/health", "/metrics")  # polled: logged at DEBUG only
+WARMUP_HEADER = "x-jengine-warmup"
 
 
 _REQUEST_ID = re.compile(rf"[A-Za-z0-9._:~/+=@-]{{1,{MAX_REQUEST_ID}}}")
@@ -44,9 +47,10 @@ def clean_request_id(value: str | None) -> str | None:
 
 class EdgeMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int = 4 * 2**20,
-                 log_requests: bool = True):
+                 log_requests: bool = True, warmup_token: str | None = None):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.warmup_token = warmup_token.encode() if warmup_token else None
         self.max_body_bytes = max_body_bytes
         self.log_level = logging.INFO if log_requests else logging.DEBUG
 
@@ -57,6 +61,7 @@ class EdgeMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         request_id = clean_request_id(headers.get("x-request-id")) or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        scope["state"]["warmup"] = self._is_warmup(headers.get(WARMUP_HEADER))
         status = 0
 
         async def send_with_id(message: Message) -> None:
@@ -106,6 +111,10 @@ class EdgeMiddleware:
             return messages.pop(0) if messages else await receive()
 
         return None, replay
+
+    def _is_warmup(self, token: str | None) -> bool:
+        return bool(self.warmup_token and token) and hmac.compare_digest(
+            token.encode("latin-1"), self.warmup_token)
 
     def _check_key(self, path: str, authorization: str | None) -> APIError | None:
         if self.api_key is None or not (path == "/v1" or path.startswith("/v1/")):

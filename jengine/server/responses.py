@@ -93,7 +93,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         messages = chat.template_messages()
         tools = chat.tool_setup()
         params = chat.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
-    engine = state.admit()
+    engine = state.admit(request)
     with _in_responses_terms():
         state.check_limits(params, 1, engine.core.model.max_model_len)
         # Rendering and tokenizing a long input takes a while: not in the event loop's thread.

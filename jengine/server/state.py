@@ -1,14 +1,17 @@
 """`ServerState`: what one app knows about its engine, and who may reach it.
 
 The engine is built in a background thread while the server already listens, so that `/health`
-can say 503 during warm-up. Admission (`admit`) is the one place that turns the server's state
-into 503s and 500s: still loading, draining after SIGTERM, engine dead, waiting queue full.
+can say 503 during warm-up; with `warmup_url` set, the thread then sends the server's start-up
+requests (`jengine.server.warmup`) before the engine serves anyone else. Admission (`admit`) is
+the one place that turns the server's state into 503s and 500s: still loading, draining after
+SIGTERM, engine dead, waiting queue full.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -21,6 +24,7 @@ from jengine.sampling_params import SamplingParams
 from jengine.server.errors import APIError, bad_request, engine_failed, unavailable
 from jengine.server.metrics import ServerMetrics
 from jengine.server.middleware import clean_request_id
+from jengine.server.warmup import MAX_TOKENS, warm_up
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
@@ -72,6 +76,12 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: self.engine, lambda: self.num_queued)
         self.on_load_error: Callable[[], None] | None = None
+        # The start-up requests: sent to `warmup_url` (None: none, the caller's choice) with
+        # `warmup_token`; admitted to `_warming` alone, and counted in metrics nobody reads.
+        self.warmup_url: str | None = None
+        self.warmup_token = secrets.token_urlsafe(24)
+        self.warmup_metrics = ServerMetrics(lambda: None, lambda: 0)
+        self._warming: AsyncEngine | None = None
         self._ids = itertools.count()
         self.chat_template = load_chat_template(config.chat_template)
         self.request_log_level = logging.INFO if config.log_requests else logging.DEBUG
@@ -94,14 +104,33 @@ class ServerState:
         try:
             engine = build()
         except Exception as e:  # noqa: BLE001 - any failure to start is reported, not raised
-            self.load_error = e
-            log.error("the engine failed to start: %s", e)
-            if self.on_load_error is not None:
-                self.on_load_error()
+            self._fail(e)
             return
+        if self.warmup_url is not None:
+            try:
+                self._warm_up(engine)
+            except Exception as e:  # noqa: BLE001 - as above: the server does not start
+                engine.shutdown()
+                self._fail(e)
+                return
         self.attach(engine, owned=True)
         log.info("engine ready in %.1f s: serving %r (max_model_len %d)",
                  time.perf_counter() - start, self.model_name, engine.core.model.max_model_len)
+
+    def _warm_up(self, engine: AsyncEngine) -> None:
+        self._warming = engine
+        try:
+            warm_up(engine, self.warmup_url, token=self.warmup_token, model=self.model_name,
+                    api_key=self.config.api_key, chat_template=self.chat_template,
+                    max_tokens=min(MAX_TOKENS, self.config.max_tokens_per_request))
+        finally:
+            self._warming = None
+
+    def _fail(self, error: Exception) -> None:
+        self.load_error = error
+        log.error("the server failed to start: %s", error)
+        if self.on_load_error is not None:
+            self.on_load_error()
 
     def shutdown(self) -> None:
         if self.engine is not None and self.owns_engine:
@@ -132,8 +161,11 @@ class ServerState:
             raise engine_failed(self.engine.error or "the engine thread stopped")
         return self.engine
 
-    def admit(self) -> AsyncEngine:
-        """The engine for a new generation request, or a 503/500 that says why not."""
+    def admit(self, request: Any = None) -> AsyncEngine:
+        """The engine for a new generation request, or a 503/500 that says why not. `request`:
+        the HTTP request, so that a start-up request gets in before the server is ready."""
+        if self._warming is not None and is_warmup(request):
+            return self._warming
         engine = self.ready_engine()
         if self.draining:
             self.metrics.rejected.labels(reason="draining").inc()
@@ -143,6 +175,11 @@ class ServerState:
             raise unavailable(f"the waiting queue is full ({self.config.max_queue} requests); "
                               "retry later", "queue_full")
         return engine
+
+    def metrics_for(self, request: Any) -> ServerMetrics:
+        """The metrics a request's latencies and tokens go to: the scratch set for a start-up
+        request, the served one for everyone else."""
+        return self.warmup_metrics if is_warmup(request) else self.metrics
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -190,3 +227,9 @@ class ServerState:
         """An id unique in the engine that starts with the client's X-Request-Id, if any."""
         base = client_id or uuid.uuid4().hex
         return f"{base}-{next(self._ids)}"
+
+
+def is_warmup(request: Any) -> bool:
+    """Whether an HTTP request is one of the server's own start-up requests (the edge
+    middleware found the secret token on it)."""
+    return request is not None and getattr(request.state, "warmup", False)

@@ -28,6 +28,7 @@ from jengine.server.errors import APIError, bad_request, engine_failed, invalid_
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
+    from jengine.server.metrics import ServerMetrics
     from jengine.server.state import ServerState
 
 log = logging.getLogger("jengine.server")
@@ -62,8 +63,10 @@ class EngineStream:
         params: SamplingParams,
         request_id: str,
         is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+        metrics: ServerMetrics | None = None,
     ):
         self.state = state
+        self.metrics = metrics or state.metrics  # (a scratch set for the start-up requests)
         self.engine = engine
         self.request_id = request_id
         self.params = params
@@ -145,7 +148,7 @@ class EngineStream:
 
     def _account(self, index: int, delta: RequestOutput) -> None:
         now = time.perf_counter()
-        metrics = self.state.metrics
+        metrics = self.metrics
         if self._first_at is None:
             self._first_at = now
             self.state.num_queued -= 1
@@ -184,9 +187,9 @@ class EngineStream:
         unfinished = total - len(self._finish)
         reasons = list(self._finish.values()) + [self._ended or "abort"] * unfinished
         for reason in reasons:
-            self.state.metrics.requests.labels(finish_reason=reason).inc()
+            self.metrics.requests.labels(finish_reason=reason).inc()
         elapsed = time.perf_counter() - self.arrival
-        self.state.metrics.e2e.observe(elapsed)
+        self.metrics.e2e.observe(elapsed)
         ttft = f"{self._first_at - self.arrival:.3f}s" if self._first_at else "-"
         log.log(self.state.request_log_level,
                 "request %s done: finish=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
@@ -208,7 +211,7 @@ async def start_stream(
     except ValueError as e:
         raise bad_request(str(e), constraint_param) from None
     stream = EngineStream(state, engine, prompts, params, state.new_request_id(response_id),
-                          request.is_disconnected)
+                          request.is_disconnected, state.metrics_for(request))
     try:
         await stream.first()
     except BaseException:
