@@ -1,6 +1,7 @@
 """The native small-row matmul (`jengine.pallas_kernels.cpu_matmul`) against a float64 oracle
 and `jnp.dot`, on every instruction-set path this CPU runs, for f32, bf16 and int8 weights, and
-the engine's greedy tokens with it on and off (`matmul_backend`)."""
+the engine's greedy tokens with it on and off (`matmul_backend`); the AMX kernel over packed
+bf16 weights (`amx_tiles`, `amx_matmul`) against the oracle where the CPU has AMX-BF16."""
 
 from __future__ import annotations
 
@@ -240,3 +241,85 @@ def test_engine_w8a16_greedy_tokens_equal_with_kernel_on_and_off(tiny, tmp_path)
         engine = Engine(str(tiny), config=str(config), quantization="w8a16", progress=False)
         tokens[backend] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert tokens["native"] == tokens["xla"]
+
+
+# -- the AMX kernel over packed bf16 weights (cpu_matmul.amx_matmul) ------------------------------
+
+needs_amx = pytest.mark.skipif(
+    not (cpu_matmul.available() and cpu_matmul.amx_available()),
+    reason="no AMX-BF16 here (or Linux gave this process no tile state)")
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.bfloat16))
+
+
+def _check_amx(x: np.ndarray, w: np.ndarray, **kw) -> None:
+    """amx_matmul of bf16-valued x (f32 and bf16) and bf16 w against a float64 oracle."""
+    n = w.shape[1]
+    tiles = jnp.asarray(cpu_matmul.amx_tiles(w))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    # f32 sums of K exact products: within K ulps of the largest partial sum, relative to |x| |w|.
+    bound = 1e-6 * x.shape[1] * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
+    for xd in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(jax.jit(lambda a, t: cpu_matmul.amx_matmul(a, t, n, **kw))(
+            jnp.asarray(x).astype(xd), tiles))
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.all(np.abs(got - want) <= bound + 1e-30), (xd, np.max(np.abs(got - want)))
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 520])
+def test_amx_rows_against_oracle(rows):
+    """Row counts below, at and past one A tile (16) and one block (32), and a prefill chunk
+    past 512; K = 70 and N = 300 are not multiples of 32 (zero-padded in x and the tiles)."""
+    rng = np.random.default_rng(rows)
+    _check_amx(_bf16(rng.standard_normal((rows, 70), np.float32)),
+               _bf16(rng.standard_normal((70, 300), np.float32)))
+
+
+@needs_amx
+@pytest.mark.parametrize("k, n", [(1, 1), (31, 33), (576, 192), (1536, 576), (100, 1000)])
+def test_amx_shapes_and_threads(k, n):
+    """Tiny and model-sized K and N, one thread and all of them; exact zeros stay zero."""
+    rng = np.random.default_rng(k + n)
+    w = _bf16(rng.standard_normal((k, n), np.float32))
+    for rows in (3, 48):
+        x = _bf16(rng.standard_normal((rows, k), np.float32))
+        for threads in (0, 1):
+            _check_amx(x, w, max_threads=threads)
+    zeros = np.asarray(cpu_matmul.amx_matmul(jnp.zeros((4, k), jnp.bfloat16),
+                                             jnp.asarray(cpu_matmul.amx_tiles(w)), n))
+    assert not zeros.any()
+
+
+def test_amx_tiles_layout():
+    """Strip s, k step ks, half h, pair row p, column c, word i hold w[32 ks + 2p + i,
+    32 s + 16 h + c]; zeros past K and N."""
+    rng = np.random.default_rng(5)
+    k, n = 70, 45
+    w = _bf16(rng.standard_normal((k, n), np.float32))
+    tiles = cpu_matmul.amx_tiles(w)
+    assert tiles.shape == (2, 3, *cpu_matmul.AMX_TILE) and tiles.dtype == w.dtype
+    padded = np.zeros((96, 64), w.dtype)
+    padded[:k, :n] = w
+    for s, ks, h, p, c, i in np.ndindex(2, 3, 2, 16, 16, 2):
+        assert tiles[s, ks, h, p, 2 * c + i] == padded[32 * ks + 2 * p + i, 32 * s + 16 * h + c]
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        cpu_matmul.amx_tiles(w.astype(np.float32))
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        cpu_matmul.amx_tiles(w[None])
+
+
+@needs_amx
+def test_amx_zero_rows_and_bad_operands():
+    w = _bf16(np.ones((64, 40), np.float32))
+    tiles = jnp.asarray(cpu_matmul.amx_tiles(w))
+    assert cpu_matmul.amx_matmul(jnp.ones((0, 64), jnp.bfloat16), tiles, 40).shape == (0, 40)
+    for x, n in ((jnp.ones((2, 64), jnp.float16), 40),  # dtype
+                 (jnp.ones((2, 96), jnp.bfloat16), 40),  # K beyond the tiles
+                 (jnp.ones((2, 64), jnp.bfloat16), 70),  # N beyond them
+                 (jnp.ones((64,), jnp.bfloat16), 40)):  # not 2-D
+        with pytest.raises(ValueError, match="amx_matmul takes"):
+            cpu_matmul.amx_matmul(x, tiles, n)
+

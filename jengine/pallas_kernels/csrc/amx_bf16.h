@@ -1,0 +1,193 @@
+// y[R, N] = x[R, K] @ w[K, N] on the AMX tiles for a bf16 weight packed once, at load time, into
+// the tiles' layout (jengine.pallas_kernels.cpu_matmul.amx_tiles); x is bf16, or f32 holding
+// bf16 values. The sums are f32 (TDPBF16PS), and so is y. Included by small_matmul.cc.
+//
+// Why: XLA:CPU runs a bf16 dot on the tiles too, but each dot on one thread, and a projection
+// of a few rows on slower code still (docs/kernels.md, "AMX bf16 projections"). Here the output
+// columns are split over XLA's intra-op pool. The weight is packed once so that each call reads
+// its tiles straight from memory: repacking the row-major weight on every call would read and
+// write every weight byte again per call, in a step whose few-row calls only stream them.
+//
+// Blocking: each thread takes a contiguous run of strips of 32 output columns (two B tiles a k
+// step, contiguous in the packed weight) and runs every block of 32 rows (two A tiles) against
+// a strip while the strip is in cache, into four C tiles (tmm0-3; A in tmm4-5, B in tmm6-7), so
+// each weight byte is read from memory once for all R rows. Rows are padded to 16 and k to 32
+// with zeros in a staged copy of x (bf16 x of a shape the tiles fit is read in place); the C
+// tiles go through a per-thread buffer to y, which takes only the real rows and columns.
+
+#ifndef JENGINE_AMX_BF16_H_
+#define JENGINE_AMX_BF16_H_
+
+#if defined(__x86_64__)
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "parallel_for.h"
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+
+namespace jengine {
+namespace amx {
+
+constexpr int64_t kTileRows = 16;  // rows of an A or C tile, k pairs of a B tile
+constexpr int64_t kTileK = 32;     // bf16 elements of k in one A tile row
+constexpr int64_t kStrip = 32;     // output columns a thread packs and computes at a time
+
+// Linux hands a process the tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without that the first tile instruction faults. Asked once.
+inline bool Permitted() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) {
+      return false;
+    }
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: C f32 16 x 16, A bf16 16 x 32, B 16 k pairs x 16 columns.
+inline void Configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// x [R, K] f32 -> bf16 [Rp, Kp] (round to nearest even; exact for bf16-valued x), zero-padded.
+inline void StageRows(const float* x, int64_t R, int64_t K, int64_t Kp, uint16_t* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* src = x + r * K;
+    uint16_t* dst = out + r * Kp;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + k));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                          reinterpret_cast<const __m256i&>(h));
+    }
+    if (k < K) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + k));
+      _mm256_mask_storeu_epi16(dst + k, m, reinterpret_cast<const __m256i&>(h));
+    }
+  }
+}
+
+// How far ahead of the tiles in use the first block of rows prefetches the packed weight:
+// without it each tile load waits for memory and the tile products wait for the loads
+// (R = 64: 33 ms of SmolLM2's projections on one thread = its 21.5 ms of streaming plus
+// its 14.6 ms of products).
+constexpr int64_t kPrefetchBytes = 4096;
+
+// The sums of rows [r0, r0 + 16 * row_tiles) of the staged x and one strip of 32 columns:
+// its Kp / 32 k steps of two B tiles each (1 KiB a tile), into acc (row stride acc_stride).
+inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t r0,
+                  int row_tiles, float* acc, int64_t acc_stride, bool prefetch) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t a_stride = Kp * 2;
+  const uint16_t* a0 = xs + r0 * Kp;
+  const uint16_t* a1 = a0 + kTileRows * Kp;
+  for (int64_t ks = 0; ks < Kp / kTileK; ++ks) {
+    const uint16_t* b = strip + ks * 1024;
+    if (prefetch) {  // the weight kPrefetchBytes ahead (the next strip's, past this one's end)
+      const char* ahead = reinterpret_cast<const char*>(b) + kPrefetchBytes;
+      for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+    }
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + 512, 64);
+    _tile_loadd(4, a0 + ks * kTileK, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (row_tiles == 2) {
+      _tile_loadd(5, a1 + ks * kTileK, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  float* c0 = acc + r0 * acc_stride;
+  float* c1 = c0 + kTileRows * acc_stride;
+  const int64_t cs = acc_stride * 4;
+  _tile_stored(0, c0, cs);
+  _tile_stored(1, c0 + 16, cs);
+  if (row_tiles == 2) {
+    _tile_stored(2, c1, cs);
+    _tile_stored(3, c1 + 16, cs);
+  }
+}
+
+// y [R, N] = x [R, K] @ w, w given in the tiles' layout (`tiles` [S, Kp / 32, 2, 16, 32]
+// bf16, S = ceil(N / 32): strip s, k step ks, half h holds the B tile whose word pair (p, c)
+// is (w[32 ks + 2p][32 s + 16 h + c], w[32 ks + 2p + 1][...]), zeros past K and N; packed once
+// at load time, cpu_matmul.amx_tiles). The strips are split over the pool's threads (at most
+// `max_threads`); each runs every block of 32 rows against a strip while the strip is in
+// cache, so each weight byte is read from memory once.
+// x is f32 (bf16 values) or bf16 bits (`x_bf16`); bf16 rows whose shape fits the tiles (R a
+// multiple of 16, K of 32) are read in place, others staged in a padded copy.
+inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const void* x,
+                         bool x_bf16, const uint16_t* tiles, float* y, int64_t R, int64_t K,
+                         int64_t Kp, int64_t N) {
+  const int64_t Rp = (R + kTileRows - 1) / kTileRows * kTileRows;
+  std::vector<uint16_t> staged;
+  const uint16_t* xs = static_cast<const uint16_t*>(x);
+  if (!x_bf16 || Rp != R || Kp != K) {
+    staged.assign(Rp * Kp, 0);
+    if (x_bf16) {
+      for (int64_t r = 0; r < R; ++r) std::memcpy(&staged[r * Kp], xs + r * K, K * 2);
+    } else {
+      StageRows(static_cast<const float*>(x), R, K, Kp, staged.data());
+    }
+    xs = staged.data();
+  }
+  const int64_t strips = (N + kStrip - 1) / kStrip;
+  const int64_t parts = std::min(KernelThreads(pool, max_threads), strips);
+  ParallelFor(pool, parts, parts, [&](int64_t part, int64_t) {
+    const int64_t s0 = part * strips / parts, s1 = (part + 1) * strips / parts;
+    const int64_t width = (s1 - s0) * kStrip;
+    thread_local std::vector<float> acc_store;  // 64-byte aligned below
+    if (static_cast<int64_t>(acc_store.size()) < Rp * width + 16) {
+      acc_store.resize(Rp * width + 16);
+    }
+    float* acc = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(acc_store.data()) + 63) & ~uintptr_t{63});
+    Configure();
+    for (int64_t s = s0; s < s1; ++s) {
+      const uint16_t* strip = tiles + s * (Kp / kTileK) * 1024;
+      for (int64_t r0 = 0; r0 < Rp; r0 += 2 * kTileRows) {
+        Block(xs, Kp, strip, r0, Rp - r0 >= 2 * kTileRows ? 2 : 1,
+              acc + (s - s0) * kStrip, width, r0 == 0);
+      }
+    }
+    _tile_release();
+    const int64_t c0 = s0 * kStrip, cols = std::min(N, s1 * kStrip) - c0;
+    for (int64_t r = 0; r < R; ++r) std::memcpy(y + r * N + c0, acc + r * width, cols * 4);
+  });
+}
+
+}  // namespace amx
+}  // namespace jengine
+
+#pragma GCC pop_options
+
+#endif  // __x86_64__
+#endif  // JENGINE_AMX_BF16_H_
