@@ -1,7 +1,8 @@
 """The native small-row matmul (`jengine.pallas_kernels.cpu_matmul`) against a float64 oracle
 and `jnp.dot`, on every instruction-set path this CPU runs, for f32, bf16 and int8 weights, and
 the engine's greedy tokens with it on and off (`matmul_backend`); the AMX kernel over packed
-bf16 weights (`amx_tiles`, `amx_matmul`) against the oracle where the CPU has AMX-BF16."""
+bf16 weights (`amx_tiles`, `amx_matmul`) against the oracle where the CPU has AMX-BF16, and
+SmolLM2's projections packed as the engine packs them."""
 
 from __future__ import annotations
 
@@ -183,12 +184,14 @@ def test_dot_routes_only_the_shapes_it_fits(flags, monkeypatch):
 
 
 def test_resolve_matmul_backend():
-    assert matmul.resolve_matmul_backend("auto", "cpu", 1) == "native"
+    here = "amx" if cpu_matmul.amx_available() else "native"
+    assert matmul.resolve_matmul_backend("auto", "cpu", 1) == here
     assert matmul.resolve_matmul_backend("auto", "cpu", 2) == "xla"
     assert matmul.resolve_matmul_backend("auto", "gpu", 1) == "xla"
     assert matmul.resolve_matmul_backend("xla", "cpu", 1) == "xla"
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        matmul.resolve_matmul_backend("native", "cpu", 2)
+    for backend in ("native", "amx"):
+        with pytest.raises(ValueError, match="tensor parallelism"):
+            matmul.resolve_matmul_backend(backend, "cpu", 2)
     with pytest.raises(ValueError, match="unknown matmul_backend"):
         matmul.resolve_matmul_backend("blas", "cpu", 1)
 
@@ -323,3 +326,53 @@ def test_amx_zero_rows_and_bad_operands():
         with pytest.raises(ValueError, match="amx_matmul takes"):
             cpu_matmul.amx_matmul(x, tiles, n)
 
+
+
+@needs_amx
+def test_pack_projections_and_dot_on_smollm2():
+    """SmolLM2's bf16 layer weights packed as the engine packs them: every projection becomes
+    an `AmxPacked` (wo with its head axes merged into K), the rest stays as it was, and the
+    model's own projection calls give the float64 oracle's products through the kernel."""
+    from converters import load_source
+    from jengine.models import family_module, layers
+
+    loaded = load_source(None, dtype="bfloat16", progress=False)
+    cfg = loaded.config
+    specs = family_module(cfg).param_specs(cfg)
+    host = {name: np.asarray(loaded.params[name]) for name in specs if name in loaded.params}
+    params = jax.device_put(layers.unstack_layers(host, family_module(cfg).LAYER_KEYS,
+                                                  cfg.num_layers))
+    first = params["layers"][0]
+    originals = {name: np.asarray(w) for name, w in first.items()}
+    packed = matmul.pack_projections(params, specs)
+    assert packed["embed"] is params["embed"] and len(packed["layers"]) == cfg.num_layers
+    got = packed["layers"][0]
+    assert {n for n, w in got.items() if isinstance(w, matmul.AmxPacked)} == set(
+        matmul.AMX_PROJECTIONS)
+    assert got["attn_norm"] is first["attn_norm"]
+    assert got["wo"].shape == (cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+    rng = np.random.default_rng(0)
+    for rows in (1, 7, 64):
+        x = _bf16(rng.standard_normal((rows, cfg.hidden_size), np.float32))
+        attn = _bf16(rng.standard_normal((rows, cfg.num_heads, cfg.head_dim), np.float32))
+        h = _bf16(rng.standard_normal((rows, cfg.intermediate_size), np.float32))
+        cases = [(x, name, "te,ehd->thd") for name in ("wq", "wk", "wv")]
+        cases += [(x, name, "te,ef->tf") for name in ("w_gate", "w_up")]
+        cases += [(h, "w_down", "tf,fe->te")]
+        for inp, name, eq in cases:
+            text = jax.jit(lambda a, w, eq=eq: matmul.dot(eq, a, w, "amx")).lower(
+                inp, got[name]).as_text()
+            assert "jengine_amx_matmul" in text, name
+            y = np.asarray(matmul.dot(eq, jnp.asarray(inp), got[name], "amx"))
+            want = np.einsum(eq, inp.astype(np.float64), originals[name].astype(np.float64))
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        y = np.asarray(layers.project_heads(jnp.asarray(attn), got["wo"], backend="amx"))
+        want = np.einsum("thd,hde->te", attn.astype(np.float64),
+                         originals["wo"].astype(np.float64))
+        np.testing.assert_allclose(y.astype(np.float64), want, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="only as a projection"):
+        matmul.dot("te,hed->thd", jnp.asarray(x), got["wq"], "amx")
+    # Only bf16 float weights are packed: f32 and quantized ones stay as they are.
+    wq = jnp.asarray(originals["wq"])
+    for w in (wq.astype(jnp.float32), quant.quantize_weight(wq, (0,), "w8a16")):
+        assert matmul.pack_projections({"layers": ({"wq": w},)}, specs)["layers"][0]["wq"] is w
