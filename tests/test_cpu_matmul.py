@@ -376,3 +376,29 @@ def test_pack_projections_and_dot_on_smollm2():
     wq = jnp.asarray(originals["wq"])
     for w in (wq.astype(jnp.float32), quant.quantize_weight(wq, (0,), "w8a16")):
         assert matmul.pack_projections({"layers": ({"wq": w},)}, specs)["layers"][0]["wq"] is w
+
+
+@needs_amx
+def test_amx_from_concurrent_callers():
+    """Several host threads calling one-row-tile products at once (the calls XLA runs side by
+    side): each takes the spinning helper thread or, while another holds it, runs alone."""
+    import threading
+
+    rng = np.random.default_rng(11)
+    w = _bf16(rng.standard_normal((576, 1536), np.float32))
+    x = _bf16(rng.standard_normal((5, 576), np.float32))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    run = jax.jit(lambda a, t: cpu_matmul.amx_matmul(a, t, w.shape[1]))
+    tiles = jnp.asarray(cpu_matmul.amx_tiles(w))
+    worst = []
+
+    def calls():
+        worst.append(max(float(np.abs(np.asarray(run(x, tiles)) - want).max())
+                         for _ in range(100)))
+
+    threads = [threading.Thread(target=calls) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(worst) == 3 and max(worst) < 1e-3

@@ -4,7 +4,8 @@
 //
 // Why: XLA:CPU runs a bf16 dot on the tiles too, but each dot on one thread, and a projection
 // of a few rows on slower code still (docs/kernels.md, "AMX bf16 projections"). Here the output
-// columns are split over XLA's intra-op pool. The weight is packed once so that each call reads
+// columns are split over XLA's intra-op pool, or for a call of one row tile over the caller and
+// a spinning helper thread (spin_helper.h). The weight is packed once so that each call reads
 // its tiles straight from memory: repacking the row-major weight on every call would read and
 // write every weight byte again per call, in a step whose few-row calls only stream them.
 //
@@ -30,6 +31,7 @@
 
 #include "isa.h"
 #include "parallel_for.h"
+#include "spin_helper.h"
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
@@ -39,7 +41,11 @@ namespace amx {
 
 constexpr int64_t kTileRows = 16;  // rows of an A or C tile, k pairs of a B tile
 constexpr int64_t kTileK = 32;     // bf16 elements of k in one A tile row
-constexpr int64_t kStrip = 32;     // output columns a thread packs and computes at a time
+constexpr int64_t kStrip = 32;     // output columns a thread computes at a time
+// Calls of up to this many rows (one A tile) split their columns with the SpinHelper's thread
+// instead of XLA's pool when the pool has two threads: they are short and stream the weight,
+// so a pool thread's wake-up cost them most of the second core (spin_helper.h).
+constexpr int64_t kHelperRows = 16;
 
 // Linux hands a process the tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); without that the first tile instruction faults. Asked once.
@@ -140,8 +146,9 @@ inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t
 // bf16, S = ceil(N / 32): strip s, k step ks, half h holds the B tile whose word pair (p, c)
 // is (w[32 ks + 2p][32 s + 16 h + c], w[32 ks + 2p + 1][...]), zeros past K and N; packed once
 // at load time, cpu_matmul.amx_tiles). The strips are split over the pool's threads (at most
-// `max_threads`); each runs every block of 32 rows against a strip while the strip is in
-// cache, so each weight byte is read from memory once.
+// `max_threads`; the SpinHelper's two for up to kHelperRows rows); each runs every block of
+// 32 rows against a strip while the strip is in cache, so each weight byte is read from memory
+// once.
 // x is f32 (bf16 values) or bf16 bits (`x_bf16`); bf16 rows whose shape fits the tiles (R a
 // multiple of 16, K of 32) are read in place, others staged in a padded copy.
 inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const void* x,
@@ -160,8 +167,9 @@ inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
     xs = staged.data();
   }
   const int64_t strips = (N + kStrip - 1) / kStrip;
-  const int64_t parts = std::min(KernelThreads(pool, max_threads), strips);
-  ParallelFor(pool, parts, parts, [&](int64_t part, int64_t) {
+  const int64_t threads = KernelThreads(pool, max_threads);
+  const int64_t parts = std::min(threads, strips);
+  auto part_of_y = [&](int64_t part) {
     const int64_t s0 = part * strips / parts, s1 = (part + 1) * strips / parts;
     const int64_t width = (s1 - s0) * kStrip;
     thread_local std::vector<float> acc_store;  // 64-byte aligned below
@@ -181,7 +189,12 @@ inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
     _tile_release();
     const int64_t c0 = s0 * kStrip, cols = std::min(N, s1 * kStrip) - c0;
     for (int64_t r = 0; r < R; ++r) std::memcpy(y + r * N + c0, acc + r * width, cols * 4);
-  });
+  };
+  if (threads == 2 && R <= kHelperRows) {
+    SpinHelper::Get().Run(parts, part_of_y);
+  } else {
+    ParallelFor(pool, parts, parts, [&](int64_t part, int64_t) { part_of_y(part); });
+  }
 }
 
 }  // namespace amx
