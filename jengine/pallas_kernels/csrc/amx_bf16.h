@@ -14,7 +14,9 @@
 // a strip while the strip is in cache, into four C tiles (tmm0-3; A in tmm4-5, B in tmm6-7), so
 // each weight byte is read from memory once for all R rows. Rows are padded to 16 and k to 32
 // with zeros in a staged copy of x (bf16 x of a shape the tiles fit is read in place); the C
-// tiles go through a per-thread buffer to y, which takes only the real rows and columns.
+// tiles are stored straight into y, those that cross its last row or column through a small
+// buffer. (Through a per-thread buffer of the thread's whole [R, columns] and a copy to y, a
+// 512-row call took 1.15x as long: that buffer alone is 1.5 MB of a 2 MB L2.)
 
 #ifndef JENGINE_AMX_BF16_H_
 #define JENGINE_AMX_BF16_H_
@@ -97,16 +99,45 @@ inline void StageRows(const float* x, int64_t R, int64_t K, int64_t Kp, uint16_t
   }
 }
 
-// How far ahead of the tiles in use the first block of rows prefetches the packed weight:
-// without it each tile load waits for memory and the tile products wait for the loads
-// (R = 64: 33 ms of SmolLM2's projections on one thread = its 21.5 ms of streaming plus
-// its 14.6 ms of products).
+// How far ahead of the tiles in use the first block of rows prefetches the packed weight (into
+// L2). Measured with scripts/amx_matmul_bench.py: no difference at 1-64 rows, 512-row calls
+// 0.93-0.98x the time without it; prefetching each thread's next strip, spread over the current
+// strip's k steps, measured no better than this.
 constexpr int64_t kPrefetchBytes = 4096;
 
-// The sums of rows [r0, r0 + 16 * row_tiles) of the staged x and one strip of 32 columns:
-// its Kp / 32 k steps of two B tiles each (1 KiB a tile), into acc (row stride acc_stride).
+// Where the C tile of rows [r, r + 16) and columns [c, c + 16) is stored: straight into y
+// [R, N] (row stride N) where the tile lies inside it, else into `edge` (16 x 16, for
+// CopyEdge), or nowhere (nullptr) where it lies past N (a strip's second half).
+inline float* SumsAt(float* y, int64_t R, int64_t N, int64_t r, int64_t c, float* edge,
+                     int64_t* stride_bytes) {
+  if (c >= N) return nullptr;
+  if (r + kTileRows <= R && c + 16 <= N) {
+    *stride_bytes = N * 4;
+    return y + r * N + c;
+  }
+  *stride_bytes = 64;
+  return edge;
+}
+
+inline void CopyEdge(const float* edge, float* y, int64_t R, int64_t N, int64_t r, int64_t c) {
+  const int64_t rows = std::min<int64_t>(kTileRows, R - r), cols = std::min<int64_t>(16, N - c);
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(y + (r + i) * N + c, edge + i * 16, cols * 4);
+}
+
+// _tile_stored takes the tile's number as a literal, hence a macro.
+#define JE_STORE_SUMS(tile, r, c)                                  \
+  do {                                                             \
+    int64_t stride;                                                \
+    if (float* at = SumsAt(y, R, N, r, c, edge, &stride)) {        \
+      _tile_stored(tile, at, stride);                              \
+      if (at == edge) CopyEdge(edge, y, R, N, r, c);               \
+    }                                                              \
+  } while (0)
+
+// y's rows [r0, r0 + 16 * row_tiles) and the 32 columns of one strip from c0: the strip's
+// Kp / 32 k steps of two B tiles each (1 KiB a tile) against the staged x.
 inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t r0,
-                  int row_tiles, float* acc, int64_t acc_stride, bool prefetch) {
+                  int row_tiles, float* y, int64_t R, int64_t N, int64_t c0, bool prefetch) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -131,16 +162,16 @@ inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  float* c0 = acc + r0 * acc_stride;
-  float* c1 = c0 + kTileRows * acc_stride;
-  const int64_t cs = acc_stride * 4;
-  _tile_stored(0, c0, cs);
-  _tile_stored(1, c0 + 16, cs);
+  alignas(64) float edge[kTileRows * 16];
+  JE_STORE_SUMS(0, r0, c0);
+  JE_STORE_SUMS(1, r0, c0 + 16);
   if (row_tiles == 2) {
-    _tile_stored(2, c1, cs);
-    _tile_stored(3, c1 + 16, cs);
+    JE_STORE_SUMS(2, r0 + kTileRows, c0);
+    JE_STORE_SUMS(3, r0 + kTileRows, c0 + 16);
   }
 }
+
+#undef JE_STORE_SUMS
 
 // y [R, N] = x [R, K] @ w, w given in the tiles' layout (`tiles` [S, Kp / 32, 2, 16, 32]
 // bf16, S = ceil(N / 32): strip s, k step ks, half h holds the B tile whose word pair (p, c)
@@ -171,24 +202,15 @@ inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
   const int64_t parts = std::min(threads, strips);
   auto part_of_y = [&](int64_t part) {
     const int64_t s0 = part * strips / parts, s1 = (part + 1) * strips / parts;
-    const int64_t width = (s1 - s0) * kStrip;
-    thread_local std::vector<float> acc_store;  // 64-byte aligned below
-    if (static_cast<int64_t>(acc_store.size()) < Rp * width + 16) {
-      acc_store.resize(Rp * width + 16);
-    }
-    float* acc = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(acc_store.data()) + 63) & ~uintptr_t{63});
     Configure();
     for (int64_t s = s0; s < s1; ++s) {
       const uint16_t* strip = tiles + s * (Kp / kTileK) * 1024;
       for (int64_t r0 = 0; r0 < Rp; r0 += 2 * kTileRows) {
-        Block(xs, Kp, strip, r0, Rp - r0 >= 2 * kTileRows ? 2 : 1,
-              acc + (s - s0) * kStrip, width, r0 == 0);
+        Block(xs, Kp, strip, r0, Rp - r0 >= 2 * kTileRows ? 2 : 1, y, R, N, s * kStrip,
+              r0 == 0);
       }
     }
     _tile_release();
-    const int64_t c0 = s0 * kStrip, cols = std::min(N, s1 * kStrip) - c0;
-    for (int64_t r = 0; r < R; ++r) std::memcpy(y + r * N + c0, acc + r * width, cols * 4);
   };
   if (threads == 2 && R <= kHelperRows) {
     SpinHelper::Get().Run(parts, part_of_y);
