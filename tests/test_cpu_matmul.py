@@ -330,9 +330,10 @@ def test_amx_zero_rows_and_bad_operands():
 
 @needs_amx
 def test_pack_projections_and_dot_on_smollm2():
-    """SmolLM2's bf16 layer weights packed as the engine packs them: every projection becomes
-    an `AmxPacked` (wo with its head axes merged into K), the rest stays as it was, and the
-    model's own projection calls give the float64 oracle's products through the kernel."""
+    """SmolLM2's bf16 weights packed as the engine packs them: every layer projection becomes
+    an `AmxPacked` (wo with its head axes merged into K) and so does the tied embedding (as
+    its transpose), the rest stays as it was, and the model's own projection, output head and
+    embedding calls give the float64 oracle's products and the table's rows."""
     from converters import load_source
     from jengine.models import family_module, layers
 
@@ -344,8 +345,9 @@ def test_pack_projections_and_dot_on_smollm2():
                                                   cfg.num_layers))
     first = params["layers"][0]
     originals = {name: np.asarray(w) for name, w in first.items()}
+    table = np.asarray(params["embed"])
     packed = matmul.pack_projections(params, specs)
-    assert packed["embed"] is params["embed"] and len(packed["layers"]) == cfg.num_layers
+    assert len(packed["layers"]) == cfg.num_layers
     got = packed["layers"][0]
     assert {n for n, w in got.items() if isinstance(w, matmul.AmxPacked)} == set(
         matmul.AMX_PROJECTIONS)
@@ -370,8 +372,18 @@ def test_pack_projections_and_dot_on_smollm2():
         want = np.einsum("thd,hde->te", attn.astype(np.float64),
                          originals["wo"].astype(np.float64))
         np.testing.assert_allclose(y.astype(np.float64), want, rtol=1e-2, atol=1e-2)
-    with pytest.raises(ValueError, match="only as a projection"):
-        matmul.dot("te,hed->thd", jnp.asarray(x), got["wq"], "amx")
+        # The tied embedding, packed as its transpose: the output head, and its rows.
+        head = packed["embed"]
+        assert head.transposed and head.shape == table.shape
+        y = np.asarray(layers.lm_head(jnp.asarray(x), packed, True, "amx"))
+        want = x.astype(np.float64) @ table.T.astype(np.float64)
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    ids = jnp.asarray([0, 7, 31, 32, 48, cfg.vocab_size - 1], jnp.int32)
+    rows = layers.embed_tokens(packed["embed"], ids, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(rows), table[np.asarray(ids)])
+    for w, eq in ((got["wq"], "te,hed->thd"), (packed["embed"], "te,ev->tv")):
+        with pytest.raises(ValueError, match="only as the product it was packed for"):
+            matmul.dot(eq, jnp.asarray(x), w, "amx")
     # Only bf16 float weights are packed: f32 and quantized ones stay as they are.
     wq = jnp.asarray(originals["wq"])
     for w in (wq.astype(jnp.float32), quant.quantize_weight(wq, (0,), "w8a16")):

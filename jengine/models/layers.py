@@ -13,7 +13,7 @@ import numpy as np
 
 from jengine.models import quant
 from jengine.models.config import RopeConfig
-from jengine.models.matmul import AmxPacked, Weight, dot
+from jengine.models.matmul import AmxPacked, Weight, dot, packed_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,10 @@ def lm_head(x: jax.Array, params: dict, tied: bool, backend: str = "xla") -> jax
 
 
 def embed_tokens(table: Weight, ids: jax.Array, dtype) -> jax.Array:
-    """[T] ids -> [T, E] rows of the embedding table."""
+    """[T] ids -> [T, E] rows of the embedding table (packed for the AMX kernel when it is
+    also the output head: `matmul_backend` amx)."""
+    if isinstance(table, AmxPacked):
+        return packed_rows(table, ids).astype(dtype)
     return quant.take_rows(table, ids).astype(dtype)
 
 

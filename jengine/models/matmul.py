@@ -40,18 +40,20 @@ class Observed:
 @dataclasses.dataclass
 class AmxPacked:
     """A bf16 projection weight in the AMX tiles' layout (`cpu_matmul.amx_tiles` of its
-    [K, out...] form, the contracted axes merged into K), which only `cpu_matmul.amx_matmul`
-    reads. Packed once at load time (`pack_projections`), so that a call reads the tiles
-    straight from memory instead of repacking the weight (docs/kernels.md, "AMX bf16
-    projections")."""
+    [K, out...] form, the contracted axes merged into K; of a tied embedding's transpose),
+    which only `cpu_matmul.amx_matmul` reads (and `packed_rows`, the embedding's gather).
+    Packed once at load time (`pack_projections`), so that a call reads the tiles straight from
+    memory instead of repacking the weight (docs/kernels.md, "AMX bf16 projections")."""
 
     tiles: jax.Array  # bf16 [ceil(N / 32), ceil(K / 32), 2, 16, 32]
     k: int = dataclasses.field(metadata={"static": True})
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # N's axes
+    # The tiles of w.T: the weight is [N, K], a tied embedding [V, E] as the output head.
+    transposed: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.k, *self.out_shape)
+        return (*self.out_shape, self.k) if self.transposed else (self.k, *self.out_shape)
 
     @property
     def dtype(self):
@@ -113,27 +115,46 @@ def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
 
 def pack_projections(params: dict, specs: dict) -> dict:
     """`params` (unstacked: `params["layers"]` a tuple of per-layer dicts) with every bf16
-    layer projection of AMX_PROJECTIONS as an `AmxPacked` (packed on the host, each float
-    weight freed once packed). `specs` are the stacked declarations, whose contracted axes
-    follow the layer axis."""
+    layer projection of AMX_PROJECTIONS, and the output head (`lm_head` [E, V], or a tied
+    `embed` [V, E] as the tiles of its transpose), as an `AmxPacked` (packed on the host, each
+    float weight freed once packed). `specs` are the stacked declarations: a layer weight's
+    contracted axes follow the layer axis."""
     layers = []
     for layer in params["layers"]:
         out = dict(layer)
         for name in AMX_PROJECTIONS:
-            w = layer.get(name)
-            spec = specs.get(name)
-            if (w is None or spec is None or not isinstance(w, jax.Array)
-                    or w.dtype != jnp.bfloat16
-                    or spec.contract != tuple(range(1, 1 + len(spec.contract)))):
-                continue
-            n_in = len(spec.contract)
-            k = int(np.prod(w.shape[:n_in]))
-            host = np.asarray(w).reshape(k, -1)
-            out[name] = AmxPacked(tiles=jax.device_put(cpu_matmul.amx_tiles(host), w.sharding),
-                                  k=k, out_shape=tuple(w.shape[n_in:]))
-            w.delete()
+            w, spec = layer.get(name), specs.get(name)
+            if (_packable(w) and spec is not None
+                    and spec.contract == tuple(range(1, 1 + len(spec.contract)))):
+                out[name] = _packed(w, len(spec.contract))
         layers.append(out)
-    return {**params, "layers": tuple(layers)}
+    out = {**params, "layers": tuple(layers)}
+    head = "lm_head" if "lm_head" in params else "embed"
+    contract = specs[head].contract if head in specs else ()
+    if _packable(params.get(head)) and contract in ((0,), (1,)):
+        out[head] = _packed(params[head], 1, transposed=contract == (1,))
+    return out
+
+
+def _packable(w) -> bool:
+    return isinstance(w, jax.Array) and w.dtype == jnp.bfloat16
+
+
+def _packed(w: jax.Array, n_in: int, transposed: bool = False) -> AmxPacked:
+    """w [in..., out...] (its first n_in axes contracted), or a 2-D [N, K] `transposed`, packed
+    for the AMX kernel; w is freed."""
+    host = np.asarray(w)
+    host = host.T if transposed else host.reshape(int(np.prod(w.shape[:n_in])), -1)
+    out_shape = tuple(w.shape[:1]) if transposed else tuple(w.shape[n_in:])
+    packed = AmxPacked(tiles=jax.device_put(cpu_matmul.amx_tiles(host), w.sharding),
+                       k=host.shape[0], out_shape=out_shape, transposed=transposed)
+    w.delete()
+    return packed
+
+
+def packed_rows(table: AmxPacked, ids: jax.Array) -> jax.Array:
+    """Rows `ids` [T] of a tied embedding packed as the output head: [T, E] bf16."""
+    return cpu_matmul.amx_columns(table.tiles, ids, table.k)
 
 
 def _native_operand(x: jax.Array, w: Weight, form: str
@@ -213,8 +234,9 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
         w.seen(x)
         w = w.w
     if isinstance(w, AmxPacked):
-        if _native_form(eq) != "kn" or x.ndim != 2:
-            raise ValueError(f"an AMX-packed weight runs only as a projection, not {eq!r}")
+        if _native_form(eq) != ("nk" if w.transposed else "kn") or x.ndim != 2:
+            raise ValueError(f"an AMX-packed weight runs only as the product it was packed "
+                             f"for, not {eq!r}")
         y = cpu_matmul.amx_matmul(x, w.tiles, int(np.prod(w.out_shape)))
         return y.reshape(x.shape[0], *w.out_shape)
     form = _native_form(eq) if backend in ("native", "amx") else None

@@ -147,6 +147,15 @@ def amx_tiles(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(t).reshape(np_ // 32, kp // 32, *AMX_TILE)
 
 
+def amx_columns(tiles: jax.Array, cols: jax.Array, k: int) -> jax.Array:
+    """Columns `cols` [C] of the weight w [K, N] that `tiles` = amx_tiles(w) holds, as rows
+    [C, K] (bf16): the rows of a tied embedding packed as w = table.T for the output head."""
+    s, ks = tiles.shape[:2]
+    split = tiles.reshape(s, ks, 2, 16, 16, 2)  # [s, ks, h, p, c, pair], as amx_tiles lays out
+    picked = split[cols // 32, :, (cols % 32) // 16, :, cols % 16, :]  # [C, ks, p, pair]
+    return picked.reshape(cols.shape[0], ks * 32)[:, :k]
+
+
 def amx_matmul(
     x: jax.Array,  # [R, K] bfloat16, or float32 (rounded to bf16: exact for bf16 values)
     tiles: jax.Array,  # amx_tiles(w) for w [K, N] bf16
