@@ -137,11 +137,30 @@ def test_gemma3_greedy_tokens_equal_xla(tmp_path):
     assert tokens["amx"] == tokens["xla"]
 
 
-def test_store_key_tells_packed_from_unpacked_weights(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A random Llama with an untied lm_head [E, V] (packed as a projection)."""
+    path = tmp_path_factory.mktemp("tiny")
+    _tiny_llama(path)
+    return path
+
+
+def test_untied_head_greedy_tokens_equal_xla(tiny, tmp_path):
+    prompts = [[5, 9, 17, 33, 40], [7, 8], list(range(3, 40))]
+    tokens = {}
+    for backend in ("xla", "amx"):
+        engine = Engine(str(tiny), config=_config(tmp_path, f"t_{backend}",
+                                                  matmul_backend=backend), progress=False)
+        head = engine.core.runner.params["lm_head"]
+        assert isinstance(head, matmul.AmxPacked) == (backend == "amx")
+        tokens[backend] = _tokens(engine, prompts, GREEDY)
+    assert tokens["amx"] == tokens["xla"]
+
+
+def test_store_key_tells_packed_from_unpacked_weights(tiny, tmp_path, monkeypatch):
     """Same config, same shapes: a program traced over packed weights and one over the plain
     bf16 arrays get different store keys (the parameter tree is part of the key)."""
-    model = tmp_path / "tiny"
-    _tiny_llama(model)
+    model = tiny
     config = _config(tmp_path, "key", matmul_backend="amx")
 
     def key() -> str:
