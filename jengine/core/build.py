@@ -196,7 +196,8 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
 
 
 def _packed_for_amx(params: dict, cfg: ModelConfig, specs: dict, dtype: str) -> dict:
-    """The bf16 projections packed for the AMX kernel under `matmul_backend` `amx`."""
+    """The bf16 projections and output head packed for the AMX kernel under `matmul_backend`
+    `amx` (jengine.models.matmul.pack_projections)."""
     if cfg.matmul_backend != "amx" or dtype != "bfloat16":
         return params
     return pack_projections(params, specs)
