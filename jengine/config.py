@@ -25,8 +25,9 @@ class ModelSection:
     # How layer weights sit in memory: auto = unstacked (per-layer arrays, read in place) on CPU
     # and GPU, stacked (one lax.scan over a leading layer axis) on TPU; jengine.models.layers.
     layer_layout: str = "auto"
-    # f32 projections of a few rows: auto = the native small-row kernel on one CPU device
-    # (`native`), XLA's dot (`xla`) elsewhere; see jengine.models.matmul.resolve_matmul_backend.
+    # Projections: auto = on one CPU device the native kernels (`native`: a few rows), and on
+    # a CPU with AMX-BF16 a bf16 model's projections packed for the tiles (`amx`); XLA's dot
+    # (`xla`) elsewhere; see jengine.models.matmul.resolve_matmul_backend.
     matmul_backend: str = "auto"
     # none | int8 (W8A8: int8 weights per output channel, int8 activations per token) | w8a16
     # (int8 weights, float activations) | fp8 (e4m3 weights; GPU/TPU); see models/quant.py.

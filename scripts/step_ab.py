@@ -10,6 +10,7 @@ cache, the cold compile time of every bucket of the `cpu` preset (`EngineCore` w
     python scripts/step_ab.py --key attention_backend --values reference cpu --skip-compile
     python scripts/step_ab.py --key kv_cache_dtype --values float32 bfloat16
     python scripts/step_ab.py --key matmul_backend --values xla native --decodes 1 2 4 8 16
+    python scripts/step_ab.py --key matmul_backend --values native amx --set dtype=bfloat16
 
 Any key of `load_config` works (`attention_backend`, `layer_layout`, `matmul_backend`, ...);
 `--set KEY=VALUE` fixes others for both sides.

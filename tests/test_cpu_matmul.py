@@ -1,6 +1,8 @@
 """The native small-row matmul (`jengine.pallas_kernels.cpu_matmul`) against a float64 oracle
 and `jnp.dot`, on every instruction-set path this CPU runs, for f32, bf16 and int8 weights, and
-the engine's greedy tokens with it on and off (`matmul_backend`)."""
+the engine's greedy tokens with it on and off (`matmul_backend`); the AMX kernel over packed
+bf16 weights (`amx_tiles`, `amx_matmul`) against the oracle where the CPU has AMX-BF16, and
+SmolLM2's projections packed as the engine packs them."""
 
 from __future__ import annotations
 
@@ -182,12 +184,14 @@ def test_dot_routes_only_the_shapes_it_fits(flags, monkeypatch):
 
 
 def test_resolve_matmul_backend():
-    assert matmul.resolve_matmul_backend("auto", "cpu", 1) == "native"
+    here = "amx" if cpu_matmul.amx_available() else "native"
+    assert matmul.resolve_matmul_backend("auto", "cpu", 1) == here
     assert matmul.resolve_matmul_backend("auto", "cpu", 2) == "xla"
     assert matmul.resolve_matmul_backend("auto", "gpu", 1) == "xla"
     assert matmul.resolve_matmul_backend("xla", "cpu", 1) == "xla"
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        matmul.resolve_matmul_backend("native", "cpu", 2)
+    for backend in ("native", "amx"):
+        with pytest.raises(ValueError, match="tensor parallelism"):
+            matmul.resolve_matmul_backend(backend, "cpu", 2)
     with pytest.raises(ValueError, match="unknown matmul_backend"):
         matmul.resolve_matmul_backend("blas", "cpu", 1)
 
@@ -240,3 +244,173 @@ def test_engine_w8a16_greedy_tokens_equal_with_kernel_on_and_off(tiny, tmp_path)
         engine = Engine(str(tiny), config=str(config), quantization="w8a16", progress=False)
         tokens[backend] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert tokens["native"] == tokens["xla"]
+
+
+# -- the AMX kernel over packed bf16 weights (cpu_matmul.amx_matmul) ------------------------------
+
+needs_amx = pytest.mark.skipif(
+    not (cpu_matmul.available() and cpu_matmul.amx_available()),
+    reason="no AMX-BF16 here (or Linux gave this process no tile state)")
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.bfloat16))
+
+
+def _check_amx(x: np.ndarray, w: np.ndarray, **kw) -> None:
+    """amx_matmul of bf16-valued x (f32 and bf16) and bf16 w against a float64 oracle."""
+    n = w.shape[1]
+    tiles = jnp.asarray(cpu_matmul.amx_tiles(w))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    # f32 sums of K exact products: within K ulps of the largest partial sum, relative to |x| |w|.
+    bound = 1e-6 * x.shape[1] * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
+    for xd in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(jax.jit(lambda a, t: cpu_matmul.amx_matmul(a, t, n, **kw))(
+            jnp.asarray(x).astype(xd), tiles))
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.all(np.abs(got - want) <= bound + 1e-30), (xd, np.max(np.abs(got - want)))
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 520])
+def test_amx_rows_against_oracle(rows):
+    """Row counts below, at and past one A tile (16) and one block (32), and a prefill chunk
+    past 512; K = 70 and N = 300 are not multiples of 32 (zero-padded in x and the tiles)."""
+    rng = np.random.default_rng(rows)
+    _check_amx(_bf16(rng.standard_normal((rows, 70), np.float32)),
+               _bf16(rng.standard_normal((70, 300), np.float32)))
+
+
+@needs_amx
+@pytest.mark.parametrize("k, n", [(1, 1), (31, 33), (576, 192), (1536, 576), (100, 1000)])
+def test_amx_shapes_and_threads(k, n):
+    """Tiny and model-sized K and N, one thread and all of them; exact zeros stay zero."""
+    rng = np.random.default_rng(k + n)
+    w = _bf16(rng.standard_normal((k, n), np.float32))
+    for rows in (3, 48):
+        x = _bf16(rng.standard_normal((rows, k), np.float32))
+        for threads in (0, 1):
+            _check_amx(x, w, max_threads=threads)
+    zeros = np.asarray(cpu_matmul.amx_matmul(jnp.zeros((4, k), jnp.bfloat16),
+                                             jnp.asarray(cpu_matmul.amx_tiles(w)), n))
+    assert not zeros.any()
+
+
+def test_amx_tiles_layout():
+    """Strip s, k step ks, half h, pair row p, column c, word i hold w[32 ks + 2p + i,
+    32 s + 16 h + c]; zeros past K and N."""
+    rng = np.random.default_rng(5)
+    k, n = 70, 45
+    w = _bf16(rng.standard_normal((k, n), np.float32))
+    tiles = cpu_matmul.amx_tiles(w)
+    assert tiles.shape == (2, 3, *cpu_matmul.AMX_TILE) and tiles.dtype == w.dtype
+    padded = np.zeros((96, 64), w.dtype)
+    padded[:k, :n] = w
+    for s, ks, h, p, c, i in np.ndindex(2, 3, 2, 16, 16, 2):
+        assert tiles[s, ks, h, p, 2 * c + i] == padded[32 * ks + 2 * p + i, 32 * s + 16 * h + c]
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        cpu_matmul.amx_tiles(w.astype(np.float32))
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        cpu_matmul.amx_tiles(w[None])
+
+
+@needs_amx
+def test_amx_zero_rows_and_bad_operands():
+    w = _bf16(np.ones((64, 40), np.float32))
+    tiles = jnp.asarray(cpu_matmul.amx_tiles(w))
+    assert cpu_matmul.amx_matmul(jnp.ones((0, 64), jnp.bfloat16), tiles, 40).shape == (0, 40)
+    for x, n in ((jnp.ones((2, 64), jnp.float16), 40),  # dtype
+                 (jnp.ones((2, 96), jnp.bfloat16), 40),  # K beyond the tiles
+                 (jnp.ones((2, 64), jnp.bfloat16), 70),  # N beyond them
+                 (jnp.ones((64,), jnp.bfloat16), 40)):  # not 2-D
+        with pytest.raises(ValueError, match="amx_matmul takes"):
+            cpu_matmul.amx_matmul(x, tiles, n)
+
+
+
+@needs_amx
+def test_pack_projections_and_dot_on_smollm2():
+    """SmolLM2's bf16 weights packed as the engine packs them: every layer projection becomes
+    an `AmxPacked` (wo with its head axes merged into K) and so does the tied embedding (as
+    its transpose), the rest stays as it was, and the model's own projection, output head and
+    embedding calls give the float64 oracle's products and the table's rows."""
+    from converters import load_source
+    from jengine.models import family_module, layers
+
+    loaded = load_source(None, dtype="bfloat16", progress=False)
+    cfg = loaded.config
+    specs = family_module(cfg).param_specs(cfg)
+    host = {name: np.asarray(loaded.params[name]) for name in specs if name in loaded.params}
+    params = jax.device_put(layers.unstack_layers(host, family_module(cfg).LAYER_KEYS,
+                                                  cfg.num_layers))
+    first = params["layers"][0]
+    originals = {name: np.asarray(w) for name, w in first.items()}
+    table = np.asarray(params["embed"])
+    packed = matmul.pack_projections(params, specs)
+    assert len(packed["layers"]) == cfg.num_layers
+    got = packed["layers"][0]
+    assert {n for n, w in got.items() if isinstance(w, matmul.AmxPacked)} == set(
+        matmul.AMX_PROJECTIONS)
+    assert got["attn_norm"] is first["attn_norm"]
+    assert got["wo"].shape == (cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+    rng = np.random.default_rng(0)
+    for rows in (1, 7, 64):
+        x = _bf16(rng.standard_normal((rows, cfg.hidden_size), np.float32))
+        attn = _bf16(rng.standard_normal((rows, cfg.num_heads, cfg.head_dim), np.float32))
+        h = _bf16(rng.standard_normal((rows, cfg.intermediate_size), np.float32))
+        cases = [(x, name, "te,ehd->thd") for name in ("wq", "wk", "wv")]
+        cases += [(x, name, "te,ef->tf") for name in ("w_gate", "w_up")]
+        cases += [(h, "w_down", "tf,fe->te")]
+        for inp, name, eq in cases:
+            text = jax.jit(lambda a, w, eq=eq: matmul.dot(eq, a, w, "amx")).lower(
+                inp, got[name]).as_text()
+            assert "jengine_amx_matmul" in text, name
+            y = np.asarray(matmul.dot(eq, jnp.asarray(inp), got[name], "amx"))
+            want = np.einsum(eq, inp.astype(np.float64), originals[name].astype(np.float64))
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        y = np.asarray(layers.project_heads(jnp.asarray(attn), got["wo"], backend="amx"))
+        want = np.einsum("thd,hde->te", attn.astype(np.float64),
+                         originals["wo"].astype(np.float64))
+        np.testing.assert_allclose(y.astype(np.float64), want, rtol=1e-2, atol=1e-2)
+        # The tied embedding, packed as its transpose: the output head, and its rows.
+        head = packed["embed"]
+        assert head.transposed and head.shape == table.shape
+        y = np.asarray(layers.lm_head(jnp.asarray(x), packed, True, "amx"))
+        want = x.astype(np.float64) @ table.T.astype(np.float64)
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    ids = jnp.asarray([0, 7, 31, 32, 48, cfg.vocab_size - 1], jnp.int32)
+    rows = layers.embed_tokens(packed["embed"], ids, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(rows), table[np.asarray(ids)])
+    for w, eq in ((got["wq"], "te,hed->thd"), (packed["embed"], "te,ev->tv")):
+        with pytest.raises(ValueError, match="only as the product it was packed for"):
+            matmul.dot(eq, jnp.asarray(x), w, "amx")
+    # Only bf16 float weights are packed: f32 and quantized ones stay as they are.
+    wq = jnp.asarray(originals["wq"])
+    for w in (wq.astype(jnp.float32), quant.quantize_weight(wq, (0,), "w8a16")):
+        assert matmul.pack_projections({"layers": ({"wq": w},)}, specs)["layers"][0]["wq"] is w
+
+
+@needs_amx
+def test_amx_from_concurrent_callers():
+    """Several host threads calling one-row-tile products at once (the calls XLA runs side by
+    side): each takes the spinning helper thread or, while another holds it, runs alone."""
+    import threading
+
+    rng = np.random.default_rng(11)
+    w = _bf16(rng.standard_normal((576, 1536), np.float32))
+    x = _bf16(rng.standard_normal((5, 576), np.float32))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    run = jax.jit(lambda a, t: cpu_matmul.amx_matmul(a, t, w.shape[1]))
+    tiles = jnp.asarray(cpu_matmul.amx_tiles(w))
+    worst = []
+
+    def calls():
+        worst.append(max(float(np.abs(np.asarray(run(x, tiles)) - want).max())
+                         for _ in range(100)))
+
+    threads = [threading.Thread(target=calls) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(worst) == 3 and max(worst) < 1e-3

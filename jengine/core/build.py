@@ -19,7 +19,7 @@ from jengine.config import EngineConfig, ModelSection
 from jengine.core.kv_budget import host_kv_budget
 from jengine.models import KVCache, ModelConfig, family_module, layer_offsets
 from jengine.models.layers import unstack_layers
-from jengine.models.matmul import resolve_matmul_backend
+from jengine.models.matmul import pack_projections, resolve_matmul_backend
 from jengine.models.quant import quantize_params
 from jengine.models.smoothing import smooth_for_int8
 from jengine.pallas_kernels import resolve_backend
@@ -169,8 +169,9 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         # each once. Placing the stacks and splitting them on the device costs a jitted
         # split per weight and a second copy of every layer (~1 s for SmolLM2 on CPU).
         stacked = {name: np.asarray(w) for name, w in host.items()}
-        return jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers,
-                                             first_layer=layer_offsets(cfg)))
+        params = jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers,
+                                               first_layer=layer_offsets(cfg)))
+        return _packed_for_amx(params, cfg, specs, dtype)
     # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
     params = load_params_sharded(
         loaded, cfg, rules.param_shardings(specs) if rules else None, dtype,
@@ -189,7 +190,17 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
     if layer_layout == "unstacked":
         params = unstack_layers(params, family.LAYER_KEYS, cfg.num_layers,
                                 delete_stacked=True, first_layer=layer_offsets(cfg))
+        if quantization == "none":
+            params = _packed_for_amx(params, cfg, specs, dtype)
     return params
+
+
+def _packed_for_amx(params: dict, cfg: ModelConfig, specs: dict, dtype: str) -> dict:
+    """The bf16 projections and output head packed for the AMX kernel under `matmul_backend`
+    `amx` (jengine.models.matmul.pack_projections)."""
+    if cfg.matmul_backend != "amx" or dtype != "bfloat16":
+        return params
+    return pack_projections(params, specs)
 
 
 def warm_up(runner: Runner, progress: bool, require_stored: bool) -> float:

@@ -224,8 +224,9 @@ class ModelConfig:
     padded_heads: int = 0  # how many of num_heads are those zero heads (OLMo 2's norm skips them)
     # The attention implementation the forward pass calls (resolved by the engine, never auto).
     attention_backend: str = "reference"  # reference | cpu | pallas_tpu | pallas_gpu
-    # The float32 projections' implementation (resolved by the engine, never auto): xla | native
-    # (the small-row kernel, one CPU device; jengine.models.matmul.resolve_matmul_backend).
+    # The projections' implementation (resolved by the engine, never auto): xla | native (the
+    # small-row kernel, one CPU device) | amx (native + bf16 projections on the AMX tiles);
+    # jengine.models.matmul.resolve_matmul_backend.
     matmul_backend: str = "xla"
 
     @property

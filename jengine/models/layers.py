@@ -13,7 +13,7 @@ import numpy as np
 
 from jengine.models import quant
 from jengine.models.config import RopeConfig
-from jengine.models.matmul import Weight, dot
+from jengine.models.matmul import AmxPacked, Weight, dot, packed_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,10 @@ def lm_head(x: jax.Array, params: dict, tied: bool, backend: str = "xla") -> jax
 
 
 def embed_tokens(table: Weight, ids: jax.Array, dtype) -> jax.Array:
-    """[T] ids -> [T, E] rows of the embedding table."""
+    """[T] ids -> [T, E] rows of the embedding table (packed for the AMX kernel when it is
+    also the output head: `matmul_backend` amx)."""
+    if isinstance(table, AmxPacked):
+        return packed_rows(table, ids).astype(dtype)
     return quant.take_rows(table, ids).astype(dtype)
 
 
@@ -160,7 +163,9 @@ def project_heads(attn: jax.Array, wo: Weight, bias: jax.Array | None = None, *,
     Both reshapes are free (row-major), while the 3-D einsum made XLA:CPU pick a [D, H] order
     for the contraction and copy `wo` (and the attention output) into it on every layer."""
     num_tokens = attn.shape[0]
-    return project(attn.reshape(num_tokens, -1), quant.merge_input_axes(wo, 2), "tk,ke->te",
+    if not isinstance(wo, AmxPacked):  # packed with its input axes merged already
+        wo = quant.merge_input_axes(wo, 2)
+    return project(attn.reshape(num_tokens, -1), wo, "tk,ke->te",
                    bias, backend=backend)
 
 

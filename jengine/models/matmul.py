@@ -1,6 +1,7 @@
-"""Which kernel runs a projection's dot: XLA's einsum, the native small-row kernel, or the
-native W8A8 kernel (jengine.pallas_kernels.cpu_matmul), chosen per shape, weight dtype and
-CPU at trace time; `dot` is the one entry point the model code calls."""
+"""Which kernel runs a projection's dot: XLA's einsum, the native small-row kernel, the
+native W8A8 kernel, or the AMX kernel over weights packed for the tiles at load time
+(jengine.pallas_kernels.cpu_matmul), chosen per shape, weight dtype and CPU at trace time;
+`dot` is the one entry point the model code calls."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jengine import cpu_info
 from jengine.models import quant
@@ -34,10 +36,37 @@ class Observed:
         return Observed(self.w.reshape(*shape), self.seen)
 
 
-Weight = jax.Array | QArray  # a float weight, or its quantized form (jengine.models.quant)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AmxPacked:
+    """A bf16 projection weight in the AMX tiles' layout (`cpu_matmul.amx_tiles` of its
+    [K, out...] form, the contracted axes merged into K; of a tied embedding's transpose),
+    which only `cpu_matmul.amx_matmul` reads (and `packed_rows`, the embedding's gather).
+    Packed once at load time (`pack_projections`), so that a call reads the tiles straight from
+    memory instead of repacking the weight (docs/kernels.md, "AMX bf16 projections")."""
+
+    tiles: jax.Array  # bf16 [ceil(N / 32), ceil(K / 32), 2, 16, 32]
+    k: int = dataclasses.field(metadata={"static": True})
+    out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # N's axes
+    # The tiles of w.T: the weight is [N, K], a tied embedding [V, E] as the output head.
+    transposed: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.out_shape, self.k) if self.transposed else (self.k, *self.out_shape)
+
+    @property
+    def dtype(self):
+        return self.tiles.dtype
 
 
-MATMUL_BACKENDS = ("auto", "xla", "native")
+Weight = jax.Array | QArray | AmxPacked  # a float weight, quantized, or packed for AMX
+
+# The layer weights `pack_projections` packs: every one reaches `dot` as a `kn` projection
+# (its leading axes contracted) in the families that declare it.
+AMX_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+MATMUL_BACKENDS = ("auto", "xla", "native", "amx")
 # The row counts (the step's token bucket) the native kernel takes; XLA's dot keeps the rest.
 # Measured in-program (docs/engine.md, "Small-row matmul"): for an f32 weight the kernel streams
 # 1-2 rows faster than XLA (each thread a contiguous run of whole weight rows), except a tied
@@ -61,20 +90,71 @@ INT8_NATIVE_ROWS = 128  # from this many rows an `int8` projection runs the nati
 
 
 def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
-    """`auto` -> `native` (jengine.pallas_kernels.cpu_matmul) on one CPU device when the
-    library loaded, else `xla`. XLA cannot partition the custom call, so a tp mesh keeps XLA's
-    dot, and so do accelerators; `native` there is an error."""
+    """`auto` -> `amx` (the native kernels, and bf16 projections packed for the AMX kernel)
+    on one CPU device with AMX-BF16, `native` (jengine.pallas_kernels.cpu_matmul) on other
+    CPUs when the library loaded, else `xla`. XLA cannot partition the custom calls, so a tp
+    mesh keeps XLA's dot, and so do accelerators; `native` or `amx` there is an error, and so
+    is `amx` on a CPU without it. `amx` packs only a bf16 model's float projections."""
     if backend not in MATMUL_BACKENDS:
         raise ValueError(f"unknown matmul_backend {backend!r}; expected one of {MATMUL_BACKENDS}")
-    if backend == "native":
+    if backend in ("native", "amx"):
         if platform != "cpu" or tp > 1:
-            raise ValueError("matmul_backend 'native' runs on CPU without tensor parallelism "
-                             f"(here: platform {platform}, tp={tp})")
+            raise ValueError(f"matmul_backend {backend!r} runs on CPU without tensor "
+                             f"parallelism (here: platform {platform}, tp={tp})")
         cpu_matmul.require()
+        if backend == "amx" and not cpu_matmul.amx_available():
+            raise ValueError("matmul_backend 'amx' needs a CPU with AMX-BF16 (and a kernel "
+                             "granted the tile state); use auto or native here")
         return backend
     if backend == "xla":
         return backend
-    return "native" if platform == "cpu" and tp == 1 and cpu_matmul.available() else "xla"
+    if platform != "cpu" or tp != 1 or not cpu_matmul.available():
+        return "xla"
+    return "amx" if cpu_matmul.amx_available() else "native"
+
+
+def pack_projections(params: dict, specs: dict) -> dict:
+    """`params` (unstacked: `params["layers"]` a tuple of per-layer dicts) with every bf16
+    layer projection of AMX_PROJECTIONS, and the output head (`lm_head` [E, V], or a tied
+    `embed` [V, E] as the tiles of its transpose), as an `AmxPacked` (packed on the host, each
+    float weight freed once packed). `specs` are the stacked declarations: a layer weight's
+    contracted axes follow the layer axis."""
+    layers = []
+    for layer in params["layers"]:
+        out = dict(layer)
+        for name in AMX_PROJECTIONS:
+            w, spec = layer.get(name), specs.get(name)
+            if (_packable(w) and spec is not None
+                    and spec.contract == tuple(range(1, 1 + len(spec.contract)))):
+                out[name] = _packed(w, len(spec.contract))
+        layers.append(out)
+    out = {**params, "layers": tuple(layers)}
+    head = "lm_head" if "lm_head" in params else "embed"
+    contract = specs[head].contract if head in specs else ()
+    if _packable(params.get(head)) and contract in ((0,), (1,)):
+        out[head] = _packed(params[head], 1, transposed=contract == (1,))
+    return out
+
+
+def _packable(w) -> bool:
+    return isinstance(w, jax.Array) and w.dtype == jnp.bfloat16
+
+
+def _packed(w: jax.Array, n_in: int, transposed: bool = False) -> AmxPacked:
+    """w [in..., out...] (its first n_in axes contracted), or a 2-D [N, K] `transposed`, packed
+    for the AMX kernel; w is freed."""
+    host = np.asarray(w)
+    host = host.T if transposed else host.reshape(int(np.prod(w.shape[:n_in])), -1)
+    out_shape = tuple(w.shape[:1]) if transposed else tuple(w.shape[n_in:])
+    packed = AmxPacked(tiles=jax.device_put(cpu_matmul.amx_tiles(host), w.sharding),
+                       k=host.shape[0], out_shape=out_shape, transposed=transposed)
+    w.delete()
+    return packed
+
+
+def packed_rows(table: AmxPacked, ids: jax.Array) -> jax.Array:
+    """Rows `ids` [T] of a tied embedding packed as the output head: [T, E] bf16."""
+    return cpu_matmul.amx_columns(table.tiles, ids, table.k)
 
 
 def _native_operand(x: jax.Array, w: Weight, form: str
@@ -145,13 +225,21 @@ def _native_form(eq: str) -> str | None:
 
 def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
     """`einsum(eq, x, w)` accumulated and returned in float32; a quantized `w` runs its
-    int8 (or weight-only) dot. `backend="native"` sends the shapes it fits (`_native_operand`,
-    `_native_form`) to the native small-row kernel, a 3-D weight over its free row-major
-    [K, N] view, a bf16 x widened to f32 first (exact), a w8a16 weight's scale applied after."""
+    int8 (or weight-only) dot, an `AmxPacked` one the AMX kernel (whatever `backend`: nothing
+    else reads it). `backend="native"` (or `"amx"`) sends the shapes it fits
+    (`_native_operand`, `_native_form`) to the native small-row kernel, a 3-D weight over its
+    free row-major [K, N] view, a bf16 x widened to f32 first (exact), a w8a16 weight's scale
+    applied after."""
     if isinstance(w, Observed):
         w.seen(x)
         w = w.w
-    form = _native_form(eq) if backend == "native" else None
+    if isinstance(w, AmxPacked):
+        if _native_form(eq) != ("nk" if w.transposed else "kn") or x.ndim != 2:
+            raise ValueError(f"an AMX-packed weight runs only as the product it was packed "
+                             f"for, not {eq!r}")
+        y = cpu_matmul.amx_matmul(x, w.tiles, int(np.prod(w.out_shape)))
+        return y.reshape(x.shape[0], *w.out_shape)
+    form = _native_form(eq) if backend in ("native", "amx") else None
     if form is not None and _native_int8(x, w, form):
         return _int8_dot(x, w)
     native = _native_operand(x, w, form) if form is not None else None

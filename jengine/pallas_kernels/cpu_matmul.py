@@ -9,6 +9,10 @@ every weight row segment is read once for all of them, splits the columns over X
 threads, and picks AVX-512, AVX2+FMA or portable code at run time. A bf16 or int8 weight is
 widened to f32 in registers, so the step streams 2x or 4x fewer weight bytes with f32 sums.
 
+On a CPU with AMX-BF16, `amx_matmul` multiplies on the tiles (`csrc/amx_bf16.h`) from a bf16
+weight packed once into their layout (`amx_tiles`), its columns split over the threads like
+the small-row kernel's.
+
 The FFI target is registered when this module is imported (jengine.pallas_kernels imports it),
 before any program that calls it is compiled or loaded from the persistent compilation cache.
 If the library is missing, importing still succeeds; `available()` says so and the engine
@@ -28,13 +32,18 @@ from jengine.pallas_kernels.native_library import load_native, missing
 _TARGET = "jengine_small_matmul"
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # instruction set of the kernel
 
+_AMX_TARGET = "jengine_amx_matmul"
+_AMX_CODE = 4  # JengineMatmulIsa's code for "the AMX target runs here"
+AMX_TILE = (2, 16, 32)  # a k step's two B tiles: 16 k pairs x 16 columns x 2 words each
+
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 _INT8_TARGET = "jengine_int8_matmul"
 INT8_ISAS = {"auto": 0, "portable": 1, "avx512_vnni": 4}  # instruction set of the int8 kernel
 
 _LIB, _LOAD_ERROR = load_native("_cpu_matmul", {_TARGET: "JengineSmallMatmul",
-                                                _INT8_TARGET: "JengineInt8Matmul"})
+                                                _INT8_TARGET: "JengineInt8Matmul",
+                                                _AMX_TARGET: "JengineAmxMatmul"})
 
 
 def available() -> bool:
@@ -113,3 +122,55 @@ def int8_matmul(
     return call(xq, sx.astype(jnp.float32), w, sw.astype(jnp.float32),
                 isa=np.int32(INT8_ISAS[isa]), transpose_w=np.int32(transpose_w),
                 max_threads=np.int32(max_threads))
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether `amx_matmul` runs here: the library loaded, the CPU has AMX-BF16 (and AVX-512
+    BF16), and Linux granted this process the tile state."""
+    return available() and bool(_LIB.JengineMatmulIsa(_AMX_CODE))
+
+
+def amx_tiles(w: np.ndarray) -> np.ndarray:
+    """A bf16 weight [K, N] (row-major) in the AMX tiles' layout `amx_matmul` reads:
+    [ceil(N / 32), ceil(K / 32), 2, 16, 32], strip s / k step ks / half h holding the B tile
+    whose row p is the pairs (w[32 ks + 2p, c], w[32 ks + 2p + 1, c]) for its 16 columns c of
+    32 s + 16 h + (0..15); zeros pad K and N. Done once, on the host, at load time."""
+    if w.ndim != 2 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"amx_tiles takes a 2-D bfloat16 weight, got {w.dtype}{w.shape}")
+    k, n = w.shape
+    kp, np_ = -(-k // 32) * 32, -(-n // 32) * 32
+    padded = np.zeros((kp, np_), w.dtype)
+    padded[:k, :n] = w
+    # k = 32 ks + 2 p + pair, n = 32 s + 16 h + c  ->  [s, ks, h, p, c, pair]
+    t = padded.reshape(kp // 32, 16, 2, np_ // 32, 2, 16).transpose(3, 0, 4, 1, 5, 2)
+    return np.ascontiguousarray(t).reshape(np_ // 32, kp // 32, *AMX_TILE)
+
+
+def amx_columns(tiles: jax.Array, cols: jax.Array, k: int) -> jax.Array:
+    """Columns `cols` [C] of the weight w [K, N] that `tiles` = amx_tiles(w) holds, as rows
+    [C, K] (bf16): the rows of a tied embedding packed as w = table.T for the output head."""
+    s, ks = tiles.shape[:2]
+    split = tiles.reshape(s, ks, 2, 16, 16, 2)  # [s, ks, h, p, c, pair], as amx_tiles lays out
+    picked = split[cols // 32, :, (cols % 32) // 16, :, cols % 16, :]  # [C, ks, p, pair]
+    return picked.reshape(cols.shape[0], ks * 32)[:, :k]
+
+
+def amx_matmul(
+    x: jax.Array,  # [R, K] bfloat16, or float32 (rounded to bf16: exact for bf16 values)
+    tiles: jax.Array,  # amx_tiles(w) for w [K, N] bf16
+    n: int,  # N
+    *,
+    max_threads: int = 0,  # 0: all of XLA's intra-op threads
+) -> jax.Array:  # [R, N] float32
+    """`x @ w` on the AMX tiles (TDPBF16PS, f32 sums) from the packed weight; each weight byte
+    is read from memory once for all R rows, and the columns are split over the threads."""
+    require()
+    if (x.dtype not in (jnp.float32, jnp.bfloat16) or x.ndim != 2 or tiles.dtype != jnp.bfloat16
+            or tiles.shape[2:] != AMX_TILE or tiles.shape[0] != -(-n // 32)
+            or tiles.shape[1] != -(-x.shape[1] // 32)):
+        raise ValueError(f"amx_matmul takes a 2-D float32 or bfloat16 x and the bf16 "
+                         f"amx_tiles(w) of a w [{x.shape[-1]}, {n}], got {x.dtype}{x.shape} "
+                         f"and {tiles.dtype}{tiles.shape}")
+    call = jax.ffi.ffi_call(_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, tiles, n=np.int64(n), max_threads=np.int32(max_threads))

@@ -8,13 +8,15 @@
 // as fast as the weights stream from memory, if each weight is read once for all R rows.
 // Register tiles of R x 2 vectors do that (small_matmul_impl.h). Output columns are split into
 // one contiguous range per thread of XLA's intra-op pool. The instruction set (AVX-512F, AVX2+FMA
-// or portable C++) is chosen at run time, or forced by the `isa` attribute.
+// or portable C++) is chosen at run time, or forced by the `isa` attribute. A bf16 weight packed
+// into the AMX tiles' layout at load time has its own target (AmxMatmul, amx_bf16.h).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "amx_bf16.h"
 #include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,6 +25,15 @@ namespace ffi = xla::ffi;
 
 namespace jengine {
 namespace {
+
+constexpr int32_t kAmxBf16 = 4;  // JengineMatmulIsa's code for "AmxMatmul runs here"
+
+inline bool SupportsHere(int32_t isa) {
+#if JE_X86
+  if (isa == kAmxBf16) return amx::Permitted();
+#endif
+  return Supports(isa);
+}
 
 struct Bf16 {  // a bfloat16 weight: the upper 16 bits of the f32 it stands for
   uint16_t bits;
@@ -139,10 +150,39 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+ffi::Error AmxMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer tiles,
+                     int64_t n, int32_t max_threads, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto td = tiles.dimensions();
+  const bool x_bf16 = x.element_type() == ffi::BF16;
+  if (xd.size() != 2 || (!x_bf16 && x.element_type() != ffi::F32) || td.size() != 5 ||
+      tiles.element_type() != ffi::BF16 || td[2] != 2 ||
+      td[3] != 16 || td[4] != 32 || td[0] != (n + 31) / 32 || td[1] * 32 < xd[1] ||
+      td[1] * 32 >= xd[1] + 32) {
+    return ffi::Error::InvalidArgument(
+        "amx matmul: expected x [R, K] (f32 or bf16) and bf16 tiles "
+        "[ceil(N / 32), ceil(K / 32), 2, 16, 32]");
+  }
+#if JE_X86
+  if (!amx::Permitted()) {
+    return ffi::Error::InvalidArgument("amx matmul: this CPU or kernel gives no AMX-BF16");
+  }
+  if (xd[0] > 0 && n > 0) {
+    amx::PackedMatmul(pool, max_threads, x.untyped_data(), x_bf16,
+                      static_cast<const uint16_t*>(tiles.untyped_data()), y->typed_data(),
+                      xd[0], xd[1], td[1] * 32, n);
+  }
+  return ffi::Error::Success();
+#else
+  return ffi::Error::InvalidArgument("amx matmul: AMX exists on x86-64 only");
+#endif
+}
+
 }  // namespace
 }  // namespace jengine
 
 JE_EXPORT XLA_FFI_Error* JengineSmallMatmul(XLA_FFI_CallFrame* call_frame);
+JE_EXPORT XLA_FFI_Error* JengineAmxMatmul(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT int JengineMatmulIsa(int isa);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineSmallMatmul, jengine::SmallMatmul,
@@ -155,9 +195,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineSmallMatmul, jengine::SmallMatmul,
                                   .Attr<int32_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineAmxMatmul, jengine::AmxMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [R, K]: bf16, or f32 bf16 values
+                                  .Arg<ffi::AnyBuffer>()  // w's tiles [S, KS, 2, 16, 32] bf16
+                                  .Attr<int64_t>("n")
+                                  .Attr<int32_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
+
 // isa 0: the instruction set `auto` picks here (1 portable, 2 AVX2, 3 AVX-512); else whether
 // that one runs here (1 or 0).
 extern "C" int JengineMatmulIsa(int isa) {
   if (isa == jengine::kAuto) return jengine::BestIsa();
-  return jengine::Supports(isa) ? 1 : 0;
+  return jengine::SupportsHere(isa) ? 1 : 0;
 }

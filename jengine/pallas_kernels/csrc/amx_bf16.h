@@ -1,0 +1,228 @@
+// y[R, N] = x[R, K] @ w[K, N] on the AMX tiles for a bf16 weight packed once, at load time, into
+// the tiles' layout (jengine.pallas_kernels.cpu_matmul.amx_tiles); x is bf16, or f32 holding
+// bf16 values. The sums are f32 (TDPBF16PS), and so is y. Included by small_matmul.cc.
+//
+// Why: XLA:CPU runs a bf16 dot on the tiles too, but each dot on one thread, and a projection
+// of a few rows on slower code still (docs/kernels.md, "AMX bf16 projections"). Here the output
+// columns are split over XLA's intra-op pool, or for a call of one row tile over the caller and
+// a spinning helper thread (spin_helper.h). The weight is packed once so that each call reads
+// its tiles straight from memory: repacking the row-major weight on every call would read and
+// write every weight byte again per call, in a step whose few-row calls only stream them.
+//
+// Blocking: each thread takes a contiguous run of strips of 32 output columns (two B tiles a k
+// step, contiguous in the packed weight) and runs every block of 32 rows (two A tiles) against
+// a strip while the strip is in cache, into four C tiles (tmm0-3; A in tmm4-5, B in tmm6-7), so
+// each weight byte is read from memory once for all R rows. Rows are padded to 16 and k to 32
+// with zeros in a staged copy of x (bf16 x of a shape the tiles fit is read in place); the C
+// tiles are stored straight into y, those that cross its last row or column through a small
+// buffer. (Through a per-thread buffer of the thread's whole [R, columns] and a copy to y, a
+// 512-row call took 1.15x as long: that buffer alone is 1.5 MB of a 2 MB L2.)
+
+#ifndef JENGINE_AMX_BF16_H_
+#define JENGINE_AMX_BF16_H_
+
+#if defined(__x86_64__)
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "parallel_for.h"
+#include "spin_helper.h"
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+
+namespace jengine {
+namespace amx {
+
+constexpr int64_t kTileRows = 16;  // rows of an A or C tile, k pairs of a B tile
+constexpr int64_t kTileK = 32;     // bf16 elements of k in one A tile row
+constexpr int64_t kStrip = 32;     // output columns a thread computes at a time
+// Calls of up to this many rows (one A tile) split their columns with the SpinHelper's thread
+// instead of XLA's pool when the pool has two threads: they are short and stream the weight,
+// so a pool thread's wake-up cost them most of the second core (spin_helper.h).
+constexpr int64_t kHelperRows = 16;
+
+// Linux hands a process the tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without that the first tile instruction faults. Asked once.
+inline bool Permitted() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) {
+      return false;
+    }
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: C f32 16 x 16, A bf16 16 x 32, B 16 k pairs x 16 columns.
+inline void Configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// x [R, K] f32 -> bf16 [Rp, Kp] (round to nearest even; exact for bf16-valued x), zero-padded.
+inline void StageRows(const float* x, int64_t R, int64_t K, int64_t Kp, uint16_t* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* src = x + r * K;
+    uint16_t* dst = out + r * Kp;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + k));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                          reinterpret_cast<const __m256i&>(h));
+    }
+    if (k < K) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + k));
+      _mm256_mask_storeu_epi16(dst + k, m, reinterpret_cast<const __m256i&>(h));
+    }
+  }
+}
+
+// How far ahead of the tiles in use the first block of rows prefetches the packed weight (into
+// L2). Measured with scripts/amx_matmul_bench.py: no difference at 1-64 rows, 512-row calls
+// 0.93-0.98x the time without it; prefetching each thread's next strip, spread over the current
+// strip's k steps, measured no better than this.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Where the C tile of rows [r, r + 16) and columns [c, c + 16) is stored: straight into y
+// [R, N] (row stride N) where the tile lies inside it, else into `edge` (16 x 16, for
+// CopyEdge), or nowhere (nullptr) where it lies past N (a strip's second half).
+inline float* SumsAt(float* y, int64_t R, int64_t N, int64_t r, int64_t c, float* edge,
+                     int64_t* stride_bytes) {
+  if (c >= N) return nullptr;
+  if (r + kTileRows <= R && c + 16 <= N) {
+    *stride_bytes = N * 4;
+    return y + r * N + c;
+  }
+  *stride_bytes = 64;
+  return edge;
+}
+
+inline void CopyEdge(const float* edge, float* y, int64_t R, int64_t N, int64_t r, int64_t c) {
+  const int64_t rows = std::min<int64_t>(kTileRows, R - r), cols = std::min<int64_t>(16, N - c);
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(y + (r + i) * N + c, edge + i * 16, cols * 4);
+}
+
+// _tile_stored takes the tile's number as a literal, hence a macro.
+#define JE_STORE_SUMS(tile, r, c)                                  \
+  do {                                                             \
+    int64_t stride;                                                \
+    if (float* at = SumsAt(y, R, N, r, c, edge, &stride)) {        \
+      _tile_stored(tile, at, stride);                              \
+      if (at == edge) CopyEdge(edge, y, R, N, r, c);               \
+    }                                                              \
+  } while (0)
+
+// y's rows [r0, r0 + 16 * row_tiles) and the 32 columns of one strip from c0: the strip's
+// Kp / 32 k steps of two B tiles each (1 KiB a tile) against the staged x.
+inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t r0,
+                  int row_tiles, float* y, int64_t R, int64_t N, int64_t c0, bool prefetch) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t a_stride = Kp * 2;
+  const uint16_t* a0 = xs + r0 * Kp;
+  const uint16_t* a1 = a0 + kTileRows * Kp;
+  for (int64_t ks = 0; ks < Kp / kTileK; ++ks) {
+    const uint16_t* b = strip + ks * 1024;
+    if (prefetch) {  // the weight kPrefetchBytes ahead (the next strip's, past this one's end)
+      const char* ahead = reinterpret_cast<const char*>(b) + kPrefetchBytes;
+      for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+    }
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + 512, 64);
+    _tile_loadd(4, a0 + ks * kTileK, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (row_tiles == 2) {
+      _tile_loadd(5, a1 + ks * kTileK, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float edge[kTileRows * 16];
+  JE_STORE_SUMS(0, r0, c0);
+  JE_STORE_SUMS(1, r0, c0 + 16);
+  if (row_tiles == 2) {
+    JE_STORE_SUMS(2, r0 + kTileRows, c0);
+    JE_STORE_SUMS(3, r0 + kTileRows, c0 + 16);
+  }
+}
+
+#undef JE_STORE_SUMS
+
+// y [R, N] = x [R, K] @ w, w given in the tiles' layout (`tiles` [S, Kp / 32, 2, 16, 32]
+// bf16, S = ceil(N / 32): strip s, k step ks, half h holds the B tile whose word pair (p, c)
+// is (w[32 ks + 2p][32 s + 16 h + c], w[32 ks + 2p + 1][...]), zeros past K and N; packed once
+// at load time, cpu_matmul.amx_tiles). The strips are split over the pool's threads (at most
+// `max_threads`; the SpinHelper's two for up to kHelperRows rows); each runs every block of
+// 32 rows against a strip while the strip is in cache, so each weight byte is read from memory
+// once.
+// x is f32 (bf16 values) or bf16 bits (`x_bf16`); bf16 rows whose shape fits the tiles (R a
+// multiple of 16, K of 32) are read in place, others staged in a padded copy.
+inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const void* x,
+                         bool x_bf16, const uint16_t* tiles, float* y, int64_t R, int64_t K,
+                         int64_t Kp, int64_t N) {
+  const int64_t Rp = (R + kTileRows - 1) / kTileRows * kTileRows;
+  std::vector<uint16_t> staged;
+  const uint16_t* xs = static_cast<const uint16_t*>(x);
+  if (!x_bf16 || Rp != R || Kp != K) {
+    staged.assign(Rp * Kp, 0);
+    if (x_bf16) {
+      for (int64_t r = 0; r < R; ++r) std::memcpy(&staged[r * Kp], xs + r * K, K * 2);
+    } else {
+      StageRows(static_cast<const float*>(x), R, K, Kp, staged.data());
+    }
+    xs = staged.data();
+  }
+  const int64_t strips = (N + kStrip - 1) / kStrip;
+  const int64_t threads = KernelThreads(pool, max_threads);
+  const int64_t parts = std::min(threads, strips);
+  auto part_of_y = [&](int64_t part) {
+    const int64_t s0 = part * strips / parts, s1 = (part + 1) * strips / parts;
+    Configure();
+    for (int64_t s = s0; s < s1; ++s) {
+      const uint16_t* strip = tiles + s * (Kp / kTileK) * 1024;
+      for (int64_t r0 = 0; r0 < Rp; r0 += 2 * kTileRows) {
+        Block(xs, Kp, strip, r0, Rp - r0 >= 2 * kTileRows ? 2 : 1, y, R, N, s * kStrip,
+              r0 == 0);
+      }
+    }
+    _tile_release();
+  };
+  if (threads == 2 && R <= kHelperRows) {
+    SpinHelper::Get().Run(parts, part_of_y);
+  } else {
+    ParallelFor(pool, parts, parts, [&](int64_t part, int64_t) { part_of_y(part); });
+  }
+}
+
+}  // namespace amx
+}  // namespace jengine
+
+#pragma GCC pop_options
+
+#endif  // __x86_64__
+#endif  // JENGINE_AMX_BF16_H_

