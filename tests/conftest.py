@@ -77,6 +77,17 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """test_sharding's random Llama (16 q / 8 kv heads, untied lm_head, word-level tokenizer),
+    built once for the test files that only read it."""
+    from test_sharding import _tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    _tiny_llama(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """`jengine serve` as a real process (tests/serve_process.py), shared by test_server.py,
     test_server_responses.py and test_server_structured.py: one start instead of three."""

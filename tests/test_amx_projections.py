@@ -17,7 +17,6 @@ from pathlib import Path
 import jax
 import pytest
 import yaml
-from test_sharding import _tiny_llama
 
 from jengine import Engine, SamplingParams
 from jengine.core import build
@@ -137,19 +136,12 @@ def test_gemma3_greedy_tokens_equal_xla(tmp_path):
     assert tokens["amx"] == tokens["xla"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """A random Llama with an untied lm_head [E, V] (packed as a projection)."""
-    path = tmp_path_factory.mktemp("tiny")
-    _tiny_llama(path)
-    return path
-
-
-def test_untied_head_greedy_tokens_equal_xla(tiny, tmp_path):
+def test_untied_head_greedy_tokens_equal_xla(tiny_llama, tmp_path):
+    """Its untied lm_head [E, V] is packed as a projection."""
     prompts = [[5, 9, 17, 33, 40], [7, 8], list(range(3, 40))]
     tokens = {}
     for backend in ("xla", "amx"):
-        engine = Engine(str(tiny), config=_config(tmp_path, f"t_{backend}",
+        engine = Engine(str(tiny_llama), config=_config(tmp_path, f"t_{backend}",
                                                   matmul_backend=backend), progress=False)
         head = engine.core.runner.params["lm_head"]
         assert isinstance(head, matmul.AmxPacked) == (backend == "amx")
@@ -157,10 +149,10 @@ def test_untied_head_greedy_tokens_equal_xla(tiny, tmp_path):
     assert tokens["amx"] == tokens["xla"]
 
 
-def test_store_key_tells_packed_from_unpacked_weights(tiny, tmp_path, monkeypatch):
+def test_store_key_tells_packed_from_unpacked_weights(tiny_llama, tmp_path, monkeypatch):
     """Same config, same shapes: a program traced over packed weights and one over the plain
     bf16 arrays get different store keys (the parameter tree is part of the key)."""
-    model = tiny
+    model = tiny_llama
     config = _config(tmp_path, "key", matmul_backend="amx")
 
     def key() -> str:

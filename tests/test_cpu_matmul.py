@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from test_sharding import _tiny_llama
 
 from jengine import Engine, SamplingParams, cpu_info
 from jengine.models import matmul, quant
@@ -204,14 +203,7 @@ def test_auto_keeps_xla_without_the_library(monkeypatch):
         matmul.resolve_matmul_backend("native", "cpu", 1)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    _tiny_llama(path)
-    return path
-
-
-def test_engine_greedy_tokens_equal_with_kernel_on_and_off(tiny, tmp_path):
+def test_engine_greedy_tokens_equal_with_kernel_on_and_off(tiny_llama, tmp_path):
     """A random tiny Llama, two step shapes (8 and 16 tokens, both the kernel's) over a batch
     of mixed prompts: the same greedy tokens with `matmul_backend` native and xla."""
     preset = yaml.safe_load((Path(__file__).parent / "two_buckets.yaml").read_text())
@@ -223,13 +215,13 @@ def test_engine_greedy_tokens_equal_with_kernel_on_and_off(tiny, tmp_path):
         preset["model"]["matmul_backend"] = backend
         config = tmp_path / f"{backend}.yaml"
         config.write_text(yaml.safe_dump(preset))
-        engine = Engine(str(tiny), config=str(config), progress=False)
+        engine = Engine(str(tiny_llama), config=str(config), progress=False)
         assert engine.core.model_config.matmul_backend == backend
         tokens[backend] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert tokens["native"] == tokens["xla"]
 
 
-def test_engine_w8a16_greedy_tokens_equal_with_kernel_on_and_off(tiny, tmp_path):
+def test_engine_w8a16_greedy_tokens_equal_with_kernel_on_and_off(tiny_llama, tmp_path):
     """w8a16 (int8 weights, float activations): the native kernel from one row on gives the
     same greedy tokens as XLA's converted-weight dot."""
     preset = yaml.safe_load((Path(__file__).parent / "one_bucket.yaml").read_text())
@@ -241,7 +233,7 @@ def test_engine_w8a16_greedy_tokens_equal_with_kernel_on_and_off(tiny, tmp_path)
         preset["model"]["matmul_backend"] = backend
         config = tmp_path / f"{backend}.yaml"
         config.write_text(yaml.safe_dump(preset))
-        engine = Engine(str(tiny), config=str(config), quantization="w8a16", progress=False)
+        engine = Engine(str(tiny_llama), config=str(config), quantization="w8a16", progress=False)
         tokens[backend] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert tokens["native"] == tokens["xla"]
 
@@ -325,7 +317,6 @@ def test_amx_zero_rows_and_bad_operands():
                  (jnp.ones((64,), jnp.bfloat16), 40)):  # not 2-D
         with pytest.raises(ValueError, match="amx_matmul takes"):
             cpu_matmul.amx_matmul(x, tiles, n)
-
 
 
 @needs_amx

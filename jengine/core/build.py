@@ -171,7 +171,7 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         stacked = {name: np.asarray(w) for name, w in host.items()}
         params = jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers,
                                                first_layer=layer_offsets(cfg)))
-        return _packed_for_amx(params, cfg, specs, dtype)
+        return _packed_for_amx(params, cfg, specs, dtype, quantization)
     # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
     params = load_params_sharded(
         loaded, cfg, rules.param_shardings(specs) if rules else None, dtype,
@@ -190,15 +190,16 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
     if layer_layout == "unstacked":
         params = unstack_layers(params, family.LAYER_KEYS, cfg.num_layers,
                                 delete_stacked=True, first_layer=layer_offsets(cfg))
-        if quantization == "none":
-            params = _packed_for_amx(params, cfg, specs, dtype)
+        params = _packed_for_amx(params, cfg, specs, dtype, quantization)
     return params
 
 
-def _packed_for_amx(params: dict, cfg: ModelConfig, specs: dict, dtype: str) -> dict:
-    """The bf16 projections and output head packed for the AMX kernel under `matmul_backend`
-    `amx` (jengine.models.matmul.pack_projections)."""
-    if cfg.matmul_backend != "amx" or dtype != "bfloat16":
+def _packed_for_amx(params: dict, cfg: ModelConfig, specs: dict, dtype: str,
+                    quantization: str) -> dict:
+    """A bf16 model's projections and output head packed for the AMX kernel under
+    `matmul_backend` `amx` (jengine.models.matmul.pack_projections); a quantized model's float
+    head stays as it is."""
+    if cfg.matmul_backend != "amx" or dtype != "bfloat16" or quantization != "none":
         return params
     return pack_projections(params, specs)
 

@@ -240,4 +240,3 @@ class PrefixCache:
         freed = self.clear()
         self.stats = PrefixCacheStats()
         return freed
-
