@@ -38,8 +38,9 @@ def _kernel(name: str, sources: list[str], *headers: str) -> Extension:
 
 setup(
     ext_modules=[
-        _kernel("_cpu_attention", ["paged_attention.cc", "kv_zeros.cc"], "paged_attention_impl.h"),
+        _kernel("_cpu_attention", ["paged_attention.cc", "kv_zeros.cc"], "paged_attention_impl.h",
+                "amx_tiles.h", "amx_attention.h"),
         _kernel("_cpu_matmul", ["small_matmul.cc", "int8_matmul.cc"], "small_matmul_impl.h",
-                "amx_bf16.h", "spin_helper.h"),
+                "amx_tiles.h", "amx_bf16.h", "spin_helper.h"),
     ]
 )

@@ -71,10 +71,11 @@ def run(case, kernel, *, window=None, soft_cap=None, kv_head_map=None, num_pad=0
         x = {
             "slots": np.concatenate([x["slots"], np.arange(num_pad) % case.page_size]),
             "new_k": np.concatenate([x["new_k"], rng.normal(size=(num_pad, case.num_kv,
-                                                                   HEAD_DIM))]),
+                                                                   case.head_dim))]),
             "new_v": np.concatenate([x["new_v"], rng.normal(size=(num_pad, case.num_kv,
-                                                                   HEAD_DIM))]),
-            "q": np.concatenate([x["q"], rng.normal(size=(num_pad, case.num_heads, HEAD_DIM))]),
+                                                                   case.head_dim))]),
+            "q": np.concatenate([x["q"], rng.normal(size=(num_pad, case.num_heads,
+                                                           case.head_dim))]),
             "token_seq": np.concatenate([x["token_seq"], np.zeros(num_pad, int)]),
             "positions": np.concatenate([x["positions"], np.zeros(num_pad, int)]),
         }

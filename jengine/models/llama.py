@@ -107,12 +107,15 @@ def forward(
         x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
     scaled = _scaled_by(cfg.residual_multiplier)
     window = cfg.sliding_window
+    inv_freq = _layer_inv_freq(cfg)  # [L, R/2]
+    freq_rows, table_of_layer = np.unique(inv_freq, axis=0, return_inverse=True)
     per_layer = (
         jnp.asarray(  # [L] window per layer
             [window if (window and s) else jnp.iinfo(jnp.int32).max for s in cfg.sliding_layers],
             jnp.int32,
         ),
-        jnp.asarray(_layer_inv_freq(cfg)),  # [L, R/2]
+        jnp.asarray(inv_freq),
+        jnp.asarray(table_of_layer.reshape(-1), jnp.int32),  # [L] the layer's row of freq_rows
     )
     # The rope's cos/sin scale (longrope's, yarn's attention factor): a constant when every
     # layer shares it, else per layer (OLMo 3's yarn on its global layers only).
@@ -126,16 +129,24 @@ def forward(
     if by_position:
         token_freq = layers.rope_token_inv_freq(cfg.rope, cfg.rotary_dim, md.positions)
         per_layer = per_layer + (jnp.asarray(_layer_uses_global_rope(cfg)),)
+    else:  # [U, T, R/2] each, for the U distinct rows of frequencies
+        cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
 
     mm = cfg.matmul_backend
 
     def layer(carry, xs):
         x, kv = carry
-        p, index, (layer_window, inv_freq, *rest) = xs
+        p, index, (layer_window, inv_freq, table, *rest) = xs
         if by_position:
             *rest, global_rope = rest
             inv_freq = inv_freq[None, :] + global_rope * token_freq  # [T, R/2]
         rope_scale = uniform if uniform is not None else rest[0]
+
+        def turn(x):
+            if by_position:
+                return apply_rope(x, md.positions, inv_freq, rope_scale)
+            return layers.rotate(x, cos_tables[table], sin_tables[table], rope_scale)
+
         h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
         k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
@@ -146,8 +157,7 @@ def forward(
         if cfg.qk_norm_full:
             q = _rms_norm_heads(q, p["q_norm"], cfg.rms_norm_eps, cfg.num_heads - cfg.padded_heads)
             k = _rms_norm_heads(k, p["k_norm"], cfg.rms_norm_eps, cfg.num_kv_heads)
-        q = apply_rope(q, md.positions, inv_freq, rope_scale)
-        k = apply_rope(k, md.positions, inv_freq, rope_scale)
+        q, k = turn(q), turn(k)
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
@@ -213,8 +223,10 @@ def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str) -> jax.Array:
     """The dense SwiGLU MLP [T, E] -> [T, E] (`mm`: the matmul backend)."""
     gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"), backend=mm)
     up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"), backend=mm)
-    return project(jax.nn.silu(gate) * up, p["w_down"], "tf,fe->te", p.get("b_down"),
-                   backend=mm)
+    # The activation in f32 and rounded once, as torch does for a bf16 tensor (XLA's bf16
+    # silu rounds after each of its five ops).
+    act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+    return project(act * up, p["w_down"], "tf,fe->te", p.get("b_down"), backend=mm)
 
 
 def _rms_norm_heads(x: jax.Array, weight: jax.Array, eps: float, real_heads: int) -> jax.Array:

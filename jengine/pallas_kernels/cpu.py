@@ -26,7 +26,9 @@ from jengine.pallas_kernels.native_library import load_native, missing
 _ATTENTION_TARGET = "jengine_paged_attention"
 _KV_WRITE_TARGET = "jengine_kv_write"
 _ZEROS_TARGET = "jengine_zeros"
-ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # instruction set of the kernel
+# The kernel's instruction set; "amx": AVX-512F, with prefill blocks over a bf16 cache on the
+# AMX tiles (queries rounded to bf16, what `auto` takes for bf16 queries and cache where it runs).
+ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "amx": 4}
 
 _LIB, _LOAD_ERROR = load_native("_cpu_attention", {_ATTENTION_TARGET: "JenginePagedAttention",
                                                    _KV_WRITE_TARGET: "JengineKvWrite"})
@@ -57,7 +59,7 @@ def require() -> None:
 
 def best_isa() -> str:
     """The instruction set `isa="auto"` runs on this CPU: AVX-512F where present, else AVX2+FMA,
-    else portable C++."""
+    else portable C++ (and, for bf16 queries and cache, `amx` where `supports("amx")`)."""
     require()
     return {v: k for k, v in ISAS.items()}[_LIB.JengineAttentionIsa(0)]
 
@@ -100,10 +102,16 @@ def ragged_paged_attention_cpu(
     `auto` takes `best_isa()`; scores, softmax and accumulation are f32 throughout. bf16 and
     int8 pages are widened to f32 a page at a time as they are read (int8 times its rows'
     scales).
+    `isa="amx"` (what `auto` takes for bf16 `q` over a bf16 cache where the CPU has AMX-BF16)
+    runs the prefill blocks' products on the AMX tiles instead (`csrc/amx_attention.h`): q and
+    the probabilities rounded to bf16, sums in f32, so the result is within bf16 rounding of
+    the f32 path's; decode rows and other caches take the AVX-512 path.
     `ffi_target` calls another build of the kernel, registered under that target name (the
     benchmark's `--baseline`) instead of this package's.
     """
     require()
+    if isa == "auto" and q.dtype == k_cache.dtype == jnp.bfloat16 and supports("amx"):
+        isa = "amx"  # a bf16 model's queries: rounding them to bf16 changes nothing
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[1]
     if kv_head_map is None:

@@ -23,14 +23,12 @@
 
 #if defined(__x86_64__)
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "isa.h"
 #include "parallel_for.h"
 #include "spin_helper.h"
@@ -41,44 +39,11 @@
 namespace jengine {
 namespace amx {
 
-constexpr int64_t kTileRows = 16;  // rows of an A or C tile, k pairs of a B tile
-constexpr int64_t kTileK = 32;     // bf16 elements of k in one A tile row
 constexpr int64_t kStrip = 32;     // output columns a thread computes at a time
 // Calls of up to this many rows (one A tile) split their columns with the SpinHelper's thread
 // instead of XLA's pool when the pool has two threads: they are short and stream the weight,
 // so a pool thread's wake-up cost them most of the second core (spin_helper.h).
 constexpr int64_t kHelperRows = 16;
-
-// Linux hands a process the tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without that the first tile instruction faults. Asked once.
-inline bool Permitted() {
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) {
-      return false;
-    }
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes: C f32 16 x 16, A bf16 16 x 32, B 16 k pairs x 16 columns.
-inline void Configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kTileRows;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // x [R, K] f32 -> bf16 [Rp, Kp] (round to nearest even; exact for bf16-valued x), zero-padded.
 inline void StageRows(const float* x, int64_t R, int64_t K, int64_t Kp, uint16_t* out) {

@@ -16,7 +16,8 @@
 
 namespace jengine {
 
-enum Isa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+// kAmx (attention only): AVX-512F, with prefill blocks of a bf16 cache on the AMX tiles.
+enum Isa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAmx = 4 };
 
 inline bool Supports(int32_t isa) {
 #if JE_X86

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -62,7 +63,15 @@ struct Task {  // one (block, kv head) item, or one key range of it
   int64_t cost;
 };
 
-enum class KvType { kF32, kBf16, kInt8 };  // int8: rows times one f32 scale each
+enum class KvType { kF32, kBf16, kInt8 };
+
+// The AMX path's keys and values of each prefill sequence in the tiles' layouts
+// (amx_attention.h): per sequence from key position base (a multiple of 64), chunks of 64 keys,
+// at offset (in bf16 elements) within data.
+struct Staging {
+  std::vector<int64_t> base, chunks, offset;  // [num_seqs]; base -1: nothing staged
+  uint16_t* data = nullptr;  // 64-byte aligned, in a buffer of the calling thread's
+};  // int8: rows times one f32 scale each
 
 struct Problem {
   const float* q;
@@ -79,6 +88,8 @@ struct Problem {
   float sm_scale, soft_cap;
   std::vector<std::vector<int>> groups;  // [K] q heads of each kv head
   std::vector<Block> blocks;
+  bool amx = false;  // prefill blocks on the AMX tiles (bf16 cache and queries)
+  Staging staging;
   float* out;
   // Partial softmax states of split items: per partial, rows * (2 + D) floats at offset[i].
   std::vector<int64_t> partial_offset;
@@ -91,6 +102,23 @@ struct Scratch {  // one worker's buffers
   // for acc and the row's position, per vector of lanes their least and greatest position.
   std::vector<float> qt, st, alpha, lane_pos;
   std::vector<int64_t> lane_min_pos, lane_max_pos;
+  // The AMX path's: bf16 query rows, each row's visible key range [lo, hi), one chunk's scores,
+  // probabilities (bf16) and P V.
+  std::vector<uint16_t> qb, p16;
+  std::vector<int32_t> lo, hi;
+  std::vector<float> s32, pv;
+  void ReserveAmx(int64_t rows, int64_t d) {
+    if (static_cast<int64_t>(lo.size()) < rows) {
+      qb.resize(rows * d);
+      lo.resize(rows);
+      hi.resize(rows);
+    }
+    if (static_cast<int64_t>(pv.size()) < 16 * d) {
+      s32.resize(16 * 64);
+      p16.resize(16 * 64);
+      pv.resize(16 * d);
+    }
+  }
   void Reserve(int64_t rows, int64_t d, int64_t page_size) {
     if (static_cast<int64_t>(m.size()) < rows) {
       q.resize(rows * d);
@@ -142,7 +170,18 @@ void FinishTask(const Problem& pb, const Task& task, const Scratch& ws) {
 #include "per_isa.h"
 #undef JE_IMPL_HEADER
 
+#include "amx_attention.h"
+
 using TaskFn = void (*)(const Problem&, const Task&, Scratch&);
+
+// Whether the AMX prefill path runs here: the tiles, and the process allowed to use them.
+bool AmxSupported() {
+#if JE_X86
+  return amx::Permitted();
+#else
+  return false;
+#endif
+}
 
 // Merges the partial softmax states of each split item into the output.
 void MergePartials(const Problem& pb, const std::vector<Task>& tasks) {
@@ -315,6 +354,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (pb.T == 0) return ffi::Error::Success();
 
   if (isa == kAuto) isa = BestIsa();
+  if (isa == kAmx) {
+    if (!AmxSupported()) {
+      return ffi::Error::InvalidArgument("paged attention: AMX-BF16 unsupported here");
+    }
+    pb.amx = pb.kv_type == KvType::kBf16 && pb.D % 32 == 0;
+    isa = kAvx512;
+  }
   if (!Supports(isa)) {
     return ffi::Error::InvalidArgument("paged attention: forced instruction set unsupported");
   }
@@ -327,11 +373,43 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   MakeBlocks(pb, token_seq.typed_data(), page_table.dimensions()[0],
              std::max<int32_t>(block_q, 1));
   const std::vector<Task> tasks = MakeTasks(pb, threads);
+#if JE_X86
+  if (pb.amx) amx_attention::Stage(pb, pool, threads, page_table.dimensions()[0]);
+#endif
   std::vector<Scratch> scratch(threads);
-  ParallelFor(pool, static_cast<int64_t>(tasks.size()), threads,
-              [&](int64_t i, int64_t worker) { run(pb, tasks[i], scratch[worker]); });
+  ParallelFor(pool, static_cast<int64_t>(tasks.size()), threads, [&](int64_t i, int64_t worker) {
+#if JE_X86
+    if (amx_attention::Takes(pb, tasks[i])) {
+      amx_attention::RunTask(pb, tasks[i], scratch[worker]);
+      return;
+    }
+#endif
+    run(pb, tasks[i], scratch[worker]);
+  });
   MergePartials(pb, tasks);
   return ffi::Error::Success();
+}
+
+#if JE_X86
+__attribute__((target("avx512f,avx512bf16"))) void RoundToBf16Avx512(const float* f, uint16_t* d,
+                                                                      int64_t n) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {  // VCVTNEPS2BF16: nearest even, NaN stays NaN
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(f + c));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + c), reinterpret_cast<const __m256i&>(h));
+  }
+  for (; c < n; ++c) d[c] = F32ToBf16(f[c]);
+}
+#endif
+
+// d[:n] = f[:n] rounded to bf16: a prefill chunk's K/V rows are ~0.2M values a layer, which the
+// scalar loop spent ~0.4 ms on.
+void RoundToBf16(const float* f, uint16_t* d, int64_t n) {
+#if JE_X86
+  static const bool vector = __builtin_cpu_supports("avx512bf16");
+  if (vector) return RoundToBf16Avx512(f, d, n);
+#endif
+  for (int64_t c = 0; c < n; ++c) d[c] = F32ToBf16(f[c]);
 }
 
 // Writes this step's keys (or values) of one layer into their slots; `out` aliases `cache`, so
@@ -372,9 +450,8 @@ ffi::Error KvWrite(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> layer,
       const int64_t dst = ((lay * K + kh) * slots + slot) * D;
       const char* row = src + (t * K + kh) * D * src_item;
       if (bf16) {
-        uint16_t* d = reinterpret_cast<uint16_t*>(dst_base) + dst;
-        const float* f = reinterpret_cast<const float*>(row);
-        for (int64_t c = 0; c < D; ++c) d[c] = F32ToBf16(f[c]);
+        RoundToBf16(reinterpret_cast<const float*>(row),
+                    reinterpret_cast<uint16_t*>(dst_base) + dst, D);
       } else {  // the same element type: a copy
         std::memcpy(dst_base + dst * item, row, D * item);
       }
@@ -420,8 +497,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineKvWrite, jengine::KvWrite,
                                   .Ret<ffi::AnyBuffer>());
 
 // isa 0: the instruction set `auto` picks here (1 portable, 2 AVX2, 3 AVX-512); else whether
-// that one runs here (1 or 0).
+// that one runs here (1 or 0; 4: the AMX prefill path).
 extern "C" int JengineAttentionIsa(int isa) {
   if (isa == jengine::kAuto) return jengine::BestIsa();
+  if (isa == jengine::kAmx) return jengine::AmxSupported() ? 1 : 0;
   return jengine::Supports(isa) ? 1 : 0;
 }
