@@ -212,28 +212,31 @@ inline void ChunkValues(const uint16_t* p, const uint16_t* vt, int64_t D, float*
   }
 }
 
-// exp(x) for x <= 0 to ~1e-5 relative (range reduction to |r| <= ln 2 / 2, a degree-5
-// polynomial, vscalefps for the power of two): finer than the bf16 rounding of P it feeds.
-inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 120);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+// 2^t for t <= 0 to ~3e-6 relative (t = n + f, |f| <= 1/2, a degree-5 polynomial for 2^f and
+// vscalefps for 2^n): finer than the bf16 rounding of the probabilities it makes. Finite t
+// below -150 gives 0; -inf gives NaN (callers clamp where it can occur).
+inline __m512 Pow2(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);  // ln(2)^k / k!, k = 5 .. 1
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
 
-// The online-softmax step of 16 rows over one chunk from `key0`: s [16, 64] scores in,
-// p [16, 64] bf16 probabilities out; m and l (16 each) updated, alpha (16) the factor for acc.
-// `full`: every row sees every key of the chunk, so nothing is masked.
+// The online-softmax step of 16 rows over one chunk from `key0`: s [16, 64] raw scores (q . k)
+// in, p [16, 64] bf16 probabilities out; m and l (16 each, in scaled scores) updated, alpha
+// (16) the factor for acc. `full`: every row sees every key of the chunk, so nothing is masked;
+// then without a soft cap the raw scores need no pass of their own: the row max of s times the
+// (positive) scale is that of the scaled scores, and exp(scale s - m) = 2^(s scale log2(e) -
+// m log2(e)) is one FMA from s.
 inline void ChunkSoftmax(const Problem& pb, int64_t key0, const int32_t* lo, const int32_t* hi,
                          bool full, float* s, uint16_t* p, float* m, float* l, float* alpha) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  const bool plain = full && pb.soft_cap <= 0.0f;
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 scale = _mm512_set1_ps(pb.sm_scale), masked = _mm512_set1_ps(avx512::kMasked);
   __mmask16 vis[kTileRows][4];
@@ -241,37 +244,46 @@ inline void ChunkSoftmax(const Problem& pb, int64_t key0, const int32_t* lo, con
   for (int64_t r = 0; r < kTileRows; ++r) {
     float* sr = s + r * kChunk;
     __m512 x[4];
-    for (int q = 0; q < 4; ++q) x[q] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * q), scale);
-    if (pb.soft_cap > 0.0f) {  // Gemma 2's cap * tanh(x / cap): rare enough for libm
-      alignas(64) float capped[kChunk];
-      for (int q = 0; q < 4; ++q) _mm512_store_ps(capped + 16 * q, x[q]);
-      for (float& v : capped) v = pb.soft_cap * std::tanh(v / pb.soft_cap);
-      for (int q = 0; q < 4; ++q) x[q] = _mm512_load_ps(capped + 16 * q);
-    }
-    if (!full) {  // kMasked outside [lo, hi)
-      const __m512i vlo = _mm512_set1_epi32(lo[r]), vhi = _mm512_set1_epi32(hi[r]);
-      for (int q = 0; q < 4; ++q) {
-        const __m512i keys = _mm512_add_epi32(iota, _mm512_set1_epi32(key0 + 16 * q));
-        vis[r][q] = _mm512_cmpge_epi32_mask(keys, vlo) & _mm512_cmplt_epi32_mask(keys, vhi);
-        x[q] = _mm512_mask_mov_ps(masked, vis[r][q], x[q]);
+    for (int q = 0; q < 4; ++q) x[q] = _mm512_loadu_ps(sr + 16 * q);
+    if (!plain) {
+      for (int q = 0; q < 4; ++q) x[q] = _mm512_mul_ps(x[q], scale);
+      if (pb.soft_cap > 0.0f) {  // Gemma 2's cap * tanh(x / cap): rare enough for libm
+        alignas(64) float capped[kChunk];
+        for (int q = 0; q < 4; ++q) _mm512_store_ps(capped + 16 * q, x[q]);
+        for (float& v : capped) v = pb.soft_cap * std::tanh(v / pb.soft_cap);
+        for (int q = 0; q < 4; ++q) x[q] = _mm512_load_ps(capped + 16 * q);
       }
+      if (!full) {  // kMasked outside [lo, hi)
+        const __m512i vlo = _mm512_set1_epi32(lo[r]), vhi = _mm512_set1_epi32(hi[r]);
+        for (int q = 0; q < 4; ++q) {
+          const __m512i keys = _mm512_add_epi32(iota, _mm512_set1_epi32(key0 + 16 * q));
+          vis[r][q] = _mm512_cmpge_epi32_mask(keys, vlo) & _mm512_cmplt_epi32_mask(keys, vhi);
+          x[q] = _mm512_mask_mov_ps(masked, vis[r][q], x[q]);
+        }
+      }
+      for (int q = 0; q < 4; ++q) _mm512_storeu_ps(sr + 16 * q, x[q]);
     }
-    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(sr + 16 * q, x[q]);
     row_max[r] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]),
                                                     _mm512_max_ps(x[2], x[3])));
   }
   const __m512 m_old = _mm512_loadu_ps(m);
-  const __m512 m_new = _mm512_max_ps(m_old, _mm512_load_ps(row_max));
-  _mm512_storeu_ps(alpha, Exp(_mm512_sub_ps(m_old, m_new)));
+  __m512 chunk_max = _mm512_load_ps(row_max);
+  if (plain) chunk_max = _mm512_mul_ps(chunk_max, scale);
+  const __m512 m_new = _mm512_max_ps(m_old, chunk_max);
+  // m_old is -inf before a row's first chunk: clamped, its factor is 0 (acc is 0 anyway).
+  _mm512_storeu_ps(alpha, Pow2(_mm512_max_ps(
+      _mm512_mul_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(kLog2e)),
+      _mm512_set1_ps(-200.0f))));
   _mm512_storeu_ps(m, m_new);
   alignas(64) float m_rows[kTileRows], sums[kTileRows];
-  _mm512_store_ps(m_rows, m_new);
+  _mm512_store_ps(m_rows, _mm512_mul_ps(m_new, _mm512_set1_ps(kLog2e)));
+  const __m512 slope = _mm512_set1_ps(plain ? pb.sm_scale * kLog2e : kLog2e);
   for (int64_t r = 0; r < kTileRows; ++r) {
     const __m512 mr = _mm512_set1_ps(m_rows[r]);
     const float* sr = s + r * kChunk;
     __m512 e[4];
-    for (int q = 0; q < 4; ++q) {
-      e[q] = Exp(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * q), mr));
+    for (int q = 0; q < 4; ++q) {  // masked lanes: 2^(-4e38) = 0, and zeroed besides
+      e[q] = Pow2(_mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * q), slope, mr));
       if (!full) e[q] = _mm512_maskz_mov_ps(vis[r][q], e[q]);
     }
     sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]),
