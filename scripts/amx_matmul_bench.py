@@ -3,14 +3,18 @@ them: XLA:CPU's bf16 dot, the native small-row kernel (cpu_matmul.small_matmul, 
 the AMX kernel over packed weights (cpu_matmul.amx_matmul). Every layer has weights of its own
 (212 MB in all), so they stream from memory as in a decode step; each layer's input depends on
 the previous layer's output, so the dots run in order. Same process, the programs called in
-turn; prints the fastest of several timings in ms and the rate in GFLOP/s.
+turn; prints the fastest of several timings in ms and the rate in GFLOP/s. `--baseline` adds
+the AMX kernel of another build of the library (a copy of `_cpu_matmul*.so` from before a
+change), timed in turn with this tree's in the same process.
 
     PYTHONPATH=. python -P scripts/amx_matmul_bench.py [--rows 1 8 32 64 512] [--reps 7]
+        [--baseline /tmp/old_cpu_matmul.so]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 
 import jax
@@ -37,11 +41,26 @@ def _layers(dot):
     return jax.jit(run)
 
 
+def _baseline_dot(path: str, threads: int):
+    """amx_matmul's call, on the AMX target of the library at `path` (registered under a name
+    of its own, so both builds serve one process)."""
+    target = "jengine_amx_matmul_baseline"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.CDLL(path).JengineAmxMatmul),
+                                platform="cpu")
+
+    def dot(x, w, name):
+        n = SHAPES[name][1]
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+        return call(x, w, n=np.int64(n), max_threads=np.int32(threads))
+    return dot
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 512])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="the AMX kernel's max_threads")
+    ap.add_argument("--baseline", help="another build of _cpu_matmul*.so to time beside this one")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     plain = [{n: jnp.asarray(rng.standard_normal(s, np.float32) * 0.04).astype(jnp.bfloat16)
@@ -56,6 +75,8 @@ def main() -> None:
         "amx": (_layers(lambda x, w, n: cpu_matmul.amx_matmul(
             x, w, SHAPES[n][1], max_threads=args.threads)), packed),
     }
+    if args.baseline:
+        runs["amx baseline"] = (_layers(_baseline_dot(args.baseline, args.threads)), packed)
     flop_per_row = 2 * LAYERS * sum(k * n for k, n in SHAPES.values())
     print(f"| rows | {' | '.join(runs)} |")
     print("|---" * (len(runs) + 1) + "|")

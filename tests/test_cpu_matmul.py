@@ -264,10 +264,10 @@ def _check_amx(x: np.ndarray, w: np.ndarray, **kw) -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 520])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 520, 1030])
 def test_amx_rows_against_oracle(rows):
-    """Row counts below, at and past one A tile (16) and one block (32), and a prefill chunk
-    past 512; K = 70 and N = 300 are not multiples of 32 (zero-padded in x and the tiles)."""
+    """Rows below, at and past one A tile (16) and one block (32), and prefill chunks past 512
+    and kPanelRows (1,024); K = 70 and N = 300 are not multiples of 32 (zero-padded)."""
     rng = np.random.default_rng(rows)
     _check_amx(_bf16(rng.standard_normal((rows, 70), np.float32)),
                _bf16(rng.standard_normal((70, 300), np.float32)))

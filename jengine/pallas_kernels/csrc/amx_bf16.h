@@ -11,12 +11,13 @@
 //
 // Blocking: each thread takes a contiguous run of strips of 32 output columns (two B tiles a k
 // step, contiguous in the packed weight) and runs every block of 32 rows (two A tiles) against
-// a strip while the strip is in cache, into four C tiles (tmm0-3; A in tmm4-5, B in tmm6-7), so
-// each weight byte is read from memory once for all R rows. Rows are padded to 16 and k to 32
-// with zeros in a staged copy of x (bf16 x of a shape the tiles fit is read in place); the C
-// tiles are stored straight into y, those that cross its last row or column through a small
-// buffer. (Through a per-thread buffer of the thread's whole [R, columns] and a copy to y, a
-// 512-row call took 1.15x as long: that buffer alone is 1.5 MB of a 2 MB L2.)
+// a strip while the strip is in cache (from kPanelRows rows, across a panel of strips while the
+// panel is in L2), into four C tiles (tmm0-3; A in tmm4-5, B in tmm6-7), so each weight byte is
+// read from memory once for all R rows. Rows are padded to 16 and k to 32 with zeros in a
+// staged copy of x (bf16 x of a shape the tiles fit is read in place); the C tiles are stored
+// straight into y, those that cross its last row or column through a small buffer. (Through a
+// per-thread buffer of the thread's whole [R, columns] and a copy to y, a 512-row call took
+// 1.15x as long: that buffer alone is 1.5 MB of a 2 MB L2.)
 
 #ifndef JENGINE_AMX_BF16_H_
 #define JENGINE_AMX_BF16_H_
@@ -34,7 +35,7 @@
 #include "spin_helper.h"
 
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,prfchw")
 
 namespace jengine {
 namespace amx {
@@ -69,6 +70,24 @@ inline void StageRows(const float* x, int64_t R, int64_t K, int64_t Kp, uint16_t
 // 0.93-0.98x the time without it; prefetching each thread's next strip, spread over the current
 // strip's k steps, measured no better than this.
 constexpr int64_t kPrefetchBytes = 4096;
+
+// From kPanelRows rows on, a thread runs each block of rows across a panel of its strips holding
+// up to kPanelBytes of the weight (in L2: 2 MB here) instead of each strip down all the rows.
+// Why: a strip run down R rows stores each C tile row to another page of y ([R, N] f32, row
+// stride N * 4 bytes), one 32-column strip of y at a time; across a panel, a block writes its
+// 32 rows of y left to right. At 1,536 rows storing the sums had taken half of one thread's
+// time. Below that the strip order stays: a panel's first block of rows streams the whole
+// panel from memory with little arithmetic to hide it behind, which cost 64-256-row calls
+// more than their stores gained (docs/kernels.md, "AMX bf16 projections").
+constexpr int64_t kPanelRows = 1024;
+constexpr int64_t kPanelBytes = 1 << 20;
+
+// y's lines a block will store its sums to, requested for writing (PREFETCHW) this many per k
+// step from its first, so that the stores at its end find them in cache rather than each
+// waiting for its line: 0.91-1.02x the time of one thread's hot 512-row calls, 0.96-0.98x
+// SmolLM2's projections at 64-512 rows (2, 4 and 8 lines measured alike). Calls of one block of
+// rows (decode) write a few lines of y and are left as they were.
+constexpr int64_t kSumLinesPerStep = 4;
 
 // Where the C tile of rows [r, r + 16) and columns [c, c + 16) is stored: straight into y
 // [R, N] (row stride N) where the tile lies inside it, else into `edge` (16 x 16, for
@@ -108,6 +127,8 @@ inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t
   _tile_zero(2);
   _tile_zero(3);
   const int64_t a_stride = Kp * 2;
+  const int64_t sum_rows =  // y's rows to prefetch: none for a call of one block of rows
+      R > 2 * kTileRows ? std::min<int64_t>(row_tiles * kTileRows, R - r0) : 0;
   const uint16_t* a0 = xs + r0 * Kp;
   const uint16_t* a1 = a0 + kTileRows * Kp;
   for (int64_t ks = 0; ks < Kp / kTileK; ++ks) {
@@ -115,6 +136,10 @@ inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t
     if (prefetch) {  // the weight kPrefetchBytes ahead (the next strip's, past this one's end)
       const char* ahead = reinterpret_cast<const char*>(b) + kPrefetchBytes;
       for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+    }
+    for (int64_t line = ks * kSumLinesPerStep;
+         line < (ks + 1) * kSumLinesPerStep && line < 2 * sum_rows; ++line) {
+      _m_prefetchw(y + (r0 + line / 2) * N + c0 + line % 2 * 16);  // 2 lines a row of 32
     }
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + 512, 64);
@@ -143,8 +168,8 @@ inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t
 // is (w[32 ks + 2p][32 s + 16 h + c], w[32 ks + 2p + 1][...]), zeros past K and N; packed once
 // at load time, cpu_matmul.amx_tiles). The strips are split over the pool's threads (at most
 // `max_threads`; the SpinHelper's two for up to kHelperRows rows); each runs every block of
-// 32 rows against a strip while the strip is in cache, so each weight byte is read from memory
-// once.
+// 32 rows against a strip (or a panel of strips) while it is in cache, so each weight byte is
+// read from memory once.
 // x is f32 (bf16 values) or bf16 bits (`x_bf16`); bf16 rows whose shape fits the tiles (R a
 // multiple of 16, K of 32) are read in place, others staged in a padded copy.
 inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const void* x,
@@ -165,14 +190,19 @@ inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
   const int64_t strips = (N + kStrip - 1) / kStrip;
   const int64_t threads = KernelThreads(pool, max_threads);
   const int64_t parts = std::min(threads, strips);
+  const int64_t strip_words = Kp / kTileK * 1024;
+  const int64_t panel =  // strips
+      Rp < kPanelRows ? 1 : std::max<int64_t>(1, kPanelBytes / (strip_words * 2));
   auto part_of_y = [&](int64_t part) {
     const int64_t s0 = part * strips / parts, s1 = (part + 1) * strips / parts;
     Configure();
-    for (int64_t s = s0; s < s1; ++s) {
-      const uint16_t* strip = tiles + s * (Kp / kTileK) * 1024;
+    for (int64_t p0 = s0; p0 < s1; p0 += panel) {
+      const int64_t p1 = std::min(s1, p0 + panel);
       for (int64_t r0 = 0; r0 < Rp; r0 += 2 * kTileRows) {
-        Block(xs, Kp, strip, r0, Rp - r0 >= 2 * kTileRows ? 2 : 1, y, R, N, s * kStrip,
-              r0 == 0);
+        for (int64_t s = p0; s < p1; ++s) {
+          Block(xs, Kp, tiles + s * strip_words, r0, Rp - r0 >= 2 * kTileRows ? 2 : 1, y, R,
+                N, s * kStrip, r0 == 0);
+        }
       }
     }
     _tile_release();
