@@ -250,7 +250,8 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 def _check_amx(x: np.ndarray, w: np.ndarray, **kw) -> None:
-    """amx_matmul of bf16-valued x (f32 and bf16) and bf16 w against a float64 oracle."""
+    """amx_matmul of bf16-valued x (f32 and bf16) and bf16 w against a float64 oracle; with
+    a bf16 output, the f32 output rounded."""
     n = w.shape[1]
     tiles = jnp.asarray(cpu_matmul.amx_tiles(w))
     want = x.astype(np.float64) @ w.astype(np.float64)
@@ -261,6 +262,12 @@ def _check_amx(x: np.ndarray, w: np.ndarray, **kw) -> None:
             jnp.asarray(x).astype(xd), tiles))
         assert got.shape == want.shape and got.dtype == np.float32
         assert np.all(np.abs(got - want) <= bound + 1e-30), (xd, np.max(np.abs(got - want)))
+        rounded = jax.jit(lambda a, t: cpu_matmul.amx_matmul(a, t, n, out_dtype=jnp.bfloat16,
+                                                             **kw))(jnp.asarray(x).astype(xd),
+                                                                    tiles)
+        assert rounded.dtype == jnp.bfloat16  # the f32 sums' own rounding, bit for bit
+        np.testing.assert_array_equal(np.asarray(rounded),
+                                      np.asarray(jnp.asarray(got).astype(jnp.bfloat16)))
 
 
 @needs_amx

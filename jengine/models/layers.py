@@ -163,7 +163,7 @@ def project(x: jax.Array, w: Weight, eq: str, bias: jax.Array | None = None, *,
             backend: str = "xla") -> jax.Array:
     """einsum projection with an optional bias, accumulating in float32 (`backend`: `dot`)."""
     with jax.named_scope("proj"):
-        y = dot(eq, x, w, backend).astype(x.dtype)
+        y = dot(eq, x, w, backend, rounded_to=x.dtype).astype(x.dtype)
         return y if bias is None else y + bias
 
 

@@ -223,10 +223,13 @@ def _native_form(eq: str) -> str | None:
     return None
 
 
-def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
+def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla", *,
+        rounded_to=None) -> jax.Array:
     """`einsum(eq, x, w)` accumulated and returned in float32; a quantized `w` runs its
     int8 (or weight-only) dot, an `AmxPacked` one the AMX kernel (whatever `backend`: nothing
-    else reads it). `backend="native"` (or `"amx"`) sends the shapes it fits
+    else reads it), which with `rounded_to=jnp.bfloat16` returns the sums already rounded
+    (what the caller's cast would make, in half the bytes; other paths leave the rounding to
+    the caller). `backend="native"` (or `"amx"`) sends the shapes it fits
     (`_native_operand`, `_native_form`) to the native small-row kernel, a 3-D weight over its
     free row-major [K, N] view, a bf16 x widened to f32 first (exact), a w8a16 weight's scale
     applied after."""
@@ -237,7 +240,8 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla") -> jax.Array:
         if _native_form(eq) != ("nk" if w.transposed else "kn") or x.ndim != 2:
             raise ValueError(f"an AMX-packed weight runs only as the product it was packed "
                              f"for, not {eq!r}")
-        y = cpu_matmul.amx_matmul(x, w.tiles, int(np.prod(w.out_shape)))
+        out = rounded_to if rounded_to == jnp.bfloat16 else jnp.float32
+        y = cpu_matmul.amx_matmul(x, w.tiles, int(np.prod(w.out_shape)), out_dtype=out)
         return y.reshape(x.shape[0], *w.out_shape)
     form = _native_form(eq) if backend in ("native", "amx") else None
     if form is not None and _native_int8(x, w, form):

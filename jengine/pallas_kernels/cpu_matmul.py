@@ -162,9 +162,12 @@ def amx_matmul(
     n: int,  # N
     *,
     max_threads: int = 0,  # 0: all of XLA's intra-op threads
-) -> jax.Array:  # [R, N] float32
+    out_dtype=jnp.float32,
+) -> jax.Array:  # [R, N] out_dtype
     """`x @ w` on the AMX tiles (TDPBF16PS, f32 sums) from the packed weight; each weight byte
-    is read from memory once for all R rows, and the columns are split over the threads."""
+    is read from memory once for all R rows, and the columns are split over the threads.
+    `out_dtype` bfloat16: the sums rounded to nearest even, `.astype(jnp.bfloat16)` of the f32
+    result bit for bit, stored in half the bytes."""
     require()
     if (x.dtype not in (jnp.float32, jnp.bfloat16) or x.ndim != 2 or tiles.dtype != jnp.bfloat16
             or tiles.shape[2:] != AMX_TILE or tiles.shape[0] != -(-n // 32)
@@ -172,5 +175,7 @@ def amx_matmul(
         raise ValueError(f"amx_matmul takes a 2-D float32 or bfloat16 x and the bf16 "
                          f"amx_tiles(w) of a w [{x.shape[-1]}, {n}], got {x.dtype}{x.shape} "
                          f"and {tiles.dtype}{tiles.shape}")
-    call = jax.ffi.ffi_call(_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"amx_matmul returns float32 or bfloat16, not {out_dtype}")
+    call = jax.ffi.ffi_call(_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, tiles, n=np.int64(n), max_threads=np.int32(max_threads))

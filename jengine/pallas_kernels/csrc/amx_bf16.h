@@ -108,20 +108,42 @@ inline void CopyEdge(const float* edge, float* y, int64_t R, int64_t N, int64_t 
   for (int64_t i = 0; i < rows; ++i) std::memcpy(y + (r + i) * N + c, edge + i * 16, cols * 4);
 }
 
+// The C tile of rows [r, r + 16) and columns [c, c + 16), stored in `edge`, rounded to bf16
+// (nearest even, as XLA's convert) into a bf16 y [R, N].
+inline void StoreBf16(const float* edge, uint16_t* y, int64_t R, int64_t N, int64_t r,
+                      int64_t c) {
+  const int64_t rows = std::min<int64_t>(kTileRows, R - r), cols = std::min<int64_t>(16, N - c);
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(edge + i * 16));
+    _mm256_mask_storeu_epi16(y + (r + i) * N + c, keep, reinterpret_cast<const __m256i&>(h));
+  }
+}
+
 // _tile_stored takes the tile's number as a literal, hence a macro.
 #define JE_STORE_SUMS(tile, r, c)                                  \
   do {                                                             \
     int64_t stride;                                                \
-    if (float* at = SumsAt(y, R, N, r, c, edge, &stride)) {        \
+    if (y_bf16) {                                                  \
+      if ((c) < N) {                                               \
+        _tile_stored(tile, edge, 64);                              \
+        StoreBf16(edge, yb, R, N, r, c);                           \
+      }                                                            \
+    } else if (float* at = SumsAt(yf, R, N, r, c, edge, &stride)) { \
       _tile_stored(tile, at, stride);                              \
-      if (at == edge) CopyEdge(edge, y, R, N, r, c);               \
+      if (at == edge) CopyEdge(edge, yf, R, N, r, c);              \
     }                                                              \
   } while (0)
 
 // y's rows [r0, r0 + 16 * row_tiles) and the 32 columns of one strip from c0: the strip's
-// Kp / 32 k steps of two B tiles each (1 KiB a tile) against the staged x.
+// Kp / 32 k steps of two B tiles each (1 KiB a tile) against the staged x. y is f32, or bf16
+// (`y_bf16`: the sums rounded, half the bytes to store).
 inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t r0,
-                  int row_tiles, float* y, int64_t R, int64_t N, int64_t c0, bool prefetch) {
+                  int row_tiles, void* y, bool y_bf16, int64_t R, int64_t N, int64_t c0,
+                  bool prefetch) {
+  float* yf = static_cast<float*>(y);
+  uint16_t* yb = static_cast<uint16_t*>(y);
+  const int64_t lines_per_row = y_bf16 ? 1 : 2;  // 32 columns of sums
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -138,8 +160,9 @@ inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t
       for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
     }
     for (int64_t line = ks * kSumLinesPerStep;
-         line < (ks + 1) * kSumLinesPerStep && line < 2 * sum_rows; ++line) {
-      _m_prefetchw(y + (r0 + line / 2) * N + c0 + line % 2 * 16);  // 2 lines a row of 32
+         line < (ks + 1) * kSumLinesPerStep && line < lines_per_row * sum_rows; ++line) {
+      const int64_t row = r0 + line / lines_per_row, col = c0 + line % lines_per_row * 16;
+      _m_prefetchw(y_bf16 ? static_cast<void*>(yb + row * N + col) : yf + row * N + col);
     }
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + 512, 64);
@@ -171,10 +194,12 @@ inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t
 // 32 rows against a strip (or a panel of strips) while it is in cache, so each weight byte is
 // read from memory once.
 // x is f32 (bf16 values) or bf16 bits (`x_bf16`); bf16 rows whose shape fits the tiles (R a
-// multiple of 16, K of 32) are read in place, others staged in a padded copy.
+// multiple of 16, K of 32) are read in place, others staged in a padded copy. y is f32 sums,
+// or (`y_bf16`) those sums rounded to bf16: what a bf16 model's projection keeps, in half the
+// bytes of stores, the larger part of a prefill-sized call's time.
 inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const void* x,
-                         bool x_bf16, const uint16_t* tiles, float* y, int64_t R, int64_t K,
-                         int64_t Kp, int64_t N) {
+                         bool x_bf16, const uint16_t* tiles, void* y, bool y_bf16, int64_t R,
+                         int64_t K, int64_t Kp, int64_t N) {
   const int64_t Rp = (R + kTileRows - 1) / kTileRows * kTileRows;
   std::vector<uint16_t> staged;
   const uint16_t* xs = static_cast<const uint16_t*>(x);
@@ -200,8 +225,8 @@ inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
       const int64_t p1 = std::min(s1, p0 + panel);
       for (int64_t r0 = 0; r0 < Rp; r0 += 2 * kTileRows) {
         for (int64_t s = p0; s < p1; ++s) {
-          Block(xs, Kp, tiles + s * strip_words, r0, Rp - r0 >= 2 * kTileRows ? 2 : 1, y, R,
-                N, s * kStrip, r0 == 0);
+          Block(xs, Kp, tiles + s * strip_words, r0, Rp - r0 >= 2 * kTileRows ? 2 : 1, y,
+                y_bf16, R, N, s * kStrip, r0 == 0);
         }
       }
     }

@@ -151,7 +151,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 }
 
 ffi::Error AmxMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer tiles,
-                     int64_t n, int32_t max_threads, ffi::ResultBuffer<ffi::F32> y) {
+                     int64_t n, int32_t max_threads, ffi::Result<ffi::AnyBuffer> y) {
   const auto xd = x.dimensions();
   const auto td = tiles.dimensions();
   const bool x_bf16 = x.element_type() == ffi::BF16;
@@ -163,14 +163,18 @@ ffi::Error AmxMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer tile
         "amx matmul: expected x [R, K] (f32 or bf16) and bf16 tiles "
         "[ceil(N / 32), ceil(K / 32), 2, 16, 32]");
   }
+  const bool y_bf16 = y->element_type() == ffi::BF16;
+  if (!y_bf16 && y->element_type() != ffi::F32) {
+    return ffi::Error::InvalidArgument("amx matmul: y must be f32 or bf16");
+  }
 #if JE_X86
   if (!amx::Permitted()) {
     return ffi::Error::InvalidArgument("amx matmul: this CPU or kernel gives no AMX-BF16");
   }
   if (xd[0] > 0 && n > 0) {
     amx::PackedMatmul(pool, max_threads, x.untyped_data(), x_bf16,
-                      static_cast<const uint16_t*>(tiles.untyped_data()), y->typed_data(),
-                      xd[0], xd[1], td[1] * 32, n);
+                      static_cast<const uint16_t*>(tiles.untyped_data()), y->untyped_data(),
+                      y_bf16, xd[0], xd[1], td[1] * 32, n);
   }
   return ffi::Error::Success();
 #else
@@ -202,7 +206,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineAmxMatmul, jengine::AmxMatmul,
                                   .Arg<ffi::AnyBuffer>()  // w's tiles [S, KS, 2, 16, 32] bf16
                                   .Attr<int64_t>("n")
                                   .Attr<int32_t>("max_threads")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
+                                  .Ret<ffi::AnyBuffer>());  // y [R, N]: f32, or bf16 sums
 
 // isa 0: the instruction set `auto` picks here (1 portable, 2 AVX2, 3 AVX-512); else whether
 // that one runs here (1 or 0).
