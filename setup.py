@@ -41,6 +41,6 @@ setup(
         _kernel("_cpu_attention", ["paged_attention.cc", "kv_zeros.cc"], "paged_attention_impl.h",
                 "amx_tiles.h", "amx_attention.h"),
         _kernel("_cpu_matmul", ["small_matmul.cc", "int8_matmul.cc"], "small_matmul_impl.h",
-                "amx_tiles.h", "amx_bf16.h", "spin_helper.h"),
+                "amx_tiles.h", "amx_bf16.h", "amx_swiglu.h", "spin_helper.h"),
     ]
 )

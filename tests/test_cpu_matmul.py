@@ -412,3 +412,30 @@ def test_amx_from_concurrent_callers():
     for t in threads:
         t.join()
     assert len(worst) == 3 and max(worst) < 1e-3
+
+
+@needs_amx
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 1536), (5, 70, 300), (33, 576, 1536),
+                                        (520, 64, 100)])
+def test_amx_swiglu_equals_the_unfused_activation(rows, k, n):
+    """One call's silu(x @ g) * (x @ u) against the two bf16 products and XLA's f32 silu: the
+    same bf16 values but where the two sigmoids' last f32 bit puts an activation on the other
+    side of a rounding edge (one bf16 ulp, rarely)."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(_bf16(rng.standard_normal((rows, k), np.float32)))
+    g, u = (_bf16(rng.standard_normal((k, n), np.float32) / np.sqrt(k)) for _ in range(2))
+    gt, ut = jnp.asarray(cpu_matmul.amx_tiles(g)), jnp.asarray(cpu_matmul.amx_tiles(u))
+    got = np.asarray(jax.jit(lambda *a: cpu_matmul.amx_swiglu(*a, n))(x, gt, ut), np.float32)
+
+    def unfused(x, gt, ut):
+        gate = cpu_matmul.amx_matmul(x, gt, n, out_dtype=jnp.bfloat16)
+        up = cpu_matmul.amx_matmul(x, ut, n, out_dtype=jnp.bfloat16)
+        return jax.nn.silu(gate.astype(jnp.float32)).astype(jnp.bfloat16) * up
+
+    want = np.asarray(jax.jit(unfused)(x, gt, ut), np.float32)
+    assert got.shape == (rows, n)
+    off = got != want
+    assert off.mean() < 0.01
+    np.testing.assert_allclose(got[off], want[off], rtol=2 ** -7)
+    with pytest.raises(ValueError, match="two weights of one shape"):
+        cpu_matmul.amx_swiglu(x, gt, jnp.asarray(cpu_matmul.amx_tiles(g[:, :32])), n)

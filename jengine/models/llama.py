@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import layers, moe
+from jengine.models import layers, matmul, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
@@ -221,12 +221,14 @@ def _layer_rope_scale(cfg: ModelConfig) -> np.ndarray:
 
 def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str) -> jax.Array:
     """The dense SwiGLU MLP [T, E] -> [T, E] (`mm`: the matmul backend)."""
-    gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"), backend=mm)
-    up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"), backend=mm)
-    # The activation in f32 and rounded once, as torch does for a bf16 tensor (XLA's bf16
-    # silu rounds after each of its five ops).
-    act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
-    return project(act * up, p["w_down"], "tf,fe->te", p.get("b_down"), backend=mm)
+    if "b_gate" in p or "b_up" in p:
+        gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"), backend=mm)
+        up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"), backend=mm)
+        act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
+    else:  # the activation in f32 and rounded once, as torch does for a bf16 tensor
+        with jax.named_scope("proj"):
+            act = matmul.swiglu(h, p["w_gate"], p["w_up"], mm)
+    return project(act, p["w_down"], "tf,fe->te", p.get("b_down"), backend=mm)
 
 
 def _rms_norm_heads(x: jax.Array, weight: jax.Array, eps: float, real_heads: int) -> jax.Array:

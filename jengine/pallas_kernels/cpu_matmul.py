@@ -33,6 +33,7 @@ _TARGET = "jengine_small_matmul"
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # instruction set of the kernel
 
 _AMX_TARGET = "jengine_amx_matmul"
+_SWIGLU_TARGET = "jengine_amx_swiglu"
 _AMX_CODE = 4  # JengineMatmulIsa's code for "the AMX target runs here"
 AMX_TILE = (2, 16, 32)  # a k step's two B tiles: 16 k pairs x 16 columns x 2 words each
 
@@ -43,7 +44,8 @@ INT8_ISAS = {"auto": 0, "portable": 1, "avx512_vnni": 4}  # instruction set of t
 
 _LIB, _LOAD_ERROR = load_native("_cpu_matmul", {_TARGET: "JengineSmallMatmul",
                                                 _INT8_TARGET: "JengineInt8Matmul",
-                                                _AMX_TARGET: "JengineAmxMatmul"})
+                                                _AMX_TARGET: "JengineAmxMatmul",
+                                                _SWIGLU_TARGET: "JengineAmxSwiGlu"})
 
 
 def available() -> bool:
@@ -156,6 +158,17 @@ def amx_columns(tiles: jax.Array, cols: jax.Array, k: int) -> jax.Array:
     return picked.reshape(cols.shape[0], ks * 32)[:, :k]
 
 
+def amx_matmul_check(x: jax.Array, tiles: jax.Array, n: int, name: str) -> None:
+    """Raises a `ValueError` unless x [R, K] (float32 or bfloat16) and `tiles` are the bf16
+    `amx_tiles` of a w [K, n]."""
+    if (x.dtype not in (jnp.float32, jnp.bfloat16) or x.ndim != 2 or tiles.dtype != jnp.bfloat16
+            or tiles.shape[2:] != AMX_TILE or tiles.shape[0] != -(-n // 32)
+            or tiles.shape[1] != -(-x.shape[1] // 32)):
+        raise ValueError(f"{name} takes a 2-D float32 or bfloat16 x and the bf16 "
+                         f"amx_tiles(w) of a w [{x.shape[-1]}, {n}], got {x.dtype}{x.shape} "
+                         f"and {tiles.dtype}{tiles.shape}")
+
+
 def amx_matmul(
     x: jax.Array,  # [R, K] bfloat16, or float32 (rounded to bf16: exact for bf16 values)
     tiles: jax.Array,  # amx_tiles(w) for w [K, N] bf16
@@ -169,13 +182,29 @@ def amx_matmul(
     `out_dtype` bfloat16: the sums rounded to nearest even, `.astype(jnp.bfloat16)` of the f32
     result bit for bit, stored in half the bytes."""
     require()
-    if (x.dtype not in (jnp.float32, jnp.bfloat16) or x.ndim != 2 or tiles.dtype != jnp.bfloat16
-            or tiles.shape[2:] != AMX_TILE or tiles.shape[0] != -(-n // 32)
-            or tiles.shape[1] != -(-x.shape[1] // 32)):
-        raise ValueError(f"amx_matmul takes a 2-D float32 or bfloat16 x and the bf16 "
-                         f"amx_tiles(w) of a w [{x.shape[-1]}, {n}], got {x.dtype}{x.shape} "
-                         f"and {tiles.dtype}{tiles.shape}")
+    amx_matmul_check(x, tiles, n, "amx_matmul")
     if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"amx_matmul returns float32 or bfloat16, not {out_dtype}")
     call = jax.ffi.ffi_call(_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, tiles, n=np.int64(n), max_threads=np.int32(max_threads))
+
+
+def amx_swiglu(
+    x: jax.Array,  # [R, K] bfloat16, or float32 (rounded to bf16: exact for bf16 values)
+    gate_tiles: jax.Array,  # amx_tiles(w_gate) for w_gate [K, N] bf16
+    up_tiles: jax.Array,  # amx_tiles(w_up), the same shape
+    n: int,  # N
+    *,
+    max_threads: int = 0,
+) -> jax.Array:  # [R, N] bfloat16
+    """A bf16 SwiGLU's activation, silu(x @ w_gate) * (x @ w_up), from both packed weights in one
+    call (csrc/amx_swiglu.h): neither product goes to memory. Rounded as
+    `silu(amx_matmul(x, g, n, out_dtype=bf16).astype(f32)).astype(bf16) * amx_matmul(x, u, n,
+    out_dtype=bf16)` rounds, up to the sigmoid's last f32 bit."""
+    require()
+    if gate_tiles.shape != up_tiles.shape:
+        raise ValueError(f"amx_swiglu takes two weights of one shape, got {gate_tiles.shape} "
+                         f"and {up_tiles.shape}")
+    amx_matmul_check(x, gate_tiles, n, "amx_swiglu")
+    call = jax.ffi.ffi_call(_SWIGLU_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.bfloat16))
+    return call(x, gate_tiles, up_tiles, n=np.int64(n), max_threads=np.int32(max_threads))

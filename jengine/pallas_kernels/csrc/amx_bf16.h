@@ -65,6 +65,22 @@ inline void StageRows(const float* x, int64_t R, int64_t K, int64_t Kp, uint16_t
   }
 }
 
+// x [R, K] as the A tiles read it: bf16 [Rp, Kp] (R padded to 16, K to 32 with zeros), in place
+// for bf16 x of a shape the tiles fit, else staged in `staged`.
+inline const uint16_t* TileRows(const void* x, bool x_bf16, int64_t R, int64_t K, int64_t Kp,
+                                std::vector<uint16_t>& staged) {
+  const int64_t Rp = (R + kTileRows - 1) / kTileRows * kTileRows;
+  const uint16_t* xs = static_cast<const uint16_t*>(x);
+  if (x_bf16 && Rp == R && Kp == K) return xs;
+  staged.assign(Rp * Kp, 0);
+  if (x_bf16) {
+    for (int64_t r = 0; r < R; ++r) std::memcpy(&staged[r * Kp], xs + r * K, K * 2);
+  } else {
+    StageRows(static_cast<const float*>(x), R, K, Kp, staged.data());
+  }
+  return staged.data();
+}
+
 // How far ahead of the tiles in use the first block of rows prefetches the packed weight (into
 // L2). Measured with scripts/amx_matmul_bench.py: no difference at 1-64 rows, 512-row calls
 // 0.93-0.98x the time without it; prefetching each thread's next strip, spread over the current
@@ -202,16 +218,7 @@ inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
                          int64_t K, int64_t Kp, int64_t N) {
   const int64_t Rp = (R + kTileRows - 1) / kTileRows * kTileRows;
   std::vector<uint16_t> staged;
-  const uint16_t* xs = static_cast<const uint16_t*>(x);
-  if (!x_bf16 || Rp != R || Kp != K) {
-    staged.assign(Rp * Kp, 0);
-    if (x_bf16) {
-      for (int64_t r = 0; r < R; ++r) std::memcpy(&staged[r * Kp], xs + r * K, K * 2);
-    } else {
-      StageRows(static_cast<const float*>(x), R, K, Kp, staged.data());
-    }
-    xs = staged.data();
-  }
+  const uint16_t* xs = TileRows(x, x_bf16, R, K, Kp, staged);
   const int64_t strips = (N + kStrip - 1) / kStrip;
   const int64_t threads = KernelThreads(pool, max_threads);
   const int64_t parts = std::min(threads, strips);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "amx_bf16.h"
+#include "amx_swiglu.h"
 #include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -150,15 +151,23 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// Whether x [R, K] (f32 or bf16) and a weight's tiles [ceil(N / 32), ceil(K / 32), 2, 16, 32]
+// (bf16) go together.
+bool TilesFit(const ffi::AnyBuffer& x, const ffi::AnyBuffer& tiles, int64_t n) {
+  const auto xd = x.dimensions();
+  const auto td = tiles.dimensions();
+  return xd.size() == 2 && (x.element_type() == ffi::BF16 || x.element_type() == ffi::F32) &&
+         td.size() == 5 && tiles.element_type() == ffi::BF16 && td[2] == 2 && td[3] == 16 &&
+         td[4] == 32 && td[0] == (n + 31) / 32 && td[1] * 32 >= xd[1] &&
+         td[1] * 32 < xd[1] + 32;
+}
+
 ffi::Error AmxMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer tiles,
                      int64_t n, int32_t max_threads, ffi::Result<ffi::AnyBuffer> y) {
   const auto xd = x.dimensions();
   const auto td = tiles.dimensions();
   const bool x_bf16 = x.element_type() == ffi::BF16;
-  if (xd.size() != 2 || (!x_bf16 && x.element_type() != ffi::F32) || td.size() != 5 ||
-      tiles.element_type() != ffi::BF16 || td[2] != 2 ||
-      td[3] != 16 || td[4] != 32 || td[0] != (n + 31) / 32 || td[1] * 32 < xd[1] ||
-      td[1] * 32 >= xd[1] + 32) {
+  if (!TilesFit(x, tiles, n)) {
     return ffi::Error::InvalidArgument(
         "amx matmul: expected x [R, K] (f32 or bf16) and bf16 tiles "
         "[ceil(N / 32), ceil(K / 32), 2, 16, 32]");
@@ -182,11 +191,39 @@ ffi::Error AmxMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer tile
 #endif
 }
 
+// act [R, N] bf16 = silu(x @ w_gate) * (x @ w_up) from both weights' tiles (amx_swiglu.h).
+ffi::Error AmxSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate,
+                     ffi::AnyBuffer up, int64_t n, int32_t max_threads,
+                     ffi::ResultBuffer<ffi::BF16> y) {
+  if (!TilesFit(x, gate, n) || !TilesFit(x, up, n)) {
+    return ffi::Error::InvalidArgument(
+        "amx swiglu: expected x [R, K] (f32 or bf16) and two bf16 tiles "
+        "[ceil(N / 32), ceil(K / 32), 2, 16, 32]");
+  }
+#if JE_X86
+  if (!amx::Permitted()) {
+    return ffi::Error::InvalidArgument("amx swiglu: this CPU or kernel gives no AMX-BF16");
+  }
+  const auto xd = x.dimensions();
+  if (xd[0] > 0 && n > 0) {
+    amx::PackedSwiGlu(pool, max_threads, x.untyped_data(), x.element_type() == ffi::BF16,
+                      static_cast<const uint16_t*>(gate.untyped_data()),
+                      static_cast<const uint16_t*>(up.untyped_data()),
+                      reinterpret_cast<uint16_t*>(y->typed_data()), xd[0], xd[1],
+                      gate.dimensions()[1] * 32, n);
+  }
+  return ffi::Error::Success();
+#else
+  return ffi::Error::InvalidArgument("amx swiglu: AMX exists on x86-64 only");
+#endif
+}
+
 }  // namespace
 }  // namespace jengine
 
 JE_EXPORT XLA_FFI_Error* JengineSmallMatmul(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT XLA_FFI_Error* JengineAmxMatmul(XLA_FFI_CallFrame* call_frame);
+JE_EXPORT XLA_FFI_Error* JengineAmxSwiGlu(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT int JengineMatmulIsa(int isa);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineSmallMatmul, jengine::SmallMatmul,
@@ -207,6 +244,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineAmxMatmul, jengine::AmxMatmul,
                                   .Attr<int64_t>("n")
                                   .Attr<int32_t>("max_threads")
                                   .Ret<ffi::AnyBuffer>());  // y [R, N]: f32, or bf16 sums
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineAmxSwiGlu, jengine::AmxSwiGlu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [R, K]: bf16, or f32 bf16 values
+                                  .Arg<ffi::AnyBuffer>()  // w_gate's tiles [S, KS, 2, 16, 32]
+                                  .Arg<ffi::AnyBuffer>()  // w_up's tiles, the same shape
+                                  .Attr<int64_t>("n")
+                                  .Attr<int32_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::BF16>>());  // act [R, N]
 
 // isa 0: the instruction set `auto` picks here (1 portable, 2 AVX2, 3 AVX-512); else whether
 // that one runs here (1 or 0).
