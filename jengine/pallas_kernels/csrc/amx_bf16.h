@@ -202,6 +202,26 @@ inline void Block(const uint16_t* xs, int64_t Kp, const uint16_t* strip, int64_t
 
 #undef JE_STORE_SUMS
 
+// Runs run(s0, s1) on the tiles (configured, released after) for each thread's contiguous run
+// of the `strips` strips of 32 columns: over the pool's threads (at most `max_threads`), or for
+// calls of up to kHelperRows rows on two threads over the caller and the SpinHelper's.
+template <typename Run>
+inline void ForStripRuns(xla::ffi::ThreadPool& pool, int32_t max_threads, int64_t R,
+                         int64_t strips, Run run) {
+  const int64_t threads = KernelThreads(pool, max_threads);
+  const int64_t parts = std::min(threads, strips);
+  auto part = [&](int64_t p) {
+    Configure();
+    run(p * strips / parts, (p + 1) * strips / parts);
+    _tile_release();
+  };
+  if (threads == 2 && R <= kHelperRows) {
+    SpinHelper::Get().Run(parts, part);
+  } else {
+    ParallelFor(pool, parts, parts, [&](int64_t p, int64_t) { part(p); });
+  }
+}
+
 // y [R, N] = x [R, K] @ w, w given in the tiles' layout (`tiles` [S, Kp / 32, 2, 16, 32]
 // bf16, S = ceil(N / 32): strip s, k step ks, half h holds the B tile whose word pair (p, c)
 // is (w[32 ks + 2p][32 s + 16 h + c], w[32 ks + 2p + 1][...]), zeros past K and N; packed once
@@ -220,14 +240,10 @@ inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
   std::vector<uint16_t> staged;
   const uint16_t* xs = TileRows(x, x_bf16, R, K, Kp, staged);
   const int64_t strips = (N + kStrip - 1) / kStrip;
-  const int64_t threads = KernelThreads(pool, max_threads);
-  const int64_t parts = std::min(threads, strips);
   const int64_t strip_words = Kp / kTileK * 1024;
   const int64_t panel =  // strips
       Rp < kPanelRows ? 1 : std::max<int64_t>(1, kPanelBytes / (strip_words * 2));
-  auto part_of_y = [&](int64_t part) {
-    const int64_t s0 = part * strips / parts, s1 = (part + 1) * strips / parts;
-    Configure();
+  ForStripRuns(pool, max_threads, R, strips, [&](int64_t s0, int64_t s1) {
     for (int64_t p0 = s0; p0 < s1; p0 += panel) {
       const int64_t p1 = std::min(s1, p0 + panel);
       for (int64_t r0 = 0; r0 < Rp; r0 += 2 * kTileRows) {
@@ -237,13 +253,7 @@ inline void PackedMatmul(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
         }
       }
     }
-    _tile_release();
-  };
-  if (threads == 2 && R <= kHelperRows) {
-    SpinHelper::Get().Run(parts, part_of_y);
-  } else {
-    ParallelFor(pool, parts, parts, [&](int64_t part, int64_t) { part_of_y(part); });
-  }
+  });
 }
 
 }  // namespace amx

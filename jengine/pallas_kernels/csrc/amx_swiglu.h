@@ -71,13 +71,9 @@ inline void PackedSwiGlu(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
   std::vector<uint16_t> staged;
   const uint16_t* xs = TileRows(x, x_bf16, R, K, Kp, staged);
   const int64_t strips = (N + kStrip - 1) / kStrip;
-  const int64_t threads = KernelThreads(pool, max_threads);
-  const int64_t parts = std::min(threads, strips);
   const int64_t strip_words = Kp / kTileK * 1024;
-  auto part_of_y = [&](int64_t part) {
-    const int64_t s0 = part * strips / parts, s1 = (part + 1) * strips / parts;
+  ForStripRuns(pool, max_threads, R, strips, [&](int64_t s0, int64_t s1) {
     alignas(64) float g[2 * kTileRows * kStrip], u[2 * kTileRows * kStrip];
-    Configure();
     for (int64_t s = s0; s < s1; ++s) {
       for (int64_t r0 = 0; r0 < Rp; r0 += 2 * kTileRows) {
         const int row_tiles = Rp - r0 >= 2 * kTileRows ? 2 : 1;
@@ -90,13 +86,7 @@ inline void PackedSwiGlu(xla::ffi::ThreadPool& pool, int32_t max_threads, const 
                     y + r0 * N + s * kStrip, N);
       }
     }
-    _tile_release();
-  };
-  if (threads == 2 && R <= kHelperRows) {
-    SpinHelper::Get().Run(parts, part_of_y);
-  } else {
-    ParallelFor(pool, parts, parts, [&](int64_t part, int64_t) { part_of_y(part); });
-  }
+  });
 }
 
 }  // namespace amx
