@@ -14,7 +14,7 @@ import numpy as np
 from jengine.models import layers, matmul
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
-from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
+from jengine.models.layers import ParamSpec, project, rms_norm, rope_inv_freq
 from jengine.models.smoothing import ChannelFold, NormFold
 
 
@@ -87,16 +87,19 @@ def forward(
     sliding = np.asarray(cfg.sliding_layers, bool)
     window = cfg.sliding_window or 0
     big = np.iinfo(np.int32).max
+    freq_rows, table_of_layer = layers.rope_rows(  # local and global: two rows at most
+        np.where(sliding[:, None], local_freq, global_freq))
+    cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
     per_layer = (
         jnp.asarray(np.where(sliding, window, big), jnp.int32),  # [L] window per layer
-        jnp.asarray(np.where(sliding[:, None], local_freq, global_freq)),  # [L, D/2]
+        jnp.asarray(table_of_layer),  # [L] the layer's row of the tables
     )
 
     mm = cfg.matmul_backend
 
     def layer(carry, xs):
         x, kv = carry
-        p, index, (layer_window, inv_freq) = xs
+        p, index, (layer_window, table) = xs
         h = rms_norm(x, p["attn_norm"], eps, offset=1.0)
         q = project(h, p["wq"], "te,ehd->thd", backend=mm)
         k = project(h, p["wk"], "te,ehd->thd", backend=mm)
@@ -104,8 +107,8 @@ def forward(
             q = rms_norm(q, p["q_norm"], eps, offset=1.0)
             k = rms_norm(k, p["k_norm"], eps, offset=1.0)
         v = project(h, p["wv"], "te,ehd->thd", backend=mm)
-        q = apply_rope(q, md.positions, inv_freq)
-        k = apply_rope(k, md.positions, inv_freq)
+        q = layers.rotate(q, cos_tables[table], sin_tables[table])
+        k = layers.rotate(k, cos_tables[table], sin_tables[table])
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
@@ -116,8 +119,9 @@ def forward(
         h = rms_norm(x, p["pre_mlp_norm"], eps, offset=1.0)
         gate = project(h, p["w_gate"], "te,ef->tf", backend=mm)
         up = project(h, p["w_up"], "te,ef->tf", backend=mm)
-        mlp = project(jax.nn.gelu(gate, approximate=True) * up, p["w_down"], "tf,fe->te",
-                      backend=mm)
+        # In f32 and rounded once, as torch computes a bf16 tensor's gelu.
+        act = jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype)
+        mlp = project(act * up, p["w_down"], "tf,fe->te", backend=mm)
         x = x + rms_norm(mlp, p["post_mlp_norm"], eps, offset=1.0)
         return (x, kv), None
 

@@ -123,6 +123,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
         return rotate(x, jnp.cos(angles), jnp.sin(angles), scale)
 
 
+def rope_rows(inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows [U, R/2] of per-layer rope frequencies [L, R/2], and each layer's
+    index among them [L] int32: the rows `rope_tables` turns into cos and sin once a step."""
+    rows, index = np.unique(inv_freq, axis=0, return_inverse=True)
+    return rows, index.reshape(-1).astype(np.int32)
+
+
 def rope_tables(positions: jax.Array, inv_freq_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos and sin [U, T, R/2] of each row of frequencies [U, R/2] at the step's positions [T],
     for `rotate`: made once a step for all layers that share frequencies.

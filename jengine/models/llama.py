@@ -108,14 +108,14 @@ def forward(
     scaled = _scaled_by(cfg.residual_multiplier)
     window = cfg.sliding_window
     inv_freq = _layer_inv_freq(cfg)  # [L, R/2]
-    freq_rows, table_of_layer = np.unique(inv_freq, axis=0, return_inverse=True)
+    freq_rows, table_of_layer = layers.rope_rows(inv_freq)
     per_layer = (
         jnp.asarray(  # [L] window per layer
             [window if (window and s) else jnp.iinfo(jnp.int32).max for s in cfg.sliding_layers],
             jnp.int32,
         ),
         jnp.asarray(inv_freq),
-        jnp.asarray(table_of_layer.reshape(-1), jnp.int32),  # [L] the layer's row of freq_rows
+        jnp.asarray(table_of_layer),  # [L] the layer's row of freq_rows
     )
     # The rope's cos/sin scale (longrope's, yarn's attention factor): a constant when every
     # layer shares it, else per layer (OLMo 3's yarn on its global layers only).
