@@ -135,3 +135,26 @@ def test_bf16_engine_greedy_tokens_equal_the_reference_backend():
                         attention_backend=backend, progress=False)
         tokens[backend] = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
     assert tokens["cpu"] == tokens["reference"]
+
+
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
+    """The same query rows over the same keys, once as the last 16 of a 47-row chunk and once
+    alone, so their tiles hold other rows (16 query vectors a tile, 3 a token): bit-equal (one
+    thread, so no key split). Rows that see all of keys 64-127 share tiles with rows that do
+    not, which must not change their values (a scale that is not a power of two: scaling the
+    scores is not exact; with a fully-visible-chunk path of its own, seed 23 moved 13 values)."""
+    rng = np.random.default_rng(23)
+    pages, page, heads, kv_heads, dim, end = 10, 16, 9, 3, 64, 141
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal((1, kv_heads, pages, page, dim)),
+                                    jnp.bfloat16) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((47, heads, dim)) * 2, jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(pages)[None, :], jnp.int32)
+
+    def attend(rows):
+        n = rows.shape[0]
+        return np.asarray(cpu.ragged_paged_attention_cpu(
+            rows, k_cache, v_cache, jnp.int32(0), jnp.zeros(n, jnp.int32),
+            jnp.arange(end - n, end, dtype=jnp.int32), table, sm_scale=0.1, isa="amx",
+            max_threads=1).astype(jnp.float32))
+
+    np.testing.assert_array_equal(attend(q)[-16:], attend(q[-16:]))

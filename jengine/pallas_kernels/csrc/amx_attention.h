@@ -4,8 +4,8 @@
 //
 // Why: the vector path widens every bf16 key and value to f32 and spends an FMA a lane on each
 // product, so a 1,500-token prompt spent most of its first token in attention (docs/kernels.md,
-// "AMX prefill attention"). Here QK^T and PV are TDPBF16PS products (bf16 in, f32 sums) and
-// only the softmax runs on the vector units.
+// "Prefill blocks on the AMX tiles"). Here QK^T and PV are TDPBF16PS products (bf16 in, f32
+// sums) and only the softmax runs on the vector units.
 //
 // Layouts. Before the tasks run, each prefill sequence's visible keys are staged once per call
 // (`Stage`), per kv head in chunks of 64 keys: K as the B tiles of S = Q K^T and V as the B
@@ -21,7 +21,7 @@
 // vector units. P in bf16 is what flash attention does on bf16 hardware: the result matches the
 // f32 path to bf16 rounding, not bit for bit.
 //
-// Measured (docs/kernels.md, "AMX prefill attention"): a 512-token chunk over 1,000 cached
+// Measured (docs/kernels.md, "Prefill blocks on the AMX tiles"): a 512-token chunk over 1,000 cached
 // tokens, one layer, 7.0 -> 2.3-2.5 ms; of that ~0.8 ms is the softmax's vector work, ~0.2 ms
 // the staging.
 
@@ -229,46 +229,51 @@ inline __m512 Pow2(__m512 t) {
 
 // The online-softmax step of 16 rows over one chunk from `key0`: s [16, 64] raw scores (q . k)
 // in, p [16, 64] bf16 probabilities out; m and l (16 each, in scaled scores) updated, alpha
-// (16) the factor for acc. `full`: every row sees every key of the chunk, so nothing is masked;
-// then without a soft cap the raw scores need no pass of their own: the row max of s times the
-// (positive) scale is that of the scaled scores, and exp(scale s - m) = 2^(s scale log2(e) -
-// m log2(e)) is one FMA from s.
+// (16) the factor for acc. Without a soft cap the raw scores need no pass of their own: the
+// row max of s times the (positive) scale is that of the scaled scores, and exp(scale s - m) =
+// 2^(s scale log2(e) - m log2(e)) is one FMA from s. `full`: every row sees every key of the
+// chunk, so no mask is made; a row's values are the same either way (its mask would keep
+// every key), so they do not depend on which rows share its tile.
 inline void ChunkSoftmax(const Problem& pb, int64_t key0, const int32_t* lo, const int32_t* hi,
                          bool full, float* s, uint16_t* p, float* m, float* l, float* alpha) {
   constexpr float kLog2e = 1.44269504088896341f;
-  const bool plain = full && pb.soft_cap <= 0.0f;
+  const bool capped = pb.soft_cap > 0.0f;
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 scale = _mm512_set1_ps(pb.sm_scale), masked = _mm512_set1_ps(avx512::kMasked);
+  const __m512 masked = _mm512_set1_ps(avx512::kMasked);
   __mmask16 vis[kTileRows][4];
   alignas(64) float row_max[kTileRows];
   for (int64_t r = 0; r < kTileRows; ++r) {
     float* sr = s + r * kChunk;
     __m512 x[4];
     for (int q = 0; q < 4; ++q) x[q] = _mm512_loadu_ps(sr + 16 * q);
-    if (!plain) {
-      for (int q = 0; q < 4; ++q) x[q] = _mm512_mul_ps(x[q], scale);
-      if (pb.soft_cap > 0.0f) {  // Gemma 2's cap * tanh(x / cap): rare enough for libm
-        alignas(64) float capped[kChunk];
-        for (int q = 0; q < 4; ++q) _mm512_store_ps(capped + 16 * q, x[q]);
-        for (float& v : capped) v = pb.soft_cap * std::tanh(v / pb.soft_cap);
-        for (int q = 0; q < 4; ++q) x[q] = _mm512_load_ps(capped + 16 * q);
+    if (capped) {  // Gemma 2's cap * tanh(scale s / cap): rare enough for libm
+      alignas(64) float c[kChunk];
+      for (int q = 0; q < 4; ++q) _mm512_store_ps(c + 16 * q, x[q]);
+      for (float& v : c) v = pb.soft_cap * std::tanh(v * pb.sm_scale / pb.soft_cap);
+      for (int q = 0; q < 4; ++q) {
+        x[q] = _mm512_load_ps(c + 16 * q);
+        _mm512_storeu_ps(sr + 16 * q, x[q]);
       }
-      if (!full) {  // kMasked outside [lo, hi)
-        const __m512i vlo = _mm512_set1_epi32(lo[r]), vhi = _mm512_set1_epi32(hi[r]);
-        for (int q = 0; q < 4; ++q) {
-          const __m512i keys = _mm512_add_epi32(iota, _mm512_set1_epi32(key0 + 16 * q));
-          vis[r][q] = _mm512_cmpge_epi32_mask(keys, vlo) & _mm512_cmplt_epi32_mask(keys, vhi);
-          x[q] = _mm512_mask_mov_ps(masked, vis[r][q], x[q]);
-        }
-      }
-      for (int q = 0; q < 4; ++q) _mm512_storeu_ps(sr + 16 * q, x[q]);
     }
-    row_max[r] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]),
-                                                    _mm512_max_ps(x[2], x[3])));
+    __m512 mx = masked;
+    if (full) {
+      mx = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
+    } else {  // the max over the keys in [lo, hi)
+      const __m512i vlo = _mm512_set1_epi32(lo[r]), vhi = _mm512_set1_epi32(hi[r]);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i keys = _mm512_add_epi32(iota, _mm512_set1_epi32(key0 + 16 * q));
+        vis[r][q] = _mm512_cmpge_epi32_mask(keys, vlo) & _mm512_cmplt_epi32_mask(keys, vhi);
+        mx = _mm512_mask_max_ps(mx, vis[r][q], mx, x[q]);
+      }
+    }
+    row_max[r] = _mm512_reduce_max_ps(mx);
   }
   const __m512 m_old = _mm512_loadu_ps(m);
-  __m512 chunk_max = _mm512_load_ps(row_max);
-  if (plain) chunk_max = _mm512_mul_ps(chunk_max, scale);
+  __m512 chunk_max = _mm512_load_ps(row_max);  // kMasked where a row sees none of the keys
+  if (!capped) {
+    chunk_max = _mm512_mask_mul_ps(chunk_max, _mm512_cmp_ps_mask(chunk_max, masked, _CMP_GT_OQ),
+                                   chunk_max, _mm512_set1_ps(pb.sm_scale));
+  }
   const __m512 m_new = _mm512_max_ps(m_old, chunk_max);
   // m_old is -inf before a row's first chunk: clamped, its factor is 0 (acc is 0 anyway).
   _mm512_storeu_ps(alpha, Pow2(_mm512_max_ps(
@@ -277,12 +282,12 @@ inline void ChunkSoftmax(const Problem& pb, int64_t key0, const int32_t* lo, con
   _mm512_storeu_ps(m, m_new);
   alignas(64) float m_rows[kTileRows], sums[kTileRows];
   _mm512_store_ps(m_rows, _mm512_mul_ps(m_new, _mm512_set1_ps(kLog2e)));
-  const __m512 slope = _mm512_set1_ps(plain ? pb.sm_scale * kLog2e : kLog2e);
+  const __m512 slope = _mm512_set1_ps(capped ? kLog2e : pb.sm_scale * kLog2e);
   for (int64_t r = 0; r < kTileRows; ++r) {
     const __m512 mr = _mm512_set1_ps(m_rows[r]);
     const float* sr = s + r * kChunk;
     __m512 e[4];
-    for (int q = 0; q < 4; ++q) {  // masked lanes: 2^(-4e38) = 0, and zeroed besides
+    for (int q = 0; q < 4; ++q) {  // masked lanes zeroed (they are finite scores)
       e[q] = Pow2(_mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * q), slope, mr));
       if (!full) e[q] = _mm512_maskz_mov_ps(vis[r][q], e[q]);
     }
