@@ -63,7 +63,7 @@ struct Task {  // one (block, kv head) item, or one key range of it
   int64_t cost;
 };
 
-enum class KvType { kF32, kBf16, kInt8 };
+enum class KvType { kF32, kBf16, kInt8 };  // int8: rows times one f32 scale each
 
 // The AMX path's keys and values of each prefill sequence in the tiles' layouts
 // (amx_attention.h): per sequence from key position base (a multiple of 64), chunks of 64 keys,
@@ -71,7 +71,7 @@ enum class KvType { kF32, kBf16, kInt8 };
 struct Staging {
   std::vector<int64_t> base, chunks, offset;  // [num_seqs]; base -1: nothing staged
   uint16_t* data = nullptr;  // 64-byte aligned, in a buffer of the calling thread's
-};  // int8: rows times one f32 scale each
+};
 
 struct Problem {
   const float* q;
