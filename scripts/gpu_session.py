@@ -44,6 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 SECTIONS = {"kernels": 110, "parity": 140, "throughput": 220, "hf": 80, "accuracy": 60}
 PROMPT_LEN, NEW_TOKENS = 128, 128
 CONCURRENCY = (1, 32, 256)
+QUANT_PARITY = ("fp8", "w8a16", "int8")  # weight modes checked against bf16 on a tiny model
 KV_MEMORY = "24GiB"  # 196k tokens of Llama-3-8B's bf16 KV; C = 256 needs 65k
 LLAMA3_8B = {  # Llama-3.1-8B's config.json, less what the engine ignores
     "model_type": "llama",
@@ -283,11 +284,16 @@ def run_parity(log: Log) -> None:
         hf = [_hf_greedy(model, p, new) for p in prompts]
         runs = {}
         # bf16 and the int8 cache on the first model only: each engine compiles its programs.
-        settings = [("float32", "auto")]
+        # (dtype, kv cache, quantization); the quantized engines run pallas_gpu only and are
+        # compared with the unquantized pallas_gpu engine of the same dtype.
+        settings = [("float32", "auto", "none")]
         if name == "llama_gqa4":
-            settings += [("bfloat16", "auto"), ("float32", "int8")]
-        for dtype, kv in settings:
-            for backend in ("reference", "pallas_gpu"):
+            settings += [("bfloat16", "auto", "none"), ("float32", "int8", "none")]
+            settings += [("bfloat16", "auto", q) for q in QUANT_PARITY]
+        for dtype, kv, quant in settings:
+            backends = ("reference", "pallas_gpu") if quant == "none" else ("pallas_gpu",)
+            for backend in backends:
+                key = (dtype, kv, quant, backend)
                 t = time.perf_counter()
                 try:
                     engine = Engine(
@@ -296,32 +302,29 @@ def run_parity(log: Log) -> None:
                         dtype=dtype,
                         kv_cache_dtype=kv,
                         attention_backend=backend,
+                        quantization=quant,
                         progress=False,
                     )
                     outs = engine.generate(prompts, params)
-                    runs[(dtype, kv, backend)] = [o.outputs[0].token_ids for o in outs]
+                    runs[key] = [o.outputs[0].token_ids for o in outs]
                     del engine
                 except Exception as e:  # noqa: BLE001 - recorded, and the next run goes on
-                    log(
-                        model=name,
-                        dtype=dtype,
-                        kv=kv,
-                        backend=backend,
-                        error=f"{type(e).__name__}: {e}"[:2000],
-                    )
+                    log(model=name, dtype=dtype, kv=kv, quant=quant, backend=backend,
+                        error=f"{type(e).__name__}: {e}"[:2000])
                     traceback.print_exc()
                     continue
-                vs_hf = [_compare(o, h, g) for o, (h, g) in zip(runs[(dtype, kv, backend)], hf)]
-                ref = runs.get((dtype, kv, "reference"))
+                vs_hf = [_compare(o, h, g) for o, (h, g) in zip(runs[key], hf)]
+                ref = runs.get((dtype, kv, "none", "reference" if quant == "none" else backend))
                 vs_ref = (
-                    [_compare(o, r, None) for o, r in zip(runs[(dtype, kv, backend)], ref)]
-                    if backend != "reference" and ref is not None
+                    [_compare(o, r, None) for o, r in zip(runs[key], ref)]
+                    if key[2:] != ("none", "reference") and ref is not None
                     else None
                 )
                 log(
                     model=name,
                     dtype=dtype,
                     kv=kv,
+                    quant=quant,
                     backend=backend,
                     vs_hf=vs_hf,
                     vs_ref=vs_ref,
@@ -356,7 +359,8 @@ def _random_params(cfg) -> dict:
     return params
 
 
-def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked"):
+def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked",
+               quant: str = "none"):
     """An EngineCore at Llama-3-8B shapes, random weights, the real scheduler and runner."""
     from converters.loaded import LoadedModel
     from jengine.config import load_config
@@ -385,6 +389,7 @@ def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked"
         token_buckets=(8, 32, 256, 2048),
         page_buckets=(32,),
         layer_layout=layout,
+        quantization=quant,
     )
     loaded = LoadedModel(
         config=ModelConfig.from_hf(LLAMA3_8B),
@@ -398,6 +403,13 @@ def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked"
     def make_runner(model_config, *, num_pages, page_size, buckets):
         t = time.perf_counter()
         params = _random_params(model_config)
+        if quant != "none":
+            from jengine.models import family_module
+            from jengine.models.quant import quantize_params
+
+            specs = family_module(model_config).param_specs(model_config)
+            params = quantize_params(params, specs, quant, tied_embeddings=False,
+                                     delete_float=True)
         if layout == "unstacked":
             from jengine.models import family_module, layer_offsets
             from jengine.models.layers import unstack_layers
@@ -458,7 +470,7 @@ def _generate(core, prompts: list[list[int]], new_tokens: int, tag: str) -> dict
     }
 
 
-def run_throughput(log: Log, plan: list[tuple[str, str, int]] | None = None) -> None:
+def run_throughput(log: Log, plan: list[tuple[str, str, int, str]] | None = None) -> None:
     import jax
     import numpy as np
 
@@ -466,24 +478,26 @@ def run_throughput(log: Log, plan: list[tuple[str, str, int]] | None = None) -> 
     deadline = time.monotonic() + SECTIONS["throughput"] - 25
     rng = np.random.default_rng(0)
     plan = plan or (
-        [("pallas_gpu", "stacked", c) for c in CONCURRENCY]
-        + [("reference", "stacked", CONCURRENCY[1])]
+        [("pallas_gpu", "unstacked", c, "none") for c in CONCURRENCY]
+        + [("pallas_gpu", "unstacked", c, "fp8") for c in CONCURRENCY[:2]]
     )
     core, backend = None, None
-    for want, layout, c in plan:
-        want = (want, layout)
+    for name, layout, c, quant in plan:
+        want = (name, layout, quant)
         if time.monotonic() > deadline:
-            log(backend=want, layout=layout, concurrency=c, skipped="out of time")
+            log(backend=name, layout=layout, quant=quant, concurrency=c, skipped="out of time")
             continue
         try:
             if backend != want:
                 del core
+                core = None
                 t = time.perf_counter()
-                core, weights_s = _engine_8b(root, want[0], KV_MEMORY, want[1])
+                core, weights_s = _engine_8b(root, name, KV_MEMORY, layout, quant)
                 backend = want
                 log(
-                    backend=want[0],
-                    layout=want[1],
+                    backend=name,
+                    layout=layout,
+                    quant=quant,
                     event="engine_ready",
                     weights_s=round(weights_s, 1),
                     start_s=round(time.perf_counter() - t, 1),
@@ -498,8 +512,9 @@ def run_throughput(log: Log, plan: list[tuple[str, str, int]] | None = None) -> 
             prompts = [rng.integers(0, vocab, PROMPT_LEN).tolist() for _ in range(c)]
             row = _generate(core, prompts, NEW_TOKENS, f"run{c}")
             log(
-                backend=want[0],
-                layout=want[1],
+                backend=name,
+                layout=layout,
+                quant=quant,
                 concurrency=c,
                 prompt_len=PROMPT_LEN,
                 new_tokens=NEW_TOKENS,
@@ -508,8 +523,9 @@ def run_throughput(log: Log, plan: list[tuple[str, str, int]] | None = None) -> 
             )
         except Exception as e:  # noqa: BLE001 - recorded; the plan goes on
             log(
-                backend=want[0],
-                layout=want[1],
+                backend=name,
+                layout=layout,
+                quant=quant,
                 concurrency=c,
                 error=f"{type(e).__name__}: {e}"[:2000],
             )
@@ -607,13 +623,14 @@ def table(out: Path) -> str:
         "",
         "## Engine greedy parity",
         "",
-        "| model | dtype | kv | backend | vs HF f32 | vs reference | s |",
-        "|---|---|---|---|---|---|---|",
+        "| model | dtype | kv | weights | backend | vs HF f32 | vs reference | s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["section"] == "parity" and "model" in r:
             lines.append(
-                f"| {r['model']} | {r['dtype']} | {r['kv']} | {r['backend']} | "
+                f"| {r['model']} | {r['dtype']} | {r['kv']} | {r.get('quant', 'none')} | "
+                f"{r['backend']} | "
                 f"{r.get('vs_hf', r.get('error'))} | {r.get('vs_ref')} | "
                 f"{r.get('seconds')} |"
             )
@@ -628,8 +645,8 @@ def table(out: Path) -> str:
     ]
     for r in rows:
         if "concurrency" in r and "tok_per_s" in r:
-            who = (f"jengine {r['backend']} {r.get('layout', 'stacked')}" if r.get("backend")
-                   else r.get("peer"))
+            who = (f"jengine {r['backend']} {r.get('layout', 'stacked')} {r.get('quant', '')}"
+                   if r.get("backend") else r.get("peer"))
             lines.append(
                 f"| {who} | {r['concurrency']} | {r['tok_per_s']} | "
                 f"{r.get('decode_tok_per_s', '-')} | {r.get('tpot_ms', '-')} | "
@@ -650,22 +667,33 @@ def table(out: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
+    parser.add_argument("--section", default="all",
+                        help=f"all, or a comma list of {', '.join(SECTIONS)}")
+    parser.add_argument("--limit", action="append", default=[], metavar="SECTION=SECONDS",
+                        help="a section's time limit (default: SECTIONS)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dry", action="store_true", help="tiny shapes (a CPU check)")
     parser.add_argument(
         "--plan",
         default=None,
-        help="throughput runs, e.g. pallas_gpu:unstacked:1,reference:stacked:32",
+        help="throughput runs backend:layout:C[:quantization], e.g. "
+        "pallas_gpu:unstacked:1,pallas_gpu:unstacked:32:fp8,reference:stacked:32",
     )
     args = parser.parse_args()
     if args.dry:
         shrink_for_dry_run()
+    for item in args.limit:
+        name, seconds = item.split("=")
+        SECTIONS[name] = float(seconds)
+    sections = list(SECTIONS) if args.section == "all" else args.section.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.section != "all":
+    if args.child:
         plan = (
             [
-                (b, layout, int(c))
-                for b, layout, c in (item.split(":") for item in args.plan.split(","))
+                (b, layout, int(c), (q or ["none"])[0])
+                for b, layout, c, *q in (item.split(":") for item in args.plan.split(","))
             ]
             if args.plan
             else None
@@ -677,22 +705,16 @@ def main() -> int:
             "throughput": functools.partial(run_throughput, plan=plan),
             "hf": run_hf,
         }
-        runners[args.section](Log(args.out, args.section))
+        runners[sections[0]](Log(args.out, sections[0]))
         return 0
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for section, limit in SECTIONS.items():
+    for section in sections:
         t = time.perf_counter()
-        cmd = [
-            sys.executable,
-            __file__,
-            "--out",
-            str(args.out),
-            "--section",
-            section,
-            *(["--dry"] if args.dry else []),
-        ]
+        cmd = [sys.executable, __file__, "--out", str(args.out), "--section", section, "--child",
+               *(f"--limit={k}={v}" for k, v in SECTIONS.items()),
+               *(["--plan", args.plan] if args.plan else []), *(["--dry"] if args.dry else [])]
         try:
-            rc = subprocess.run(cmd, env=env, timeout=limit).returncode
+            rc = subprocess.run(cmd, env=env, timeout=SECTIONS[section]).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         Log(args.out, section)(
