@@ -72,7 +72,7 @@ def instruction_parts(hlo_text: str) -> dict[str, str]:
             continue
         op = re.search(r'op_name="([^"]*)"', line)
         # A conditional's thunk spans the branch's own thunks, which the trace also has.
-        nested = re.search(r"= \S+ conditional\(", line)
+        nested = re.search(r"=\s.*\bconditional\(", line)  # tuple types hold spaces
         part = "nested" if nested else _part(op.group(1) if op else "", line)
         parts[m.group(1)] = part
         if computation and part not in ("other", "nested"):

@@ -89,16 +89,23 @@ def test_speculation_and_prompt_logprobs_on_packed_weights(engines, tmp_path):
                 assert gp[t].logprob == pytest.approx(wp[t].logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("setting", [{"quantization": "w8a16"}, {"quantization": "int8"},
-                                     {"layer_layout": "stacked"}])
-def test_nothing_packed_where_the_kernel_cannot_read_it(setting, tmp_path):
+@pytest.mark.parametrize(("setting", "packed"), [
+    ({"quantization": "w8a16"}, 1), ({"quantization": "int8"}, 1),
+    ({"quantization": "int8", "quantize_lm_head": True}, 0), ({"layer_layout": "stacked"}, 0)])
+def test_nothing_packed_where_the_kernel_cannot_read_it(setting, packed, tmp_path):
     """int8 / w8a16 weights (and int8's smoothing, which calibrates through the same forward)
-    and stacked layers keep their own forms under `amx`, and the engine runs on them."""
+    and stacked layers keep their own forms under `amx`, and the engine runs on them; a
+    quantized model's bf16 (tied) head is still packed, unless it is quantized too."""
     engine = Engine(config=_config(tmp_path, "q", matmul_backend="amx", **setting),
                     progress=False)
-    assert engine.core.model_config.matmul_backend == "amx" and _packed(engine) == 0
-    assert all(len(t) == 6 for t in _tokens(engine, PROMPTS[:2],
-                                            SamplingParams(max_tokens=6, ignore_eos=True)))
+    assert engine.core.model_config.matmul_backend == "amx" and _packed(engine) == packed
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    got = _tokens(engine, PROMPTS[:2], params)
+    assert all(len(t) == 6 for t in got)
+    if setting == {"quantization": "int8"}:  # the packed head gives XLA's tokens
+        xla = Engine(config=_config(tmp_path, "qx", matmul_backend="xla", **setting),
+                     progress=False)
+        assert got == _tokens(xla, PROMPTS[:2], params)
 
 
 def test_tp_mesh_keeps_xla(tmp_path):
