@@ -101,14 +101,14 @@ inline void StageChunk(const Problem& pb, int64_t seq, int64_t kv_head, int64_t 
   }
 }
 
-// Every key range a prefill block of each sequence can see, staged: sizes the stage (a buffer
+// Every key range a prefill block (Takes) of each sequence can see, staged: sizes the stage (a buffer
 // of this thread's kept between calls, so its pages are not faulted in again each layer), then
 // fills it over the pool, a few chunks an item.
 inline void Stage(Problem& pb, xla::ffi::ThreadPool& pool, int64_t threads, int64_t num_seqs) {
   Staging& st = pb.staging;
   std::vector<int64_t> lo(num_seqs, std::numeric_limits<int64_t>::max()), hi(num_seqs, 0);
   for (const Block& b : pb.blocks) {
-    if (b.num_rows < 2 || b.key_hi <= b.key_lo) continue;
+    if (b.num_rows < kPrefillRows || b.key_hi <= b.key_lo) continue;  // as Takes
     lo[b.seq] = std::min(lo[b.seq], b.key_lo);
     hi[b.seq] = std::max(hi[b.seq], b.key_hi);
   }
@@ -143,12 +143,12 @@ inline void Stage(Problem& pb, xla::ffi::ThreadPool& pool, int64_t threads, int6
   });
 }
 
-// Whether a task runs here: a prefill block with at least a tile of query vectors.
+// Whether a task runs here: a prefill block (kPrefillRows), whose keys are staged.
 inline bool Takes(const Problem& pb, const Task& task) {
   const Block& b = pb.blocks[task.block];
-  return pb.amx && b.num_rows > 1 &&
-         b.num_rows * static_cast<int64_t>(pb.groups[task.kv_head].size()) >= kTileRows &&
-         pb.staging.base[b.seq] >= 0;
+  // Prefill blocks only: a speculative verification's rows keep the row path, which gives a
+  // decode's bits (the tiles round q and the probabilities to bf16).
+  return pb.amx && b.num_rows >= kPrefillRows && pb.staging.base[b.seq] >= 0;
 }
 
 // Scores of one chunk: s [16, 64] f32 = qa (16 rows of D bf16) . the chunk's staged keys.

@@ -6,9 +6,9 @@
 //
 // Work split: consecutive tokens of one sequence form blocks of up to `block_q` rows; a
 // (block, kv head) item runs that kv head's q heads together over the keys the block can see,
-// reading pages in place. Items are shared out over XLA's intra-op thread pool; when there are
-// fewer items than threads can keep busy (batch 1, long context), an item's key range is split
-// and the partial softmax states are merged afterwards. The instruction set (AVX-512F, AVX2+FMA
+// reading pages in place, one task per chunk of 128 key positions it can see (fixed positions,
+// so a row's result does not depend on its batch); tasks are shared out over XLA's intra-op
+// thread pool and the partial softmax states of an item's chunks merged afterwards. The instruction set (AVX-512F, AVX2+FMA
 // or portable C++) is chosen at run time, or forced by the `isa` attribute.
 
 #include <algorithm>
@@ -49,6 +49,13 @@ inline uint16_t F32ToBf16(float f) {  // round to nearest even, NaN stays NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+
+// Key positions a task covers at most (rounded to whole pages): see MakeTasks.
+constexpr int64_t kSplitKeys = 128;
+// A block of this many query rows or more is a prefill block: it runs the paths that take its
+// rows together (the vector tiles, the AMX tiles). Fewer rows (a decode, a speculative
+// verification) run each row alone, so that a row's bits do not depend on the rows beside it.
+constexpr int64_t kPrefillRows = 16;
 
 struct Block {  // consecutive query tokens of one sequence
   int32_t seq;
@@ -196,6 +203,10 @@ void MergePartials(const Problem& pb, const std::vector<Task>& tasks) {
     }
     by_item[item_of[key]].push_back(t);
   }
+  for (auto& parts : by_item) {  // in key order, whatever order the tasks ran in
+    std::sort(parts.begin(), parts.end(),
+              [&](int64_t a, int64_t b) { return tasks[a].key_lo < tasks[b].key_lo; });
+  }
   const int64_t D = pb.D;
   std::vector<float> acc(D);
   for (const auto& parts : by_item) {
@@ -225,14 +236,20 @@ void MergePartials(const Problem& pb, const std::vector<Task>& tasks) {
   }
 }
 
-// Groups consecutive tokens of one sequence into blocks of at most `block_q` rows.
+// Groups consecutive tokens of one sequence at consecutive positions into blocks of at most
+// `block_q` rows.
 void MakeBlocks(Problem& pb, const int32_t* token_seq, int64_t num_seqs, int64_t block_q) {
   const int64_t max_keys = pb.max_pages * pb.O;
   for (int64_t t = 0; t < pb.T;) {
     const int32_t seq = std::min<int32_t>(std::max<int32_t>(token_seq[t], 0),
                                           static_cast<int32_t>(num_seqs - 1));
     int64_t end = t + 1;
-    while (end < pb.T && end - t < block_q && token_seq[end] == token_seq[t]) ++end;
+    // A block is a run of consecutive positions: bucket padding (token_seq 0, position 0)
+    // after a sequence's rows must not join its block and turn a decode into a prefill block.
+    while (end < pb.T && end - t < block_q && token_seq[end] == token_seq[t] &&
+           pb.positions[end] == pb.positions[end - 1] + 1) {
+      ++end;
+    }
     int64_t lo_pos = pb.positions[t], hi_pos = pb.positions[t];
     for (int64_t u = t; u < end; ++u) {
       lo_pos = std::min<int64_t>(lo_pos, pb.positions[u]);
@@ -245,47 +262,36 @@ void MakeBlocks(Problem& pb, const int32_t* token_seq, int64_t num_seqs, int64_t
   }
 }
 
-// One task per (block, kv head), each split into key ranges when items are too few to keep
-// `threads` busy; the largest first, for balance.
-std::vector<Task> MakeTasks(Problem& pb, int64_t threads) {
-  constexpr int64_t kMinSplitPages = 4;
-  std::vector<Task> items;
+// One task per (block, kv head) and chunk of kSplitKeys key positions that the block can see.
+// The chunks start at fixed key positions (multiples of kSplitKeys), whatever the batch, the
+// block's other rows or the thread count, so every row's keys are summed in the same pieces
+// and merged in the same order wherever it runs: a verification's first row gives a decode's
+// bits, a prompt's rows do not depend on the batch beside them (chunks a row cannot see merge
+// as exact zeros). Splitting by the thread count instead had made a row's last bits depend on
+// its block's extent and on the batch, which bf16 activations turned into different tokens
+// under speculation (docs/engine.md). The chunks also keep both threads busy at batch 1.
+std::vector<Task> MakeTasks(Problem& pb) {
+  const int64_t chunk = std::max<int64_t>(1, kSplitKeys / pb.O) * pb.O;  // whole pages
+  std::vector<Task> tasks;
+  int64_t num_partials = 0, partial_floats = 0;
   for (int64_t b = 0; b < static_cast<int64_t>(pb.blocks.size()); ++b) {
     const Block& blk = pb.blocks[b];
     if (blk.key_hi <= blk.key_lo) continue;
+    const int64_t first = blk.key_lo / chunk, last = (blk.key_hi - 1) / chunk;
     for (int64_t k = 0; k < pb.K; ++k) {
-      const int64_t G = static_cast<int64_t>(pb.groups[k].size());
-      if (G == 0) continue;
-      items.push_back({b, k, blk.key_lo, blk.key_hi, -1,
-                       blk.num_rows * G * (blk.key_hi - blk.key_lo)});
-    }
-  }
-  const int64_t target = 8 * threads;
-  std::vector<Task> tasks;
-  int64_t num_partials = 0, partial_floats = 0;
-  for (const Task& item : items) {
-    const int64_t first_page = item.key_lo / pb.O, last_page = (item.key_hi - 1) / pb.O;
-    const int64_t pages = last_page - first_page + 1;
-    int64_t splits = threads > 1 ? (target + static_cast<int64_t>(items.size()) - 1) /
-                                       static_cast<int64_t>(items.size())
-                                 : 1;
-    splits = std::max<int64_t>(1, std::min(splits, pages / kMinSplitPages));
-    if (splits == 1) {
-      tasks.push_back(item);
-      continue;
-    }
-    const int64_t rows = pb.blocks[item.block].num_rows *
-                         static_cast<int64_t>(pb.groups[item.kv_head].size());
-    for (int64_t s = 0; s < splits; ++s) {
-      const int64_t p0 = first_page + pages * s / splits, p1 = first_page + pages * (s + 1) / splits;
-      Task part = item;
-      part.key_lo = std::max(item.key_lo, p0 * pb.O);
-      part.key_hi = std::min(item.key_hi, p1 * pb.O);
-      part.cost = item.cost / splits;
-      part.partial = num_partials++;
-      pb.partial_offset.push_back(partial_floats);
-      partial_floats += rows * (2 + pb.D);
-      tasks.push_back(part);
+      const int64_t rows = blk.num_rows * static_cast<int64_t>(pb.groups[k].size());
+      if (rows == 0) continue;
+      for (int64_t c = first; c <= last; ++c) {
+        Task task{b, k, std::max(blk.key_lo, c * chunk), std::min(blk.key_hi, (c + 1) * chunk),
+                  -1, 0};
+        task.cost = rows * (task.key_hi - task.key_lo);
+        if (first < last) {
+          task.partial = num_partials++;
+          pb.partial_offset.push_back(partial_floats);
+          partial_floats += rows * (2 + pb.D);
+        }
+        tasks.push_back(task);
+      }
     }
   }
   pb.partials.assign(partial_floats, 0.0f);
@@ -372,7 +378,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int64_t threads = KernelThreads(pool, max_threads);
   MakeBlocks(pb, token_seq.typed_data(), page_table.dimensions()[0],
              std::max<int32_t>(block_q, 1));
-  const std::vector<Task> tasks = MakeTasks(pb, threads);
+  const std::vector<Task> tasks = MakeTasks(pb);
 #if JE_X86
   if (pb.amx) amx_attention::Stage(pb, pool, threads, page_table.dimensions()[0]);
 #endif

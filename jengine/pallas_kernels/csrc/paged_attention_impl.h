@@ -552,12 +552,13 @@ inline void RunTiledTask(const Problem& pb, const Task& task, Scratch& ws) {
   FinishTask(pb, task, ws);
 }
 
-// Prefill blocks with at least a vector of query vectors and whole-vector head dims take the
-// tiled path; decode rows (one a sequence: a few lanes only) and other head dims the row path.
+// Prefill blocks (kPrefillRows query rows or more) with at least a vector of query vectors and
+// whole-vector head dims take the tiled path; decode rows, a speculative verification's few rows
+// (each as its decode would run, to the bit) and other head dims the row path.
 inline void RunTask(const Problem& pb, const Task& task, Scratch& ws) {
   const Block& b = pb.blocks[task.block];
   const int64_t rows = b.num_rows * static_cast<int64_t>(pb.groups[task.kv_head].size());
-  if (b.num_rows > 1 && rows >= kLanes && pb.D % kLanes == 0) {
+  if (b.num_rows >= kPrefillRows && rows >= kLanes && pb.D % kLanes == 0) {
     RunTiledTask(pb, task, ws);
   } else {
     RunRowsTask(pb, task, ws);
