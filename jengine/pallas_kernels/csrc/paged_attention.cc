@@ -6,9 +6,10 @@
 //
 // Work split: consecutive tokens of one sequence form blocks of up to `block_q` rows; a
 // (block, kv head) item runs that kv head's q heads together over the keys the block can see,
-// reading pages in place, one task per chunk of 128 key positions it can see (fixed positions,
-// so a row's result does not depend on its batch); tasks are shared out over XLA's intra-op
-// thread pool and the partial softmax states of an item's chunks merged afterwards. The instruction set (AVX-512F, AVX2+FMA
+// reading pages in place; a decode-sized block's item runs as one task per chunk of 256 key
+// positions (fixed positions, so a row's result does not depend on its batch), a prefill block's
+// as one task, split over the threads when the items are too few. Tasks are shared out over
+// XLA's intra-op thread pool and the partial softmax states of split items merged afterwards. The instruction set (AVX-512F, AVX2+FMA
 // or portable C++) is chosen at run time, or forced by the `isa` attribute.
 
 #include <algorithm>
@@ -51,7 +52,7 @@ inline uint16_t F32ToBf16(float f) {  // round to nearest even, NaN stays NaN
 }
 
 // Key positions a task covers at most (rounded to whole pages): see MakeTasks.
-constexpr int64_t kSplitKeys = 128;
+constexpr int64_t kSplitKeys = 256;
 // A block of this many query rows or more is a prefill block: it runs the paths that take its
 // rows together (the vector tiles, the AMX tiles). Fewer rows (a decode, a speculative
 // verification) run each row alone, so that a row's bits do not depend on the rows beside it.
@@ -262,18 +263,29 @@ void MakeBlocks(Problem& pb, const int32_t* token_seq, int64_t num_seqs, int64_t
   }
 }
 
-// One task per (block, kv head) and chunk of kSplitKeys key positions that the block can see.
-// The chunks start at fixed key positions (multiples of kSplitKeys), whatever the batch, the
-// block's other rows or the thread count, so every row's keys are summed in the same pieces
-// and merged in the same order wherever it runs: a verification's first row gives a decode's
-// bits, a prompt's rows do not depend on the batch beside them (chunks a row cannot see merge
-// as exact zeros). Splitting by the thread count instead had made a row's last bits depend on
-// its block's extent and on the batch, which bf16 activations turned into different tokens
-// under speculation (docs/engine.md). The chunks also keep both threads busy at batch 1.
-std::vector<Task> MakeTasks(Problem& pb) {
+// Tasks: for a block of fewer than kPrefillRows rows (decodes, verifications), one per kv head and
+// chunk of kSplitKeys key positions it can see. The chunks start at fixed key positions
+// (multiples of kSplitKeys), whatever the batch, the block's other rows or the thread count, so
+// such a row's keys are summed in the same pieces and merged in the same order wherever it runs:
+// a verification's rows give a decode's bits (chunks a row cannot see merge as exact zeros).
+// Splitting them by the thread count instead had made a row's last bits depend on its block's
+// extent and on the batch, which bf16 activations turned into other tokens under speculation
+// (docs/engine.md). Prefill blocks take their paths' own rounding anyway, so each is one task
+// per kv head, split into equal key ranges only when the items are too few for the threads.
+std::vector<Task> MakeTasks(Problem& pb, int64_t threads) {
+  constexpr int64_t kMinSplitPages = 4;
   const int64_t chunk = std::max<int64_t>(1, kSplitKeys / pb.O) * pb.O;  // whole pages
-  std::vector<Task> tasks;
+  std::vector<Task> tasks, prefill;
   int64_t num_partials = 0, partial_floats = 0;
+  auto add = [&](Task task, bool partial) {
+    if (partial) {
+      task.partial = num_partials++;
+      pb.partial_offset.push_back(partial_floats);
+      partial_floats += pb.blocks[task.block].num_rows *
+                        static_cast<int64_t>(pb.groups[task.kv_head].size()) * (2 + pb.D);
+    }
+    tasks.push_back(task);
+  };
   for (int64_t b = 0; b < static_cast<int64_t>(pb.blocks.size()); ++b) {
     const Block& blk = pb.blocks[b];
     if (blk.key_hi <= blk.key_lo) continue;
@@ -281,17 +293,33 @@ std::vector<Task> MakeTasks(Problem& pb) {
     for (int64_t k = 0; k < pb.K; ++k) {
       const int64_t rows = blk.num_rows * static_cast<int64_t>(pb.groups[k].size());
       if (rows == 0) continue;
+      if (blk.num_rows >= kPrefillRows) {
+        prefill.push_back({b, k, blk.key_lo, blk.key_hi, -1, rows * (blk.key_hi - blk.key_lo)});
+        continue;
+      }
       for (int64_t c = first; c <= last; ++c) {
         Task task{b, k, std::max(blk.key_lo, c * chunk), std::min(blk.key_hi, (c + 1) * chunk),
                   -1, 0};
         task.cost = rows * (task.key_hi - task.key_lo);
-        if (first < last) {
-          task.partial = num_partials++;
-          pb.partial_offset.push_back(partial_floats);
-          partial_floats += rows * (2 + pb.D);
-        }
-        tasks.push_back(task);
+        add(task, first < last);
       }
+    }
+  }
+  const int64_t items = static_cast<int64_t>(prefill.size() + tasks.size());
+  for (const Task& item : prefill) {
+    const int64_t first_page = item.key_lo / pb.O, last_page = (item.key_hi - 1) / pb.O;
+    const int64_t pages = last_page - first_page + 1;
+    int64_t splits = threads > 1 ? (8 * threads + items - 1) / items : 1;
+    splits = std::max<int64_t>(1, std::min(splits, pages / kMinSplitPages));
+    for (int64_t s = 0; s < splits; ++s) {
+      const int64_t p0 = first_page + pages * s / splits, p1 = first_page + pages * (s + 1) / splits;
+      Task part = item;
+      if (splits > 1) {
+        part.key_lo = std::max(item.key_lo, p0 * pb.O);
+        part.key_hi = std::min(item.key_hi, p1 * pb.O);
+        part.cost = item.cost / splits;
+      }
+      add(part, splits > 1);
     }
   }
   pb.partials.assign(partial_floats, 0.0f);
@@ -378,7 +406,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const int64_t threads = KernelThreads(pool, max_threads);
   MakeBlocks(pb, token_seq.typed_data(), page_table.dimensions()[0],
              std::max<int32_t>(block_q, 1));
-  const std::vector<Task> tasks = MakeTasks(pb);
+  const std::vector<Task> tasks = MakeTasks(pb, threads);
 #if JE_X86
   if (pb.amx) amx_attention::Stage(pb, pool, threads, page_table.dimensions()[0]);
 #endif
