@@ -5,10 +5,12 @@ the AMX kernel over packed weights (cpu_matmul.amx_matmul). Every layer has weig
 the previous layer's output, so the dots run in order. Same process, the programs called in
 turn; prints the fastest of several timings in ms and the rate in GFLOP/s. `--baseline` adds
 the AMX kernel of another build of the library (a copy of `_cpu_matmul*.so` from before a
-change), timed in turn with this tree's in the same process.
+change), timed in turn with this tree's in the same process. `--int8` adds the `int8` (W8A8)
+projections: XLA's int8 dot and rescale (quant.einsum) against the AMX-INT8 kernel
+(cpu_matmul.amx_int8_matmul), both quantizing each row of x first.
 
     PYTHONPATH=. python -P scripts/amx_matmul_bench.py [--rows 1 8 32 64 512] [--reps 7]
-        [--baseline /tmp/old_cpu_matmul.so]
+        [--baseline /tmp/old_cpu_matmul.so] [--int8]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.models import quant
 from jengine.pallas_kernels import cpu_matmul
 
 E, F, KV, LAYERS = 576, 1536, 192, 30
@@ -61,6 +64,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="the AMX kernel's max_threads")
     ap.add_argument("--baseline", help="another build of _cpu_matmul*.so to time beside this one")
+    ap.add_argument("--int8", action="store_true", help="also the int8 (W8A8) projections")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     plain = [{n: jnp.asarray(rng.standard_normal(s, np.float32) * 0.04).astype(jnp.bfloat16)
@@ -77,6 +81,17 @@ def main() -> None:
     }
     if args.baseline:
         runs["amx baseline"] = (_layers(_baseline_dot(args.baseline, args.threads)), packed)
+    if args.int8:
+        qw = [{n: quant.quantize_weight(w, (0,), "int8") for n, w in layer.items()}
+              for layer in plain]
+        qpacked = [{n: (jnp.asarray(cpu_matmul.amx_int8_tiles(np.asarray(w.q))), w.scale)
+                    for n, w in layer.items()} for layer in qw]
+
+        def amx_int8(x, w, n):
+            xq, sx = quant.quantize_rows(x)
+            return cpu_matmul.amx_int8_matmul(xq, sx, *w, SHAPES[n][1], max_threads=args.threads)
+        runs["xla int8"] = (_layers(lambda x, w, n: quant.einsum("tk,kn->tn", x, w)), qw)
+        runs["amx int8"] = (_layers(amx_int8), qpacked)
     flop_per_row = 2 * LAYERS * sum(k * n for k, n in SHAPES.values())
     print(f"| rows | {' | '.join(runs)} |")
     print("|---" * (len(runs) + 1) + "|")

@@ -89,20 +89,28 @@ def test_speculation_and_prompt_logprobs_on_packed_weights(engines, tmp_path):
                 assert gp[t].logprob == pytest.approx(wp[t].logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize(("setting", "packed"), [
-    ({"quantization": "w8a16"}, 1), ({"quantization": "int8"}, 1),
-    ({"quantization": "int8", "quantize_lm_head": True}, 0), ({"layer_layout": "stacked"}, 0)])
-def test_nothing_packed_where_the_kernel_cannot_read_it(setting, packed, tmp_path):
-    """int8 / w8a16 weights (and int8's smoothing, which calibrates through the same forward)
-    and stacked layers keep their own forms under `amx`, and the engine runs on them; a
-    quantized model's bf16 (tied) head is still packed, unless it is quantized too."""
+INT8_LAYERS = 7 if cpu_matmul.amx_int8_available() else 0  # int8 projections packed a layer
+
+
+@pytest.mark.parametrize(("setting", "per_layer", "head"), [
+    ({"quantization": "w8a16"}, 0, 1), ({"quantization": "int8"}, INT8_LAYERS, 1),
+    ({"quantization": "int8", "quantize_lm_head": True}, INT8_LAYERS, 0),
+    ({"layer_layout": "stacked"}, 0, 0)])
+def test_packed_where_a_kernel_reads_it(setting, per_layer, head, tmp_path):
+    """w8a16 weights and stacked layers keep their own forms under `amx`; `int8` (W8A8)
+    projections are packed for the AMX-INT8 kernel where the CPU has it (after int8's
+    smoothing, which calibrates through the unpacked forward); a quantized model's bf16 (tied)
+    head is packed too, unless it is quantized. The engine runs on each, and the int8 one gives
+    XLA's tokens (the kernel equals XLA's int8 dot and rescale to the bit)."""
     engine = Engine(config=_config(tmp_path, "q", matmul_backend="amx", **setting),
                     progress=False)
-    assert engine.core.model_config.matmul_backend == "amx" and _packed(engine) == packed
+    layers = engine.core.model_config.num_layers
+    assert engine.core.model_config.matmul_backend == "amx"
+    assert _packed(engine) == per_layer * layers + head
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
     got = _tokens(engine, PROMPTS[:2], params)
     assert all(len(t) == 6 for t in got)
-    if setting == {"quantization": "int8"}:  # the packed head gives XLA's tokens
+    if setting == {"quantization": "int8"}:  # the packed weights give XLA's tokens
         xla = Engine(config=_config(tmp_path, "qx", matmul_backend="xla", **setting),
                      progress=False)
         assert got == _tokens(xla, PROMPTS[:2], params)

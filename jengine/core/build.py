@@ -171,7 +171,7 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         stacked = {name: np.asarray(w) for name, w in host.items()}
         params = jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers,
                                                first_layer=layer_offsets(cfg)))
-        return _packed_for_amx(params, cfg, specs, dtype)
+        return _packed_for_amx(params, cfg, specs)
     # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
     params = load_params_sharded(
         loaded, cfg, rules.param_shardings(specs) if rules else None, dtype,
@@ -190,16 +190,17 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
     if layer_layout == "unstacked":
         params = unstack_layers(params, family.LAYER_KEYS, cfg.num_layers,
                                 delete_stacked=True, first_layer=layer_offsets(cfg))
-        params = _packed_for_amx(params, cfg, specs, dtype)
+        params = _packed_for_amx(params, cfg, specs)
     return params
 
 
-def _packed_for_amx(params: dict, cfg: ModelConfig, specs: dict, dtype: str) -> dict:
-    """A bf16 model's float projections and output head packed for the AMX kernel under
-    `matmul_backend` `amx` (jengine.models.matmul.pack_projections). Quantized weights stay
-    as they are; a quantized model's bf16 head is packed too (XLA's bf16 dot took 1.6x the
-    kernel's time for SmolLM2's tied head at 32 rows)."""
-    if cfg.matmul_backend != "amx" or dtype != "bfloat16":
+def _packed_for_amx(params: dict, cfg: ModelConfig, specs: dict) -> dict:
+    """Under `matmul_backend` `amx`, a model's bf16 projections and output head packed for the
+    AMX kernel, and its `int8` (W8A8) projections for the AMX-INT8 one where the CPU has it
+    (jengine.models.matmul.pack_projections); other weights stay as they are. A quantized
+    model's bf16 head is packed too (XLA's bf16 dot took 1.6x the kernel's time for SmolLM2's
+    tied head at 32 rows)."""
+    if cfg.matmul_backend != "amx":
         return params
     return pack_projections(params, specs)
 

@@ -41,15 +41,18 @@ class Observed:
 class AmxPacked:
     """A bf16 projection weight in the AMX tiles' layout (`cpu_matmul.amx_tiles` of its
     [K, out...] form, the contracted axes merged into K; of a tied embedding's transpose),
-    which only `cpu_matmul.amx_matmul` reads (and `packed_rows`, the embedding's gather).
+    which only `cpu_matmul.amx_matmul` reads (and `packed_rows`, the embedding's gather); or
+    an `int8` (W8A8) one's int8 values and scales, which `cpu_matmul.amx_int8_matmul` reads.
     Packed once at load time (`pack_projections`), so that a call reads the tiles straight from
     memory instead of repacking the weight (docs/kernels.md, "AMX bf16 projections")."""
 
-    tiles: jax.Array  # bf16 [ceil(N / 32), ceil(K / 32), 2, 16, 32]
+    tiles: jax.Array  # bf16 [ceil(N / 32), ceil(K / 32), 2, 16, 32]; int8: [.., K / 64, 2, 16, 64]
     k: int = dataclasses.field(metadata={"static": True})
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})  # N's axes
     # The tiles of w.T: the weight is [N, K], a tied embedding [V, E] as the output head.
     transposed: bool = dataclasses.field(default=False, metadata={"static": True})
+    # An `int8` (W8A8) weight's column scales [N] f32 (its tiles `amx_int8_tiles`), else None.
+    scale: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -115,18 +118,23 @@ def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
 
 def pack_projections(params: dict, specs: dict) -> dict:
     """`params` (unstacked: `params["layers"]` a tuple of per-layer dicts) with every bf16
-    layer projection of AMX_PROJECTIONS, and the output head (`lm_head` [E, V], or a tied
+    layer projection of AMX_PROJECTIONS (and every `int8` one, where the CPU has AMX-INT8),
+    and the output head (`lm_head` [E, V], or a tied
     `embed` [V, E] as the tiles of its transpose), as an `AmxPacked` (packed on the host, each
     float weight freed once packed). `specs` are the stacked declarations: a layer weight's
     contracted axes follow the layer axis."""
+    int8 = cpu_matmul.amx_int8_available()
     layers = []
     for layer in params["layers"]:
         out = dict(layer)
         for name in AMX_PROJECTIONS:
             w, spec = layer.get(name), specs.get(name)
-            if (_packable(w) and spec is not None
-                    and spec.contract == tuple(range(1, 1 + len(spec.contract)))):
+            if spec is None or spec.contract != tuple(range(1, 1 + len(spec.contract))):
+                continue
+            if _packable(w):
                 out[name] = _packed(w, len(spec.contract))
+            elif int8 and isinstance(w, QArray) and w.mode == "int8":
+                out[name] = _packed_int8(w, len(spec.contract))
         layers.append(out)
     out = {**params, "layers": tuple(layers)}
     head = "lm_head" if "lm_head" in params else "embed"
@@ -149,6 +157,18 @@ def _packed(w: jax.Array, n_in: int, transposed: bool = False) -> AmxPacked:
     packed = AmxPacked(tiles=jax.device_put(cpu_matmul.amx_tiles(host), w.sharding),
                        k=host.shape[0], out_shape=out_shape, transposed=transposed)
     w.delete()
+    return packed
+
+
+def _packed_int8(w: QArray, n_in: int) -> AmxPacked:
+    """An `int8` weight [in..., out...] (its first n_in axes contracted) packed for
+    `amx_int8_matmul`, with its column scales; w is freed."""
+    host = np.asarray(w.q)
+    host = host.reshape(int(np.prod(w.shape[:n_in])), -1)
+    packed = AmxPacked(tiles=jax.device_put(cpu_matmul.amx_int8_tiles(host), w.q.sharding),
+                       k=host.shape[0], out_shape=tuple(w.shape[n_in:]),
+                       scale=w.scale.reshape(-1))
+    w.q.delete()
     return packed
 
 
@@ -230,7 +250,7 @@ def swiglu(x: jax.Array, w_gate: Weight, w_up: Weight, backend: str = "xla") -> 
     goes to memory); others as two `dot`s and an elementwise pass."""
     if (isinstance(w_gate, AmxPacked) and isinstance(w_up, AmxPacked) and x.ndim == 2
             and x.dtype == jnp.bfloat16 and w_gate.shape == w_up.shape and not w_gate.transposed
-            and not w_up.transposed):
+            and not w_up.transposed and w_gate.scale is None and w_up.scale is None):
         return cpu_matmul.amx_swiglu(x, w_gate.tiles, w_up.tiles, int(np.prod(w_gate.out_shape)))
     eq = "te,ef->tf"
     gate = dot(eq, x, w_gate, backend, rounded_to=x.dtype).astype(x.dtype)
@@ -256,7 +276,12 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla", *,
             raise ValueError(f"an AMX-packed weight runs only as the product it was packed "
                              f"for, not {eq!r}")
         out = rounded_to if rounded_to == jnp.bfloat16 else jnp.float32
-        y = cpu_matmul.amx_matmul(x, w.tiles, int(np.prod(w.out_shape)), out_dtype=out)
+        n = int(np.prod(w.out_shape))
+        if w.scale is not None:  # int8 (W8A8): the rows quantized as quant.einsum's
+            xq, sx = quant.quantize_rows(x)
+            y = cpu_matmul.amx_int8_matmul(xq, sx, w.tiles, w.scale, n, out_dtype=out)
+        else:
+            y = cpu_matmul.amx_matmul(x, w.tiles, n, out_dtype=out)
         return y.reshape(x.shape[0], *w.out_shape)
     form = _native_form(eq) if backend in ("native", "amx") else None
     if form is not None and _native_int8(x, w, form):

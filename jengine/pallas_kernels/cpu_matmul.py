@@ -36,6 +36,9 @@ _AMX_TARGET = "jengine_amx_matmul"
 _SWIGLU_TARGET = "jengine_amx_swiglu"
 _AMX_CODE = 4  # JengineMatmulIsa's code for "the AMX target runs here"
 AMX_TILE = (2, 16, 32)  # a k step's two B tiles: 16 k pairs x 16 columns x 2 words each
+_AMX_INT8_TARGET = "jengine_amx_int8_matmul"
+_AMX_INT8_CODE = 5  # JengineMatmulIsa's code for "the AMX-INT8 target runs here"
+AMX_INT8_TILE = (2, 16, 64)  # a k step's two B tiles: 16 k quads x 16 columns x 4 bytes each
 
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
@@ -45,7 +48,8 @@ INT8_ISAS = {"auto": 0, "portable": 1, "avx512_vnni": 4}  # instruction set of t
 _LIB, _LOAD_ERROR = load_native("_cpu_matmul", {_TARGET: "JengineSmallMatmul",
                                                 _INT8_TARGET: "JengineInt8Matmul",
                                                 _AMX_TARGET: "JengineAmxMatmul",
-                                                _SWIGLU_TARGET: "JengineAmxSwiGlu"})
+                                                _SWIGLU_TARGET: "JengineAmxSwiGlu",
+                                                _AMX_INT8_TARGET: "JengineAmxInt8Matmul"})
 
 
 def available() -> bool:
@@ -147,6 +151,60 @@ def amx_tiles(w: np.ndarray) -> np.ndarray:
     # k = 32 ks + 2 p + pair, n = 32 s + 16 h + c  ->  [s, ks, h, p, c, pair]
     t = padded.reshape(kp // 32, 16, 2, np_ // 32, 2, 16).transpose(3, 0, 4, 1, 5, 2)
     return np.ascontiguousarray(t).reshape(np_ // 32, kp // 32, *AMX_TILE)
+
+
+@functools.cache
+def amx_int8_available() -> bool:
+    """Whether `amx_int8_matmul` runs here: the library loaded, the CPU has AMX-INT8, and Linux
+    granted this process the tile state."""
+    return available() and bool(_LIB.JengineMatmulIsa(_AMX_INT8_CODE))
+
+
+def amx_int8_tiles(w: np.ndarray) -> np.ndarray:
+    """An int8 weight [K, N] (row-major) in the layout `amx_int8_matmul` reads: [ceil(N / 32),
+    ceil(K / 64), 2, 16, 64], strip s / k step ks / half h holding the B tile whose row p is,
+    for its 16 columns c of 32 s + 16 h + (0..15), the quad w[64 ks + 4p + (0..3), c]; zeros
+    pad K and N. Done once, on the host, at load time."""
+    if w.ndim != 2 or w.dtype != np.int8:
+        raise ValueError(f"amx_int8_tiles takes a 2-D int8 weight, got {w.dtype}{w.shape}")
+    k, n = w.shape
+    kp, np_ = -(-k // 64) * 64, -(-n // 32) * 32
+    padded = np.zeros((kp, np_), np.int8)
+    padded[:k, :n] = w
+    # k = 64 ks + 4 p + q, n = 32 s + 16 h + c  ->  [s, ks, h, p, c, q]
+    t = padded.reshape(kp // 64, 16, 4, np_ // 32, 2, 16).transpose(3, 0, 4, 1, 5, 2)
+    return np.ascontiguousarray(t).reshape(np_ // 32, kp // 64, *AMX_INT8_TILE)
+
+
+def amx_int8_matmul(
+    xq: jax.Array,  # [R, K] int8: the activations quantized per row (quant.quantize_rows)
+    sx: jax.Array,  # [R, 1] or [R] f32: their row scales
+    tiles: jax.Array,  # amx_int8_tiles(w) for w [K, N] int8
+    w_scale: jax.Array,  # [N] f32 (any shape of N elements): w's column scales
+    n: int,  # N
+    *,
+    max_threads: int = 0,  # 0: all of XLA's intra-op threads
+    out_dtype=jnp.float32,
+) -> jax.Array:  # [R, N] out_dtype
+    """`(xq @ w) * sx * w_scale` on the AMX tiles (TDPBSSD, exact int32 sums, then the f32
+    rescale in quant._rescale's order): XLA's int8 dot and rescale to the bit, or that rounded
+    to bf16 (`out_dtype`), from the packed weight, its columns split over the threads."""
+    require()
+    if (xq.dtype != jnp.int8 or xq.ndim != 2 or tiles.dtype != jnp.int8
+            or tiles.shape[2:] != AMX_INT8_TILE or tiles.shape[0] != -(-n // 32)
+            or tiles.shape[1] != -(-xq.shape[1] // 64) or sx.size != xq.shape[0]
+            or w_scale.size != n):
+        raise ValueError(f"amx_int8_matmul takes int8 xq [R, K], sx [R], the int8 "
+                         f"amx_int8_tiles(w) of a w [K, {n}] and its [{n}] scales, got "
+                         f"{xq.dtype}{xq.shape}, {sx.shape}, {tiles.dtype}{tiles.shape}, "
+                         f"{w_scale.shape}")
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"amx_int8_matmul returns float32 or bfloat16, not {out_dtype}")
+    call = jax.ffi.ffi_call(_AMX_INT8_TARGET,
+                            jax.ShapeDtypeStruct((xq.shape[0], n), out_dtype))
+    return call(xq, sx.reshape(-1).astype(jnp.float32), tiles,
+                w_scale.reshape(-1).astype(jnp.float32), n=np.int64(n),
+                max_threads=np.int32(max_threads))
 
 
 def amx_columns(tiles: jax.Array, cols: jax.Array, k: int) -> jax.Array:

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "amx_bf16.h"
+#include "amx_int8.h"
 #include "amx_swiglu.h"
 #include "isa.h"
 #include "parallel_for.h"
@@ -28,10 +29,12 @@ namespace jengine {
 namespace {
 
 constexpr int32_t kAmxBf16 = 4;  // JengineMatmulIsa's code for "AmxMatmul runs here"
+constexpr int32_t kAmxInt8 = 5;  // JengineMatmulIsa's code for "AmxInt8Matmul runs here"
 
 inline bool SupportsHere(int32_t isa) {
 #if JE_X86
   if (isa == kAmxBf16) return amx::Permitted();
+  if (isa == kAmxInt8) return amx::PermittedInt8();
 #endif
   return Supports(isa);
 }
@@ -218,12 +221,45 @@ ffi::Error AmxSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate
 #endif
 }
 
+// y [R, N] = float(xq @ w) * sx * sw from an int8 weight's tiles (amx_int8.h).
+ffi::Error AmxInt8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> sx,
+                         ffi::Buffer<ffi::S8> tiles, ffi::Buffer<ffi::F32> sw, int64_t n,
+                         int32_t max_threads, ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions();
+  const auto td = tiles.dimensions();
+  if (xd.size() != 2 || td.size() != 5 || td[2] != 2 || td[3] != 16 || td[4] != 64 ||
+      td[0] != (n + 31) / 32 || td[1] * 64 < xd[1] || td[1] * 64 >= xd[1] + 64 ||
+      sx.element_count() != xd[0] || sw.element_count() != n) {
+    return ffi::Error::InvalidArgument(
+        "amx int8 matmul: expected xq [R, K] int8, sx [R], int8 tiles "
+        "[ceil(N / 32), ceil(K / 64), 2, 16, 64] and sw [N]");
+  }
+  const bool y_bf16 = y->element_type() == ffi::BF16;
+  if (!y_bf16 && y->element_type() != ffi::F32) {
+    return ffi::Error::InvalidArgument("amx int8 matmul: y must be f32 or bf16");
+  }
+#if JE_X86
+  if (!amx::PermittedInt8()) {
+    return ffi::Error::InvalidArgument("amx int8 matmul: this CPU or kernel gives no AMX-INT8");
+  }
+  if (xd[0] > 0 && n > 0) {
+    amx::PackedMatmulInt8(pool, max_threads, x.typed_data(), sx.typed_data(), tiles.typed_data(),
+                          sw.typed_data(), y->untyped_data(), y_bf16, xd[0], xd[1], td[1] * 64,
+                          n);
+  }
+  return ffi::Error::Success();
+#else
+  return ffi::Error::InvalidArgument("amx int8 matmul: AMX exists on x86-64 only");
+#endif
+}
+
 }  // namespace
 }  // namespace jengine
 
 JE_EXPORT XLA_FFI_Error* JengineSmallMatmul(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT XLA_FFI_Error* JengineAmxMatmul(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT XLA_FFI_Error* JengineAmxSwiGlu(XLA_FFI_CallFrame* call_frame);
+JE_EXPORT XLA_FFI_Error* JengineAmxInt8Matmul(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT int JengineMatmulIsa(int isa);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineSmallMatmul, jengine::SmallMatmul,
@@ -254,6 +290,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineAmxSwiGlu, jengine::AmxSwiGlu,
                                   .Attr<int64_t>("n")
                                   .Attr<int32_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::BF16>>());  // act [R, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineAmxInt8Matmul, jengine::AmxInt8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // xq [R, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sx [R]: xq's row scales
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // w's tiles [S, KS, 2, 16, 64]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sw [N]: w's column scales
+                                  .Attr<int64_t>("n")
+                                  .Attr<int32_t>("max_threads")
+                                  .Ret<ffi::AnyBuffer>());  // y [R, N]: f32, or bf16
 
 // isa 0: the instruction set `auto` picks here (1 portable, 2 AVX2, 3 AVX-512); else whether
 // that one runs here (1 or 0).
