@@ -89,3 +89,30 @@ def test_bad_operands_are_errors():
         cpu_matmul.amx_int8_matmul(xq, sx, tiles, w.scale, 32, out_dtype=jnp.int32)
     with pytest.raises(ValueError, match="2-D int8"):
         cpu_matmul.amx_int8_tiles(np.zeros((4, 4), np.float32))
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 1536), (20, 100, 50), (37, 576, 96)])
+def test_swiglu_equals_the_unfused_activation(rows, k, n):
+    """silu(x @ g) * (x @ u) for int8 gate and up in one call, against the two bf16-rounded
+    kernel products and XLA's f32 silu (`matmul.swiglu`'s unfused rule): the same bf16 values
+    but where the two sigmoids' last f32 bit puts an activation across a rounding edge."""
+    rng = np.random.default_rng(rows + k)
+    g, u = _weight(rng, k, n), _weight(rng, k, n)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    xq, sx = quant.quantize_rows(x)
+    packed = [(jnp.asarray(cpu_matmul.amx_int8_tiles(np.asarray(w.q))), w.scale) for w in (g, u)]
+    got = np.asarray(jax.jit(lambda: cpu_matmul.amx_int8_swiglu(xq, sx, *packed, n))(),
+                     np.float32)
+
+    def unfused():
+        gate, up = (cpu_matmul.amx_int8_matmul(xq, sx, *w, n, out_dtype=jnp.bfloat16)
+                    for w in packed)
+        return jax.nn.silu(gate.astype(jnp.float32)).astype(jnp.bfloat16) * up
+
+    want = np.asarray(jax.jit(unfused)(), np.float32)
+    assert got.shape == (rows, n)
+    off = got != want
+    assert off.mean() < 0.01
+    np.testing.assert_allclose(got[off], want[off], rtol=2 ** -7)
+    with pytest.raises(ValueError, match="two int8"):
+        cpu_matmul.amx_int8_swiglu(xq, sx, packed[0], (packed[1][0][:1], packed[1][1]), n)

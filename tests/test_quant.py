@@ -209,7 +209,11 @@ PROMPTS = [np.random.default_rng(7).integers(3, 64, n).tolist() for n in (3, 9, 
 
 
 def _preset(tmp_path, **model_keys) -> str:
-    """tests/one_bucket.yaml with extra `model` keys, as a file."""
+    """tests/one_bucket.yaml with extra `model` keys, as a file. XLA's dots unless asked: these
+    tests read the engine's int8 weights as `QArray`s and compare tp=1 with tp=2 (which keeps
+    XLA's dots), where on one AMX-INT8 device `auto` would pack them for the AMX kernel
+    (tests/test_amx_int8.py checks that kernel against XLA's int8 dot to the bit)."""
+    model_keys.setdefault("matmul_backend", "xla")
     path = tmp_path / f"preset{len(list(tmp_path.glob('preset*')))}.yaml"
     extra = "".join(f"  {k}: {str(v).lower()}\n" for k, v in model_keys.items())
     path.write_text(ONE_BUCKET.replace("model:\n", "model:\n" + extra))

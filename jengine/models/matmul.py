@@ -246,12 +246,19 @@ def _native_form(eq: str) -> str | None:
 def swiglu(x: jax.Array, w_gate: Weight, w_up: Weight, backend: str = "xla") -> jax.Array:
     """The SwiGLU activation silu(x @ w_gate) * (x @ w_up) [T, F] in x's dtype: both products
     rounded to it, the activation in f32 rounded once, as torch computes a bf16 model's. Two
-    AMX-packed weights run it in one kernel call (`cpu_matmul.amx_swiglu`: neither product
-    goes to memory); others as two `dot`s and an elementwise pass."""
+    AMX-packed weights run it in one kernel call (`cpu_matmul.amx_swiglu`, or
+    `amx_int8_swiglu` for `int8` ones: neither product goes to memory); others as two `dot`s
+    and an elementwise pass."""
     if (isinstance(w_gate, AmxPacked) and isinstance(w_up, AmxPacked) and x.ndim == 2
             and x.dtype == jnp.bfloat16 and w_gate.shape == w_up.shape and not w_gate.transposed
             and not w_up.transposed and w_gate.scale is None and w_up.scale is None):
         return cpu_matmul.amx_swiglu(x, w_gate.tiles, w_up.tiles, int(np.prod(w_gate.out_shape)))
+    if (isinstance(w_gate, AmxPacked) and isinstance(w_up, AmxPacked) and x.ndim == 2
+            and x.dtype == jnp.bfloat16 and w_gate.scale is not None and w_up.scale is not None
+            and w_gate.tiles.shape == w_up.tiles.shape):
+        xq, sx = quant.quantize_rows(x)
+        return cpu_matmul.amx_int8_swiglu(xq, sx, (w_gate.tiles, w_gate.scale),
+                                          (w_up.tiles, w_up.scale), int(np.prod(w_gate.out_shape)))
     eq = "te,ef->tf"
     gate = dot(eq, x, w_gate, backend, rounded_to=x.dtype).astype(x.dtype)
     up = dot(eq, x, w_up, backend, rounded_to=x.dtype).astype(x.dtype)

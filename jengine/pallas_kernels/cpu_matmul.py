@@ -37,6 +37,7 @@ _SWIGLU_TARGET = "jengine_amx_swiglu"
 _AMX_CODE = 4  # JengineMatmulIsa's code for "the AMX target runs here"
 AMX_TILE = (2, 16, 32)  # a k step's two B tiles: 16 k pairs x 16 columns x 2 words each
 _AMX_INT8_TARGET = "jengine_amx_int8_matmul"
+_INT8_SWIGLU_TARGET = "jengine_amx_int8_swiglu"
 _AMX_INT8_CODE = 5  # JengineMatmulIsa's code for "the AMX-INT8 target runs here"
 AMX_INT8_TILE = (2, 16, 64)  # a k step's two B tiles: 16 k quads x 16 columns x 4 bytes each
 
@@ -49,7 +50,8 @@ _LIB, _LOAD_ERROR = load_native("_cpu_matmul", {_TARGET: "JengineSmallMatmul",
                                                 _INT8_TARGET: "JengineInt8Matmul",
                                                 _AMX_TARGET: "JengineAmxMatmul",
                                                 _SWIGLU_TARGET: "JengineAmxSwiGlu",
-                                                _AMX_INT8_TARGET: "JengineAmxInt8Matmul"})
+                                                _AMX_INT8_TARGET: "JengineAmxInt8Matmul",
+                                                _INT8_SWIGLU_TARGET: "JengineAmxInt8SwiGlu"})
 
 
 def available() -> bool:
@@ -205,6 +207,33 @@ def amx_int8_matmul(
     return call(xq, sx.reshape(-1).astype(jnp.float32), tiles,
                 w_scale.reshape(-1).astype(jnp.float32), n=np.int64(n),
                 max_threads=np.int32(max_threads))
+
+
+def amx_int8_swiglu(
+    xq: jax.Array,  # [R, K] int8 (quant.quantize_rows)
+    sx: jax.Array,  # [R, 1] or [R] f32
+    gate: tuple[jax.Array, jax.Array],  # w_gate's (amx_int8_tiles, [N] scales)
+    up: tuple[jax.Array, jax.Array],  # w_up's, the same shapes
+    n: int,  # N
+    *,
+    max_threads: int = 0,
+) -> jax.Array:  # [R, N] bfloat16
+    """silu(x @ w_gate) * (x @ w_up) for `int8` gate and up weights in one call: each product
+    as `amx_int8_matmul(..., out_dtype=bf16)` rounds it, the activation as `amx_swiglu`'s
+    (up to the sigmoid's last f32 bit); neither product goes to memory."""
+    require()
+    for tiles, scale in (gate, up):
+        if (tiles.dtype != jnp.int8 or tiles.shape != gate[0].shape
+                or tiles.shape[0] != -(-n // 32) or tiles.shape[1] != -(-xq.shape[1] // 64)
+                or scale.size != n or xq.dtype != jnp.int8 or sx.size != xq.shape[0]):
+            raise ValueError(f"amx_int8_swiglu takes int8 xq [R, K], sx [R] and two int8 "
+                             f"amx_int8_tiles of a w [K, {n}] with [{n}] scales")
+    call = jax.ffi.ffi_call(_INT8_SWIGLU_TARGET,
+                            jax.ShapeDtypeStruct((xq.shape[0], n), jnp.bfloat16))
+    f32 = lambda a: a.reshape(-1).astype(jnp.float32)  # noqa: E731
+    return call(xq, f32(sx), gate[0], f32(gate[1]), up[0], f32(up[1]), n=np.int64(n),
+                max_threads=np.int32(max_threads))
+
 
 
 def amx_columns(tiles: jax.Array, cols: jax.Array, k: int) -> jax.Array:

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "amx_bf16.h"
+#include "amx_swiglu.h"
 #include "amx_tiles.h"
 
 #pragma GCC push_options
@@ -55,11 +56,14 @@ inline const int8_t* TileRowsInt8(const int8_t* x, int64_t R, int64_t K, int64_t
 
 // The C tile of rows [r, r + 16) and columns [c, c + 16), its int32 sums in `acc` (16 x 16),
 // rescaled by the rows' and columns' scales into y (f32, or rounded to bf16 as XLA's convert).
-inline void StoreRescaled(const int32_t* acc, const float* sx, const float* sw, void* y,
-                          bool y_bf16, int64_t R, int64_t N, int64_t r, int64_t c) {
+// sw holds `scale_cols` scales (N's, or fewer where y is a strip's buffer past the weight).
+inline void StoreRescaled(const int32_t* acc, const float* sx, const float* sw,
+                          int64_t scale_cols, void* y, bool y_bf16, int64_t R, int64_t N,
+                          int64_t r, int64_t c) {
   const int64_t rows = std::min<int64_t>(kTileRows, R - r), cols = std::min<int64_t>(16, N - c);
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 w = _mm512_maskz_loadu_ps(keep, sw + c);
+  const int64_t scaled = std::max<int64_t>(0, std::min<int64_t>(cols, scale_cols - c));
+  const __m512 w = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << scaled) - 1), sw + c);
   for (int64_t i = 0; i < rows; ++i) {
     const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(acc + i * 16));
     const __m512 v = _mm512_mul_ps(_mm512_mul_ps(sum, _mm512_set1_ps(sx[r + i])), w);
@@ -78,15 +82,16 @@ inline void StoreRescaled(const int32_t* acc, const float* sx, const float* sw, 
   do {                                                           \
     if ((c) < N) {                                               \
       _tile_stored(tile, acc, 64);                               \
-      StoreRescaled(acc, sx, sw, y, y_bf16, R, N, r, c);         \
+      StoreRescaled(acc, sx, sw, scale_cols, y, y_bf16, R, N, r, c); \
     }                                                            \
   } while (0)
 
 // y's rows [r0, r0 + 16 * row_tiles) and the 32 columns of one strip from c0: the strip's
-// Kp / 64 k steps of two B tiles each against the staged rows.
+// Kp / 64 k steps of two B tiles each against the staged rows (R of them valid, with scales sx;
+// sw holds scale_cols column scales from column 0 of y).
 inline void BlockInt8(const int8_t* xs, int64_t Kp, const int8_t* strip, int64_t r0,
-                      int row_tiles, const float* sx, const float* sw, void* y, bool y_bf16,
-                      int64_t R, int64_t N, int64_t c0, bool prefetch) {
+                      int row_tiles, const float* sx, const float* sw, int64_t scale_cols,
+                      void* y, bool y_bf16, int64_t R, int64_t N, int64_t c0, bool prefetch) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -140,8 +145,38 @@ inline void PackedMatmulInt8(xla::ffi::ThreadPool& pool, int32_t max_threads, co
       for (int64_t r0 = 0; r0 < Rp; r0 += 2 * kTileRows) {
         for (int64_t s = p0; s < p1; ++s) {
           BlockInt8(xs, Kp, tiles + s * strip_bytes, r0, Rp - r0 >= 2 * kTileRows ? 2 : 1, sx,
-                    sw, y, y_bf16, R, N, s * kStrip, r0 == 0);
+                    sw, N, y, y_bf16, R, N, s * kStrip, r0 == 0);
         }
+      }
+    }
+  });
+}
+
+// act [R, N] bf16 = silu(x @ w_gate) * (x @ w_up) for int8 gate and up weights (their tiles
+// and column scales) and xq's rows: each block's two rescaled products into an L1 buffer, the
+// activation applied there as amx_swiglu.h's (each product rounded to bf16 first, as the
+// unfused `int8` model rounds them), so neither product goes to memory.
+inline void PackedSwiGluInt8(xla::ffi::ThreadPool& pool, int32_t max_threads, const int8_t* x,
+                             const float* sx, const int8_t* gate, const float* gate_scale,
+                             const int8_t* up, const float* up_scale, uint16_t* y, int64_t R,
+                             int64_t K, int64_t Kp, int64_t N) {
+  const int64_t Rp = (R + kTileRows - 1) / kTileRows * kTileRows;
+  std::vector<int8_t> staged;
+  const int8_t* xs = TileRowsInt8(x, R, K, Kp, staged);
+  const int64_t strips = (N + kStrip - 1) / kStrip;
+  const int64_t strip_bytes = Kp / kTileK8 * kStepBytes8;
+  ForStripRuns(pool, max_threads, R, strips, [&](int64_t s0, int64_t s1) {
+    alignas(64) float g[2 * kTileRows * kStrip], u[2 * kTileRows * kStrip];
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t c0 = s * kStrip, cols = std::min(kStrip, N - c0);
+      for (int64_t r0 = 0; r0 < Rp; r0 += 2 * kTileRows) {
+        const int row_tiles = Rp - r0 >= 2 * kTileRows ? 2 : 1;
+        const int64_t rows = std::min<int64_t>(row_tiles * kTileRows, R - r0);
+        BlockInt8(xs + r0 * Kp, Kp, gate + s * strip_bytes, 0, row_tiles, sx + r0,
+                  gate_scale + c0, cols, g, false, rows, kStrip, 0, r0 == 0);
+        BlockInt8(xs + r0 * Kp, Kp, up + s * strip_bytes, 0, row_tiles, sx + r0, up_scale + c0,
+                  cols, u, false, rows, kStrip, 0, r0 == 0);
+        SwiGluBlock(g, u, rows, cols, y + r0 * N + c0, N);
       }
     }
   });

@@ -253,6 +253,37 @@ ffi::Error AmxInt8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buff
 #endif
 }
 
+// act [R, N] bf16 = silu(x @ w_gate) * (x @ w_up) from two int8 weights' tiles (amx_int8.h).
+ffi::Error AmxInt8SwiGlu(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> sx,
+                         ffi::Buffer<ffi::S8> gate, ffi::Buffer<ffi::F32> gate_scale,
+                         ffi::Buffer<ffi::S8> up, ffi::Buffer<ffi::F32> up_scale, int64_t n,
+                         int32_t max_threads, ffi::ResultBuffer<ffi::BF16> y) {
+  const auto xd = x.dimensions();
+  const auto td = gate.dimensions();
+  if (xd.size() != 2 || td.size() != 5 || td[2] != 2 || td[3] != 16 || td[4] != 64 ||
+      td[0] != (n + 31) / 32 || td[1] * 64 < xd[1] || td[1] * 64 >= xd[1] + 64 ||
+      up.element_count() != gate.element_count() || sx.element_count() != xd[0] ||
+      gate_scale.element_count() != n || up_scale.element_count() != n) {
+    return ffi::Error::InvalidArgument(
+        "amx int8 swiglu: expected xq [R, K] int8, sx [R], two int8 tiles "
+        "[ceil(N / 32), ceil(K / 64), 2, 16, 64] and their [N] scales");
+  }
+#if JE_X86
+  if (!amx::PermittedInt8()) {
+    return ffi::Error::InvalidArgument("amx int8 swiglu: this CPU or kernel gives no AMX-INT8");
+  }
+  if (xd[0] > 0 && n > 0) {
+    amx::PackedSwiGluInt8(pool, max_threads, x.typed_data(), sx.typed_data(), gate.typed_data(),
+                          gate_scale.typed_data(), up.typed_data(), up_scale.typed_data(),
+                          reinterpret_cast<uint16_t*>(y->typed_data()), xd[0], xd[1],
+                          td[1] * 64, n);
+  }
+  return ffi::Error::Success();
+#else
+  return ffi::Error::InvalidArgument("amx int8 swiglu: AMX exists on x86-64 only");
+#endif
+}
+
 }  // namespace
 }  // namespace jengine
 
@@ -260,6 +291,7 @@ JE_EXPORT XLA_FFI_Error* JengineSmallMatmul(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT XLA_FFI_Error* JengineAmxMatmul(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT XLA_FFI_Error* JengineAmxSwiGlu(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT XLA_FFI_Error* JengineAmxInt8Matmul(XLA_FFI_CallFrame* call_frame);
+JE_EXPORT XLA_FFI_Error* JengineAmxInt8SwiGlu(XLA_FFI_CallFrame* call_frame);
 JE_EXPORT int JengineMatmulIsa(int isa);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineSmallMatmul, jengine::SmallMatmul,
@@ -301,6 +333,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineAmxInt8Matmul, jengine::AmxInt8Matmul,
                                   .Attr<int64_t>("n")
                                   .Attr<int32_t>("max_threads")
                                   .Ret<ffi::AnyBuffer>());  // y [R, N]: f32, or bf16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineAmxInt8SwiGlu, jengine::AmxInt8SwiGlu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // xq [R, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sx [R]
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // w_gate's tiles
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_gate's scales [N]
+                                  .Arg<ffi::Buffer<ffi::S8>>()  // w_up's tiles
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_up's scales [N]
+                                  .Attr<int64_t>("n")
+                                  .Attr<int32_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::BF16>>());  // act [R, N]
 
 // isa 0: the instruction set `auto` picks here (1 portable, 2 AVX2, 3 AVX-512); else whether
 // that one runs here (1 or 0).
