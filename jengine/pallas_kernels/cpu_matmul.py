@@ -146,13 +146,21 @@ def amx_tiles(w: np.ndarray) -> np.ndarray:
     32 s + 16 h + (0..15); zeros pad K and N. Done once, on the host, at load time."""
     if w.ndim != 2 or w.dtype != jnp.bfloat16:
         raise ValueError(f"amx_tiles takes a 2-D bfloat16 weight, got {w.dtype}{w.shape}")
+    return _b_tiles(w, group=2)
+
+
+def _b_tiles(w: np.ndarray, group: int) -> np.ndarray:
+    """w [K, N] as the B tiles of a k step of 16 * `group` (2 bf16 pairs, 4 int8 quads):
+    [ceil(N / 32), K steps, 2, 16, 16 * group], tile (s, ks, h) row p holding, for each of its 16
+    columns c of 32 s + 16 h + c, the group w[16 group ks + group p + (0..group-1), c]."""
+    step = 16 * group
     k, n = w.shape
-    kp, np_ = -(-k // 32) * 32, -(-n // 32) * 32
+    kp, np_ = -(-k // step) * step, -(-n // 32) * 32
     padded = np.zeros((kp, np_), w.dtype)
     padded[:k, :n] = w
-    # k = 32 ks + 2 p + pair, n = 32 s + 16 h + c  ->  [s, ks, h, p, c, pair]
-    t = padded.reshape(kp // 32, 16, 2, np_ // 32, 2, 16).transpose(3, 0, 4, 1, 5, 2)
-    return np.ascontiguousarray(t).reshape(np_ // 32, kp // 32, *AMX_TILE)
+    # k = step ks + group p + i, n = 32 s + 16 h + c  ->  [s, ks, h, p, c, i]
+    t = padded.reshape(kp // step, 16, group, np_ // 32, 2, 16).transpose(3, 0, 4, 1, 5, 2)
+    return np.ascontiguousarray(t).reshape(np_ // 32, kp // step, 2, 16, step)
 
 
 @functools.cache
@@ -169,13 +177,7 @@ def amx_int8_tiles(w: np.ndarray) -> np.ndarray:
     pad K and N. Done once, on the host, at load time."""
     if w.ndim != 2 or w.dtype != np.int8:
         raise ValueError(f"amx_int8_tiles takes a 2-D int8 weight, got {w.dtype}{w.shape}")
-    k, n = w.shape
-    kp, np_ = -(-k // 64) * 64, -(-n // 32) * 32
-    padded = np.zeros((kp, np_), np.int8)
-    padded[:k, :n] = w
-    # k = 64 ks + 4 p + q, n = 32 s + 16 h + c  ->  [s, ks, h, p, c, q]
-    t = padded.reshape(kp // 64, 16, 4, np_ // 32, 2, 16).transpose(3, 0, 4, 1, 5, 2)
-    return np.ascontiguousarray(t).reshape(np_ // 32, kp // 64, *AMX_INT8_TILE)
+    return _b_tiles(w, group=4)
 
 
 def amx_int8_matmul(
