@@ -123,15 +123,15 @@ def test_auto_takes_the_tiles_for_bf16_queries_only():
 
 
 def test_bf16_engine_greedy_tokens_equal_the_reference_backend():
-    """SmolLM2 in bf16: prompts long enough for tile blocks (and one over several 64-key chunks
+    """SmolLM2 in bf16: prompts long enough for tile blocks (one over several 64-key chunks
     and prefill chunks), greedy tokens equal to the reference backend's, each prompt alone (in
     one batch their prefill chunks end elsewhere, and the blocks of under 16 rows that the
     vector path takes round differently from the reference's bf16 probabilities: the haiku
-    prompt's 10th token is a near tie, 0.09 apart)."""
-    prompts = ["The capital of France is", "def fibonacci(n):",
-               "Write a haiku about the sea. " * 3,
+    prompt's 10th token is a near tie, 0.09 apart). Short prompts, whose blocks never reach
+    the tiles, are left to the f32 engine tests."""
+    prompts = ["Write a haiku about the sea. " * 3,
                "Count: " + ", ".join(str(i % 10) for i in range(90))]
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     tokens = {}
     for backend in ("cpu", "reference"):
         engine = Engine(config="tests/one_bucket.yaml", dtype="bfloat16",
