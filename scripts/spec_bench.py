@@ -10,7 +10,8 @@ Cases: one stream at a time (tokens/s and TPOT: the time between tokens after th
 engine's stream), and 8 and 32 concurrent requests of the two workloads mixed (aggregate tok/s).
 Outputs are compared token for token with the plain engine's.
 
-    python scripts/spec_bench.py [--rounds 2] [--methods ngram] [--k 3] [--dtype bfloat16]
+    python scripts/spec_bench.py [--rounds 2] [--methods ngram] [--k 3 7] [--dtype bfloat16]
+                                 [--streams]  # no --streams values: the single-stream cases only
     python scripts/spec_bench.py --methods draft --draft-model DIR  # e.g. a w8a16 convert
 """
 
@@ -91,9 +92,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=["ngram"])
-    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, nargs="+", default=[3],
+                    help="num_speculative_tokens (several: one engine per method and k)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--streams", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--streams", type=int, nargs="*", default=[8, 32])
     ap.add_argument("--draft-model", help="the draft model of method draft")
     ap.add_argument("--dtype", default="float32",
                     help="the model dtype (the preset's float32; auto or bfloat16 for the AMX "
@@ -102,10 +104,12 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     engines = {"off": Engine(config="cpu", dtype=args.dtype, progress=False, warmup=True)}
     for m in args.methods:
-        engines[m] = Engine(config="cpu", dtype=args.dtype, speculative=m,
-                            num_speculative_tokens=args.k,
-                            draft_model=args.draft_model if m == "draft" else None,
-                            progress=False, warmup=True)
+        for k in args.k:
+            name = m if len(args.k) == 1 else f"{m} k={k}"
+            engines[name] = Engine(config="cpu", dtype=args.dtype, speculative=m,
+                                   num_speculative_tokens=k,
+                                   draft_model=args.draft_model if m == "draft" else None,
+                                   progress=False, warmup=True)
     cases = {"edit, 1 stream": ("single", EDITS), "free, 1 stream": ("single", FREE)}
     for n in args.streams:
         cases[f"mixed, {n} streams"] = ("concurrent", (EDITS + FREE) * (n // 8))

@@ -31,11 +31,31 @@ class ParamSpec:
     contract: tuple[int, ...] = ()
 
 
+def row_sum(v: jax.Array, axis: int = -1) -> jax.Array:
+    """The sum over `axis` (kept, as size 1), in an order that depends on that axis' length
+    alone: zero-padded to a power of two, then halves added elementwise until one is left.
+
+    XLA:CPU's reduce sums a row in another order once there are 8 or more rows (it vectorises
+    across them), so a token's norm came out a bit different in an 8-row step than alone
+    (2026-12-04: 33 of 80 rows at 576 wide), enough to change later bf16 tokens where a
+    speculative verification recomputes decodes 8 at a time. Elementwise adds have one order."""
+    v = jnp.moveaxis(v, axis, -1)
+    n = v.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:  # zeros add nothing, exactly
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - n)])
+    while width > 1:
+        width //= 2
+        v = v[..., :width] + v[..., width:]
+    return jnp.moveaxis(v, -1, axis)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:
-    """RMSNorm in float32; Gemma scales by (1 + weight) (`offset=1`), Llama by weight."""
+    """RMSNorm in float32; Gemma scales by (1 + weight) (`offset=1`), Llama by weight. The mean
+    of squares is `row_sum`'s, so a row normalises to the same bits in any batch."""
     with jax.named_scope("norm"):  # the scopes name the parts in profiles (scripts/)
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        normed = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x.shape[-1] + eps)
         if offset:
             return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
         return weight * normed.astype(x.dtype)

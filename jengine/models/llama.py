@@ -238,7 +238,8 @@ def _rms_norm_heads(x: jax.Array, weight: jax.Array, eps: float, real_heads: int
     (`ModelConfig.padded_heads`) add nothing to the sum and must not count in the mean."""
     with jax.named_scope("norm"):
         x32 = x.astype(jnp.float32)
-        mean_sq = jnp.sum(x32 * x32, axis=(1, 2), keepdims=True) / (real_heads * x.shape[-1])
+        squares = (x32 * x32).reshape(x.shape[0], 1, -1)  # [T, 1, H*D]
+        mean_sq = layers.row_sum(squares) / (real_heads * x.shape[-1])  # [T, 1, 1]
         return weight * (x32 * jax.lax.rsqrt(mean_sq + eps)).astype(x.dtype)
 
 

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.models.layers import row_sum
 from jengine.runtime import pick
 
 # Temperatures below this are greedy (vLLM's epsilon): dividing by them would overflow the logits.
@@ -365,7 +366,10 @@ def _draw(logits: jax.Array, seeds: jax.Array, steps: jax.Array) -> jax.Array:
 def _raw_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> SamplerOutput:
     """The sampler's output for `tokens` ([S] i32), with the raw distribution's logprobs of
     them and of its top `num_top` (static K >= 0) tokens; `logits` [S, V] are raw."""
-    log_norm = jax.nn.logsumexp(logits, axis=-1)  # [S]
+    # logsumexp with `row_sum`'s fixed order: a row's logprobs come out the same in any bucket
+    # of rows (a verification's rows against the decodes they stand for).
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # [S, 1]
+    log_norm = (jnp.log(row_sum(jnp.exp(logits - top))) + top)[:, 0]  # [S]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm
     top_values, top_ids = jax.lax.top_k(logits, num_top)  # [S, K]
     return SamplerOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
