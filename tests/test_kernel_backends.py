@@ -162,5 +162,3 @@ def test_kv_cache_dtype_from_config_and_errors(tmp_path):
         resolve_kv_cache_dtype("int4", "float32")
     with pytest.raises(ValueError, match="unsupported kv_cache_dtype"):
         Engine(kv_cache_dtype="int4", progress=False)
-    with pytest.raises(ValueError, match="int8 runs on .* not 'pallas_tpu'"):
-        Engine(kv_cache_dtype="int8", attention_backend="pallas_tpu", progress=False)

@@ -78,9 +78,6 @@ class Phases:
 def kv_pages(cfg: EngineConfig, mesh_spec: MeshSpec, model_config: ModelConfig,
              num_kv_heads: int, kv_cache_dtype: str, max_model_len: int) -> int:
     """The pages `cache.kv_cache_memory` holds (per device); at least one full sequence's."""
-    if kv_cache_dtype == "int8" and model_config.attention_backend == "pallas_tpu":
-        raise ValueError("kv_cache_dtype int8 runs on the 'reference', 'cpu' and 'pallas_gpu' "
-                         "attention backends, not 'pallas_tpu'")
     page_size = cfg.cache.page_size
     budget = host_kv_budget(cfg.cache.kv_cache_memory, mesh_spec, num_kv_heads,
                             cfg.parallel.num_processes)

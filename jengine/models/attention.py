@@ -122,8 +122,8 @@ def attend(
     `jax.set_mesh` with a `tp` axis, they run per shard in `shard_map` (a kernel call is opaque
     to the partitioner). The `cpu` backend also writes K/V with its own in-place FFI write
     (XLA's scatter on a bf16 cache rewrites the whole cache), per shard under such a mesh.
-    An int8 cache is written as quantized rows and their scales, and read dequantized (every
-    backend but `pallas_tpu`, which raises `ValueError`).
+    An int8 cache is written as quantized rows and their scales, and read dequantized by every
+    backend.
     """
     with jax.named_scope("kv_write"):
         kv = _write(kv, layer, md.slot_mapping, k, v, backend=backend, kv_head_map=kv_head_map)

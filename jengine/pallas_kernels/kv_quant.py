@@ -4,8 +4,8 @@ A row is quantized once, in XLA, when its token is written (`quantize_rows`), an
 reads it back as `int8 * scale` (`gather_rows`). The scale is per row and not per page because a
 page fills one token at a time under decode: a page-wide scale would have to requantize the
 page's earlier rows whenever a later token's absmax outgrew it. The price is 4 bytes a row, so a
-pool holds 2 D / (D + 4) times bf16's tokens (1.88x at D = 64). Both backends quantize with this
-function, so they see the same int8 cache.
+pool holds 2 D / (D + 4) times bf16's tokens (1.88x at D = 64). Every backend's write quantizes
+with this function, so all of them (reference, cpu, pallas_gpu, pallas_tpu) read the same cache.
 """
 
 from __future__ import annotations
@@ -30,18 +30,13 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def check_cache(backend: str, k_cache: jax.Array, k_scale: jax.Array | None, *,
-                reads_int8: bool = True) -> None:
+def check_cache(backend: str, k_cache: jax.Array, k_scale: jax.Array | None) -> None:
     """A kernel's check of the cache it is given: an int8 cache comes with its scales and a
-    float one without; `reads_int8=False` (the TPU kernel) refuses an int8 cache, naming the
-    backends that read one.
+    float one without.
 
     Raises:
-      ValueError: either mismatch."""
+      ValueError: a mismatch."""
     int8 = k_cache.dtype == KV_INT8
-    if int8 and not reads_int8:
-        raise ValueError(f"an int8 KV cache runs on the 'reference', 'cpu' and 'pallas_gpu' "
-                         f"attention backends, not {backend!r}")
     if int8 != (k_scale is not None):
         raise ValueError(f"{backend}: an int8 KV cache needs its scales (k_scale, v_scale), a "
                          "float one none")
