@@ -46,13 +46,13 @@ def numpy_quantize(x):
     return q.astype(np.int8), scale.astype(np.float32)
 
 
-def _round_trip(case):
-    """The case's K/V as the int8 cache holds them."""
-    def through_int8(a):
-        q, scale = numpy_quantize(a)
+def _round_trip(case, quantize=numpy_quantize):
+    """The case's K/V as the cache holds them (int8, or `quantize`'s format)."""
+    def through_cache(a):
+        q, scale = quantize(a)
         return q.astype(np.float32) * scale
-    case.k = [through_int8(k) for k in case.k]
-    case.v = [through_int8(v) for v in case.v]
+    case.k = [through_cache(k) for k in case.k]
+    case.v = [through_cache(v) for v in case.v]
     return case
 
 
@@ -261,11 +261,13 @@ def test_cache_layout_pool_size_and_dtype_choice():
         resolve_kv_cache_dtype("int4", "float32")
 
 
-def test_pallas_tpu_int8_kernel_lowers_for_tpu():
-    """The int8 read (each page's scales a DMA beside its rows) lowers to a Mosaic custom call
-    without a TPU; its numbers are the emulated runs above."""
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_pallas_tpu_quantized_kernel_lowers_for_tpu(dtype):
+    """The int8 and fp8 reads (each page's scales a DMA beside its rows) lower to a Mosaic
+    custom call without a TPU; their numbers are the emulated runs here and in
+    `test_fp8_kv_cache.py`."""
     shape = (2, 3, 32, 16, 64)  # SmolLM2's kv heads and head dim, pages of 16
-    cache = jax.ShapeDtypeStruct(shape, jnp.int8)
+    cache = jax.ShapeDtypeStruct(shape, dtype)
     scale = jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
 
@@ -280,13 +282,15 @@ def test_pallas_tpu_int8_kernel_lowers_for_tpu():
     assert "tpu_custom_call" in exported.mlir_module()
 
 
-def test_pallas_gpu_int8_kernel_lowers_for_cuda():
-    """The int8 read (scales gathered with their pages) lowers to Triton without a GPU; its
-    numbers are the interpret-mode run in `test_attend_on_every_backend_layout`."""
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_pallas_gpu_quantized_kernel_lowers_for_cuda(dtype):
+    """The int8 and fp8 reads (scales gathered with their pages) lower to Triton without a GPU;
+    their numbers are the interpret-mode runs (`test_attend_on_every_backend_layout`,
+    `test_fp8_kv_cache.py`)."""
     from jengine.pallas_kernels import ragged_paged_attention_gpu
 
     shape = (2, 3, 32, 16, 64)  # SmolLM2's kv heads and head dim, pages of 16
-    cache = jax.ShapeDtypeStruct(shape, jnp.int8)
+    cache = jax.ShapeDtypeStruct(shape, dtype)
     scale = jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
 

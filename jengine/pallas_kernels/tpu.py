@@ -12,9 +12,9 @@ Head dim and kv head count are never tiled: a block's trailing dims are the full
 head_dim 64 and a single or odd number of kv heads work (the limits of the upstream kernel came
 from packing kv heads into 128 lanes, which this layout does not do).
 
-An int8 cache (`kv_quant`: one f32 scale per token and kv head) is read with its scales: each
-page's `[O, 1]` scales travel in their own DMA next to its K/V pages, and a chunk's tile is
-dequantized (`int8 * scale`, in float32, then the queries' dtype) before its dots, so the kernel
+An int8 or fp8 cache (`kv_quant`: one f32 scale per token and kv head) is read with its scales:
+each page's `[O, 1]` scales travel in their own DMA next to its K/V pages, and a chunk's tile is
+dequantized (`row * scale`, in float32, then the queries' dtype) before its dots, so the kernel
 computes what the reference computes on the same cache while reading half the bytes of bf16.
 
 Scalar prefetch (SMEM): layer, window, per-block sequence / first / last visible key, the kv head
@@ -50,7 +50,7 @@ def ragged_paged_attention_tpu(
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     kv_head_map=None,  # [H] tuple or int32 array, or None
-    k_scale: jax.Array | None = None,  # an int8 cache's scales [L, K, P, O, 1] (`kv_quant`)
+    k_scale: jax.Array | None = None,  # an int8 / fp8 cache's scales [L, K, P, O, 1] (`kv_quant`)
     v_scale: jax.Array | None = None,
     block_q: int | None = None,  # default: `block_layout.default_block_q`
     pages_per_chunk: int = 8,
@@ -68,7 +68,7 @@ def ragged_paged_attention_tpu(
     queries = qb.gather_queries(q, blocks, group)  # [NB, NG, R, D]
     row_pos = qb.row_positions(blocks, group)[:, :, None]  # [NB, R, 1]
     num_blocks, num_groups, rows, _ = queries.shape
-    # The arrays each chunk copies from HBM, page by page: K, V, then an int8 cache's scales,
+    # The arrays each chunk copies from HBM, page by page: K, V, then a quantized cache's scales,
     # each into its own double buffer with its own pair of semaphores.
     sources = [k_cache, v_cache] + ([k_scale, v_scale] if k_scale is not None else [])
     kernel = functools.partial(
@@ -145,7 +145,7 @@ def _kernel(
     keys = pages_per_chunk * page_size
 
     def tile(slot, j):
-        """Source j's (K: 0, V: 1) chunk in `slot` as [C*O, D]; int8 rows times their scales
+        """Source j's (K: 0, V: 1) chunk in `slot` as [C*O, D]; quantized rows times their scales
         (source j + 2) in float32, then cast to the queries' dtype for the dots."""
         x = bufs[j][slot]  # [C, O, D]
         if num_sources > 2:
