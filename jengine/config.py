@@ -45,7 +45,7 @@ class CacheConfig:
     page_size: int = 16
     kv_cache_memory: str = "2GiB"
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto = the model dtype | float32 | bfloat16 | int8
+    kv_cache_dtype: str = "auto"  # auto = the model dtype | float32 | bfloat16 | int8 | fp8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -31,10 +31,11 @@ def engine_parent() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend",
                    choices=["auto", "reference", "cpu", "pallas_tpu", "pallas_gpu"])
-    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "int8"],
+    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "int8", "fp8"],
                    help="KV cache element type (auto: the model dtype); sizes the page pool. "
-                   "int8: one f32 scale per token and kv head, 1.88x bf16's tokens at head "
-                   "dim 64 (attention backends reference and cpu)")
+                   "int8 / fp8 (e4m3): one f32 scale per token and kv head, 1.88x bf16's "
+                   "tokens at head dim 64; int8 on every attention backend, fp8 on reference, "
+                   "pallas_gpu and pallas_tpu")
     g.add_argument("--quantization", choices=["none", "int8", "w8a16", "fp8"],
                    help="int8: int8 weights and activations (W8A8); w8a16: int8 weights only; "
                    "fp8: e4m3 weights (GPU/TPU). Quantized at load time from any source "

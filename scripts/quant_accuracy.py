@@ -16,6 +16,7 @@ the window logits come from the model's own forward over the engine's params.
 
     python scripts/quant_accuracy.py [--model PATH] [--modes int8 int8@0 int8+head w8a16]
     python scripts/quant_accuracy.py --modes none/int8 int8/int8   # an int8 KV cache
+    python scripts/quant_accuracy.py --modes none/fp8 --attention-backend reference  # fp8 KV
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ PAGE = 16
 PROMPT_LEN = 24
 
 
-def build(model: str | None, mode: str, num_prompts: int, new_tokens: int) -> EngineCore:
+def build(model: str | None, mode: str, num_prompts: int, new_tokens: int,
+          attention_backend: str | None = None) -> EngineCore:
     """`mode` is a quantization mode, with `+head` to quantize the lm_head too, `@A` for
     int8 smoothing strength A (`int8@0`: no smoothing; default: the config's) and `/KV` for
-    the KV cache dtype (`none/int8`: unquantized weights over an int8 KV cache)."""
+    the KV cache dtype (`none/int8`: unquantized weights over an int8 KV cache); the attention
+    backend is the preset's unless given (an fp8 cache needs one other than `cpu`)."""
     mode, _, kv_cache_dtype = mode.partition("/")
     mode, _, alpha = mode.partition("@")
     quantization, _, head = mode.partition("+")
@@ -54,6 +57,7 @@ def build(model: str | None, mode: str, num_prompts: int, new_tokens: int) -> En
         max_model_len=max_len, kv_cache_memory="256MiB", max_num_seqs=num_prompts,
         max_num_batched_tokens=256, token_buckets=(num_prompts, 256), seq_buckets=(num_prompts,),
         page_buckets=(-(-max_len // PAGE),), kv_cache_dtype=kv_cache_dtype or None,
+        attention_backend=attention_backend,
     )
     return EngineCore(cfg, progress=False)
 
@@ -106,10 +110,12 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--attention-backend", help="default: the cpu preset's (fp8 KV: reference)")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     start = time.perf_counter()
-    cores = {mode: build(args.model, mode, args.prompts, args.new_tokens)
+    cores = {mode: build(args.model, mode, args.prompts, args.new_tokens,
+                         args.attention_backend)
              for mode in ["none", *args.modes]}
     tokenizer = cores["none"].tokenizer
     ids = np.asarray(tokenizer(TEXT.read_text(), add_special_tokens=False).input_ids, np.int32)

@@ -22,7 +22,13 @@ import numpy as np
 import pytest
 from test_reference_attention import HEAD_DIM, LAYER, MIXED, NUM_LAYERS, SHAPES, Case
 
-from jengine.pallas_kernels import cpu, quantize_rows, ragged_paged_attention, write_kv
+from jengine.pallas_kernels import (
+    cpu,
+    is_quantized,
+    quantize_rows,
+    ragged_paged_attention,
+    write_kv,
+)
 
 TOL = 1e-5
 NO_WINDOW = int(jnp.iinfo(jnp.int32).max)
@@ -36,14 +42,15 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernel n
 @functools.partial(jax.jit, static_argnames=("kernel", "soft_cap", "kv_head_map", "cpu_write"))
 def _step(caches, slots, new_k, new_v, q, token_seq, positions, page_table, window,
           *, kernel, soft_cap, kv_head_map=None, cpu_write=True):
-    """`caches`: (k, v), or for an int8 cache (k, v, k_scale, v_scale), whose new rows are
-    quantized first, as the engine writes them."""
+    """`caches`: (k, v), or for an int8 or fp8 cache (k, v, k_scale, v_scale), whose new rows
+    are quantized first, as the engine writes them."""
     layer = jnp.int32(LAYER)
     write = cpu.write_kv_cpu if cpu_write else write_kv
     k_cache, v_cache, *scales = caches
     kw = {}
     if scales:
-        (new_k, k_scale), (new_v, v_scale) = quantize_rows(new_k), quantize_rows(new_v)
+        (new_k, k_scale), (new_v, v_scale) = (quantize_rows(new, k_cache.dtype)
+                                              for new in (new_k, new_v))
         kw = dict(k_scale=write(scales[0], layer, slots, k_scale),
                   v_scale=write(scales[1], layer, slots, v_scale))
     k_cache = write(k_cache, layer, slots, new_k)
@@ -55,16 +62,17 @@ def _step(caches, slots, new_k, new_v, q, token_seq, positions, page_table, wind
 
 
 def _caches(case, cache_dtype):
-    if jnp.dtype(cache_dtype) != jnp.int8:
+    if not is_quantized(cache_dtype):
         return case.k_cache.astype(cache_dtype), case.v_cache.astype(cache_dtype)
-    (k, k_scale), (v, v_scale) = quantize_rows(case.k_cache), quantize_rows(case.v_cache)
+    (k, k_scale), (v, v_scale) = (quantize_rows(c, cache_dtype)
+                                  for c in (case.k_cache, case.v_cache))
     return k, v, k_scale, v_scale
 
 
 def run(case, kernel, *, window=None, soft_cap=None, kv_head_map=None, num_pad=0,
         cache_dtype=jnp.float32, cpu_write=True):
-    """The kernel's output for the case's real tokens (bucket padding rides along). An int8
-    cache quantizes the case's cache (garbage and context) row by row."""
+    """The kernel's output for the case's real tokens (bucket padding rides along). An int8 or
+    fp8 cache quantizes the case's cache (garbage and context) row by row."""
     x = case.step_inputs()
     if num_pad:
         rng = np.random.default_rng(99)

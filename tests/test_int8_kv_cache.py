@@ -3,8 +3,9 @@ it, its write, and the cache's layout.
 
 Batches are `test_reference_attention.Case`s. Each case's K/V are replaced by their int8
 round trip (quantized per token and kv head, dequantized), so the float64 oracle on those
-values is what an exact kernel would give: the `cpu` kernel on every instruction-set path, and
-the reference backend (per token and per query block), stay within 1e-5 of it and of each other.
+values is what an exact kernel would give: the `cpu` kernel on every instruction-set path, the
+reference backend (per token and per query block) and the Pallas kernels in interpret mode stay
+within 1e-5 of it and of each other.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from test_cpu_attention import ISAS, TOL, check, kernel, run
 from test_reference_attention import HEAD_DIM, LAYER, MIXED, NUM_LAYERS, SHAPES, Case
 
@@ -29,6 +31,7 @@ from jengine.pallas_kernels import (
     quantize_rows,
     query_blocks,
     ragged_paged_attention,
+    ragged_paged_attention_tpu,
 )
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernel not built")
@@ -43,13 +46,13 @@ def numpy_quantize(x):
     return q.astype(np.int8), scale.astype(np.float32)
 
 
-def _round_trip(case):
-    """The case's K/V as the int8 cache holds them."""
-    def through_int8(a):
-        q, scale = numpy_quantize(a)
+def _round_trip(case, quantize=numpy_quantize):
+    """The case's K/V as the cache holds them (int8, or `quantize`'s format)."""
+    def through_cache(a):
+        q, scale = quantize(a)
         return q.astype(np.float32) * scale
-    case.k = [through_int8(k) for k in case.k]
-    case.v = [through_int8(v) for v in case.v]
+    case.k = [through_cache(k) for k in case.k]
+    case.v = [through_cache(v) for v in case.v]
     return case
 
 
@@ -182,13 +185,13 @@ def _attend(case, backend, *, blocked=False, window=None):
 
 def test_attend_on_every_backend_layout():
     """Through `attend` (quantize, write, read): the `cpu` backend, the reference per token and
-    per query block, and the Pallas GPU kernel (interpret mode) all equal the oracle on the
-    round-tripped K/V, and write the same cache."""
+    per query block, and the Pallas GPU and TPU kernels (interpret mode, TPU emulation) all
+    equal the oracle on the round-tripped K/V, and write the same cache."""
     case = _round_trip(Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=21))
     want = case.expected(window=6)
     outs = {}
     for backend, blocked in (("cpu", False), ("reference", False), ("reference", True),
-                             ("pallas_gpu", False)):  # the GPU kernel in interpret mode
+                             ("pallas_gpu", False), ("pallas_tpu", False)):
         outs[backend, blocked], kv = _attend(case, backend, blocked=blocked, window=6)
         np.testing.assert_allclose(outs[backend, blocked], want, rtol=TOL, atol=TOL)
         assert kv.quantized and kv.k.dtype == jnp.int8 and kv.k_scale.dtype == jnp.float32
@@ -199,10 +202,19 @@ def test_attend_on_every_backend_layout():
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_pallas_tpu_refuses_an_int8_cache():
-    case = Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=21)
-    with pytest.raises(ValueError, match="'cpu' and 'pallas_gpu' attention backends"):
-        _attend(case, "pallas_tpu")
+def test_pallas_tpu_reads_an_int8_cache():
+    """The TPU kernel (TPU emulation) over an int8 cache, its scales DMA'd with the pages in
+    chunks of 2: a mixed batch with bucket padding and 3 q heads per kv head, then 8 per kv
+    head with a window and a soft cap; the oracle on the round-tripped K/V and the reference
+    on the same cache both agree with it."""
+    tpu = functools.partial(ragged_paged_attention_tpu, interpret=pltpu.InterpretParams(),
+                            block_q=4, pages_per_chunk=2)
+    case = _round_trip(Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=22))
+    _check_both(case, tpu, num_pad=3)
+    case = _round_trip(Case([(9, 1), (0, 7), (13, 1), (6, 12)], num_heads=8, num_kv_heads=1,
+                            page_size=8, seed=23))
+    case.q = [q * 8 for q in case.q]  # into the cap's non-linear range
+    _check_both(case, tpu, window=5, soft_cap=10.0)
 
 
 def test_reference_int8_write_touches_only_its_rows():
@@ -249,13 +261,36 @@ def test_cache_layout_pool_size_and_dtype_choice():
         resolve_kv_cache_dtype("int4", "float32")
 
 
-def test_pallas_gpu_int8_kernel_lowers_for_cuda():
-    """The int8 read (scales gathered with their pages) lowers to Triton without a GPU; its
-    numbers are the interpret-mode run in `test_attend_on_every_backend_layout`."""
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_pallas_tpu_quantized_kernel_lowers_for_tpu(dtype):
+    """The int8 and fp8 reads (each page's scales a DMA beside its rows) lower to a Mosaic
+    custom call without a TPU; their numbers are the emulated runs here and in
+    `test_fp8_kv_cache.py`."""
+    shape = (2, 3, 32, 16, 64)  # SmolLM2's kv heads and head dim, pages of 16
+    cache = jax.ShapeDtypeStruct(shape, dtype)
+    scale = jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+
+    def fn(q, k, v, ks, vs, layer, token_seq, positions, page_table, window):
+        return ragged_paged_attention_tpu(q, k, v, layer, token_seq, positions, page_table,
+                                          sm_scale=0.125, sliding_window=window, soft_cap=30.0,
+                                          k_scale=ks, v_scale=vs)
+
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(
+        jax.ShapeDtypeStruct((16, 9, 64), jnp.bfloat16), cache, cache, scale, scale, i32(()),
+        i32((16,)), i32((16,)), i32((4, 8)), i32(()))
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_pallas_gpu_quantized_kernel_lowers_for_cuda(dtype):
+    """The int8 and fp8 reads (scales gathered with their pages) lower to Triton without a GPU;
+    their numbers are the interpret-mode runs (`test_attend_on_every_backend_layout`,
+    `test_fp8_kv_cache.py`)."""
     from jengine.pallas_kernels import ragged_paged_attention_gpu
 
     shape = (2, 3, 32, 16, 64)  # SmolLM2's kv heads and head dim, pages of 16
-    cache = jax.ShapeDtypeStruct(shape, jnp.int8)
+    cache = jax.ShapeDtypeStruct(shape, dtype)
     scale = jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
 

@@ -23,6 +23,7 @@ from jengine.models.matmul import pack_projections, resolve_matmul_backend
 from jengine.models.quant import quantize_params
 from jengine.models.smoothing import smooth_for_int8
 from jengine.pallas_kernels import resolve_backend
+from jengine.pallas_kernels.kv_quant import check_reader
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.runner import Runner
 from jengine.sharding import MeshSpec, ShardingRules, load_params_sharded
@@ -34,13 +35,14 @@ DEFAULT_MAX_MODEL_LEN = 2048
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     """auto -> the model dtype (so greedy tokens stay those of the model's own precision);
-    int8 (rows with one f32 scale per token and kv head, `pallas_kernels.kv_quant`) is opt-in."""
+    int8 and fp8 (float8_e4m3fn; rows with one f32 scale per token and kv head,
+    `pallas_kernels.kv_quant`) are opt-in. Returns a JAX dtype name."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype not in ("float32", "bfloat16", "int8"):
-        raise ValueError(
-            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; use auto, float32, bfloat16 or int8")
-    return kv_cache_dtype
+    if kv_cache_dtype not in ("float32", "bfloat16", "int8", "fp8"):
+        raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}; use auto, float32, "
+                         "bfloat16, int8 or fp8")
+    return "float8_e4m3fn" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
 
 def resolve_backends(model: ModelSection, platform: str, tp: int) -> dict[str, str]:
@@ -77,10 +79,10 @@ class Phases:
 
 def kv_pages(cfg: EngineConfig, mesh_spec: MeshSpec, model_config: ModelConfig,
              num_kv_heads: int, kv_cache_dtype: str, max_model_len: int) -> int:
-    """The pages `cache.kv_cache_memory` holds (per device); at least one full sequence's."""
-    if kv_cache_dtype == "int8" and model_config.attention_backend == "pallas_tpu":
-        raise ValueError("kv_cache_dtype int8 runs on the 'reference', 'cpu' and 'pallas_gpu' "
-                         "attention backends, not 'pallas_tpu'")
+    """The pages `cache.kv_cache_memory` holds (per device); at least one full sequence's.
+    A quantized cache's dtype is checked against the attention backend first (the native `cpu`
+    kernel reads no fp8)."""
+    check_reader(kv_cache_dtype, model_config.attention_backend)
     page_size = cfg.cache.page_size
     budget = host_kv_budget(cfg.cache.kv_cache_memory, mesh_spec, num_kv_heads,
                             cfg.parallel.num_processes)

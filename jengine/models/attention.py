@@ -9,9 +9,9 @@ import jax.numpy as jnp
 
 from jengine.models.config import ModelConfig
 from jengine.pallas_kernels import (
-    KV_INT8,
     attention_fn,
     blocked_paged_attention,
+    is_quantized,
     quantize_rows,
     ragged_paged_attention,
     shard_for_context_mesh,
@@ -33,16 +33,17 @@ class KVCache:
     (`attend_latent`), so nothing is stored twice. `v` stays a (zero-byte) leaf so that the
     cache has one pytree structure and one sharding for every family.
 
-    An int8 cache (`--kv-cache-dtype int8`) holds each row as int8 with one f32 scale per
-    (token, kv head) in `k_scale` / `v_scale` (`pallas_kernels.kv_quant`); a float cache keeps
+    A quantized cache (`--kv-cache-dtype int8` or `fp8`) holds each row as int8 or float8_e4m3fn
+    with one f32 scale per (token, kv head) in `k_scale` / `v_scale`
+    (`pallas_kernels.kv_quant`); a float cache keeps
     them as zero-byte leaves [L, K, P, O, 0], for the same reason. The scales are written and
     sharded like the rows (the trailing axis of 1 lets the same KV write serve them).
     """
 
     k: jax.Array  # [L, K, P, O, D]
     v: jax.Array  # [L, K, P, O, D]; [L, K, P, O, 0] under latent attention
-    k_scale: jax.Array  # [L, K, P, O, 1] f32 for int8, else [L, K, P, O, 0]
-    v_scale: jax.Array  # [L, K, P, O, 1] f32 for int8 (not latent), else [L, K, P, O, 0]
+    k_scale: jax.Array  # [L, K, P, O, 1] f32 for int8 / fp8, else [L, K, P, O, 0]
+    v_scale: jax.Array  # [L, K, P, O, 1] f32 for int8 / fp8 (not latent), else [L, K, P, O, 0]
 
     @classmethod
     def of_each(cls, leaf) -> KVCache:
@@ -51,8 +52,8 @@ class KVCache:
 
     @property
     def quantized(self) -> bool:
-        """Whether rows are int8 with scales."""
-        return self.k.dtype == KV_INT8
+        """Whether rows are int8 or fp8 with scales."""
+        return is_quantized(self.k.dtype)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, *,
@@ -62,10 +63,10 @@ class KVCache:
         faults for pages no step has used yet."""
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         rows = shape[:-1]
-        int8 = jnp.dtype(dtype) == KV_INT8
+        scaled = is_quantized(dtype)
         structs = [(shape, dtype), (rows + (0,) if cfg.latent_attention else shape, dtype),
-                   (rows + (int(int8),), jnp.float32),
-                   (rows + (int(int8 and not cfg.latent_attention),), jnp.float32)]
+                   (rows + (int(scaled),), jnp.float32),
+                   (rows + (int(scaled and not cfg.latent_attention),), jnp.float32)]
         if untouched:
             return cls(*untouched_zeros(*(jax.ShapeDtypeStruct(*s) for s in structs)))
         return cls(*(jnp.zeros(*s) for s in structs))
@@ -74,7 +75,7 @@ class KVCache:
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
         """Bytes of one page over all layers and kv heads, scales included."""
         row = cfg.head_dim * jnp.dtype(dtype).itemsize
-        if jnp.dtype(dtype) == KV_INT8:
+        if is_quantized(dtype):
             row += jnp.dtype(jnp.float32).itemsize  # the row's scale
         copies = 1 if cfg.latent_attention else 2  # latent rows only, else keys and values
         return copies * cfg.num_layers * page_size * cfg.num_kv_heads * row
@@ -122,8 +123,8 @@ def attend(
     `jax.set_mesh` with a `tp` axis, they run per shard in `shard_map` (a kernel call is opaque
     to the partitioner). The `cpu` backend also writes K/V with its own in-place FFI write
     (XLA's scatter on a bf16 cache rewrites the whole cache), per shard under such a mesh.
-    An int8 cache is written as quantized rows and their scales, and read dequantized (every
-    backend but `pallas_tpu`, which raises `ValueError`).
+    An int8 or fp8 cache is written as quantized rows and their scales, and read dequantized:
+    int8 by every backend, fp8 by all but `cpu` (refused at engine start).
     """
     with jax.named_scope("kv_write"):
         kv = _write(kv, layer, md.slot_mapping, k, v, backend=backend, kv_head_map=kv_head_map)
@@ -154,7 +155,7 @@ def attend_latent(
     (softmax-weighted rope keys) are dropped: R / (C + R) extra value work, 11% at
     DeepSeek-V2's 512 + 64, for one kernel signature.
 
-    An int8 cache quantizes the whole latent row with one scale (`k_scale`, read for the keys
+    A quantized cache quantizes the whole latent row with one scale (`k_scale`, read for the keys
     and the values alike).
 
     Raises:
@@ -176,7 +177,7 @@ def attend_latent(
 
 def _write(kv: KVCache, layer, slot_mapping, k, v, *, backend: str, kv_head_map) -> KVCache:
     """This layer's new rows (v None: latent rows, k only) into their slots, quantized first
-    for an int8 cache; the `cpu` backend writes in place with its FFI write."""
+    for an int8 or fp8 cache; the `cpu` backend writes in place with its FFI write."""
     write = write_kv
     if backend == "cpu":
         write = shard_write_for_context_mesh(write_kv_cpu, kv_replicated=kv_head_map is not None)
@@ -186,7 +187,7 @@ def _write(kv: KVCache, layer, slot_mapping, k, v, *, backend: str, kv_head_map)
             return cache, scales
         if not kv.quantized:
             return write(cache, layer, slot_mapping, new), scales
-        rows, scale = quantize_rows(new)
+        rows, scale = quantize_rows(new, cache.dtype)
         return write(cache, layer, slot_mapping, rows), write(scales, layer, slot_mapping, scale)
 
     (k_cache, k_scale), (v_cache, v_scale) = put(kv.k, kv.k_scale, k), put(kv.v, kv.v_scale, v)

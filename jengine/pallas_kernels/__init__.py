@@ -24,7 +24,7 @@ from jengine.pallas_kernels.backends import (
 from jengine.pallas_kernels.block_layout import num_query_blocks
 from jengine.pallas_kernels.cpu import ragged_paged_attention_cpu, untouched_zeros, write_kv_cpu
 from jengine.pallas_kernels.cpu_matmul import small_matmul
-from jengine.pallas_kernels.kv_quant import KV_INT8, quantize_rows
+from jengine.pallas_kernels.kv_quant import KV_FP8, KV_INT8, is_quantized, quantize_rows
 from jengine.pallas_kernels.reference import (
     blocked_paged_attention,
     query_blocks,
@@ -39,9 +39,11 @@ _LAZY = {
 
 __all__ = [
     "BACKENDS",
+    "KV_FP8",
     "KV_INT8",
     "attention_fn",
     "blocked_paged_attention",
+    "is_quantized",
     "num_query_blocks",
     "query_blocks",
     "quantize_rows",

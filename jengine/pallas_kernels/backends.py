@@ -3,7 +3,7 @@
 Every backend has the reference's signature:
 `fn(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale, sliding_window,
 soft_cap, kv_head_map, k_scale=None, v_scale=None) -> [T, H, D]` (the scales: an int8
-cache's, which every backend but `pallas_tpu` reads). `auto` resolves by platform: cpu -> cpu
+cache's, which every backend reads). `auto` resolves by platform: cpu -> cpu
 (the native C++ kernel, jengine.pallas_kernels.cpu; reference, with a warning, when its
 library was not built), tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. Asking for `cpu`
 itself without the library is a `RuntimeError` naming the fix. A Pallas backend asked for on

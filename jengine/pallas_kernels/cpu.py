@@ -89,7 +89,7 @@ def ragged_paged_attention_cpu(
     soft_cap: float | None = None,
     kv_head_map: tuple[int, ...] | jax.Array | None = None,  # [H] (else h // G)
     k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
-    v_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,  # (an fp8 cache: ValueError, see `kv_quant.READERS`)
     block_q: int = 32,
     isa: str = "auto",
     max_threads: int = 0,  # 0: all of XLA's intra-op threads

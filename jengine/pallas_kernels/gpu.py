@@ -16,9 +16,10 @@ Query rows are padded to at least 16 (zero heads) so that decode tiles use `tl.d
 (decode is bound by reading K/V, not by the wasted rows); only a page tile or head dim below 16
 falls back to broadcast-multiply-sum. K/V writing stays `reference.write_kv`.
 
-An int8 cache (`kv_quant`: one f32 scale per token and kv head) is read with its scales: each
-gathered tile is dequantized (`int8 * scale`, in float32) before its dots, so the kernel computes
-what the reference computes on the same cache; it halves the bytes a decode reads against bf16.
+An int8 or fp8 cache (`kv_quant`: one f32 scale per token and kv head) is read with its scales:
+each gathered tile is dequantized (`row * scale`, in float32) before its dots, so the kernel
+computes what the reference computes on the same cache; it halves the bytes a decode reads
+against bf16.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def ragged_paged_attention_gpu(
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     kv_head_map=None,  # [H] tuple or int32 array, or None
-    k_scale: jax.Array | None = None,  # an int8 cache's scales [L, K, P, O, 1] (`kv_quant`)
+    k_scale: jax.Array | None = None,  # an int8 / fp8 cache's scales [L, K, P, O, 1] (`kv_quant`)
     v_scale: jax.Array | None = None,
     block_q: int | None = None,  # default: `block_layout.default_block_q`
     num_kv_splits: int | None = None,  # default: decode blocks split long contexts up to 8 ways
@@ -135,7 +136,7 @@ def _kernel(
     q_ref, pos_ref, k_ref, v_ref, *refs,  # [R, D], [R], caches [L, K, P, O, D], (scales)
     sm_scale, soft_cap, page_size, max_pages, num_splits, pages_per_step, quantized,
 ):
-    # refs: an int8 cache's scales [L, K, P, O], then the outputs [R, D], [R], [R].
+    # refs: a quantized cache's scales [L, K, P, O], then the outputs [R, D], [R], [R].
     ks_ref, vs_ref = refs[:2] if quantized else (None, None)
     acc_ref, m_ref, l_ref = refs[2:] if quantized else refs
     n, g, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -160,7 +161,7 @@ def _kernel(
         pages = pages_ref[seq * max_pages + index]  # [C] gathered from the flat page table
         k = k_ref[layer, kv_head, pages].reshape(keys, head_dim)  # [C*O, D] gathered pages
         v = v_ref[layer, kv_head, pages].reshape(keys, head_dim)
-        if quantized:  # int8 rows times their scales, in the queries' dtype for the dots
+        if quantized:  # int8 / fp8 rows times their scales, in the queries' dtype for the dots
             k_rows = ks_ref[layer, kv_head, pages].reshape(keys, 1)
             v_rows = vs_ref[layer, kv_head, pages].reshape(keys, 1)
             k = (k.astype(jnp.float32) * k_rows).astype(q.dtype)

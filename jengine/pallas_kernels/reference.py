@@ -44,15 +44,16 @@ def write_kv(
 ) -> jax.Array:
     """Scatters this step's keys (or values) of one layer into their pages, in place.
 
-    An int8 cache takes rows its caller quantized (`kv_quant.quantize_rows`), and their scales
-    are written the same way into the [L, K, P, O, 1] scale array. A 16-bit float cache is
-    scattered as its uint16 bits: XLA:CPU's scatter into a bf16 array
-    converts the whole cache to f32 and back on every write (measured 17x slower), while the
-    integer view is written in place."""
+    An int8 or fp8 cache takes rows its caller quantized (`kv_quant.quantize_rows`), and their
+    scales are written the same way into the [L, K, P, O, 1] scale array. A float cache narrower
+    than f32 (bf16, fp8) is scattered as its unsigned-integer bits: XLA:CPU's scatter into a
+    bf16 array converts the whole cache to f32 and back on every write (measured 17x slower),
+    while the integer view is written in place."""
     rows = new.astype(cache.dtype)
-    if cache.dtype.itemsize == 2:
-        bits = jax.lax.bitcast_convert_type(cache, jnp.uint16)
-        bits = _scatter(bits, layer, slot_mapping, jax.lax.bitcast_convert_type(rows, jnp.uint16))
+    if cache.dtype.itemsize < 4 and jnp.issubdtype(cache.dtype, jnp.floating):
+        bits_dtype = jnp.dtype(f"uint{8 * cache.dtype.itemsize}")
+        bits = jax.lax.bitcast_convert_type(cache, bits_dtype)
+        bits = _scatter(bits, layer, slot_mapping, jax.lax.bitcast_convert_type(rows, bits_dtype))
         return jax.lax.bitcast_convert_type(bits, cache.dtype)
     return _scatter(cache, layer, slot_mapping, rows)
 

@@ -12,6 +12,11 @@ Head dim and kv head count are never tiled: a block's trailing dims are the full
 head_dim 64 and a single or odd number of kv heads work (the limits of the upstream kernel came
 from packing kv heads into 128 lanes, which this layout does not do).
 
+An int8 or fp8 cache (`kv_quant`: one f32 scale per token and kv head) is read with its scales:
+each page's `[O, 1]` scales travel in their own DMA next to its K/V pages, and a chunk's tile is
+dequantized (`row * scale`, in float32, then the queries' dtype) before its dots, so the kernel
+computes what the reference computes on the same cache while reading half the bytes of bf16.
+
 Scalar prefetch (SMEM): layer, window, per-block sequence / first / last visible key, the kv head
 of each group, and the flattened page table. K/V writing stays `reference.write_kv` (an XLA
 scatter in place on the donated cache), run before the kernel.
@@ -45,14 +50,14 @@ def ragged_paged_attention_tpu(
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     kv_head_map=None,  # [H] tuple or int32 array, or None
-    k_scale: jax.Array | None = None,  # an int8 cache's scales: not read here (ValueError)
+    k_scale: jax.Array | None = None,  # an int8 / fp8 cache's scales [L, K, P, O, 1] (`kv_quant`)
     v_scale: jax.Array | None = None,
     block_q: int | None = None,  # default: `block_layout.default_block_q`
     pages_per_chunk: int = 8,
     interpret=False,  # False, or pltpu.InterpretParams() for TPU emulation on CPU
 ) -> jax.Array:  # [T, H, D]
     """Causal GQA attention of each query token over its sequence's pages (TPU kernel)."""
-    check_cache("pallas_tpu", k_cache, k_scale, reads_int8=False)
+    check_cache("pallas_tpu", k_cache, k_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size = k_cache.shape[1:4]
     num_seqs, max_pages = page_table.shape
@@ -63,9 +68,12 @@ def ragged_paged_attention_tpu(
     queries = qb.gather_queries(q, blocks, group)  # [NB, NG, R, D]
     row_pos = qb.row_positions(blocks, group)[:, :, None]  # [NB, R, 1]
     num_blocks, num_groups, rows, _ = queries.shape
+    # The arrays each chunk copies from HBM, page by page: K, V, then a quantized cache's scales,
+    # each into its own double buffer with its own pair of semaphores.
+    sources = [k_cache, v_cache] + ([k_scale, v_scale] if k_scale is not None else [])
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, soft_cap=soft_cap, page_size=page_size,
-        pages_per_chunk=pages_per_chunk, max_pages=max_pages,
+        pages_per_chunk=pages_per_chunk, max_pages=max_pages, num_sources=len(sources),
     )
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda n, g, *_: (n, g, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -74,14 +82,12 @@ def ragged_paged_attention_tpu(
         in_specs=[
             q_spec,
             pl.BlockSpec((None, rows, 1), lambda n, g, *_: (n, 0, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec(memory_space=pl.ANY),
+            *(pl.BlockSpec(memory_space=pl.ANY) for _ in sources),
         ],
         out_specs=q_spec,
         scratch_shapes=[
-            pltpu.VMEM((2, pages_per_chunk, page_size, head_dim), k_cache.dtype),
-            pltpu.VMEM((2, pages_per_chunk, page_size, head_dim), v_cache.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
+            *(pltpu.VMEM((2, pages_per_chunk, *a.shape[3:]), a.dtype) for a in sources),
+            pltpu.SemaphoreType.DMA((len(sources), 2)),
         ],
     )
     out = pl.pallas_call(
@@ -93,18 +99,20 @@ def ragged_paged_attention_tpu(
     )(
         jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.reshape(window, (1,)),
         blocks.seq, blocks.kv_lo, blocks.kv_hi, head_kv, page_table.reshape(-1),
-        queries, row_pos, k_cache, v_cache,
+        queries, row_pos, *sources,
     )
     return qb.scatter_outputs(out, blocks, num_tokens, group)
 
 
 def _kernel(
     layer_ref, window_ref, seq_ref, lo_ref, hi_ref, head_kv_ref, pages_ref,  # SMEM
-    q_ref, pos_ref, k_hbm, v_hbm,  # [R, D], [R, 1] in VMEM; caches in HBM
-    o_ref,  # [R, D]
-    k_buf, v_buf, sems,  # [2, C, O, D] x2, DMA [2 (k/v), 2 (slot)]
-    *, sm_scale, soft_cap, page_size, pages_per_chunk, max_pages,
+    q_ref, pos_ref,  # [R, D], [R, 1] in VMEM
+    *refs,  # sources in HBM (K, V [, K scales, V scales]), o_ref [R, D], their buffers, sems
+    sm_scale, soft_cap, page_size, pages_per_chunk, max_pages, num_sources,
 ):
+    # Buffers: [2 (slot), C, O, D] for K/V, [2, C, O, 1] for scales; sems DMA [source, slot].
+    hbm, o_ref = refs[:num_sources], refs[num_sources]
+    bufs, sems = refs[num_sources + 1:-1], refs[-1]
     n, g = pl.program_id(0), pl.program_id(1)
     seq, kv_head, layer = seq_ref[n], head_kv_ref[g], layer_ref[0]
     # lax.div/rem, not // and %: all operands are >= 0, and floor division lowers through
@@ -114,16 +122,15 @@ def _kernel(
     num_chunks = jax.lax.div(end_page - first_page + pages_per_chunk - 1, pages_per_chunk)
 
     def copies(chunk, slot):
-        """The 2 * C page DMAs of one chunk; pages past the table's width read its last column
-        (page 0 or a real page) and are masked by position."""
+        """The page DMAs of one chunk, C per source; pages past the table's width read its last
+        column (page 0 or a real page) and are masked by position."""
         out = []
         for i in range(pages_per_chunk):
             index = jnp.minimum(first_page + chunk * pages_per_chunk + i, max_pages - 1)
             page = pages_ref[seq * max_pages + index]
-            out.append(pltpu.make_async_copy(
-                k_hbm.at[layer, kv_head, page], k_buf.at[slot, i], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(
-                v_hbm.at[layer, kv_head, page], v_buf.at[slot, i], sems.at[1, slot]))
+            out.extend(pltpu.make_async_copy(src.at[layer, kv_head, page], buf.at[slot, i],
+                                             sems.at[j, slot])
+                       for j, (src, buf) in enumerate(zip(hbm, bufs, strict=True)))
         return out
 
     @pl.when(num_chunks > 0)
@@ -137,6 +144,14 @@ def _kernel(
     rows, head_dim = q.shape
     keys = pages_per_chunk * page_size
 
+    def tile(slot, j):
+        """Source j's (K: 0, V: 1) chunk in `slot` as [C*O, D]; quantized rows times their scales
+        (source j + 2) in float32, then cast to the queries' dtype for the dots."""
+        x = bufs[j][slot]  # [C, O, D]
+        if num_sources > 2:
+            x = (x.astype(jnp.float32) * bufs[j + 2][slot]).astype(q.dtype)
+        return x.reshape(keys, head_dim)
+
     def body(chunk, carry):
         m, l, acc = carry
         slot = jax.lax.rem(chunk, 2)
@@ -148,8 +163,7 @@ def _kernel(
 
         for c in copies(chunk, slot):
             c.wait()
-        k = k_buf[slot].reshape(keys, head_dim)
-        v = v_buf[slot].reshape(keys, head_dim)
+        k, v = tile(slot, 0), tile(slot, 1)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * sm_scale  # [R, C*O]
         if soft_cap is not None:
