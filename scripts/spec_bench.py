@@ -10,7 +10,7 @@ Cases: one stream at a time (tokens/s and TPOT: the time between tokens after th
 engine's stream), and 8 and 32 concurrent requests of the two workloads mixed (aggregate tok/s).
 Outputs are compared token for token with the plain engine's.
 
-    python scripts/spec_bench.py [--rounds 2] [--methods ngram] [--k 3 7] [--dtype bfloat16]
+    python scripts/spec_bench.py [--rounds 2] [--methods ngram] [--k 3 15:2] [--dtype bfloat16]
                                  [--streams]  # no --streams values: the single-stream cases only
     python scripts/spec_bench.py --methods draft --draft-model DIR  # e.g. a w8a16 convert
 """
@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from jengine import Engine, SamplingParams
+from jengine.config import CONFIG_DIR
 
 TEXT = (Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1-3.txt").read_text()
 
@@ -88,12 +92,24 @@ def concurrent(engine: Engine, prompts: list[str], sp: SamplingParams):
     return n / (time.perf_counter() - start), [o.outputs[0].token_ids for o in outs]
 
 
+def preset(ngram_min: int) -> str:
+    """The `cpu` preset, with the n-gram proposer's shortest match set (a file when not 1)."""
+    if ngram_min == 1:
+        return "cpu"
+    data = yaml.safe_load((CONFIG_DIR / "cpu.yaml").read_text())
+    data.setdefault("speculative", {})["ngram_min"] = ngram_min
+    path = Path(tempfile.mkdtemp()) / f"cpu_ngram_min{ngram_min}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=["ngram"])
-    ap.add_argument("--k", type=int, nargs="+", default=[3],
-                    help="num_speculative_tokens (several: one engine per method and k)")
+    ap.add_argument("--k", nargs="+", default=["3"],
+                    help="num_speculative_tokens, or K:N for k = K with ngram_min N (several: "
+                         "one engine per method and value)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, nargs="*", default=[8, 32])
     ap.add_argument("--draft-model", help="the draft model of method draft")
@@ -104,10 +120,11 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     engines = {"off": Engine(config="cpu", dtype=args.dtype, progress=False, warmup=True)}
     for m in args.methods:
-        for k in args.k:
-            name = m if len(args.k) == 1 else f"{m} k={k}"
-            engines[name] = Engine(config="cpu", dtype=args.dtype, speculative=m,
-                                   num_speculative_tokens=k,
+        for value in args.k:
+            k, _, ngram_min = value.partition(":")
+            name = m if len(args.k) == 1 else f"{m} k={k}" + (f" n>={ngram_min}" * bool(ngram_min))
+            engines[name] = Engine(config=preset(int(ngram_min or 1)), dtype=args.dtype,
+                                   speculative=m, num_speculative_tokens=int(k),
                                    draft_model=args.draft_model if m == "draft" else None,
                                    progress=False, warmup=True)
     cases = {"edit, 1 stream": ("single", EDITS), "free, 1 stream": ("single", FREE)}

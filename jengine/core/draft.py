@@ -25,15 +25,14 @@ from collections.abc import Callable
 from converters import LoadedModel
 from jengine.config import EngineConfig
 from jengine.sampling_params import SamplingParams
-from jengine.scheduling.speculative import NgramProposer, make_proposer
+from jengine.scheduling.speculative import NgramProposer, check_num_tokens, make_proposer
 
 
 class DraftProposer:
     """Greedy proposals from a draft model on its own engine core."""
 
     def __init__(self, core, num_tokens: int):
-        if num_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+        check_num_tokens(num_tokens)
         self.core = core  # an EngineCore of the draft model
         self.num_tokens = num_tokens
         self._ids = itertools.count()

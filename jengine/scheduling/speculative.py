@@ -46,6 +46,16 @@ DECLINED_PAUSE = 6
 ACCEPTANCE_PRIOR = 0.6
 ACCEPTANCE_WEIGHT = 0.3
 REEXPLORE_STEPS = 32
+# The most tokens a step may propose: a verification's 1 + k rows must stay a decode-sized block
+# for the native CPU attention kernel (at most 16 rows: each row alone, as its decode runs), or
+# its rows would take the prefill paths' rounding and greedy text could change.
+MAX_PROPOSAL = 15
+
+
+def check_num_tokens(num_tokens: int) -> None:
+    """Raises `ValueError` unless 1 <= num_tokens <= `MAX_PROPOSAL`."""
+    if not 1 <= num_tokens <= MAX_PROPOSAL:
+        raise ValueError(f"num_speculative_tokens must be in 1..{MAX_PROPOSAL}, got {num_tokens}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,8 +68,7 @@ class NgramProposer:
     ngram_max: int = 4
 
     def __post_init__(self):
-        if self.num_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_tokens}")
+        check_num_tokens(self.num_tokens)
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                              f"{self.ngram_max}")

@@ -55,8 +55,9 @@ inline uint16_t F32ToBf16(float f) {  // round to nearest even, NaN stays NaN
 constexpr int64_t kSplitKeys = 256;
 // A block of this many query rows or more is a prefill block: it runs the paths that take its
 // rows together (the vector tiles, the AMX tiles). Fewer rows (a decode, a speculative
-// verification) run each row alone, so that a row's bits do not depend on the rows beside it.
-constexpr int64_t kPrefillRows = 16;
+// verification of up to 15 proposals: speculative.MAX_PROPOSAL) run each row alone, so that a
+// row's bits do not depend on the rows beside it.
+constexpr int64_t kPrefillRows = 17;
 
 struct Block {  // consecutive query tokens of one sequence
   int32_t seq;
