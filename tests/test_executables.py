@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import jengine.core.engine_core
 from jengine import Engine, SamplingParams
 from jengine.core.engine_core import EngineCore
 from jengine.engine import build_config
+from jengine.runtime import executables
 from jengine.runtime.executables import (
     ExecutableStore,
     ProgramsNotStoredError,
@@ -167,6 +170,55 @@ def test_a_program_the_persistent_cache_served_is_not_stored(tmp_path):
     loaded = ExecutableStore(tmp_path).load("k", jax.devices()[:1])
     np.testing.assert_array_equal(loaded(x), first(x))
     np.testing.assert_array_equal(again(x), first(x))
+
+
+def test_a_program_its_caller_stores_is_not_written_to_the_persistent_cache():
+    """`persistent_cache=False` (the runner's step programs, which its store keeps): compiled
+    twice, both are fresh, since JAX's cache never got the first."""
+    name = f"probe_{uuid.uuid4().hex[:12]}"
+    x = jnp.ones((32,), jnp.float32)
+    results = [compile_fresh(_program, name, (x,), {"scale": 2}, persistent_cache=False,
+                             static_argnames=("scale",)) for _ in range(2)]
+    assert all(fresh for _, fresh in results)
+    np.testing.assert_array_equal(results[1][0](x), results[0][0](x))
+
+
+def test_a_serialization_never_overlaps_a_compile():
+    """The gate: a serialization waits for the compile in flight, and a compile asked for
+    while a serialization waits starts after it (XLA:CPU crashed serializing beside a compile)."""
+    gate, log = executables._SerializeGate(), []
+    compiling, release = threading.Event(), threading.Event()
+
+    def compile_a():
+        with gate.compiling():
+            log.append("compile a")
+            compiling.set()
+            release.wait(5)
+            log.append("compile a done")
+
+    def serialize():
+        with gate.serializing():
+            log.append("serialize")
+
+    def compile_b():
+        with gate.compiling():
+            log.append("compile b")
+
+    a = threading.Thread(target=compile_a)
+    a.start()
+    compiling.wait(5)
+    s = threading.Thread(target=serialize)
+    s.start()
+    while not gate._waiting:  # the serialization is queued
+        time.sleep(0.001)
+    b = threading.Thread(target=compile_b)
+    b.start()
+    time.sleep(0.05)
+    assert log == ["compile a"]  # neither the serialization nor compile b ran beside it
+    release.set()
+    for t in (a, s, b):
+        t.join(5)
+    assert log == ["compile a", "compile a done", "serialize", "compile b"]
 
 
 def test_an_unreadable_entry_is_dropped(tmp_path):

@@ -19,11 +19,13 @@ cannot hit for a program this store has not saved, and it checks JAX's cache-hit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
 import json
 import logging
+import math
 import os
 import pickle
 import platform
@@ -35,6 +37,7 @@ from typing import Any
 
 import jax
 import jaxlib
+from jax._src import config as jax_config  # the cache's thread-local settings
 from jax.experimental import serialize_executable
 
 from jengine import cpu_info
@@ -136,11 +139,56 @@ def _listen_for_cache_hits() -> None:
             _listening = True
 
 
-def compile_fresh(fun: Callable, name: str, args: tuple, kwargs: dict, **jit_kwargs
+class _SerializeGate:
+    """Compiles may run side by side, a serialization only alone: XLA:CPU serializing one
+    executable while another thread compiled crashed the process (a segfault inside
+    `executable.serialize()` in JAX's cache write, three full test runs in sessions 19-20, each
+    while a warm-up's compile threads built step programs). A waiting serialization goes first."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._compiling = 0
+        self._serializing = False
+        self._waiting = 0  # serializations waiting: no new compile starts meanwhile
+
+    @contextlib.contextmanager
+    def compiling(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._serializing and not self._waiting)
+            self._compiling += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._compiling -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def serializing(self):
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: not self._serializing and not self._compiling)
+            self._waiting -= 1
+            self._serializing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._serializing = False
+                self._cond.notify_all()
+
+
+_GATE = _SerializeGate()
+
+
+def compile_fresh(fun: Callable, name: str, args: tuple, kwargs: dict, *,
+                  persistent_cache: bool = True, **jit_kwargs
                   ) -> tuple[jax.stages.Compiled, bool]:
     """AOT-compiles `fun` for `args` as a module called `name` (a store key's prefix keeps the
     persistent cache from serving it). Returns the executable and whether it is safe to
-    serialize (False when the persistent cache served it anyway)."""
+    serialize (False when the persistent cache served it anyway). `persistent_cache=False`:
+    JAX's cache does not write it either (a caller that stores it itself, which spares the
+    second copy and JAX's serialization racing other compiles: `_SerializeGate`)."""
     _listen_for_cache_hits()
 
     def program(*a, **k):
@@ -149,7 +197,14 @@ def compile_fresh(fun: Callable, name: str, args: tuple, kwargs: dict, **jit_kwa
     program.__signature__ = inspect.signature(fun)  # donate/static argnames find their args
     program.__name__ = program.__qualname__ = name
     before = getattr(_hits, "count", 0)
-    compiled = jax.jit(program, **jit_kwargs).lower(*args, **kwargs).compile()
+    if persistent_cache:  # JAX serializes it for its cache inside compile(): alone, then
+        gate = _GATE.serializing()
+    else:  # a thread-local minimum compile time no program reaches: JAX skips its write
+        gate = contextlib.ExitStack()
+        gate.enter_context(_GATE.compiling())
+        gate.enter_context(jax_config.persistent_cache_min_compile_time_secs(math.inf))
+    with gate:
+        compiled = jax.jit(program, **jit_kwargs).lower(*args, **kwargs).compile()
     return compiled, getattr(_hits, "count", 0) == before
 
 
@@ -162,9 +217,22 @@ class ExecutableStore:
     """One file per program, `<dir>/<key>.jex`: the pickled (executable, in/out trees)."""
 
     path: Path
+    _queue: list | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.path = Path(self.path)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Saves asked for inside are written when it ends: a warm-up's compile threads keep
+        compiling instead of waiting for each other's serializations (`_SerializeGate`)."""
+        self._queue = []
+        try:
+            yield
+        finally:
+            queue, self._queue = self._queue, None
+            for key, compiled in queue:
+                self.save(key, compiled)
 
     def _file(self, key: str) -> Path:
         return self.path / f"{key}.jex"
@@ -190,9 +258,14 @@ class ExecutableStore:
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> int:
         """Writes atomically (a reader never sees half a file); returns the bytes written, 0
-        where the backend cannot serialize (the program then compiles again next start)."""
+        where the backend cannot serialize (the program then compiles again next start) or
+        inside `deferred` (written at its end)."""
+        if self._queue is not None:
+            self._queue.append((key, compiled))
+            return 0
         try:
-            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            with _GATE.serializing():
+                blob = pickle.dumps(serialize_executable.serialize(compiled))
         except (ValueError, NotImplementedError) as e:
             log.debug("cannot store a compiled program: %s", e)
             return 0

@@ -261,7 +261,7 @@ class Runner:
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             program, fresh = compile_fresh(
                 self._step_fn, name, (self.params, self.kv, *args), {"variant": variant},
-                **self._jit_kwargs)
+                persistent_cache=key is None, **self._jit_kwargs)
         if key is not None and fresh:
             self._store.save(key, program)
         self._built("compiled", signature, start)
@@ -326,9 +326,10 @@ class Runner:
                 self._run_dummy(*program)
                 if progress:
                     progress(i + 1, len(programs))
-        else:
-            with ThreadPoolExecutor(threads or os.cpu_count() or 1,
-                                    thread_name_prefix="jengine-compile") as pool:
+        else:  # the store writes once all compiles are done (ExecutableStore.deferred)
+            with (self._store.deferred() if self._store else contextlib.nullcontext(),
+                  ThreadPoolExecutor(threads or os.cpu_count() or 1,
+                                     thread_name_prefix="jengine-compile") as pool):
                 futures = [pool.submit(self._build_dummy, *program) for program in programs]
                 for i, future in enumerate(as_completed(futures)):
                     future.result()
