@@ -327,9 +327,10 @@ class Runner:
                 if progress:
                     progress(i + 1, len(programs))
         else:  # the store writes once all compiles are done (ExecutableStore.deferred)
+            # Sharded: one at a time (XLA's SPMD partitioner races, jax-ml/jax#28143; CI died)
+            threads = threads or (1 if len(self._devices) > 1 else os.cpu_count() or 1)
             with (self._store.deferred() if self._store else contextlib.nullcontext(),
-                  ThreadPoolExecutor(threads or os.cpu_count() or 1,
-                                     thread_name_prefix="jengine-compile") as pool):
+                  ThreadPoolExecutor(threads, thread_name_prefix="jengine-compile") as pool):
                 futures = [pool.submit(self._build_dummy, *program) for program in programs]
                 for i, future in enumerate(as_completed(futures)):
                     future.result()
