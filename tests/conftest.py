@@ -4,6 +4,7 @@ bucket preset."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from pathlib import Path
@@ -74,6 +75,16 @@ def pytest_collection_modifyitems(items):
     users = [i for i, item in enumerate(rest) if "server" in item.fixturenames]
     at = users[-1] + 1 if users else len(rest)
     items[:] = rest[:at] + stoppers + rest[at:]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_programs():
+    """After each module, its engines collected and JAX's cached executables dropped: every
+    XLA:CPU program maps its code, and a full run that kept them reached the kernel's
+    vm.max_map_count (65,530 maps) at ~93%, where a compile segfaulted (sessions 19-20)."""
+    yield
+    gc.collect()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
