@@ -38,9 +38,11 @@ def _kernel(name: str, sources: list[str], *headers: str) -> Extension:
 
 setup(
     ext_modules=[
-        _kernel("_cpu_attention", ["paged_attention.cc", "kv_zeros.cc"], "paged_attention_impl.h",
-                "amx_tiles.h", "amx_attention.h"),
-        _kernel("_cpu_matmul", ["small_matmul.cc", "int8_matmul.cc"], "small_matmul_impl.h",
-                "amx_tiles.h", "amx_bf16.h", "amx_swiglu.h", "spin_helper.h"),
+        # One library, so that the attention and the matmuls share one SpinHelper thread.
+        _kernel("_cpu_kernels",
+                ["paged_attention.cc", "kv_zeros.cc", "small_matmul.cc", "int8_matmul.cc",
+                 "rms_norm.cc"],
+                "paged_attention_impl.h", "amx_tiles.h", "amx_attention.h", "small_matmul_impl.h",
+                "amx_bf16.h", "amx_swiglu.h", "amx_int8.h", "spin_helper.h", "rms_norm_impl.h"),
     ]
 )

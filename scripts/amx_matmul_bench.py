@@ -4,13 +4,13 @@ the AMX kernel over packed weights (cpu_matmul.amx_matmul). Every layer has weig
 (212 MB in all), so they stream from memory as in a decode step; each layer's input depends on
 the previous layer's output, so the dots run in order. Same process, the programs called in
 turn; prints the fastest of several timings in ms and the rate in GFLOP/s. `--baseline` adds
-the AMX kernel of another build of the library (a copy of `_cpu_matmul*.so` from before a
+the AMX kernel of another build of the library (a copy of `_cpu_kernels*.so` from before a
 change), timed in turn with this tree's in the same process. `--int8` adds the `int8` (W8A8)
 projections: XLA's int8 dot and rescale (quant.einsum) against the AMX-INT8 kernel
 (cpu_matmul.amx_int8_matmul), both quantizing each row of x first.
 
     PYTHONPATH=. python -P scripts/amx_matmul_bench.py [--rows 1 8 32 64 512] [--reps 7]
-        [--baseline /tmp/old_cpu_matmul.so] [--int8]
+        [--baseline /tmp/old_cpu_kernels.so] [--int8]
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 512])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="the AMX kernel's max_threads")
-    ap.add_argument("--baseline", help="another build of _cpu_matmul*.so to time beside this one")
+    ap.add_argument("--baseline",
+                    help="another build of the kernel library (_cpu_kernels*.so) to time beside")
     ap.add_argument("--int8", action="store_true", help="also the int8 (W8A8) projections")
     args = ap.parse_args()
     rng = np.random.default_rng(0)

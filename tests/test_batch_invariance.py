@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jengine.models import layers
+from jengine.pallas_kernels import cpu_matmul
 from jengine.runtime import sampler
 
 
@@ -32,15 +33,20 @@ def test_row_sum_is_the_same_alone_and_in_any_batch(width):
         np.testing.assert_allclose(together[:, 0], np.sum(np.asarray(x) ** 2, -1), rtol=1e-5)
 
 
-def test_rms_norm_rows_are_batch_invariant():
+@pytest.mark.parametrize("backend", ["xla", "native"])
+def test_rms_norm_rows_are_batch_invariant(backend):
+    if backend == "native" and not cpu_matmul.available():
+        pytest.skip("the native CPU kernels are not built")
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((32, 576)) * 3, jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal(576), jnp.bfloat16)
-    together, alone = _alone_and_together(lambda v: layers.rms_norm(v, w, 1e-5), x)
+    together, alone = _alone_and_together(lambda v: layers.rms_norm(v, w, 1e-5, backend=backend),
+                                          x)
     np.testing.assert_array_equal(together.astype(np.float32), alone.astype(np.float32))
     # Per head ([T, H, D]: Gemma's and Qwen 3's q/k norms), and the same as the reference formula.
     heads = x.reshape(32, 9, 64)
-    together, alone = _alone_and_together(lambda v: layers.rms_norm(v, w[:64], 1e-5), heads)
+    together, alone = _alone_and_together(
+        lambda v: layers.rms_norm(v, w[:64], 1e-5, backend=backend), heads)
     np.testing.assert_array_equal(together.astype(np.float32), alone.astype(np.float32))
     h32 = np.asarray(heads, np.float32)
     want = h32 / np.sqrt((h32 ** 2).mean(-1, keepdims=True) + 1e-5) * np.asarray(w[:64], np.float32)

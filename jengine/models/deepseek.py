@@ -128,10 +128,10 @@ def forward(
     def layer(carry, xs):
         x, kv = carry
         p, index, _ = xs
-        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, backend=mm)
         attn, kv = _latent_attention(h, p, kv, index, md, cfg, inv_freq)
         x = x + layers.project_heads(attn, p["wo"], backend=mm)
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, backend=mm)
         if "router" in p:
             out = moe.moe_mlp(h, p, cfg)
         else:
@@ -148,7 +148,7 @@ def forward(
 
 def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Hidden states [N, E] (`forward` without `head`) -> float32 logits [N, V]."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, backend=cfg.matmul_backend)
     return layers.lm_head(x, params, cfg.tie_word_embeddings, cfg.matmul_backend)
 
 
@@ -159,10 +159,11 @@ def _latent_attention(h, p, kv, index, md, cfg: ModelConfig, inv_freq):
     if "wq" in p:
         q = project(h, p["wq"], "te,ehd->thd", backend=mm)  # [T, H, N + R]
     else:
-        q_low = rms_norm(project(h, p["wq_a"], "te,eq->tq", backend=mm), p["q_a_norm"], eps)
+        q_low = rms_norm(project(h, p["wq_a"], "te,eq->tq", backend=mm), p["q_a_norm"], eps,
+                         backend=mm)
         q = project(q_low, p["wq_b"], "tq,qhd->thd", backend=mm)
     compressed = project(h, p["wkv_a"], "te,ec->tc", backend=mm)  # [T, C + R]
-    latent = rms_norm(compressed[:, :c], p["kv_a_norm"], eps)  # [T, C]
+    latent = rms_norm(compressed[:, :c], p["kv_a_norm"], eps, backend=mm)  # [T, C]
     scale = cfg.rope.attention_factor
     k_pe = _rope_pairs(compressed[:, None, c:], md.positions, inv_freq, scale)  # [T, 1, R]
     q_pe = _rope_pairs(q[..., nope:], md.positions, inv_freq, scale)  # [T, H, R]

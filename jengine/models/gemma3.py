@@ -100,12 +100,12 @@ def forward(
     def layer(carry, xs):
         x, kv = carry
         p, index, (layer_window, table) = xs
-        h = rms_norm(x, p["attn_norm"], eps, offset=1.0)
+        h = rms_norm(x, p["attn_norm"], eps, offset=1.0, backend=mm)
         q = project(h, p["wq"], "te,ehd->thd", backend=mm)
         k = project(h, p["wk"], "te,ehd->thd", backend=mm)
         if "q_norm" in p:
-            q = rms_norm(q, p["q_norm"], eps, offset=1.0)
-            k = rms_norm(k, p["k_norm"], eps, offset=1.0)
+            q = rms_norm(q, p["q_norm"], eps, offset=1.0, backend=mm)
+            k = rms_norm(k, p["k_norm"], eps, offset=1.0, backend=mm)
         v = project(h, p["wv"], "te,ehd->thd", backend=mm)
         q = layers.rotate(q, cos_tables[table], sin_tables[table])
         k = layers.rotate(k, cos_tables[table], sin_tables[table])
@@ -115,14 +115,14 @@ def forward(
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
         )
         attn = layers.project_heads(attn, p["wo"], backend=mm)
-        x = x + rms_norm(attn, p["post_attn_norm"], eps, offset=1.0)
-        h = rms_norm(x, p["pre_mlp_norm"], eps, offset=1.0)
+        x = x + rms_norm(attn, p["post_attn_norm"], eps, offset=1.0, backend=mm)
+        h = rms_norm(x, p["pre_mlp_norm"], eps, offset=1.0, backend=mm)
         gate = project(h, p["w_gate"], "te,ef->tf", backend=mm)
         up = project(h, p["w_up"], "te,ef->tf", backend=mm)
         # In f32 and rounded once, as torch computes a bf16 tensor's gelu.
         act = jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype)
         mlp = project(act * up, p["w_down"], "tf,fe->te", backend=mm)
-        x = x + rms_norm(mlp, p["post_mlp_norm"], eps, offset=1.0)
+        x = x + rms_norm(mlp, p["post_mlp_norm"], eps, offset=1.0, backend=mm)
         return (x, kv), None
 
     x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, per_layer, cfg.num_layers)
@@ -133,7 +133,7 @@ def forward(
 
 def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Hidden states [N, E] (`forward` without `head`) -> float32 logits [N, V]."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, offset=1.0)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, offset=1.0, backend=cfg.matmul_backend)
     with jax.named_scope("lm_head"):
         out = matmul.dot("te,ve->tv", x, params["embed"], cfg.matmul_backend)
     if cfg.final_logit_softcapping:

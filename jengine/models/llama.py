@@ -147,13 +147,13 @@ def forward(
                 return apply_rope(x, md.positions, inv_freq, rope_scale)
             return layers.rotate(x, cos_tables[table], sin_tables[table], rope_scale)
 
-        h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, backend=mm)
         q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
         k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
         v = project(h, p["wv"], "te,ehd->thd", p.get("bv"), backend=mm)
         if cfg.qk_norm:  # per head, before rope
-            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, backend=mm)
+            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, backend=mm)
         if cfg.qk_norm_full:
             q = _rms_norm_heads(q, p["q_norm"], cfg.rms_norm_eps, cfg.num_heads - cfg.padded_heads)
             k = _rms_norm_heads(k, p["k_norm"], cfg.rms_norm_eps, cfg.num_kv_heads)
@@ -165,12 +165,12 @@ def forward(
         )
         attn = layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm)
         if cfg.post_norms:
-            attn = rms_norm(attn, p["post_attn_norm"], cfg.rms_norm_eps)
+            attn = rms_norm(attn, p["post_attn_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(attn)
-        h = x if cfg.post_norms else rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        h = x if cfg.post_norms else rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, backend=mm)
         out = moe.moe_mlp(h, p, cfg) if cfg.num_experts else _mlp(h, p, mm)
         if cfg.post_norms:
-            out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps)
+            out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(out)
         return (x, kv), None
 
@@ -182,7 +182,7 @@ def forward(
 
 def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Hidden states [N, E] (`forward` without `head`) -> float32 logits [N, V]."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, backend=cfg.matmul_backend)
     out = layers.lm_head(x, params, cfg.tie_word_embeddings, cfg.matmul_backend)
     if cfg.logits_scaling != 1.0:
         out = out / cfg.logits_scaling

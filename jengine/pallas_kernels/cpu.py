@@ -1,6 +1,6 @@
 """Native CPU ragged paged attention, KV write and KV zeros: C++ kernels called through `jax.ffi`.
 
-The kernels (`csrc/paged_attention.cc`, `csrc/kv_zeros.cc`) are built into `_cpu_attention*.so`
+The kernels (`csrc/paged_attention.cc`, `csrc/kv_zeros.cc`) are built into `_cpu_kernels*.so`
 by the package's install (a setuptools Extension against the XLA FFI headers of jaxlib); nothing
 is compiled at run time. They read and write the paged cache in place: attention visits only the
 pages each query block can see (no gathered copy), and the KV write is an aliased output, so a
@@ -30,7 +30,7 @@ _ZEROS_TARGET = "jengine_zeros"
 # AMX tiles (queries rounded to bf16, what `auto` takes for bf16 queries and cache where it runs).
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "amx": 4}
 
-_LIB, _LOAD_ERROR = load_native("_cpu_attention", {_ATTENTION_TARGET: "JenginePagedAttention",
+_LIB, _LOAD_ERROR = load_native("_cpu_kernels", {_ATTENTION_TARGET: "JenginePagedAttention",
                                                    _KV_WRITE_TARGET: "JengineKvWrite"})
 
 

@@ -4,7 +4,7 @@ w f32, bf16 or int8 (the int8 weight's per-channel scale is the caller's to appl
 XLA:CPU's dot of a few rows costs far more than one row's (2 / 4 / 8 / 16 rows ran 1.6 / 2.5 /
 3.3 / 3.5x one row, `scripts/small_row_dots.py`), while a step of that shape should cost what
 streaming the weights costs. The C++ kernel (`csrc/small_matmul.cc`, built into
-`_cpu_matmul*.so` by the package's install) keeps each output tile's R rows in registers so
+`_cpu_kernels*.so` by the package's install) keeps each output tile's R rows in registers so
 every weight row segment is read once for all of them, splits the columns over XLA's intra-op
 threads, and picks AVX-512, AVX2+FMA or portable code at run time. A bf16 or int8 weight is
 widened to f32 in registers, so the step streams 2x or 4x fewer weight bytes with f32 sums.
@@ -44,14 +44,16 @@ AMX_INT8_TILE = (2, 16, 64)  # a k step's two B tiles: 16 k quads x 16 columns x
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 _INT8_TARGET = "jengine_int8_matmul"
+_NORM_TARGET = "jengine_rms_norm"
 INT8_ISAS = {"auto": 0, "portable": 1, "avx512_vnni": 4}  # instruction set of the int8 kernel
 
-_LIB, _LOAD_ERROR = load_native("_cpu_matmul", {_TARGET: "JengineSmallMatmul",
+_LIB, _LOAD_ERROR = load_native("_cpu_kernels", {_TARGET: "JengineSmallMatmul",
                                                 _INT8_TARGET: "JengineInt8Matmul",
                                                 _AMX_TARGET: "JengineAmxMatmul",
                                                 _SWIGLU_TARGET: "JengineAmxSwiGlu",
                                                 _AMX_INT8_TARGET: "JengineAmxInt8Matmul",
-                                                _INT8_SWIGLU_TARGET: "JengineAmxInt8SwiGlu"})
+                                                _INT8_SWIGLU_TARGET: "JengineAmxInt8SwiGlu",
+                                                _NORM_TARGET: "JengineRmsNorm"})
 
 
 def available() -> bool:
@@ -297,3 +299,21 @@ def amx_swiglu(
     amx_matmul_check(x, gate_tiles, n, "amx_swiglu")
     call = jax.ffi.ffi_call(_SWIGLU_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.bfloat16))
     return call(x, gate_tiles, up_tiles, n=np.int64(n), max_threads=np.int32(max_threads))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """`layers.rms_norm` of x [..., E] (float32 or bfloat16) by the native kernel
+    (csrc/rms_norm.cc): each row's sum of squares in one fixed order, whatever the batch, in
+    one call instead of XLA's order-fixed tree of small fusions. The result's dtype is
+    `layers.rms_norm`'s: x's with an `offset`, else the promotion of weight and x."""
+    require()
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or weight.dtype not in (jnp.float32,
+                                                                          jnp.bfloat16):
+        raise ValueError(f"rms_norm takes float32 or bfloat16, got {x.dtype} and {weight.dtype}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm's weight must be [{x.shape[-1]}], got {weight.shape}")
+    out = x.dtype if offset else jnp.result_type(weight, x)
+    rows = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(_NORM_TARGET, jax.ShapeDtypeStruct(rows.shape, out))
+    y = call(rows, weight, eps=np.float32(eps), offset=np.float32(offset))
+    return y.reshape(x.shape)

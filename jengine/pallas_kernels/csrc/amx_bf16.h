@@ -216,7 +216,7 @@ inline void ForStripRuns(xla::ffi::ThreadPool& pool, int32_t max_threads, int64_
     _tile_release();
   };
   if (threads == 2 && R <= kHelperRows) {
-    SpinHelper::Get().Run(parts, part);
+    SpinHelper::Get().Run(parts, [&](int64_t p, int64_t) { part(p); });
   } else {
     ParallelFor(pool, parts, parts, [&](int64_t p, int64_t) { part(p); });
   }

@@ -9,8 +9,11 @@
 // reading pages in place; a decode-sized block's item runs as one task per chunk of 256 key
 // positions (fixed positions, so a row's result does not depend on its batch), a prefill block's
 // as one task, split over the threads when the items are too few. Tasks are shared out over
-// XLA's intra-op thread pool and the partial softmax states of split items merged afterwards. The instruction set (AVX-512F, AVX2+FMA
-// or portable C++) is chosen at run time, or forced by the `isa` attribute.
+// XLA's intra-op thread pool, or for a call of a few rows (decodes, a verification) over the
+// caller and the SpinHelper's thread (spin_helper.h: a pool thread woke too late to take its
+// share of a short call), and the partial softmax states of split items merged afterwards. The
+// instruction set (AVX-512F, AVX2+FMA or portable C++) is chosen at run time, or forced by the
+// `isa` attribute.
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +32,7 @@
 #include "amx_tiles.h"
 #include "isa.h"
 #include "parallel_for.h"
+#include "spin_helper.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -58,6 +62,9 @@ constexpr int64_t kSplitKeys = 256;
 // verification of up to 15 proposals: speculative.MAX_PROPOSAL) run each row alone, so that a
 // row's bits do not depend on the rows beside it.
 constexpr int64_t kPrefillRows = 17;
+// Calls of up to this many query tokens split their tasks with the SpinHelper's thread when
+// XLA's pool has two threads (as the AMX projections of as many rows do: amx_bf16.h).
+constexpr int64_t kHelperTokens = 16;
 
 struct Block {  // consecutive query tokens of one sequence
   int32_t seq;
@@ -412,7 +419,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (pb.amx) amx_attention::Stage(pb, pool, threads, page_table.dimensions()[0]);
 #endif
   std::vector<Scratch> scratch(threads);
-  ParallelFor(pool, static_cast<int64_t>(tasks.size()), threads, [&](int64_t i, int64_t worker) {
+  auto task = [&](int64_t i, int64_t worker) {
 #if JE_X86
     if (amx_attention::Takes(pb, tasks[i])) {
       amx_attention::RunTask(pb, tasks[i], scratch[worker]);
@@ -420,7 +427,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     }
 #endif
     run(pb, tasks[i], scratch[worker]);
-  });
+  };
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  if (threads == 2 && pb.T <= kHelperTokens) {
+    SpinHelper::Get().Run(n, task);
+  } else {
+    ParallelFor(pool, n, threads, task);
+  }
   MergePartials(pb, tasks);
   return ffi::Error::Success();
 }

@@ -40,13 +40,14 @@ class SpinHelper {
     return *helper;
   }
 
-  // Runs fn(i) for every i < n on the calling thread and, unless another call holds it, the
-  // helper thread; returns when all are done. Tasks are claimed one at a time, so a helper that
-  // starts late takes fewer (none when the caller finished them all: then it is not waited
-  // for). In a forked child, which has no helper thread, the caller runs every task.
-  void Run(int64_t n, const std::function<void(int64_t)>& fn) {
+  // Runs fn(i, worker) for every i < n on the calling thread (worker 0) and, unless another call
+  // holds it, the helper thread (worker 1); returns when all are done. Tasks are claimed one at
+  // a time, so a helper that starts late takes fewer (none when the caller finished them all:
+  // then it is not waited for). In a forked child, which has no helper thread, the caller runs
+  // every task.
+  void Run(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
     if (n <= 1 || busy_.exchange(true, std::memory_order_acquire)) {
-      for (int64_t i = 0; i < n; ++i) fn(i);
+      for (int64_t i = 0; i < n; ++i) fn(i, 0);
       return;
     }
     Job job{&fn, n};
@@ -55,7 +56,7 @@ class SpinHelper {
       std::lock_guard<std::mutex> lock(mu_);
       wake_.notify_one();
     }
-    job.Work();
+    job.Work(0);
     Job* unclaimed = &job;
     if (!job_.compare_exchange_strong(unclaimed, nullptr)) {  // the helper took it
       while (!job.helper_done.load(std::memory_order_acquire)) JE_SPIN_PAUSE();
@@ -65,13 +66,13 @@ class SpinHelper {
 
  private:
   struct Job {
-    const std::function<void(int64_t)>* fn;
+    const std::function<void(int64_t, int64_t)>* fn;
     int64_t n;
     std::atomic<int64_t> next{0};
     std::atomic<bool> helper_done{false};
 
-    void Work() {
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) (*fn)(i);
+    void Work(int64_t worker) {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) (*fn)(i, worker);
     }
   };
 
@@ -96,7 +97,7 @@ class SpinHelper {
   void Loop() {
     for (;;) {
       Job* job = Wait();
-      job->Work();
+      job->Work(1);
       job->helper_done.store(true, std::memory_order_release);
     }
   }
