@@ -9,9 +9,10 @@
 // reading pages in place; a decode-sized block's item runs as one task per chunk of 256 key
 // positions (fixed positions, so a row's result does not depend on its batch), a prefill block's
 // as one task, split over the threads when the items are too few. Tasks are shared out over
-// XLA's intra-op thread pool, or for a call of a few rows (decodes, a verification) over the
-// caller and the SpinHelper's thread (spin_helper.h: a pool thread woke too late to take its
-// share of a short call), and the partial softmax states of split items merged afterwards. The
+// XLA's intra-op thread pool, or for a call of a few rows (decodes, a verification) right after
+// the AMX projections over the caller and the SpinHelper's thread they left spinning
+// (spin_helper.h: a pool thread woke too late to take its share of a short call), and the
+// partial softmax states of split items merged afterwards. The
 // instruction set (AVX-512F, AVX2+FMA or portable C++) is chosen at run time, or forced by the
 // `isa` attribute.
 
@@ -63,7 +64,8 @@ constexpr int64_t kSplitKeys = 256;
 // row's bits do not depend on the rows beside it.
 constexpr int64_t kPrefillRows = 17;
 // Calls of up to this many query tokens split their tasks with the SpinHelper's thread when
-// XLA's pool has two threads (as the AMX projections of as many rows do: amx_bf16.h).
+// XLA's pool has two threads and the helper is awake (the AMX projections of as many rows just
+// ran on it: amx_bf16.h).
 constexpr int64_t kHelperTokens = 16;
 
 struct Block {  // consecutive query tokens of one sequence
@@ -429,7 +431,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     run(pb, tasks[i], scratch[worker]);
   };
   const int64_t n = static_cast<int64_t>(tasks.size());
-  if (threads == 2 && pb.T <= kHelperTokens) {
+  if (threads == 2 && pb.T <= kHelperTokens && SpinHelper::Awake()) {
     SpinHelper::Get().Run(n, task);
   } else {
     ParallelFor(pool, n, threads, task);
