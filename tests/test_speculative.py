@@ -43,6 +43,17 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert p.propose([3, 1, 2, 3], limit=10) == [1, 2, 3]
 
 
+def test_a_longer_match_reaches_further():
+    """A match of n tokens proposes at most 2^(n+1) - 1 (3, 7, 15): a one-token match is often
+    a coincidence, a long one a copy."""
+    p = NgramProposer(num_tokens=15, ngram_min=1, ngram_max=4)
+    text = list(range(100, 130))
+    assert p.propose([*text, 7, 100], limit=20) == text[1:4]  # [100]: 1 token matched
+    assert p.propose([*text, 7, 100, 101], limit=20) == text[2:9]  # 2 tokens
+    assert p.propose([*text, 7, 100, 101, 102], limit=20) == text[3:18]  # 3: all 15
+    assert p.propose([*text, 7, 100, 101, 102], limit=4) == text[3:7]  # the limit still holds
+
+
 def test_ngram_min_bounds_the_match():
     p = NgramProposer(num_tokens=2, ngram_min=2, ngram_max=2)
     assert p.propose([1, 9, 3, 1], limit=5) == []  # only a 1-gram matches

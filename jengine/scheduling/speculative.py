@@ -29,17 +29,27 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from jengine.config import SpeculativeConfig
 
+# The pauses below are short since a verification got cheap (session 21: a 16-row step ~1.4x a
+# decode on the AMX Xeon, from ~1.6x): each step a copying sequence waits is a plain decode
+# where a verification might have yielded several tokens. Edit prompts, one stream, k = 15 with
+# ngram_min 2, one run (scripts/spec_pauses.py; docs/engine.md): 1.68x plain decoding's
+# tokens/s with the pauses before (found nothing 4, turned down 4, step declined 6, backoff 16),
+# 1.75x with these.
 # A sequence that saw this many verifications in a row accept nothing pauses speculation for
 # `BACKOFF_STEPS` steps (a plain decode each), so text the proposer cannot predict costs little.
 MISSES_BEFORE_BACKOFF = 4
-BACKOFF_STEPS = 16
-# A sequence whose proposer found nothing, or whose proposal the cost model left out, waits this
-# many steps before it proposes again. A waiting sequence lets the engine schedule its next step
-# before this one's token is back (async scheduling), which a proposing one cannot.
-NO_PROPOSAL_PAUSE = 4
+BACKOFF_STEPS = 4
+# A sequence whose proposal the cost model left out waits this many steps before it proposes
+# again. A waiting sequence lets the engine schedule its next step before this one's token is
+# back (async scheduling), which a proposing one cannot.
+NO_PROPOSAL_PAUSE = 2
+# A sequence whose proposer found nothing waits this many steps: copied text comes back a token
+# or two after an edit (with the other pauses as before: 1.52x with 4, 1.62x with 1, 1.60x
+# with 0).
+FOUND_NOTHING_PAUSE = 1
 # When the cost model turns every proposal of a step down, nobody proposes for this many steps
 # (so the engine keeps running ahead), then it weighs the batch again.
-DECLINED_PAUSE = 6
+DECLINED_PAUSE = 2
 # Each sequence's acceptance estimate (per proposed token) starts here and follows its own
 # verifications with this weight; a sequence left out for `REEXPLORE_STEPS` steps by the cost
 # model gets the prior back, so a change in the text can turn speculation on again.
@@ -50,6 +60,17 @@ REEXPLORE_STEPS = 32
 # for the native CPU attention kernel (at most 16 rows: each row alone, as its decode runs), or
 # its rows would take the prefill paths' rounding and greedy text could change.
 MAX_PROPOSAL = 15
+
+
+def match_reach(n: int) -> int:
+    """The most tokens a match of the last `n` tokens proposes: 3, 7, 15, ... (2^(n+1) - 1).
+
+    The longer the match, the longer the copy it predicts, while a short one is often a
+    coincidence whose long proposal would only cost a larger verification. Replaying plain
+    decoding's bf16 greedy text of spec_bench's edit prompts with this engine's step costs
+    (docs/engine.md, session 21): 1.68-1.71x at 15 tokens after every match (1.71x after 2+
+    token matches only), 1.78-1.80x with this reach."""
+    return 2 ** (n + 1) - 1
 
 
 def check_num_tokens(num_tokens: int) -> None:
@@ -78,7 +99,8 @@ class NgramProposer:
         return [self.propose(tokens, limit) for tokens, limit in requests]
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to `min(num_tokens, limit)` proposed next tokens of `tokens` ([] for none)."""
+        """Up to `min(num_tokens, limit)` proposed next tokens of `tokens` ([] for none), and
+        at most `match_reach(n)` after a match of n tokens."""
         k = min(self.num_tokens, limit)
         if k <= 0 or len(tokens) <= self.ngram_min:
             return []
@@ -89,7 +111,7 @@ class NgramProposer:
             hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # the latest occurrence predicts best when copying
-                return ids[start:start + k].tolist()
+                return ids[start:start + min(k, match_reach(n))].tolist()
         return []
 
 
@@ -135,7 +157,7 @@ class SpecState:
         self.paused = max(0, self.paused - 1)
 
     def found_nothing(self) -> None:
-        self.paused = NO_PROPOSAL_PAUSE
+        self.paused = FOUND_NOTHING_PAUSE
 
     def verified(self, accepted: int) -> None:
         """Records how many of `proposal` the step accepted, and clears it."""
