@@ -83,7 +83,12 @@ def test_cost_model_verifies_only_where_it_pays():
     assert costs.estimate(3) == pytest.approx(0.060)
     assert costs.estimate(2) == pytest.approx(0.050)  # unmeasured: the smaller one's
     assert best_cap(1, 1, [(3, 0.9)], costs) == 3  # 3.4 tokens for 1.2x the time
-    assert best_cap(1, 1, [(3, 0.05)], costs) == 1  # a 2-token step costs no more
+    # A lone sequence runs its whole proposal where that costs <= WHOLE_PROPOSAL_COST steps
+    # (4 tokens: 1.2x), whatever its estimate; not where it costs more (8 tokens: 3x).
+    assert best_cap(1, 1, [(3, 0.05)], costs) == 3
+    assert best_cap(1, 1, [(7, 0.05)], costs) == 1  # a 2-token step costs no more
+    assert best_cap(1, 1, [(7, 0.9)], costs) == 3  # 8 tokens for 3x: 3.4 for 1.2x is better
+    assert best_cap(2, 2, [(3, 0.05), (1, 0.05)], costs) == 0  # two sequences: the estimates
     assert best_cap(4, 4, [(3, 0.9)], costs) == 0  # 5-8 tokens cost 2.5x for at most 1.6x more
     assert best_cap(5, 5, [(3, 0.9)], costs) == 3  # already in the 8-token bucket: free
     assert expected_tokens(0, 0.5) == 1 and expected_tokens(2, 0.5) == pytest.approx(1.75)

@@ -56,6 +56,11 @@ DECLINED_PAUSE = 2
 ACCEPTANCE_PRIOR = 0.6
 ACCEPTANCE_WEIGHT = 0.3
 REEXPLORE_STEPS = 32
+# One sequence alone verifies its whole proposal when that step costs at most this many plain
+# ones (a 16-row step is ~1.4 decodes on the AMX Xeon in bf16, 2-3.5 on f32 / AVX2 CPUs). Edit
+# prompts, one stream, k = 15, ngram_min 2, one run: 1.62x plain decoding's tokens/s with the
+# cost model cutting every proposal, 1.83x without it (docs/engine.md, session 21).
+WHOLE_PROPOSAL_COST = 1.5
 # The most tokens a step may propose: a verification's 1 + k rows must stay a decode-sized block
 # for the native CPU attention kernel (at most 16 rows: each row alone, as its decode runs), or
 # its rows would take the prefill paths' rounding and greedy text could change.
@@ -231,11 +236,18 @@ def best_cap(base_tokens: int, base_rows: int, proposals: list[tuple[int, float]
     """How many proposed tokens each verifying sequence may run this step (0: none), chosen to
     maximise expected tokens per second of step time. `proposals`: (length, acceptance) of
     each candidate; `base_tokens`/`base_rows`: the step's query tokens and sampled sequences
-    without speculation. Without cost figures every proposal runs whole."""
+    without speculation. Without cost figures every proposal runs whole, and so does a lone
+    sequence's when the step that verifies it all costs at most `WHOLE_PROPOSAL_COST` times
+    the plain one: its length is already the match's reach (`match_reach`), which the
+    acceptance estimate, blind to the match, would cut short."""
     longest = max((n for n, _ in proposals), default=0)
     if costs is None or costs.estimate(base_tokens) is None:
         return longest
-    best, best_rate = 0, base_rows / costs.estimate(base_tokens)
+    base = costs.estimate(base_tokens)
+    whole = costs.estimate(base_tokens + longest)
+    if base_rows == 1 and len(proposals) == 1 and whole <= WHOLE_PROPOSAL_COST * base:
+        return longest
+    best, best_rate = 0, base_rows / base
     for cap in range(1, longest + 1):
         extra = sum(min(n, cap) for n, _ in proposals)
         gain = sum(expected_tokens(min(n, cap), a) - 1 for n, a in proposals)
