@@ -1,8 +1,8 @@
 """The n-gram speculation's pause settings against each other, in one process and one run.
 
-The pauses (`jengine.scheduling.speculative`: FOUND_NOTHING_PAUSE, NO_PROPOSAL_PAUSE,
-DECLINED_PAUSE, BACKOFF_STEPS, MISSES_BEFORE_BACKOFF) are module constants read at each step,
-so one engine per `--k` value serves every variant: each variant sets its constants, then runs
+The pauses (`jengine.scheduling.speculative`: NO_PROPOSAL_PAUSE, DECLINED_PAUSE, BACKOFF_STEPS,
+MISSES_BEFORE_BACKOFF) are module constants read at each step, so one engine per `--k` value
+serves every variant: each variant sets its constants, then runs
 spec_bench's single-stream workload (`--workload edit` or `free`, greedy, 128 tokens), all
 variants and the plain engine in turn for `--rounds` rounds; medians, tokens/s against the
 plain engine, and whether the text is the plain engine's.
@@ -21,8 +21,7 @@ from spec_bench import EDITS, FREE, preset, single_stream
 from jengine import Engine, SamplingParams
 from jengine.scheduling import speculation, speculative
 
-PAUSES = ("FOUND_NOTHING_PAUSE", "NO_PROPOSAL_PAUSE", "DECLINED_PAUSE", "BACKOFF_STEPS",
-          "MISSES_BEFORE_BACKOFF")
+PAUSES = ("NO_PROPOSAL_PAUSE", "DECLINED_PAUSE", "BACKOFF_STEPS", "MISSES_BEFORE_BACKOFF")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:

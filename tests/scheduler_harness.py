@@ -25,6 +25,7 @@ from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
 from jengine.scheduling.sequence import Sequence, SequenceStatus
+from jengine.scheduling.speculative import Proposal
 
 VOCAB = 50
 EOS = 0
@@ -88,8 +89,8 @@ class OracleProposer:
         self.rng = np.random.default_rng(rng_seed)
         self.proposed: list[list[int]] = []
 
-    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
-        return [self.propose(tokens, limit) for tokens, limit in requests]
+    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[Proposal]:
+        return [Proposal(self.propose(tokens, limit)) for tokens, limit in requests]
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         k = min(self.num_tokens, limit)

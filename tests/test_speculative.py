@@ -18,7 +18,12 @@ from scheduler_harness import (
 )
 
 from jengine.scheduling.speculative import (
+    ACCEPTANCE_PRIOR,
+    MAX_PROPOSAL,
+    REEXPLORE_STEPS,
+    AcceptanceByMatch,
     NgramProposer,
+    Proposal,
     StepCosts,
     best_cap,
     expected_tokens,
@@ -54,6 +59,44 @@ def test_a_longer_match_reaches_further():
     assert p.propose([*text, 7, 100, 101, 102], limit=4) == text[3:7]  # the limit still holds
 
 
+def test_a_proposal_carries_its_match_length():
+    p = NgramProposer(num_tokens=15, ngram_min=1, ngram_max=4)
+    text = list(range(100, 130))
+    assert p.lookup([*text, 7, 100, 101], limit=20) == Proposal(text[2:9], 2)
+    assert p.lookup([*text, 7, 1], limit=20) == Proposal([], 0)
+
+
+def test_acceptance_is_learned_per_match_length_and_position():
+    """Each match length has its own curve: position j learns from the verifications that tried
+    it (accepted, or the first rejection); declines drift the curve back to the prior."""
+    est = AcceptanceByMatch()
+    assert est.curve(1) == est.curve(4) == [ACCEPTANCE_PRIOR] * MAX_PROPOSAL
+    for _ in range(60):
+        est.observe(1, proposed=3, accepted=0)  # 1-token matches: rejected at once
+        est.observe(4, proposed=15, accepted=15)  # 4-token matches: copies
+    assert max(est.curve(1)) < 0.01  # positions never tried take the last tried one's
+    assert min(est.curve(4)) > 0.99
+    est.observe(2, proposed=7, accepted=2)  # positions 0, 1 accepted, 2 rejected, 3-6 untried
+    w = 0.1  # MATCH_WEIGHT
+    # A position tried for the first time starts from the one before it.
+    p0 = ACCEPTANCE_PRIOR + w * (1 - ACCEPTANCE_PRIOR)
+    p1 = p0 + w * (1 - p0)
+    p2 = p1 * (1 - w)
+    assert est.curve(2) == pytest.approx([p0, p1] + [p2] * 13)
+    before = est.curve(2)
+    est.observe(2, proposed=7, accepted=7)  # all accepted: each of positions 0-6 goes up
+    after = est.curve(2)
+    assert all(a > b for a, b in zip(after[:7], before[:7]))
+    assert after[7:] == [after[6]] * 8
+    low = est.curve(1)[0]
+    for _ in range(REEXPLORE_STEPS):
+        est.declined(1)
+    assert ACCEPTANCE_PRIOR / 2 < est.curve(1)[0] < ACCEPTANCE_PRIOR and low < est.curve(1)[0]
+    # Expected tokens follow the curve: a copy under way goes on.
+    assert expected_tokens(3, [0.5, 1.0, 1.0]) == pytest.approx(1 + 0.5 * 3)
+    assert expected_tokens(2, 0.5) == expected_tokens(2, [0.5, 0.5, 0.1]) == pytest.approx(1.75)
+
+
 def test_ngram_min_bounds_the_match():
     p = NgramProposer(num_tokens=2, ngram_min=2, ngram_max=2)
     assert p.propose([1, 9, 3, 1], limit=5) == []  # only a 1-gram matches
@@ -83,11 +126,17 @@ def test_cost_model_verifies_only_where_it_pays():
     assert costs.estimate(3) == pytest.approx(0.060)
     assert costs.estimate(2) == pytest.approx(0.050)  # unmeasured: the smaller one's
     assert best_cap(1, 1, [(3, 0.9)], costs) == 3  # 3.4 tokens for 1.2x the time
-    # A lone sequence runs its whole proposal where that costs <= WHOLE_PROPOSAL_COST steps
-    # (4 tokens: 1.2x), whatever its estimate; not where it costs more (8 tokens: 3x).
-    assert best_cap(1, 1, [(3, 0.05)], costs) == 3
-    assert best_cap(1, 1, [(7, 0.05)], costs) == 1  # a 2-token step costs no more
+    assert best_cap(1, 1, [(3, 0.05)], costs) == 1  # a 2-token step costs no more; 4: 1.2x
     assert best_cap(1, 1, [(7, 0.9)], costs) == 3  # 8 tokens for 3x: 3.4 for 1.2x is better
+    # Where 8 tokens cost 1.6x, a long match's estimate verifies all 7, a short one's 1.
+    cheap = StepCosts(costs._bucket_of)
+    for t, seconds in ((1, 0.050), (1, 0.050), (4, 0.060), (4, 0.060), (8, 0.080), (8, 0.080)):
+        cheap.observe(t, seconds)
+    assert best_cap(1, 1, [(7, 0.99)], cheap) == 7  # 7.7 tokens for 1.6x
+    assert best_cap(1, 1, [(7, 0.3)], cheap) == 1
+    cheap.observe(2, 0.300)
+    cheap.observe(2, 0.300)  # a seldom bucket's slow runs: no dearer than a larger one
+    assert cheap.estimate(2) == pytest.approx(0.060)
     assert best_cap(2, 2, [(3, 0.05), (1, 0.05)], costs) == 0  # two sequences: the estimates
     assert best_cap(4, 4, [(3, 0.9)], costs) == 0  # 5-8 tokens cost 2.5x for at most 1.6x more
     assert best_cap(5, 5, [(3, 0.9)], costs) == 3  # already in the 8-token bucket: free

@@ -25,7 +25,12 @@ from collections.abc import Callable
 from converters import LoadedModel
 from jengine.config import EngineConfig
 from jengine.sampling_params import SamplingParams
-from jengine.scheduling.speculative import NgramProposer, check_num_tokens, make_proposer
+from jengine.scheduling.speculative import (
+    NgramProposer,
+    Proposal,
+    check_num_tokens,
+    make_proposer,
+)
 
 
 class DraftProposer:
@@ -39,9 +44,9 @@ class DraftProposer:
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to `min(num_tokens, limit)` proposed next tokens of `tokens` ([] for none)."""
-        return self.propose_many([(tokens, limit)])[0]
+        return self.propose_many([(tokens, limit)])[0].tokens
 
-    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[Proposal]:
         """Each (tokens, limit)'s proposal, drafted for all of them in one batch."""
         ids: list[str | None] = []
         for tokens, limit in requests:
@@ -57,7 +62,7 @@ class DraftProposer:
         while self.core.has_unfinished:
             for out in self.core.step():
                 drafted[out.request_id] += out.outputs[0].token_ids
-        return [drafted[i] if i is not None else [] for i in ids]
+        return [Proposal(drafted[i] if i is not None else []) for i in ids]
 
 
 def _check_vocabulary(target: LoadedModel, draft) -> None:

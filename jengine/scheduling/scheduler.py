@@ -330,11 +330,7 @@ class Scheduler:
             if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.finish(seq, "length")
             self._check_stop(seq, token)
-        c = self.spec_counters
-        c.num_drafts += 1
-        c.num_draft_tokens += len(proposal)
-        c.num_accepted_tokens += added
-        seq.spec.verified(added)
+        self.speculator.verified(seq, added)
         if seq.is_finished:
             return added
         if self.prefix_cache is not None and seq.num_computed // ps > full_before:

@@ -11,7 +11,9 @@ from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.sequence import PENDING, Sequence
 from jengine.scheduling.speculative import (
     DECLINED_PAUSE,
+    AcceptanceByMatch,
     NgramProposer,
+    Proposal,
     SpecCounters,
     SpecState,
     StepCosts,
@@ -23,13 +25,14 @@ class Proposer(Protocol):
     """What proposes tokens: `NgramProposer` (host lookup) or a draft model
     (`jengine.core.draft.DraftProposer`), asked once per step for every candidate at once."""
 
-    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
-        """For each (the sequence's tokens, the most it may propose): its proposal, maybe []."""
+    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[Proposal]:
+        """For each (the sequence's tokens, the most it may propose): its proposal, maybe empty."""
         ...
 
 
 class Speculator:
-    """The proposer, the step costs it is weighed against, and the counters it reports."""
+    """The proposer, the step costs and acceptance estimates it is weighed with, and the
+    counters it reports."""
 
     def __init__(self, proposer: Proposer | NgramProposer):
         self.proposer = proposer
@@ -37,6 +40,7 @@ class Speculator:
         # Measured step seconds per token bucket (the engine fills it); None: verify everything.
         self.step_costs: StepCosts | None = None
         self.paused = 0  # steps left in which nobody proposes (DECLINED_PAUSE)
+        self.acceptance = AcceptanceByMatch()  # of n-gram proposals, per match length
 
     def may_speculate(self, seq: Sequence) -> bool:
         """Whether `seq` may verify proposals when its last token is known (so its next step
@@ -76,23 +80,25 @@ class Speculator:
         proposals = self.proposer.propose_many(
             [(seq.tokens(0, seq.num_tokens), limit) for _, seq, limit in eligible])
         candidates = []
-        for (i, seq, _), proposal in zip(eligible, proposals):
-            if not proposal:
-                seq.spec.found_nothing()
+        for (i, seq, _), found in zip(eligible, proposals):
+            if not found.tokens:
                 continue
             # In order, as much as the room still takes (so the cost model weighs step sizes
             # that exist); one cut to nothing is declined below.
-            proposal = proposal[:room]
+            proposal = found.tokens[:room]
             room -= len(proposal)
+            seq.spec.match = found.match
             candidates.append((i, seq, proposal))
         if not candidates:
             return
         tokens = sum(n for _, n in chosen)
         sampling = sum(1 for seq, n in chosen if seq.num_computed + n == seq.num_tokens)
-        cap = best_cap(tokens, sampling, [(len(p), seq.spec.acceptance)
+        cap = best_cap(tokens, sampling, [(len(p), self._estimate(seq))
                                           for _, seq, p in candidates], self.step_costs)
         if cap == 0:
             self.paused = DECLINED_PAUSE
+            for match in {seq.spec.match for _, seq, _ in candidates} - {0}:
+                self.acceptance.declined(match)  # once a step, however many sequences
         rows = len(chosen)
         for i, seq, proposal in candidates:
             proposal = proposal[:max(0, min(cap, budget, max_rows - rows))]
@@ -110,3 +116,20 @@ class Speculator:
             chosen[i] = (seq, 1 + len(proposal))
             rows += len(proposal)
             budget -= len(proposal)
+
+    def verified(self, seq: Sequence, accepted: int) -> None:
+        """Counts a verification of `seq.spec.proposal` that accepted `accepted` tokens and
+        updates the estimates with it."""
+        spec, c = seq.spec, self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += len(spec.proposal)
+        c.num_accepted_tokens += accepted
+        if spec.match:
+            self.acceptance.observe(spec.match, len(spec.proposal), accepted)
+        spec.verified(accepted)
+
+    def _estimate(self, seq: Sequence) -> float | list[float]:
+        """The chance that each token of `seq`'s proposal is accepted once those before it were:
+        its match length's curve, or a draft model's sequence's own rate."""
+        spec = seq.spec
+        return self.acceptance.curve(spec.match) if spec.match else spec.acceptance

@@ -43,24 +43,24 @@ BACKOFF_STEPS = 4
 # again. A waiting sequence lets the engine schedule its next step before this one's token is
 # back (async scheduling), which a proposing one cannot.
 NO_PROPOSAL_PAUSE = 2
-# A sequence whose proposer found nothing waits this many steps: copied text comes back a token
-# or two after an edit (with the other pauses as before: 1.52x with 4, 1.62x with 1, 1.60x
-# with 0).
-FOUND_NOTHING_PAUSE = 1
+# A sequence whose proposer found nothing proposes again the next step: copied text comes back a
+# token or two after an edit.
 # When the cost model turns every proposal of a step down, nobody proposes for this many steps
 # (so the engine keeps running ahead), then it weighs the batch again.
 DECLINED_PAUSE = 2
-# Each sequence's acceptance estimate (per proposed token) starts here and follows its own
-# verifications with this weight; a sequence left out for `REEXPLORE_STEPS` steps by the cost
-# model gets the prior back, so a change in the text can turn speculation on again.
+# Acceptance estimates (the chance that a proposed token is accepted, after the ones before it
+# were) start here. An n-gram proposal's estimate is the engine's for its match length
+# (`AcceptanceByMatch`, following every verification with `MATCH_WEIGHT`): the longer the
+# match, the likelier a copy (bf16 greedy text of spec_bench's prompts, replayed: ~0.3 after a
+# 1-token match, 0.45-0.7 after 2, ~0.9 after 3-4; docs/engine.md). A draft model's is its
+# sequence's own, following that sequence's verifications with `ACCEPTANCE_WEIGHT`. A sequence
+# left out for `REEXPLORE_STEPS` steps by the cost model gets the prior back, and each step the
+# cost model turns down moves its match lengths' estimates 1/REEXPLORE_STEPS of the way back to
+# the prior, so a change in the text can turn speculation on again.
 ACCEPTANCE_PRIOR = 0.6
 ACCEPTANCE_WEIGHT = 0.3
+MATCH_WEIGHT = 0.1
 REEXPLORE_STEPS = 32
-# One sequence alone verifies its whole proposal when that step costs at most this many plain
-# ones (a 16-row step is ~1.4 decodes on the AMX Xeon in bf16, 2-3.5 on f32 / AVX2 CPUs). Edit
-# prompts, one stream, k = 15, ngram_min 2, one run: 1.62x plain decoding's tokens/s with the
-# cost model cutting every proposal, 1.83x without it (docs/engine.md, session 21).
-WHOLE_PROPOSAL_COST = 1.5
 # The most tokens a step may propose: a verification's 1 + k rows must stay a decode-sized block
 # for the native CPU attention kernel (at most 16 rows: each row alone, as its decode runs), or
 # its rows would take the prefill paths' rounding and greedy text could change.
@@ -84,6 +84,15 @@ def check_num_tokens(num_tokens: int) -> None:
         raise ValueError(f"num_speculative_tokens must be in 1..{MAX_PROPOSAL}, got {num_tokens}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """A sequence's proposed next tokens ([] for none), and the length of the suffix match the
+    n-gram proposer found them after (0: a draft model's, or none)."""
+
+    tokens: list[int]
+    match: int = 0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
@@ -99,16 +108,20 @@ class NgramProposer:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                              f"{self.ngram_max}")
 
-    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
-        """Each (tokens, limit)'s proposal (`propose`)."""
-        return [self.propose(tokens, limit) for tokens, limit in requests]
+    def propose_many(self, requests: list[tuple[list[int], int]]) -> list[Proposal]:
+        """Each (tokens, limit)'s proposal (`lookup`)."""
+        return [self.lookup(tokens, limit) for tokens, limit in requests]
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to `min(num_tokens, limit)` proposed next tokens of `tokens` ([] for none), and
-        at most `match_reach(n)` after a match of n tokens."""
+        """`lookup`'s tokens."""
+        return self.lookup(tokens, limit).tokens
+
+    def lookup(self, tokens: list[int], limit: int) -> Proposal:
+        """Up to `min(num_tokens, limit)` proposed next tokens of `tokens`, and at most
+        `match_reach(n)` after a match of n tokens (n in the proposal)."""
         k = min(self.num_tokens, limit)
         if k <= 0 or len(tokens) <= self.ngram_min:
-            return []
+            return Proposal([])
         ids = np.asarray(tokens, np.int64)
         for n in range(min(self.ngram_max, len(ids) - 1), self.ngram_min - 1, -1):
             # Windows that start before the suffix itself and have a token after them.
@@ -116,8 +129,8 @@ class NgramProposer:
             hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # the latest occurrence predicts best when copying
-                return ids[start:start + min(k, match_reach(n))].tolist()
-        return []
+                return Proposal(ids[start:start + min(k, match_reach(n))].tolist(), n)
+        return Proposal([])
 
 
 def make_proposer(spec: SpeculativeConfig) -> NgramProposer | None:
@@ -144,14 +157,16 @@ class SpecState:
 
     Attributes:
       proposal: the tokens proposed for the step now scheduled ([] when it does not speculate).
+      match: the length of the suffix match `proposal` came from (0: a draft model's).
       misses: verifications in a row that accepted nothing.
       paused: steps left before the sequence proposes again (after `MISSES_BEFORE_BACKOFF`).
     """
 
     proposal: list[int] = dataclasses.field(default_factory=list)
+    match: int = 0
     misses: int = 0
     paused: int = 0
-    acceptance: float = ACCEPTANCE_PRIOR  # estimated chance that a proposed token is accepted
+    acceptance: float = ACCEPTANCE_PRIOR  # a draft model's proposals' (AcceptanceByMatch: n-gram)
     declined: int = 0  # steps in a row the cost model chose not to verify its proposal
 
     def may_propose(self) -> bool:
@@ -161,16 +176,10 @@ class SpecState:
         """One step of the sequence went by."""
         self.paused = max(0, self.paused - 1)
 
-    def found_nothing(self) -> None:
-        self.paused = FOUND_NOTHING_PAUSE
-
     def verified(self, accepted: int) -> None:
         """Records how many of `proposal` the step accepted, and clears it."""
-        # Tokens after the first rejection were never tried: the run of `accepted` successes
-        # and one failure (if any) is what the estimate learns from.
-        tried = min(len(self.proposal), accepted + 1)
-        rate = accepted / max(tried, 1)
-        self.acceptance += ACCEPTANCE_WEIGHT * (rate - self.acceptance)
+        self.acceptance += ACCEPTANCE_WEIGHT * (run_rate(len(self.proposal), accepted)
+                                                - self.acceptance)
         self.proposal, self.declined = [], 0
         self.misses = 0 if accepted else self.misses + 1
         if self.misses >= MISSES_BEFORE_BACKOFF:
@@ -185,10 +194,57 @@ class SpecState:
             self.declined, self.acceptance = 0, ACCEPTANCE_PRIOR
 
 
-def expected_tokens(length: int, acceptance: float) -> float:
-    """Tokens a verification of `length` proposals yields on average when each is accepted
-    with probability `acceptance` until the first rejection: 1 + a + a^2 + ... + a^length."""
-    return sum(acceptance ** j for j in range(length + 1))
+def run_rate(proposed: int, accepted: int) -> float:
+    """Per-token acceptance seen in one verification: tokens after the first rejection were
+    never tried, so the run of `accepted` successes and one failure (if any) is the sample."""
+    return accepted / max(min(proposed, accepted + 1), 1)
+
+
+class AcceptanceByMatch:
+    """The engine's acceptance curves per n-gram match length, from every sequence's
+    verifications: entry j is the chance that proposed token j is accepted once the ones before
+    it were. A curve, not one rate, since a copy, once under way, tends to go on (after 3-4
+    matched tokens the later positions are accepted more often than the first), and per match
+    length, since the match predicts a copy far better than a sequence's recent average, which
+    cut the long proposals of long matches short."""
+
+    def __init__(self):
+        self._curves: dict[int, list[float]] = {}  # positions tried so far only
+
+    def curve(self, match: int) -> list[float]:
+        """[MAX_PROPOSAL] acceptance chances of positions 0, 1, ... after a `match`-token match.
+        A position never tried takes the last tried one's (the copy goes on), so that a cap
+        the cost model chose once is not kept only because what lies past it is unknown."""
+        tried = self._curves.get(match) or [ACCEPTANCE_PRIOR]
+        return tried + tried[-1:] * (MAX_PROPOSAL - len(tried))
+
+    def observe(self, match: int, proposed: int, accepted: int) -> None:
+        """One verification: positions before `accepted` were accepted, the one at it (if
+        proposed) rejected, the rest never tried."""
+        curve = self._curves.setdefault(match, [])
+        for j in range(min(proposed, accepted + 1)):
+            if j == len(curve):
+                curve.append(curve[-1] if curve else ACCEPTANCE_PRIOR)
+            curve[j] += MATCH_WEIGHT * ((j < accepted) - curve[j])
+
+    def declined(self, match: int) -> None:
+        """The cost model turned a step's proposals of this match length down: the curve
+        drifts back toward the prior, so that they are tried again some time."""
+        curve = self._curves.get(match, [])
+        for j, rate in enumerate(curve):
+            curve[j] = rate + (ACCEPTANCE_PRIOR - rate) / REEXPLORE_STEPS
+
+
+def expected_tokens(length: int, acceptance: float | list[float]) -> float:
+    """Tokens a verification of `length` proposals yields on average (the bonus token
+    included): proposal j is accepted with probability `acceptance[j]` (or `acceptance` for
+    every j) once those before it were, and the first rejection ends the run."""
+    rates = [acceptance] * length if isinstance(acceptance, float) else acceptance[:length]
+    total, alive = 1.0, 1.0
+    for rate in rates:
+        alive *= rate
+        total += alive
+    return total
 
 
 class StepCosts:
@@ -221,32 +277,31 @@ class StepCosts:
         self.gap = seconds if self.gap is None else self.gap + self.WEIGHT * (seconds - self.gap)
 
     def estimate(self, num_tokens: int) -> float | None:
-        """Seconds of a step of `num_tokens`; an unmeasured bucket is taken to cost what the
-        nearest measured smaller one does (optimism, so it gets tried and measured). None
-        before any measurement."""
+        """Seconds of a step of `num_tokens`: its bucket's, never more than a larger bucket's;
+        an unmeasured bucket is taken to cost what the nearest measured smaller one does
+        (optimism, so it gets tried and measured). None before any measurement."""
         t = self._bucket_of(num_tokens)
-        if t in self._seconds:
-            return self._seconds[t]
-        smaller = [b for b in self._seconds if b < t]
-        return self._seconds[max(smaller)] if smaller else None
+        smaller = [b for b in self._seconds if b <= t]
+        if not smaller:
+            return None
+        seconds = self._seconds[max(smaller)]
+        # Nor more than a larger bucket: a bucket seldom run keeps the figures of its first,
+        # slow runs (its program and buffers cold) long after the busy ones came down.
+        larger = [s for b, s in self._seconds.items() if b > t]
+        return min([seconds, *larger])
 
 
-def best_cap(base_tokens: int, base_rows: int, proposals: list[tuple[int, float]],
-             costs: StepCosts | None) -> int:
+def best_cap(base_tokens: int, base_rows: int,
+             proposals: list[tuple[int, float | list[float]]], costs: StepCosts | None) -> int:
     """How many proposed tokens each verifying sequence may run this step (0: none), chosen to
-    maximise expected tokens per second of step time. `proposals`: (length, acceptance) of
-    each candidate; `base_tokens`/`base_rows`: the step's query tokens and sampled sequences
-    without speculation. Without cost figures every proposal runs whole, and so does a lone
-    sequence's when the step that verifies it all costs at most `WHOLE_PROPOSAL_COST` times
-    the plain one: its length is already the match's reach (`match_reach`), which the
-    acceptance estimate, blind to the match, would cut short."""
+    maximise expected tokens per second of step time. `proposals`: (length, acceptance: a rate
+    or a curve, as `expected_tokens` takes) of each candidate; `base_tokens` / `base_rows`: the
+    step's query tokens and sampled sequences without speculation. Without cost figures every
+    proposal runs whole."""
     longest = max((n for n, _ in proposals), default=0)
     if costs is None or costs.estimate(base_tokens) is None:
         return longest
     base = costs.estimate(base_tokens)
-    whole = costs.estimate(base_tokens + longest)
-    if base_rows == 1 and len(proposals) == 1 and whole <= WHOLE_PROPOSAL_COST * base:
-        return longest
     best, best_rate = 0, base_rows / base
     for cap in range(1, longest + 1):
         extra = sum(min(n, cap) for n, _ in proposals)
