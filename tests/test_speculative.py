@@ -137,6 +137,9 @@ def test_cost_model_verifies_only_where_it_pays():
     cheap.observe(2, 0.300)
     cheap.observe(2, 0.300)  # a seldom bucket's slow runs: no dearer than a larger one
     assert cheap.estimate(2) == pytest.approx(0.060)
+    for seconds in (0.080, 0.080, 0.500):  # one stalled step: the median holds
+        cheap.observe(8, seconds)
+    assert cheap.estimate(8) == pytest.approx(0.080)
     assert best_cap(2, 2, [(3, 0.05), (1, 0.05)], costs) == 0  # two sequences: the estimates
     assert best_cap(4, 4, [(3, 0.9)], costs) == 0  # 5-8 tokens cost 2.5x for at most 1.6x more
     assert best_cap(5, 5, [(3, 0.9)], costs) == 3  # already in the 8-token bucket: free

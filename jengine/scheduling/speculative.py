@@ -22,7 +22,9 @@ when those positions are computed for real. Nothing here touches JAX.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -248,17 +250,21 @@ def expected_tokens(length: int, acceptance: float | list[float]) -> float:
 
 
 class StepCosts:
-    """Measured seconds of a step per token bucket (an exponential average), so the scheduler
-    can weigh the tokens a verification may gain against what its larger step costs here: on
-    XLA:CPU a step of 4 query tokens costs well over a step of 1 (small-row dots run far below
-    memory speed), on an accelerator about the same."""
+    """Measured seconds of a step per token bucket (the median of its last `WINDOW` steps), so
+    the scheduler can weigh the tokens a verification may gain against what its larger step
+    costs here: on XLA:CPU a step of 4 query tokens costs well over a step of 1 (small-row dots
+    run far below memory speed), on an accelerator about the same. A median, since a shared
+    machine's stalls are single steps two or three times as long: an average (weight 0.2) took
+    one such 8-token step to 2x a 16-token one and turned the proposals it should run down."""
 
-    WEIGHT = 0.2
+    WINDOW = 9
 
     def __init__(self, bucket_of):
         self._bucket_of = bucket_of  # num_tokens -> the token bucket that runs them
-        self._seconds: dict[int, float] = {}
+        self._runs: dict[int, collections.deque[float]] = {}
+        self._seconds: dict[int, float] = {}  # each bucket's median
         self._seen: set[int] = set()
+        self._gaps: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
         self.gap: float | None = None  # host seconds between steps run one after the other
 
     def observe(self, num_tokens: int, seconds: float) -> None:
@@ -268,13 +274,15 @@ class StepCosts:
         if t not in self._seen:
             self._seen.add(t)
             return
-        old = self._seconds.get(t)
-        self._seconds[t] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        runs = self._runs.setdefault(t, collections.deque(maxlen=self.WINDOW))
+        runs.append(seconds)
+        self._seconds[t] = statistics.median(runs)
 
     def observe_gap(self, seconds: float) -> None:
         """Records the host's time between one step's outputs and the next launch when they
         did not overlap: what a verifying step pays on top, since it cannot run ahead."""
-        self.gap = seconds if self.gap is None else self.gap + self.WEIGHT * (seconds - self.gap)
+        self._gaps.append(seconds)
+        self.gap = statistics.median(self._gaps)
 
     def estimate(self, num_tokens: int) -> float | None:
         """Seconds of a step of `num_tokens`: its bucket's, never more than a larger bucket's;
