@@ -134,6 +134,9 @@ def test_cost_model_verifies_only_where_it_pays():
         cheap.observe(t, seconds)
     assert best_cap(1, 1, [(7, 0.99)], cheap) == 7  # 7.7 tokens for 1.6x
     assert best_cap(1, 1, [(7, 0.3)], cheap) == 1
+    # A curve: after a shaky first token a copy goes on, which a rate of 0.5 would not see.
+    assert best_cap(1, 1, [(7, 0.5)], cheap) == 3
+    assert best_cap(1, 1, [(7, [0.5] + [1.0] * 14)], cheap) == 7
     cheap.observe(2, 0.300)
     cheap.observe(2, 0.300)  # a seldom bucket's slow runs: no dearer than a larger one
     assert cheap.estimate(2) == pytest.approx(0.060)

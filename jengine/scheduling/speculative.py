@@ -53,12 +53,13 @@ DECLINED_PAUSE = 2
 # Acceptance estimates (the chance that a proposed token is accepted, after the ones before it
 # were) start here. An n-gram proposal's estimate is the engine's for its match length
 # (`AcceptanceByMatch`, following every verification with `MATCH_WEIGHT`): the longer the
-# match, the likelier a copy (bf16 greedy text of spec_bench's prompts, replayed: ~0.3 after a
-# 1-token match, 0.45-0.7 after 2, ~0.9 after 3-4; docs/engine.md). A draft model's is its
-# sequence's own, following that sequence's verifications with `ACCEPTANCE_WEIGHT`. A sequence
-# left out for `REEXPLORE_STEPS` steps by the cost model gets the prior back, and each step the
-# cost model turns down moves its match lengths' estimates 1/REEXPLORE_STEPS of the way back to
-# the prior, so a change in the text can turn speculation on again.
+# match, the likelier a copy (learned on spec_bench's edit prompts, bf16: ~0.3 for the first
+# token after a 1-token match, 0.5-0.8 after 2, 0.65-0.95 after 3-4; docs/engine.md). A draft
+# model's is its sequence's own, following that sequence's verifications with
+# `ACCEPTANCE_WEIGHT`. A sequence left out for `REEXPLORE_STEPS` steps by the cost model gets
+# the prior back, and each step the cost model turns down moves its match lengths' estimates
+# 1/REEXPLORE_STEPS of the way back to the prior, so a change in the text can turn speculation
+# on again.
 ACCEPTANCE_PRIOR = 0.6
 ACCEPTANCE_WEIGHT = 0.3
 MATCH_WEIGHT = 0.1
@@ -241,7 +242,7 @@ def expected_tokens(length: int, acceptance: float | list[float]) -> float:
     """Tokens a verification of `length` proposals yields on average (the bonus token
     included): proposal j is accepted with probability `acceptance[j]` (or `acceptance` for
     every j) once those before it were, and the first rejection ends the run."""
-    rates = [acceptance] * length if isinstance(acceptance, float) else acceptance[:length]
+    rates = acceptance[:length] if isinstance(acceptance, list) else [acceptance] * length
     total, alive = 1.0, 1.0
     for rate in rates:
         alive *= rate
