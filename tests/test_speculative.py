@@ -121,6 +121,10 @@ def test_cost_model_verifies_only_where_it_pays():
     buckets = (1, 2, 4, 8)
     costs = StepCosts(lambda n: next(b for b in buckets if b >= n))
     assert best_cap(1, 1, [(3, 0.9)], costs) == 3  # nothing measured: verify everything
+    only_big = StepCosts(costs._bucket_of)
+    for _ in range(2):
+        only_big.observe(4, 0.060)
+    assert only_big.estimate(1) == pytest.approx(0.060)  # a plain step costs no more
     for t, seconds in ((1, 0.050), (1, 0.050), (4, 0.9), (4, 0.060), (8, 0.150), (8, 0.150)):
         costs.observe(t, seconds)  # the first of each bucket (a compile, 0.9 s) is not counted
     assert costs.estimate(3) == pytest.approx(0.060)
@@ -205,6 +209,32 @@ def test_speculation_stays_within_the_budgets():
     full = [b for b in h.batches if b.num_seqs == 4]
     assert full and all(b.spec_lens is None for b in full)
     assert any(b.spec_lens is not None for b in h.batches)  # the stragglers speculate
+
+
+def test_a_draft_model_is_asked_about_before_it_drafts():
+    """A proposer whose rounds cost model steps (a draft model) drafts only while the cost
+    model says a verification may pay with the rounds' measured seconds counted in; once they
+    cost more than verifying can gain, it is not run at all, and outputs stay the solo ones."""
+    proposer = OracleProposer(num_tokens=3)
+    proposer.drafts = True
+    h = Harness(proposer=proposer, page_size=4, max_model_len=64)
+    costs = StepCosts(lambda n: next(b for b in (1, 2, 4, 8, 16) if b >= n))
+    for t in (1, 1, 4, 4):
+        costs.observe(t, 0.010)  # verifying 3 costs what a decode does
+    h.scheduler.speculator.step_costs = costs
+    specs = {f"r{i}": (prompt_of(6, salt=i), params(max_tokens=20, ignore_eos=True), 0)
+             for i in range(2)}
+    for rid, spec in specs.items():
+        h.add(rid, *spec)
+    for _ in range(3):
+        h.step()
+    assert proposer.proposed  # no figure for a round yet, then cheap rounds: it drafts
+    for _ in range(StepCosts.WINDOW):
+        costs.observe_proposing(1.0)  # rounds now cost 100 steps
+    drafted = len(proposer.proposed)
+    h.run()
+    assert len(proposer.proposed) == drafted
+    check_against_solo(h, specs, page_size=4, max_model_len=64)
 
 
 def test_eos_and_length_inside_an_accepted_run():

@@ -36,6 +36,10 @@ from jengine.scheduling.speculative import (
 class DraftProposer:
     """Greedy proposals from a draft model on its own engine core."""
 
+    # A round costs steps of a model: the scheduler asks the cost model before drafting
+    # (`Speculator._drafting_may_pay`), not only after, when the round is paid for.
+    drafts = True
+
     def __init__(self, core, num_tokens: int):
         check_num_tokens(num_tokens)
         self.core = core  # an EngineCore of the draft model

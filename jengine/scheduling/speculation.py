@@ -5,6 +5,7 @@ verification confirmed is the scheduler's (`Scheduler.finalize`), which owns the
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from jengine.scheduling.page_allocator import PageAllocator
@@ -41,6 +42,9 @@ class Speculator:
         self.step_costs: StepCosts | None = None
         self.paused = 0  # steps left in which nobody proposes (DECLINED_PAUSE)
         self.acceptance = AcceptanceByMatch()  # of n-gram proposals, per match length
+        # Seconds the proposer took in this step's schedule (the engine keeps them out of the
+        # host gap it measures: `StepCosts.proposing` has them).
+        self.proposing_seconds = 0.0
 
     def may_speculate(self, seq: Sequence) -> bool:
         """Whether `seq` may verify proposals when its last token is known (so its next step
@@ -61,6 +65,7 @@ class Speculator:
         With step costs measured (`step_costs`), proposals are cut to the length that gives the
         most expected tokens per second, which is none where verifying costs more than it
         gains (`jengine.scheduling.speculative.best_cap`)."""
+        self.proposing_seconds = 0.0
         if self.paused > 0:
             self.paused -= 1
             return
@@ -77,8 +82,21 @@ class Speculator:
             limit = min(seq.max_tokens - len(seq.output_ids) - 1,
                         max_model_len - seq.num_tokens - 1)
             eligible.append((i, seq, limit))
+        tokens = sum(n for _, n in chosen)
+        sampling = sum(1 for seq, n in chosen if seq.num_computed + n == seq.num_tokens)
+        if eligible and getattr(self.proposer, "drafts", False) and not self._drafting_may_pay(
+                tokens, sampling, eligible, room):
+            for _, seq, _ in eligible:
+                seq.spec.decline()
+            self.paused = DECLINED_PAUSE
+            return
+        start = time.perf_counter()
         proposals = self.proposer.propose_many(
             [(seq.tokens(0, seq.num_tokens), limit) for _, seq, limit in eligible])
+        if eligible:
+            self.proposing_seconds = time.perf_counter() - start
+            if self.step_costs is not None:
+                self.step_costs.observe_proposing(self.proposing_seconds)
         candidates = []
         for (i, seq, _), found in zip(eligible, proposals):
             if not found.tokens:
@@ -91,8 +109,6 @@ class Speculator:
             candidates.append((i, seq, proposal))
         if not candidates:
             return
-        tokens = sum(n for _, n in chosen)
-        sampling = sum(1 for seq, n in chosen if seq.num_computed + n == seq.num_tokens)
         cap = best_cap(tokens, sampling, [(len(p), self._estimate(seq))
                                           for _, seq, p in candidates], self.step_costs)
         if cap == 0:
@@ -127,6 +143,23 @@ class Speculator:
         if spec.match:
             self.acceptance.observe(spec.match, len(spec.proposal), accepted)
         spec.verified(accepted)
+
+    def _drafting_may_pay(self, tokens: int, sampling: int,
+                          eligible: list[tuple[int, Sequence, int]], room: int) -> bool:
+        """Whether a draft model's round may pay for itself, asked before it runs (its steps
+        cost what a verification could gain): the cost model on proposals of the full length
+        at each sequence's rate, with the rounds' measured seconds (`StepCosts.proposing`).
+        Without those, yes: the first round measures them."""
+        costs = self.step_costs
+        if costs is None or costs.proposing is None:
+            return True
+        lengths = []
+        for _, seq, limit in eligible:
+            n = max(0, min(self.proposer.num_tokens, limit, room))
+            room -= n
+            if n:
+                lengths.append((n, seq.spec.acceptance))
+        return bool(lengths) and best_cap(tokens, sampling, lengths, costs) > 0
 
     def _estimate(self, seq: Sequence) -> float | list[float]:
         """The chance that each token of `seq`'s proposal is accepted once those before it were:

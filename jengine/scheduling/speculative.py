@@ -267,6 +267,8 @@ class StepCosts:
         self._seen: set[int] = set()
         self._gaps: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
         self.gap: float | None = None  # host seconds between steps run one after the other
+        self._proposing: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self.proposing: float | None = None  # seconds of a proposer's round (a draft model's)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Records one step. A bucket's first step is not counted: it may have built (compiled
@@ -285,19 +287,26 @@ class StepCosts:
         self._gaps.append(seconds)
         self.gap = statistics.median(self._gaps)
 
+    def observe_proposing(self, seconds: float) -> None:
+        """Records one round of the proposer: a verifying step waits for it too."""
+        self._proposing.append(seconds)
+        self.proposing = statistics.median(self._proposing)
+
     def estimate(self, num_tokens: int) -> float | None:
         """Seconds of a step of `num_tokens`: its bucket's, never more than a larger bucket's;
         an unmeasured bucket is taken to cost what the nearest measured smaller one does
-        (optimism, so it gets tried and measured). None before any measurement."""
+        (optimism, so it gets tried and measured), or with none, the least of the larger ones.
+        None before any measurement."""
         t = self._bucket_of(num_tokens)
-        smaller = [b for b in self._seconds if b <= t]
-        if not smaller:
+        if not self._seconds:
             return None
-        seconds = self._seconds[max(smaller)]
+        smaller = [b for b in self._seconds if b <= t]
         # Nor more than a larger bucket: a bucket seldom run keeps the figures of its first,
-        # slow runs (its program and buffers cold) long after the busy ones came down.
+        # slow runs (its program and buffers cold) long after the busy ones came down. With
+        # only larger ones measured, theirs is the bound: a sequence that verified every step
+        # (a draft model's) never measured the plain step its proposals must beat.
         larger = [s for b, s in self._seconds.items() if b > t]
-        return min([seconds, *larger])
+        return min(([self._seconds[max(smaller)]] if smaller else []) + larger)
 
 
 def best_cap(base_tokens: int, base_rows: int,
@@ -317,7 +326,8 @@ def best_cap(base_tokens: int, base_rows: int,
         gain = sum(expected_tokens(min(n, cap), a) - 1 for n, a in proposals)
         seconds = costs.estimate(base_tokens + extra)
         if seconds is not None:
-            seconds += costs.gap or 0.0  # a verifying step waits for the host
+            # A verifying step waits for the host and for its proposals.
+            seconds += (costs.gap or 0.0) + (costs.proposing or 0.0)
         if seconds is not None and (base_rows + gain) / seconds > best_rate:
             best, best_rate = cap, (base_rows + gain) / seconds
     return best
