@@ -364,7 +364,6 @@ class EngineCore:
         self.device_seconds += time.perf_counter() - t0
         costs = self._step_costs
         if costs is not None and prev is None and self._last_done:
-            # Nothing ran on the device meanwhile; the proposer's share is counted apart.
             costs.observe_gap(t0 - self._last_done - self.scheduler.speculator.proposing_seconds)
         return _InFlight(batch, out, t0)
 

@@ -283,7 +283,9 @@ class StepCosts:
 
     def observe_gap(self, seconds: float) -> None:
         """Records the host's time between one step's outputs and the next launch when they
-        did not overlap: what a verifying step pays on top, since it cannot run ahead."""
+        did not overlap (nothing ran on the device meanwhile), less the proposer's round,
+        which `observe_proposing` has: what a verifying step pays on top, since it cannot run
+        ahead."""
         self._gaps.append(seconds)
         self.gap = statistics.median(self._gaps)
 
