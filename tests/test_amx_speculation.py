@@ -19,19 +19,32 @@ def test_bf16_greedy_tokens_and_logprobs_are_a_plain_decodes():
     fixed positions on the row path whatever its block's extent (tests/test_cpu_attention.py
     checks the bits), bucket padding no longer joins a lone sequence's block, and the norms and
     the log-normaliser sum a row in one order in any number of rows (`layers.row_sum`: XLA's
-    reduce changes its order from 8 rows, which 8-row verifications, k = 7, reach)."""
-    prompt = " ".join(REPETITIVE * 3)  # 333 tokens: verifications cross pages 20-21
+    reduce changes its order from 8 rows, which 8-row verifications, k = 7, reach).
+
+    The same prompt again (`again`) finds its full pages cached and computes only its last
+    partial page, as 6 rows of the row path where the first run's 22-row block took the prefill
+    path, whose K/V differ in the last bits. Filling that page then meets the first run's copy:
+    a sequence that switched to the cache's copy there read other bits from the step after the
+    page filled, and a verification that crossed the page's end read its own copy instead, so
+    the two engines' logprobs parted (and, on near ties, their greedy text: docs/engine.md,
+    "Session 23"). A sequence now keeps reading the pages it computed."""
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
     outs = []
     for kw in ({}, dict(speculative="ngram", num_speculative_tokens=7)):
         engine = Engine(config="test", dtype="bfloat16", progress=False, **kw)
-        outs.append(engine.generate([prompt], sp)[0].outputs[0])
+        prompt = " ".join(REPETITIVE * 3)  # 333 tokens: verifications cross pages 20-21
+        # 342 tokens: after `prompt`'s 20 cached pages the first run computes 22 rows, the
+        # second 6 (page 21 of 16 tokens); its verification [350, 357) crosses page 21's end.
+        again = (engine.tokenizer.encode(" ".join(REPETITIVE * 4)) * 2)[:342]
+        runs = [engine.generate([p], sp)[0].outputs[0] for p in (prompt, again, again)]
+        outs.append(runs)
         if kw:
             assert engine.stats().spec_num_accepted_tokens > 0
+        assert engine.stats().prefix_cache_duplicate_pages > 0  # the case above was reached
         del engine
         gc.collect()
-    plain, spec = outs
-    assert spec.token_ids == plain.token_ids
-    got = [lp[t].logprob for lp, t in zip(spec.logprobs, spec.token_ids)]
-    want = [lp[t].logprob for lp, t in zip(plain.logprobs, plain.token_ids)]
-    assert got == want
+    for plain, spec in zip(*outs):
+        assert spec.token_ids == plain.token_ids
+        got = [lp[t].logprob for lp, t in zip(spec.logprobs, spec.token_ids)]
+        want = [lp[t].logprob for lp, t in zip(plain.logprobs, plain.token_ids)]
+        assert got == want

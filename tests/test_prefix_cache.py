@@ -33,11 +33,14 @@ def cache_with(num_pages: int = 32) -> tuple[PageAllocator, PrefixCache]:
 
 
 def computed(alloc: PageAllocator, cache: PrefixCache, tokens: list[int]) -> list[int]:
-    """What a sequence does: allocates pages for `tokens`, inserts the full ones, lets go."""
-    pages = alloc.allocate(len(tokens) // PS)
-    canonical = cache.insert(tokens, pages)
+    """What a sequence does: takes the cached pages of its prefix, allocates pages for the rest
+    of `tokens`, inserts the full ones, lets go. Returns its pages."""
+    hit = cache.match(tokens)
+    alloc.share(hit)
+    pages = hit + alloc.allocate(len(tokens) // PS - len(hit))
+    assert cache.insert(tokens, pages, len(hit)) == len(pages)
     alloc.free(pages)
-    return canonical
+    return pages
 
 
 # ----------------------------------------------------------------------------- the tree alone
@@ -69,16 +72,36 @@ def test_a_diverging_prefix_splits_the_edge_and_both_branches_match():
     assert cache.num_pages == 6 == alloc.num_evictable
 
 
-def test_inserting_pages_cached_elsewhere_returns_the_cached_ones():
+def test_pages_computed_again_take_the_place_of_a_copy_only_the_tree_holds():
+    """The later copy is the one a running sequence reads (its own): it goes in, the tree's
+    goes back to the free list."""
     alloc, cache = cache_with()
     tokens = list(range(1, 13))
     first = alloc.allocate(3)
-    assert cache.insert(tokens, first) == first
+    assert cache.insert(tokens, first) == 3
+    alloc.free(first)  # its sequence finished: only the tree holds it
     second = alloc.allocate(3)
-    assert cache.insert(tokens, second) == first  # same tokens: the tree keeps its copy
-    assert all(not alloc.is_cached(p) for p in second)
+    assert cache.insert(tokens, second) == 3
+    assert cache.match(tokens) == second and cache.stats.duplicate_pages == 3
+    assert all(alloc.is_cached(p) for p in second) and alloc.num_evictable == 0
+    alloc.free(second)
+    assert alloc.num_free == 31 - 3 and alloc.num_evictable == 3 == cache.num_pages
+
+
+def test_a_copy_someone_holds_stays_and_the_insertion_stops_there():
+    """Nothing of the second sequence's goes in from its first duplicate page: a page of its
+    own below the first's would hang below a page it does not hold."""
+    alloc, cache = cache_with()
+    tokens = list(range(1, 13))
+    first = alloc.allocate(2)
+    cache.insert(tokens[:8], first)  # a running sequence's
+    second = alloc.allocate(3)
+    assert cache.insert(tokens, second) == 0
+    assert cache.match(tokens) == first and cache.stats.duplicate_pages == 1
+    assert not any(alloc.is_cached(p) for p in second)
+    assert cache.insert(tokens, first + second[2:], 2) == 3  # the first goes on: its third page
     alloc.free(first + second)
-    assert alloc.num_free == 31 - 3 and alloc.num_evictable == 3
+    assert alloc.num_free == 31 - 3 and alloc.num_evictable == 3 == cache.num_pages
 
 
 def test_eviction_takes_the_least_recently_used_leaf_from_its_tail():
@@ -169,7 +192,8 @@ def cached_harness(**kw) -> Harness:
 
 def check_root_paths(h: Harness) -> None:
     """The cache's invariant: each live sequence's computed full pages are the tree's pages for
-    its tokens (so a page only the cache holds has no held page below it)."""
+    its tokens up to `own_pages_from`, and its own, uncached, from there; so a page only the
+    cache holds has no held page below it (checked over the whole tree)."""
     ps = h.allocator.page_size
     for seq in h.live_seqs():
         full = seq.num_computed // ps
@@ -177,9 +201,18 @@ def check_root_paths(h: Harness) -> None:
         if PENDING in tokens:
             continue
         tree = [p for node, n in h.cache._walk(tokens, full) for p in node.pages[:n]]
-        assert seq.pages[:full] == tree, f"sequence {seq.seq_id} holds pages off its path"
+        shared = full if seq.own_pages_from is None else seq.own_pages_from
+        assert seq.pages[:shared] == tree[:shared], f"sequence {seq.seq_id} is off its path"
         assert seq.num_cached_pages <= full
-        assert not any(h.allocator.is_cached(p) for p in seq.pages[full:])
+        assert not any(h.allocator.is_cached(p) for p in seq.pages[shared:])
+    stack = [(child, False) for child in h.cache._root.children.values()]
+    while stack:
+        node, above_unheld = stack.pop()
+        for p in node.pages:
+            held = h.allocator.refcount(p) > 1
+            assert not (held and above_unheld), f"held page {p} below a page only the tree holds"
+            above_unheld = above_unheld or not held
+        stack += [(child, above_unheld) for child in node.children.values()]
 
 
 def test_a_shared_prefix_is_computed_once_and_the_outputs_stay_the_same():
@@ -256,17 +289,31 @@ def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
     assert h.result("a") == h.result("b")
 
 
-def test_pages_computed_twice_end_up_on_one_copy():
+def test_pages_computed_twice_stay_each_sequences_own():
     """A later turn sent while the earlier one still decodes: both fill the reply's pages (the
-    decoding sequence does not hold the next one back), and the second switches to the first's."""
+    decoding sequence does not hold the next one back); each reads its own copy to the end,
+    and the one that meets the other's copy in the tree caches no page from there."""
     h = cached_harness(page_size=PS, max_model_len=64, max_num_batched_tokens=64)
     turn1 = prompt_of(6)
-    h.add("t1", turn1, params(max_tokens=12, ignore_eos=True))
+    t1, = h.add("t1", turn1, params(max_tokens=12, ignore_eos=True))
     h.step()
     turn2 = turn1 + solo_tokens(turn1, 0, 12) + [9]
     t2, = h.add("t2", turn2, params(max_tokens=2, ignore_eos=True))
-    h.run(on_step=lambda _: check_root_paths(h))
-    assert h.cache.stats.duplicate_pages > 0
+    pages: dict[str, list[int]] = {}
+    own_from: dict[str, int] = {}
+
+    def check(_):
+        check_root_paths(h)
+        for seq in (t1, t2):
+            if seq.pages:  # only ever extended: no page a sequence reads is swapped
+                before = pages.setdefault(seq.request_id, list(seq.pages))
+                assert seq.pages[:len(before)] == before[:len(seq.pages)]
+                pages[seq.request_id] = list(seq.pages)
+            if seq.own_pages_from is not None:
+                own_from[seq.request_id] = seq.own_pages_from
+
+    h.run(on_step=check)
+    assert h.cache.stats.duplicate_pages > 0 and own_from
     assert h.result("t2") == solo_result("t2", turn2, params(max_tokens=2, ignore_eos=True), 0,
                                          page_size=PS, max_model_len=64)
 

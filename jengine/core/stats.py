@@ -28,8 +28,8 @@ class EngineStats:
       prefix_cache_query_tokens: tokens those lookups covered.
       prefix_cache_hit_tokens: tokens found in the cache, so not computed again.
       prefix_cache_evicted_pages: cached pages evicted to make room.
-      prefix_cache_duplicate_pages: pages computed twice because two requests prefilled the
-        same prefix at once (one copy is kept).
+      prefix_cache_duplicate_pages: pages a sequence computed that the cache held already (two
+        requests filling one prefix at once, or an identical request's identical output).
       spec_num_drafts: speculative verifications (a decode step of one sequence with proposals).
       spec_num_draft_tokens: tokens proposed in them.
       spec_num_accepted_tokens: proposed tokens the target model confirmed.

@@ -13,9 +13,16 @@ of its own), so a page that only the tree holds has no held page below it: every
 can be evicted leaves first. `evict` does that, least recently used leaf first, trimming a leaf
 edge from its tail until enough pages are free.
 
-When two sequences compute the same prefix at the same time, the first to insert wins and the
-second switches its page table to the tree's pages (`insert` returns them): the contents are
-the same, and the root-path invariant above needs the sequence to hold the tree's copy.
+A sequence reads the pages it computed until it finishes, even where the tree has another copy
+of the same tokens (computed by a sequence beside it, or by an earlier one whose prefill was
+chunked otherwise): two copies hold the same K/V only up to the last bits, which depend on the
+rows each was computed with (a prefill block's attention path rounds otherwise than a decode's
+row path). Switching a decoding sequence onto the tree's copy changed its logits from the step
+after the page filled, a step that depends on how its tokens were grouped into steps, so a
+speculative verification crossing the page's end read one copy where plain decoding read the
+other, and greedy text parted on near ties (docs/engine.md, "Session 23"). So `insert` puts
+the caller's copy in the tree where the tree alone holds the other, and otherwise stops: the
+sequence's later pages stay its own, out of the tree, which keeps the root-path invariant.
 """
 
 from __future__ import annotations
@@ -39,8 +46,8 @@ class PrefixCacheStats:
       query_tokens: tokens those lookups covered (the sequences' lengths).
       hit_tokens: tokens found in the cache (whole pages).
       evicted_pages: pages given up to make room.
-      duplicate_pages: pages a sequence computed while another computed the same tokens (it
-        then switched to the cached copy): work that a shared prefix did twice.
+      duplicate_pages: pages a sequence computed that the tree held already (for a sequence
+        beside it, or an earlier one): work that a shared prefix did twice.
     """
 
     queries: int = 0
@@ -130,18 +137,29 @@ class PrefixCache:
 
     # -- insertion ----------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], pages: list[int], num_known: int = 0) -> list[int]:
+    def insert(self, tokens: Sequence[int], pages: list[int], num_known: int = 0) -> int:
         """Adds the full pages `pages` holding `tokens` (`len(pages)` pages' worth) to the tree.
         `num_known`: how many leading pages are already the tree's (they are not compared).
 
-        Returns the tree's pages for those positions: the caller's own pages where they were
-        new, and the pages already cached for the same tokens elsewhere. The caller should
-        switch to the latter (see the module docstring)."""
+        Where the tree holds another page for the same tokens, the caller computed them twice
+        (counted in `stats.duplicate_pages`): a copy only the tree holds is freed and the
+        caller's takes its place; a copy someone else holds stays, and the insertion stops
+        there, so that no page of the caller's hangs below a page it does not hold. Returns how
+        many leading pages of `pages` are the tree's now (all of them unless it stopped)."""
         now = next(self._clock)
         node, i = self._root, 0
-        out: list[int] = []
         for child, matched in self._walk(tokens, len(pages), num_known):
-            out += child.pages[:matched]
+            for j in range(max(0, num_known - i), matched):
+                theirs, ours = child.pages[j], pages[i + j]
+                if theirs == ours:
+                    continue
+                self.stats.duplicate_pages += 1
+                if self.allocator.refcount(theirs) > 1:
+                    self._touch(child, now)
+                    return i + j
+                self.allocator.cache_hold([ours])
+                self.allocator.cache_drop([theirs])
+                child.pages[j] = ours
             i += matched
             self._touch(child, now)
             node = child
@@ -152,8 +170,7 @@ class PrefixCache:
         if i < len(pages):
             keys = [self.page_key(tokens, k) for k in range(i, len(pages))]
             self._add_leaf(node, keys, pages[i:], now)
-            out += pages[i:]
-        return out
+        return len(pages)
 
     def _add_leaf(self, parent: _Node, keys: list[PageKey], pages: list[int], now: int) -> None:
         self.allocator.cache_hold(pages)

@@ -1,7 +1,8 @@
 """How sequences use the prefix cache: an admitted sequence takes the cached pages of its
 longest cached prefix (`reuse_cached`), waits a step rather than compute a page another chunk
 of this step fills (`prefix_in_flight`), and puts each page it fills into the cache the step it
-fills it (`cache_pages`). The cache itself (`prefix_cache.py`) knows tokens and pages only."""
+fills it (`cache_pages`), reading its own copy all the same. The cache itself
+(`prefix_cache.py`) knows tokens and pages only."""
 
 from __future__ import annotations
 
@@ -50,20 +51,16 @@ def count_lookup(cache: PrefixCache, seq: Sequence, hit: int) -> None:
 
 
 def cache_pages(cache: PrefixCache, seq: Sequence) -> None:
-    """Puts the sequence's computed full pages into the prefix cache and switches it to the
-    cache's copy of any it computed alongside another sequence. Called as soon as a page
-    fills, before anything else can share the page, so the switch leaves no holder of the
-    sequence's own copy behind (the cache's root-path invariant)."""
+    """Puts the sequence's computed full pages into the prefix cache, the step it fills each.
+    The sequence keeps its own pages: where the tree held another copy that a running sequence
+    holds, it caches none of its later pages (`PrefixCache.insert` says why)."""
     ps, known = cache.allocator.page_size, seq.num_cached_pages
     full = seq.num_computed // ps
+    if seq.own_pages_from is not None or full <= known:
+        return
     tokens = seq.tokens(0, full * ps)
     if PENDING in tokens[known * ps:]:  # cannot happen: a PENDING token is never computed
         raise RuntimeError(f"sequence {seq.seq_id} has a computed PENDING token")
-    canonical = cache.insert(tokens, seq.pages[:full], known)
-    for i in range(known, full):
-        if canonical[i] != seq.pages[i]:
-            cache.stats.duplicate_pages += 1
-            cache.allocator.share([canonical[i]])
-            cache.allocator.free([seq.pages[i]])
-            seq.pages[i] = canonical[i]
-    seq.num_cached_pages = full
+    seq.num_cached_pages = cache.insert(tokens, seq.pages[:full], known)
+    if seq.num_cached_pages < full:
+        seq.own_pages_from = seq.num_cached_pages

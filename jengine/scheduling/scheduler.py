@@ -249,11 +249,13 @@ class Scheduler:
         return bool(holders)
 
     def _release(self, seq: Sequence) -> None:
-        """Lets go of a sequence's pages (its full ones are in the prefix cache already)."""
+        """Lets go of a sequence's pages (the prefix cache holds its full ones, up to
+        `own_pages_from`)."""
         if seq.pages:
             self.allocator.free(seq.pages)
             seq.pages = []
             seq.num_cached_pages = 0
+            seq.own_pages_from = None
 
     # -- after the step ----------------------------------------------------------------------------
 
@@ -364,6 +366,8 @@ class Scheduler:
             self.allocator.share(shared)
             seq.pages = list(shared)
             seq.num_cached_pages = min(len(shared), leader.num_cached_pages)
+            own = leader.own_pages_from  # pages the leader keeps out of the cache stay out
+            seq.own_pages_from = own if own is not None and own < len(shared) else None
             seq.num_computed = len(shared) * self.allocator.page_size
             self.waiting.appendleft(seq)
         leader.pending_forks = []

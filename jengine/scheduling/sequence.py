@@ -42,6 +42,9 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache when first admitted
     num_cached_pages: int = 0  # leading `pages` known to be the prefix cache's (not re-compared)
+    # The first of `pages` the prefix cache does not take (it holds another copy that a running
+    # sequence holds): from there on the sequence's pages stay its own. None: it takes them all.
+    own_pages_from: int | None = None
     # Set on a request's first sample while its siblings wait to share its prompt pages.
     pending_forks: list[Sequence] = dataclasses.field(default_factory=list)
     # The grammar state of a constrained sequence (`jengine.structured.Matcher`): it has consumed

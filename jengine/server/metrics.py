@@ -109,8 +109,8 @@ class _EngineCollector(Collector):
                        "Cached KV pages evicted to make room.",
                        stats.prefix_cache_evicted_pages)
         yield _counter("jengine_prefix_cache_duplicate_pages",
-                       "KV pages computed twice because two requests prefilled the same prefix "
-                       "at once.", stats.prefix_cache_duplicate_pages)
+                       "KV pages a sequence computed that the prefix cache held already.",
+                       stats.prefix_cache_duplicate_pages)
         yield _counter("jengine_spec_decode_num_drafts",
                        "Speculative verifications (one sequence's decode step with proposals).",
                        stats.spec_num_drafts)
