@@ -86,6 +86,7 @@ class OracleProposer:
 
     def __init__(self, num_tokens: int, seed: int = 0, rng_seed: int = 0):
         self.num_tokens, self.seed = num_tokens, seed
+        self.drafts = False  # weighed like a host lookup, unless a test makes it a draft model
         self.rng = np.random.default_rng(rng_seed)
         self.proposed: list[list[int]] = []
 

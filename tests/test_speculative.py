@@ -153,6 +153,17 @@ def test_cost_model_verifies_only_where_it_pays():
     assert expected_tokens(0, 0.5) == 1 and expected_tokens(2, 0.5) == pytest.approx(1.75)
 
 
+def test_a_proposers_round_is_kept_out_of_the_host_gap():
+    """A draft model's round runs between two steps: `proposing` has it, and the gap it fell
+    in is recorded without it (the verification pays it through `proposing`, not twice)."""
+    costs = StepCosts(lambda n: n)
+    costs.observe_proposing(0.030)
+    costs.observe_gap(0.031)
+    costs.observe_gap(0.002)  # no round before this launch
+    assert costs.proposing == pytest.approx(0.030)
+    assert sorted(costs._gaps) == pytest.approx([0.001, 0.002])
+
+
 # -- the scheduler, with a fake model -------------------------------------------------------------
 
 

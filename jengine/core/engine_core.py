@@ -364,7 +364,7 @@ class EngineCore:
         self.device_seconds += time.perf_counter() - t0
         costs = self._step_costs
         if costs is not None and prev is None and self._last_done:
-            costs.observe_gap(t0 - self._last_done - self.scheduler.speculator.proposing_seconds)
+            costs.observe_gap(t0 - self._last_done)
         return _InFlight(batch, out, t0)
 
     def _can_run_ahead(self, sampled: list[tuple[Sequence, int]]) -> bool:

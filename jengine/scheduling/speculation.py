@@ -26,6 +26,11 @@ class Proposer(Protocol):
     """What proposes tokens: `NgramProposer` (host lookup) or a draft model
     (`jengine.core.draft.DraftProposer`), asked once per step for every candidate at once."""
 
+    # Whether a round runs a model (steps that cost what a verification could gain): such a
+    # proposer is weighed by the cost model before its round, not only after.
+    drafts: bool
+    num_tokens: int  # the most it proposes for one sequence
+
     def propose_many(self, requests: list[tuple[list[int], int]]) -> list[Proposal]:
         """For each (the sequence's tokens, the most it may propose): its proposal, maybe empty."""
         ...
@@ -42,9 +47,6 @@ class Speculator:
         self.step_costs: StepCosts | None = None
         self.paused = 0  # steps left in which nobody proposes (DECLINED_PAUSE)
         self.acceptance = AcceptanceByMatch()  # of n-gram proposals, per match length
-        # Seconds the proposer took in this step's schedule (the engine keeps them out of the
-        # host gap it measures: `StepCosts.proposing` has them).
-        self.proposing_seconds = 0.0
 
     def may_speculate(self, seq: Sequence) -> bool:
         """Whether `seq` may verify proposals when its last token is known (so its next step
@@ -65,7 +67,6 @@ class Speculator:
         With step costs measured (`step_costs`), proposals are cut to the length that gives the
         most expected tokens per second, which is none where verifying costs more than it
         gains (`jengine.scheduling.speculative.best_cap`)."""
-        self.proposing_seconds = 0.0
         if self.paused > 0:
             self.paused -= 1
             return
@@ -84,7 +85,7 @@ class Speculator:
             eligible.append((i, seq, limit))
         tokens = sum(n for _, n in chosen)
         sampling = sum(1 for seq, n in chosen if seq.num_computed + n == seq.num_tokens)
-        if eligible and getattr(self.proposer, "drafts", False) and not self._drafting_may_pay(
+        if eligible and self.proposer.drafts and not self._drafting_may_pay(
                 tokens, sampling, eligible, room):
             for _, seq, _ in eligible:
                 seq.spec.decline()
@@ -93,20 +94,16 @@ class Speculator:
         start = time.perf_counter()
         proposals = self.proposer.propose_many(
             [(seq.tokens(0, seq.num_tokens), limit) for _, seq, limit in eligible])
-        if eligible:
-            self.proposing_seconds = time.perf_counter() - start
-            if self.step_costs is not None:
-                self.step_costs.observe_proposing(self.proposing_seconds)
+        if eligible and self.step_costs is not None:
+            self.step_costs.observe_proposing(time.perf_counter() - start)
         candidates = []
-        for (i, seq, _), found in zip(eligible, proposals):
-            if not found.tokens:
-                continue
-            # In order, as much as the room still takes (so the cost model weighs step sizes
-            # that exist); one cut to nothing is declined below.
-            proposal = found.tokens[:room]
-            room -= len(proposal)
-            seq.spec.match = found.match
-            candidates.append((i, seq, proposal))
+        # In order, as much as the room still takes (so the cost model weighs step sizes that
+        # exist); one cut to nothing is declined below.
+        fits = in_room([len(found.tokens) for found in proposals], room)
+        for (i, seq, _), found, n in zip(eligible, proposals, fits):
+            if found.tokens:
+                seq.spec.match = found.match
+                candidates.append((i, seq, found.tokens[:n]))
         if not candidates:
             return
         cap = best_cap(tokens, sampling, [(len(p), self._estimate(seq))
@@ -153,12 +150,8 @@ class Speculator:
         costs = self.step_costs
         if costs is None or costs.proposing is None:
             return True
-        lengths = []
-        for _, seq, limit in eligible:
-            n = max(0, min(self.proposer.num_tokens, limit, room))
-            room -= n
-            if n:
-                lengths.append((n, seq.spec.acceptance))
+        fits = in_room([min(self.proposer.num_tokens, limit) for _, _, limit in eligible], room)
+        lengths = [(n, seq.spec.acceptance) for (_, seq, _), n in zip(eligible, fits) if n]
         return bool(lengths) and best_cap(tokens, sampling, lengths, costs) > 0
 
     def _estimate(self, seq: Sequence) -> float | list[float]:
@@ -166,3 +159,12 @@ class Speculator:
         its match length's curve, or a draft model's sequence's own rate."""
         spec = seq.spec
         return self.acceptance.curve(spec.match) if spec.match else spec.acceptance
+
+
+def in_room(lengths: list[int], room: int) -> list[int]:
+    """Each of `lengths` cut to what `room` still holds after the ones before it."""
+    fits = []
+    for n in lengths:
+        fits.append(max(0, min(n, room)))
+        room -= fits[-1]
+    return fits

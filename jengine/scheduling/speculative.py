@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
+from typing import ClassVar
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -104,6 +105,7 @@ class NgramProposer:
     num_tokens: int
     ngram_min: int = 1
     ngram_max: int = 4
+    drafts: ClassVar[bool] = False  # a host lookup: nothing to weigh before it runs
 
     def __post_init__(self):
         check_num_tokens(self.num_tokens)
@@ -181,16 +183,17 @@ class SpecState:
 
     def verified(self, accepted: int) -> None:
         """Records how many of `proposal` the step accepted, and clears it."""
-        self.acceptance += ACCEPTANCE_WEIGHT * (run_rate(len(self.proposal), accepted)
-                                                - self.acceptance)
-        self.proposal, self.declined = [], 0
+        if not self.match:  # a draft model's (n-gram proposals are `AcceptanceByMatch`'s)
+            self.acceptance += ACCEPTANCE_WEIGHT * (run_rate(len(self.proposal), accepted)
+                                                    - self.acceptance)
+        self.proposal, self.match, self.declined = [], 0, 0
         self.misses = 0 if accepted else self.misses + 1
         if self.misses >= MISSES_BEFORE_BACKOFF:
             self.misses, self.paused = 0, BACKOFF_STEPS
 
     def decline(self) -> None:
         """The cost model left this proposal out; after a while the estimate starts over."""
-        self.proposal = []
+        self.proposal, self.match = [], 0
         self.declined += 1
         self.paused = NO_PROPOSAL_PAUSE
         if self.declined * NO_PROPOSAL_PAUSE >= REEXPLORE_STEPS:
@@ -269,6 +272,7 @@ class StepCosts:
         self.gap: float | None = None  # host seconds between steps run one after the other
         self._proposing: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
         self.proposing: float | None = None  # seconds of a proposer's round (a draft model's)
+        self._round = 0.0  # the last round's seconds, until the gap they fell in is observed
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Records one step. A bucket's first step is not counted: it may have built (compiled
@@ -283,16 +287,20 @@ class StepCosts:
 
     def observe_gap(self, seconds: float) -> None:
         """Records the host's time between one step's outputs and the next launch when they
-        did not overlap (nothing ran on the device meanwhile), less the proposer's round,
-        which `observe_proposing` has: what a verifying step pays on top, since it cannot run
+        did not overlap (nothing ran on the device meanwhile), less the proposer's round in
+        it, which `proposing` has: what a verifying step pays on top, since it cannot run
         ahead."""
-        self._gaps.append(seconds)
+        self._gaps.append(seconds - self._round)
+        self._round = 0.0
         self.gap = statistics.median(self._gaps)
 
     def observe_proposing(self, seconds: float) -> None:
-        """Records one round of the proposer: a verifying step waits for it too."""
+        """Records one round of the proposer, run before the next launch: a verifying step
+        waits for it too. (A proposing step is launched after the previous one's outputs, so
+        the gap it falls in is observed.)"""
         self._proposing.append(seconds)
         self.proposing = statistics.median(self._proposing)
+        self._round = seconds
 
     def estimate(self, num_tokens: int) -> float | None:
         """Seconds of a step of `num_tokens`: its bucket's, never more than a larger bucket's;
