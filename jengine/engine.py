@@ -85,7 +85,7 @@ class Engine:
         quantization: str | None = None,  # "none"
         quantize_lm_head: bool | None = None,  # False
         speculative: str | None = None,  # None (off) | "ngram"
-        num_speculative_tokens: int | None = None,  # 3
+        num_speculative_tokens: int | None = None,  # 15 (ngram) | 3 (draft)
         draft_model: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,  # 64

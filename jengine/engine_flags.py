@@ -48,7 +48,8 @@ def engine_parent() -> argparse.ArgumentParser:
                    "(outputs unchanged); draft = a smaller model of the same tokenizer "
                    "(--draft-model) drafts greedily. Default off")
     g.add_argument("--num-speculative-tokens", type=int, metavar="K",
-                   help="tokens proposed per decode step (default 3)")
+                   help="tokens proposed per decode step, 1-15 (default: 15 for ngram, "
+                   "3 for draft)")
     g.add_argument("--draft-model", help="the draft model of --speculative draft")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-seqs", type=int, help="default 64")

@@ -63,7 +63,9 @@ def test_speculative_settings_from_keywords_flags_and_presets(tmp_path):
     preset = tmp_path / "s.yaml"
     preset.write_text("speculative:\n  method: ngram\n  ngram_min: 2\n  ngram_max: 3\n")
     proposer = make_proposer(build_config(None, str(preset)).speculative)
-    assert (proposer.ngram_min, proposer.ngram_max, proposer.num_tokens) == (2, 3, 3)
+    assert (proposer.ngram_min, proposer.ngram_max, proposer.num_tokens) == (2, 3, 15)
+    draft = build_config(None, "test", speculative="draft", draft_model="x").speculative
+    assert draft.num_tokens is None and draft.proposal_tokens() == 3  # the methods' defaults
     for bad in (dict(speculative="draft", draft_model="x"), dict(speculative="medusa"),
                 dict(speculative="ngram", num_speculative_tokens=0)):
         with pytest.raises(ValueError):

@@ -108,4 +108,4 @@ def proposer_for(
         speculative=dataclasses.replace(spec, method=None),
     ))
     _check_vocabulary(target, core)
-    return DraftProposer(core, spec.num_tokens)
+    return DraftProposer(core, spec.proposal_tokens())

@@ -152,7 +152,7 @@ def make_proposer(spec: SpeculativeConfig) -> NgramProposer | None:
                          "jengine.core.draft.proposer_for builds it")
     if spec.method != "ngram":
         raise ValueError(f"unknown speculative method {spec.method!r}; use 'ngram' or 'draft'")
-    return NgramProposer(num_tokens=spec.num_tokens, ngram_min=spec.ngram_min,
+    return NgramProposer(num_tokens=spec.proposal_tokens(), ngram_min=spec.ngram_min,
                          ngram_max=spec.ngram_max)
 
 
