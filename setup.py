@@ -43,6 +43,7 @@ setup(
                 ["paged_attention.cc", "kv_zeros.cc", "small_matmul.cc", "int8_matmul.cc",
                  "rms_norm.cc"],
                 "paged_attention_impl.h", "amx_tiles.h", "amx_attention.h", "small_matmul_impl.h",
-                "amx_bf16.h", "amx_swiglu.h", "amx_int8.h", "spin_helper.h", "rms_norm_impl.h"),
+                "amx_bf16.h", "amx_swiglu.h", "amx_int8.h", "spin_helper.h", "rms_norm_impl.h",
+                "bf16.h"),
     ]
 )

@@ -5,6 +5,7 @@
 #define JENGINE_ISA_H_
 
 #include <cstdint>
+#include <initializer_list>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "bf16.h"
 #include "isa.h"
 #include "parallel_for.h"
 #include "spin_helper.h"
@@ -40,21 +41,6 @@ namespace ffi = xla::ffi;
 
 namespace jengine {
 namespace {
-
-inline float Bf16ToF32(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint16_t F32ToBf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // Key positions a task covers at most (rounded to whole pages): see MakeTasks.
 constexpr int64_t kSplitKeys = 256;

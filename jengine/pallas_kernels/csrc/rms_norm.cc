@@ -10,12 +10,12 @@
 // by the same code whatever the batch: sixteen running sums over the row, then a fixed tree,
 // so a row normalises to the same bits alone or among any others.
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "isa.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,10 +23,6 @@ namespace ffi = xla::ffi;
 
 namespace jengine {
 namespace {
-
-struct Bf16 {  // a bfloat16: the upper 16 bits of the f32 it stands for
-  uint16_t bits;
-};
 
 #define JE_IMPL_HEADER "rms_norm_impl.h"
 #include "per_isa.h"

@@ -3,25 +3,9 @@
 // target's width; a row's order of additions is the same at every width (sixteen running sums,
 // then a fixed tree). No include guard on purpose.
 
-inline float ToF32(float v) { return v; }
-inline float ToF32(Bf16 v) {
-  const uint32_t u = static_cast<uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// f rounded to bf16 (nearest even, as XLA's convert; a NaN stays a NaN), as its f32 bits.
-inline uint32_t Bf16RoundedBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  const uint32_t quiet = (u | 0x00400000u) & 0xffff0000u;
-  return (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
-}
-
+// ToF32, Bf16RoundedBits and F32ToBf16 are bf16.h's.
 inline void Store(float* p, float f) { *p = f; }
-inline void Store(Bf16* p, float f) { p->bits = static_cast<uint16_t>(Bf16RoundedBits(f) >> 16); }
+inline void Store(Bf16* p, float f) { p->bits = F32ToBf16(f); }
 
 inline float Round(float f, float) { return f; }
 inline float Round(float f, Bf16) {

@@ -19,6 +19,7 @@
 #include "amx_bf16.h"
 #include "amx_int8.h"
 #include "amx_swiglu.h"
+#include "bf16.h"
 #include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,19 +38,6 @@ inline bool SupportsHere(int32_t isa) {
   if (isa == kAmxInt8) return amx::PermittedInt8();
 #endif
   return Supports(isa);
-}
-
-struct Bf16 {  // a bfloat16 weight: the upper 16 bits of the f32 it stands for
-  uint16_t bits;
-};
-
-inline float ToF32(float v) { return v; }
-inline float ToF32(int8_t v) { return static_cast<float>(v); }
-inline float ToF32(Bf16 v) {
-  const uint32_t u = static_cast<uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
 }
 
 #define JE_IMPL_HEADER "small_matmul_impl.h"
