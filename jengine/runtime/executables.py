@@ -140,10 +140,12 @@ def _listen_for_cache_hits() -> None:
 
 
 class _SerializeGate:
-    """Compiles may run side by side, a serialization only alone: XLA:CPU serializing one
-    executable while another thread compiled crashed the process (a segfault inside
-    `executable.serialize()` in JAX's cache write, three full test runs in sessions 19-20, each
-    while a warm-up's compile threads built step programs). A waiting serialization goes first."""
+    """Compiles may run side by side, a serialization only alone. Added when full test runs
+    crashed inside `executable.serialize()` in JAX's cache write while a warm-up's compile
+    threads built step programs (sessions 19-20). Those crashes were later traced to the test
+    process running out of memory maps, not to the overlap (docs/engine.md, "Start-up: stored
+    step programs"); the gate stays because nothing documents serializing beside a compile as
+    safe, and it costs little: a waiting serialization goes first."""
 
     def __init__(self):
         self._cond = threading.Condition()
