@@ -327,8 +327,7 @@ class Runner:
                 if progress:
                     progress(i + 1, len(programs))
         else:  # the store writes once all compiles are done (ExecutableStore.deferred)
-            # Sharded: one at a time (XLA's SPMD partitioner races on shared shardings,
-            # jax-ml/jax#28143; the CI crash first put down to it was the memory-map limit)
+            # Sharded: one at a time (XLA's SPMD partitioner races on shardings, jax-ml/jax#28143)
             threads = threads or (1 if len(self._devices) > 1 else os.cpu_count() or 1)
             with (self._store.deferred() if self._store else contextlib.nullcontext(),
                   ThreadPoolExecutor(threads, thread_name_prefix="jengine-compile") as pool):
