@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
+from verify_all import verifying_everything  # tests/verify_all.py
 
 from jengine import Engine, SamplingParams
 
@@ -53,19 +54,10 @@ def _tokens(engine, sp):
 
 
 def _spec(models_dir, draft: str) -> Engine:
-    return _verifying_everything(Engine(
+    # A draft as large as its target never pays, so the cost model would rightly stop drafting.
+    return verifying_everything(Engine(
         models_dir["target"], config=ONE_BUCKET, speculative="draft", num_speculative_tokens=3,
         draft_model=models_dir[draft], progress=False))
-
-
-def _verifying_everything(engine: Engine) -> Engine:
-    """`engine` with its cost model out of the way: a draft as large as its target never pays
-    (the cost model rightly stops drafting), while these tests check what verification does
-    to the outputs, so every proposal is drafted and verified."""
-    cores = getattr(engine.core, "replicas", None) or [engine.core]
-    for core in cores:
-        core.scheduler.speculator.step_costs = None
-    return engine
 
 
 def test_the_target_as_its_own_draft_is_always_accepted(models_dir, plain):
@@ -102,7 +94,7 @@ def test_a_draft_must_share_the_vocabulary(models_dir):
 
 def test_each_data_parallel_replica_drafts_on_its_own_devices(models_dir, plain):
     """dp=2: every replica builds its own draft core on that replica's devices."""
-    spec = _verifying_everything(Engine(
+    spec = verifying_everything(Engine(
         models_dir["target"], config=ONE_BUCKET, mesh="dp=2", speculative="draft",
         num_speculative_tokens=2, draft_model=models_dir["other"], progress=False))
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

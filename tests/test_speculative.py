@@ -16,6 +16,7 @@ from scheduler_harness import (
     params,
     prompt_of,
 )
+from verify_all import verifying_everything  # tests/verify_all.py
 
 from jengine.scheduling.speculative import (
     ACCEPTANCE_PRIOR,
@@ -279,10 +280,12 @@ FREE = ["Tell me about the moon.", "Why is the sky blue?"]
 
 @pytest.fixture(scope="module")
 def spec_engine():
-    """The test preset with n-gram speculation (the step programs are smol_engine's)."""
+    """The test preset with n-gram speculation (the step programs are smol_engine's), verifying
+    every proposal."""
     from jengine import Engine
 
-    return Engine(config="test", speculative="ngram", num_speculative_tokens=3, progress=False)
+    return verifying_everything(
+        Engine(config="test", speculative="ngram", num_speculative_tokens=3, progress=False))
 
 
 def _fields(out):

@@ -201,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta.outputs[0].text if delta.outputs else "")
         sys.stdout.flush()
     sys.stdout.write("\n")
-    for core in getattr(engine.core, "replicas", [engine.core]):
+    for core in engine.core.replicas:
         print(f"jengine: first token {(first or start) - start:.1f}s after the engine began "
               f"({core.phase_summary()})", file=sys.stderr)
     return 0
