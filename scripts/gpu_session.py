@@ -366,7 +366,7 @@ def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked"
     from jengine.config import load_config
     from jengine.core.build import resolve_kv_cache_dtype
     from jengine.core.engine_core import EngineCore
-    from jengine.models import ModelConfig
+    from jengine.models import model_config_from_hf
     from jengine.runtime.runner import Runner
 
     path = root / "llama3-8b-random"
@@ -392,7 +392,7 @@ def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked"
         quantization=quant,
     )
     loaded = LoadedModel(
-        config=ModelConfig.from_hf(LLAMA3_8B),
+        config=model_config_from_hf(LLAMA3_8B),
         params={},
         tokenizer=tokenizer,
         source=str(path),

@@ -32,7 +32,7 @@ import transformers
 from test_models_parity import TOL, VOCAB, _build, _max_diff
 
 from jengine import Engine, SamplingParams
-from jengine.models import AttentionMetadata, KVCache, ModelConfig, deepseek
+from jengine.models import AttentionMetadata, KVCache, deepseek, model_config_from_hf
 from jengine.models.attention import attend_latent
 from jengine.pallas_kernels import quantize_rows
 from jengine.pallas_kernels.block_layout import num_query_blocks
@@ -117,7 +117,7 @@ def test_mla_stacked_layers_all_moe(tmp_path):
 
 
 def test_mla_cache_holds_latent_rows_only():
-    cfg = ModelConfig.from_hf(_config().to_dict())
+    cfg = model_config_from_hf(_config().to_dict())
     page_size = 16
     per_token = (32 + 8) * 4 * cfg.num_layers  # (kv_lora_rank + rope dim) f32, every layer
     assert KVCache.bytes_per_page(cfg, page_size, jnp.float32) == per_token * page_size
@@ -143,7 +143,7 @@ def test_v2_lite_sizes():
     """At V2-Lite's sizes: 15.7B parameters, 576 cached numbers per token and layer (bf16:
     31,104 bytes per token over 27 layers) where full keys and values of its 16 heads would be
     16 * (192 + 128) = 5,120, and yarn's mscale in the softmax scale."""
-    cfg = ModelConfig.from_hf(V2_LITE)
+    cfg = model_config_from_hf(V2_LITE)
     assert round(cfg.num_params / 1e9, 1) == 15.7
     assert KVCache.bytes_per_page(cfg, 16, jnp.bfloat16) == 16 * 576 * 2 * 27
     mscale = 0.1 * 0.707 * np.log(40) + 1
@@ -189,7 +189,7 @@ def _latent_step(backend: str, num_pages: int = 9, page_size: int = 16, *,
     16 q heads): a 3-token prefill chunk after 37 cached tokens, and two decodes; `blocked`:
     the reference's per-query-block layout (prefill-heavy buckets); `dtype` int8: the random
     cache quantized, one scale per latent row."""
-    cfg = ModelConfig.from_hf(_config(kv_lora_rank=512, qk_rope_head_dim=64,
+    cfg = model_config_from_hf(_config(kv_lora_rank=512, qk_rope_head_dim=64,
                                       num_attention_heads=16).to_dict())
     rng = np.random.default_rng(0)
     kv = KVCache.zeros(cfg, num_pages, page_size, dtype)

@@ -143,9 +143,9 @@ def test_safetensors_missing_a_weight(tmp_path):
 
 def test_fused_and_expert_tensors_of_the_wrong_shape_are_clear_errors():
     from converters import tables
-    from jengine.models import ModelConfig, family_module
+    from jengine.models import family_module, model_config_from_hf
 
-    phi3 = ModelConfig.from_hf(transformers.Phi3Config(
+    phi3 = model_config_from_hf(transformers.Phi3Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0).to_dict())
     specs = family_module(phi3).param_specs(phi3)
@@ -155,7 +155,7 @@ def test_fused_and_expert_tensors_of_the_wrong_shape_are_clear_errors():
         ("wq", slice(0, 32)), ("wk", slice(32, 48)), ("wv", slice(48, 64))]
     with pytest.raises(ModelLoadError, match=r"expected \(64, 32\) for wq\+wk\+wv"):
         tables.place(phi3, specs, qkv, (96, 32))  # as if kv heads were q heads
-    mixtral = ModelConfig.from_hf(transformers.MixtralConfig(
+    mixtral = model_config_from_hf(transformers.MixtralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4).to_dict())
     specs = family_module(mixtral).param_specs(mixtral)

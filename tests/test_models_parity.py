@@ -36,7 +36,7 @@ from paged import greedy_paged, run_paged  # tests/paged.py: pytest puts tests/ 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from converters import load_source
-from jengine.models import ModelConfig
+from jengine.models import model_config_from_hf
 from jengine.sharding import pad_query_heads
 
 TOL = 1e-4
@@ -176,7 +176,7 @@ def test_llama31_rope_scaling(tmp_path):
     legacy = json.loads((tmp_path / "config.json").read_text())
     legacy["rope_scaling"] = dict(legacy.pop("rope_parameters"))
     legacy["rope_theta"] = legacy["rope_scaling"].pop("rope_theta")
-    assert ModelConfig.from_hf(legacy).rope == loaded.config.rope
+    assert model_config_from_hf(legacy).rope == loaded.config.rope
     assert _max_diff(loaded, ids, expected) < TOL
     unscaled = dataclasses.replace(loaded.config.rope, rope_type="default")
     assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL
@@ -344,7 +344,7 @@ def test_qwen3_moe(tmp_path):
     hf = json.loads((tmp_path / "config.json").read_text())
     hf["decoder_sparse_step"] = 2  # dense MLPs on every other layer: refused, not misloaded
     with pytest.raises(ValueError, match="dense MLP"):
-        ModelConfig.from_hf(hf)
+        model_config_from_hf(hf)
 
 
 def test_phi3_fused_projections_and_partial_rotary(tmp_path):
@@ -482,7 +482,7 @@ def test_phi3_longrope(tmp_path):
     legacy["partial_rotary_factor"] = legacy["rope_scaling"].pop("partial_rotary_factor")
     for key in ("rope_type", "original_max_position_embeddings"):
         del legacy["rope_scaling"][key]
-    assert ModelConfig.from_hf(legacy) == cfg
+    assert model_config_from_hf(legacy) == cfg
     assert _max_diff(loaded, ids, expected) < TOL
     unscaled = dataclasses.replace(cfg.rope, attention_factor=1.0)
     assert _control_diff(_with(loaded, rope=unscaled), ids, expected) > TOL

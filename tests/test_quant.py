@@ -29,7 +29,7 @@ from jengine.cli.main import build_parser
 from jengine.config import load_config
 from jengine.engine import build_config
 from jengine.engine_flags import engine_kwargs
-from jengine.models import ModelConfig, family_module, quant
+from jengine.models import ModelConfig, family_module, model_config_from_hf, quant
 from jengine.models.quant import INT8_REFERENCE, QArray, quantize_params
 
 ONE_BUCKET = Path(__file__).with_name("one_bucket.yaml").read_text()
@@ -133,7 +133,7 @@ def test_int8_dot_equals_the_integer_product_rescaled(eq, xs, ws, contract):
 def _random_model(hf: dict, seed: int = 0) -> tuple[ModelConfig, dict[str, jax.Array]]:
     """A config from an HF-style dict and seeded params from its declarations: projections
     ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms near their identity."""
-    cfg = ModelConfig.from_hf(hf)
+    cfg = model_config_from_hf(hf)
     rng = np.random.default_rng(seed)
     params = {}
     for name, spec in family_module(cfg).param_specs(cfg).items():

@@ -7,6 +7,7 @@ from types import ModuleType
 from jengine.models import deepseek, gemma3, llama
 from jengine.models.attention import AttentionMetadata, KVCache
 from jengine.models.config import ModelConfig, RopeConfig
+from jengine.models.hf_config import model_config_from_hf
 
 _FAMILIES: dict[str, ModuleType] = {"llama": llama, "gemma3": gemma3, "deepseek": deepseek}
 
@@ -23,4 +24,4 @@ def layer_offsets(cfg: ModelConfig) -> dict[str, int]:
 
 
 __all__ = ["AttentionMetadata", "KVCache", "ModelConfig", "RopeConfig", "family_module",
-           "layer_offsets"]
+           "layer_offsets", "model_config_from_hf"]
