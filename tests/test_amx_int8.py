@@ -116,3 +116,28 @@ def test_swiglu_equals_the_unfused_activation(rows, k, n):
     np.testing.assert_allclose(got[off], want[off], rtol=2 ** -7)
     with pytest.raises(ValueError, match="two int8"):
         cpu_matmul.amx_int8_swiglu(xq, sx, packed[0], (packed[1][0][:1], packed[1][1]), n)
+
+
+def test_the_library_checks_what_it_is_given():
+    """The FFI targets check their operands themselves (the Python wrappers check first, so
+    only a caller that skips them reaches these errors): a scale vector one short, or up's
+    tiles for another width, is an error, not a read past the buffer."""
+    rng = np.random.default_rng(3)
+    k, n = 128, 64
+    w = _weight(rng, k, n)
+    xq, sx = quant.quantize_rows(jnp.asarray(rng.standard_normal((4, k)), jnp.bfloat16))
+    tiles = jnp.asarray(cpu_matmul.amx_int8_tiles(np.asarray(w.q)))
+    scale = w.scale.reshape(-1)
+    matmul = jax.ffi.ffi_call(cpu_matmul._AMX_INT8_TARGET,
+                              jax.ShapeDtypeStruct((4, n), jnp.float32))
+    args = dict(n=np.int64(n), max_threads=np.int32(0))
+    np.testing.assert_array_equal(  # the same call, well formed, runs
+        matmul(xq, sx.reshape(-1), tiles, scale, **args),
+        cpu_matmul.amx_int8_matmul(xq, sx, tiles, w.scale, n))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="amx int8 matmul: expected"):
+        jax.block_until_ready(matmul(xq, sx.reshape(-1), tiles, scale[:-1], **args))
+    swiglu = jax.ffi.ffi_call(cpu_matmul._INT8_SWIGLU_TARGET,
+                              jax.ShapeDtypeStruct((4, n), jnp.bfloat16))
+    narrow = jnp.asarray(cpu_matmul.amx_int8_tiles(np.asarray(w.q[:, :32])))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="amx int8 swiglu: expected"):
+        jax.block_until_ready(swiglu(xq, sx.reshape(-1), tiles, scale, narrow, scale, **args))

@@ -209,15 +209,23 @@ ffi::Error AmxSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate
 #endif
 }
 
+// Whether xq [R, K] (int8, with its [R] scales sx) and an int8 weight's tiles
+// [ceil(N / 32), ceil(K / 64), 2, 16, 64] with their [N] scales go together.
+bool Int8TilesFit(const ffi::Buffer<ffi::S8>& x, const ffi::Buffer<ffi::F32>& sx,
+                  const ffi::Buffer<ffi::S8>& tiles, const ffi::Buffer<ffi::F32>& sw,
+                  int64_t n) {
+  const auto xd = x.dimensions();
+  const auto td = tiles.dimensions();
+  return xd.size() == 2 && td.size() == 5 && td[2] == 2 && td[3] == 16 && td[4] == 64 &&
+         td[0] == (n + 31) / 32 && td[1] * 64 >= xd[1] && td[1] * 64 < xd[1] + 64 &&
+         sx.element_count() == xd[0] && sw.element_count() == n;
+}
+
 // y [R, N] = float(xq @ w) * sx * sw from an int8 weight's tiles (amx_int8.h).
 ffi::Error AmxInt8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> sx,
                          ffi::Buffer<ffi::S8> tiles, ffi::Buffer<ffi::F32> sw, int64_t n,
                          int32_t max_threads, ffi::Result<ffi::AnyBuffer> y) {
-  const auto xd = x.dimensions();
-  const auto td = tiles.dimensions();
-  if (xd.size() != 2 || td.size() != 5 || td[2] != 2 || td[3] != 16 || td[4] != 64 ||
-      td[0] != (n + 31) / 32 || td[1] * 64 < xd[1] || td[1] * 64 >= xd[1] + 64 ||
-      sx.element_count() != xd[0] || sw.element_count() != n) {
+  if (!Int8TilesFit(x, sx, tiles, sw, n)) {
     return ffi::Error::InvalidArgument(
         "amx int8 matmul: expected xq [R, K] int8, sx [R], int8 tiles "
         "[ceil(N / 32), ceil(K / 64), 2, 16, 64] and sw [N]");
@@ -230,10 +238,11 @@ ffi::Error AmxInt8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buff
   if (!amx::PermittedInt8()) {
     return ffi::Error::InvalidArgument("amx int8 matmul: this CPU or kernel gives no AMX-INT8");
   }
+  const auto xd = x.dimensions();
   if (xd[0] > 0 && n > 0) {
     amx::PackedMatmulInt8(pool, max_threads, x.typed_data(), sx.typed_data(), tiles.typed_data(),
-                          sw.typed_data(), y->untyped_data(), y_bf16, xd[0], xd[1], td[1] * 64,
-                          n);
+                          sw.typed_data(), y->untyped_data(), y_bf16, xd[0], xd[1],
+                          tiles.dimensions()[1] * 64, n);
   }
   return ffi::Error::Success();
 #else
@@ -246,12 +255,7 @@ ffi::Error AmxInt8SwiGlu(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buff
                          ffi::Buffer<ffi::S8> gate, ffi::Buffer<ffi::F32> gate_scale,
                          ffi::Buffer<ffi::S8> up, ffi::Buffer<ffi::F32> up_scale, int64_t n,
                          int32_t max_threads, ffi::ResultBuffer<ffi::BF16> y) {
-  const auto xd = x.dimensions();
-  const auto td = gate.dimensions();
-  if (xd.size() != 2 || td.size() != 5 || td[2] != 2 || td[3] != 16 || td[4] != 64 ||
-      td[0] != (n + 31) / 32 || td[1] * 64 < xd[1] || td[1] * 64 >= xd[1] + 64 ||
-      up.element_count() != gate.element_count() || sx.element_count() != xd[0] ||
-      gate_scale.element_count() != n || up_scale.element_count() != n) {
+  if (!Int8TilesFit(x, sx, gate, gate_scale, n) || !Int8TilesFit(x, sx, up, up_scale, n)) {
     return ffi::Error::InvalidArgument(
         "amx int8 swiglu: expected xq [R, K] int8, sx [R], two int8 tiles "
         "[ceil(N / 32), ceil(K / 64), 2, 16, 64] and their [N] scales");
@@ -260,11 +264,12 @@ ffi::Error AmxInt8SwiGlu(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buff
   if (!amx::PermittedInt8()) {
     return ffi::Error::InvalidArgument("amx int8 swiglu: this CPU or kernel gives no AMX-INT8");
   }
+  const auto xd = x.dimensions();
   if (xd[0] > 0 && n > 0) {
     amx::PackedSwiGluInt8(pool, max_threads, x.typed_data(), sx.typed_data(), gate.typed_data(),
                           gate_scale.typed_data(), up.typed_data(), up_scale.typed_data(),
                           reinterpret_cast<uint16_t*>(y->typed_data()), xd[0], xd[1],
-                          td[1] * 64, n);
+                          gate.dimensions()[1] * 64, n);
   }
   return ffi::Error::Success();
 #else
