@@ -100,8 +100,8 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """`jengine serve` as a real process (tests/serve_process.py), shared by test_server.py,
-    test_server_responses.py and test_server_structured.py: one start instead of three."""
+    """`jengine serve` as a real process (tests/serve_process.py), shared by the test_server*.py
+    modules that take it (test_server.py's docstring lists them): one start for all."""
     from serve_process import running_server
 
     with running_server(tmp_path_factory.mktemp("server") / "server.log") as srv:

@@ -18,8 +18,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai_shapes import assert_error  # tests/openai_shapes.py
 from pydantic import BaseModel
-from test_server import MODEL, assert_error
+from serve_process import MODEL  # tests/serve_process.py
 
 from jengine.outputs import CompletionOutput, RequestOutput, Usage
 from jengine.server.errors import APIError

@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
+from openai_shapes import assert_error, sse_payloads  # tests/openai_shapes.py
+from serve_process import MODEL  # tests/serve_process.py
 from structured_cases import WEATHER
-from test_server import MODEL, assert_error, sse_payloads
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 20},
