@@ -23,9 +23,9 @@ import gguf
 import numpy as np
 import pytest
 import transformers
+from gguf_writer import add_tiny_vocab, llama_cpp_permute, write_gguf  # tests/gguf_writer.py
 from safetensors.numpy import load_file
 from test_deepseek import _config as _deepseek_config
-from test_gguf import _llama_cpp_permute, _write, add_tiny_vocab
 from test_models_parity import (
     TOL,
     VOCAB,
@@ -98,9 +98,9 @@ def _llama_cpp_tensors(arch: gguf.MODEL_ARCH, hf: dict, state: dict, *, permute:
             out[f"blk.{layer}.ffn_up_exps.weight"] = value[:, width:]
             continue
         if permute and key.endswith("q_proj.weight"):
-            value = _llama_cpp_permute(value, heads, heads)
+            value = llama_cpp_permute(value, heads, heads)
         elif permute and key.endswith("k_proj.weight"):
-            value = _llama_cpp_permute(value, heads, kv_heads)
+            value = llama_cpp_permute(value, heads, kv_heads)
         if norm_shift and key.endswith("norm.weight"):
             value = value + norm_shift
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
@@ -134,7 +134,7 @@ def _convert(hf_dir: Path, arch: gguf.MODEL_ARCH, meta: Meta | None = None, *,
         tensors = edit(tensors, hf)
     for name, value in tensors.items():
         w.add_tensor(name, np.ascontiguousarray(value, np.float32))
-    _write(w)
+    write_gguf(w)
     return path
 
 
@@ -425,7 +425,7 @@ def test_deepseek2_v3_gating_is_refused(tmp_path):
     w.add_embedding_length(64)
     w.add_head_count(4)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    _write(w)
+    write_gguf(w)
     with pytest.raises(Exception, match="sigmoid expert gating"):
         GGUFModel(path).hf_config()
 
@@ -470,7 +470,7 @@ def test_unknown_arch_is_refused(tmp_path):
     path = tmp_path / "x.gguf"
     w = gguf.GGUFWriter(str(path), "bert")
     w.add_block_count(1)
-    _write(w)
+    write_gguf(w)
     with pytest.raises(Exception, match="unsupported architecture 'bert'"):
         GGUFModel(path)
 
@@ -488,5 +488,5 @@ def test_gemma_27b_query_scale_follows_llama_cpp(tmp_path, arch, layers, scalar)
     w.add_head_count(32 if layers in (46, 62) else 8)
     w.add_key_length(256)
     w.add_sliding_window(4096)
-    _write(w)
+    write_gguf(w)
     assert GGUFModel(path).hf_config()["query_pre_attn_scalar"] == scalar

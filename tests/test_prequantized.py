@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf_writer import write_tiny_llama  # tests/gguf_writer.py
 from safetensors.numpy import load_file, save_file
-from test_gguf import _tiny_llama_gguf
 from test_quant import _engine_greedy, _first_wq, _preset
 from test_sharded_loading import _tiny_llama
 
@@ -156,7 +156,7 @@ def test_unsupported_checkpoint_fails_at_load(compressed_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def q8_gguf(tmp_path_factory):
-    return _tiny_llama_gguf(tmp_path_factory.mktemp("q8") / "tiny-q8_0.gguf",
+    return write_tiny_llama(tmp_path_factory.mktemp("q8") / "tiny-q8_0.gguf",
                             matrices=Q.Q8_0)[0]
 
 
@@ -186,7 +186,7 @@ def test_q8_0_folds_to_what_quantizing_the_dequantized_rows_gives(q8_gguf):
 
 def test_q8_0_engine_greedy_equals_the_float_round_trip(q8_gguf, tmp_path):
     # The same model with the Q8_0 weights' values written as F32: quantized from float.
-    f32 = _tiny_llama_gguf(tmp_path / "dequantized.gguf", matrices=Q.Q8_0, dequantized=True)[0]
+    f32 = write_tiny_llama(tmp_path / "dequantized.gguf", matrices=Q.Q8_0, dequantized=True)[0]
     np.testing.assert_array_equal(load_source(str(f32), progress=False).params["w_up"],
                                   load_source(str(q8_gguf), progress=False).params["w_up"])
     preset = _preset(tmp_path, quantization="int8", smoothing_alpha=0)
