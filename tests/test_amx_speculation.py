@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 
 from test_speculative import REPETITIVE
+from verify_all import verifying_everything  # tests/verify_all.py
 
 from jengine import Engine, SamplingParams
 
@@ -32,6 +33,8 @@ def test_bf16_greedy_tokens_and_logprobs_are_a_plain_decodes():
     outs = []
     for kw in ({}, dict(speculative="ngram", num_speculative_tokens=7)):
         engine = Engine(config="test", dtype="bfloat16", progress=False, **kw)
+        if kw:  # every proposal verified, so the crossing below happens on any machine
+            verifying_everything(engine)
         prompt = " ".join(REPETITIVE * 3)  # 333 tokens: verifications cross pages 20-21
         # 342 tokens: after `prompt`'s 20 cached pages the first run computes 22 rows, the
         # second 6 (page 21 of 16 tokens); its verification [350, 357) crosses page 21's end.
