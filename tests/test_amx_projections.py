@@ -18,14 +18,13 @@ from pathlib import Path
 import jax
 import pytest
 import yaml
+from verify_all import ngram_speculation  # tests/verify_all.py
 
 from jengine import Engine, SamplingParams
 from jengine.core import build
 from jengine.models import matmul
 from jengine.pallas_kernels import cpu_matmul
 from jengine.runtime.step_io import SamplingRows, dummy_batch
-from jengine.scheduling.speculation import Speculator
-from jengine.scheduling.speculative import NgramProposer
 
 pytestmark = pytest.mark.skipif(
     not (cpu_matmul.available() and cpu_matmul.amx_available()),
@@ -98,13 +97,9 @@ def test_speculation_and_prompt_logprobs_on_packed_weights(engines):
     norms' last bits differ from XLA's)."""
     amx = engines["amx"]
     want = _tokens(amx)
-    sched = amx.core.scheduler
-    sched.speculator = Speculator(NgramProposer(num_tokens=3))  # no cost model: verifies all
-    try:
+    with ngram_speculation(amx) as sched:
         assert _tokens(amx) == want
         assert sched.spec_counters.num_accepted_tokens > 0
-    finally:
-        sched.speculator = None
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
     got, want = (e.generate(PROMPTS[:2], params) for e in (engines["amx"], engines["xla"]))
     for g, w in zip(got, want):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
+from verify_all import ngram_speculation  # tests/verify_all.py
 
 from jengine import Engine, SamplingParams
 from jengine.core.replicas import choose_replica
@@ -109,20 +110,13 @@ def test_smollm2_tensor_parallel_matches_one_device(smol_engine):
 
 
 def _speculation_keeps_outputs(engine: Engine, smol_engine: Engine) -> None:
-    """n-gram speculation on the sharded engine (its one bucket makes every verification cost
-    nothing extra, so proposals run): greedy outputs stay the one-device engine's."""
-    from jengine.scheduling.speculation import Speculator
-    from jengine.scheduling.speculative import NgramProposer
-
+    """n-gram speculation on the sharded engine, every proposal verified: greedy outputs stay
+    the one-device engine's."""
     prompts = PROMPTS + ["1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", "la la la la la la la"]
     want = _greedy(smol_engine, prompts)
-    sched = engine.core.scheduler
-    sched.speculator = Speculator(NgramProposer(num_tokens=3))
-    try:
+    with ngram_speculation(engine) as sched:
         assert _greedy(engine, prompts) == want
         assert sched.spec_counters.num_accepted_tokens > 0
-    finally:
-        sched.speculator = None
 
 
 def _tiny_llama(path) -> None:

@@ -7,7 +7,13 @@ nothing, or fail on a count."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from jengine import Engine
+from jengine.scheduling.scheduler import Scheduler
+from jengine.scheduling.speculation import Speculator
+from jengine.scheduling.speculative import NgramProposer
 
 
 def verifying_everything(engine: Engine) -> Engine:
@@ -15,3 +21,16 @@ def verifying_everything(engine: Engine) -> Engine:
     for core in engine.core.replicas:
         core.scheduler.speculator.step_costs = None
     return engine
+
+
+@contextlib.contextmanager
+def ngram_speculation(engine: Engine, num_tokens: int = 3) -> Iterator[Scheduler]:
+    """`engine` (one replica) with n-gram speculation for the block, verifying every proposal (a
+    `Speculator` without step costs); yields its scheduler, whose counters count them."""
+    sched = engine.core.scheduler
+    saved = sched.speculator
+    sched.speculator = Speculator(NgramProposer(num_tokens=num_tokens))
+    try:
+        yield sched
+    finally:
+        sched.speculator = saved
