@@ -52,8 +52,6 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         sliding_layers = (True,) * num_layers
     if not any(sliding_layers):
         sliding_window = None
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     is_gemma = FAMILIES[model_type] == "gemma3"
     attention_bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
@@ -87,8 +85,14 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         final_logit_softcapping=hf.get("final_logit_softcapping"),
         attn_logit_softcapping=hf.get("attn_logit_softcapping"),
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=_eos_ids(hf),
     )
+
+
+def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    """`eos_token_id` as a tuple: HF gives one id, a list of them, or none."""
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
 def _context_length(hf: dict[str, Any], rope: RopeConfig) -> int:
@@ -128,7 +132,6 @@ def _deepseek_v2_from_hf(hf: dict[str, Any]) -> ModelConfig:
     grouped = method == "group_limited_greedy"
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("deepseek_v2 with attention or MLP biases is not built")
-    eos = hf.get("eos_token_id")
     num_experts = int(hf["n_routed_experts"])
     moe_width = int(hf["moe_intermediate_size"])
     return ModelConfig(
@@ -159,7 +162,7 @@ def _deepseek_v2_from_hf(hf: dict[str, Any]) -> ModelConfig:
         expert_groups=int(hf["n_group"]) if grouped else 0,
         topk_groups=int(hf["topk_group"]) if grouped else 0,
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        eos_token_ids=_eos_ids(hf),
     )
 
 
