@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine import cpu_info
 from jengine.pallas_kernels.kv_quant import check_cache
 from jengine.pallas_kernels.native_library import load_native, missing
 
@@ -59,9 +60,16 @@ def require() -> None:
 
 def best_isa() -> str:
     """The instruction set `isa="auto"` runs on this CPU: AVX-512F where present, else AVX2+FMA,
-    else portable C++ (and, for bf16 queries and cache, `amx` where `supports("amx")`)."""
+    else portable C++ (and, for bf16 queries and cache, `amx` where `amx_runs()`); what the CPU
+    has is `cpu_info.flags()`, so `cpu_info.hiding` steers it."""
     require()
-    return {v: k for k, v in ISAS.items()}[_LIB.JengineAttentionIsa(0)]
+    return next(isa for isa in ("avx512", "avx2", "portable")
+                if cpu_info.allows(isa) and supports(isa))
+
+
+def amx_runs() -> bool:
+    """Whether `auto` takes the AMX path for a bf16 model's prefill blocks here."""
+    return cpu_info.allows("amx") and supports("amx")
 
 
 def supports(isa: str) -> bool:
@@ -110,8 +118,10 @@ def ragged_paged_attention_cpu(
     benchmark's `--baseline`) instead of this package's.
     """
     require()
-    if isa == "auto" and q.dtype == k_cache.dtype == jnp.bfloat16 and supports("amx"):
+    if isa == "auto" and q.dtype == k_cache.dtype == jnp.bfloat16 and amx_runs():
         isa = "amx"  # a bf16 model's queries: rounding them to bf16 changes nothing
+    elif isa == "auto":
+        isa = best_isa()
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[1]
     if kv_head_map is None:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine import cpu_info
 from jengine.pallas_kernels.native_library import load_native, missing
 
 _TARGET = "jengine_small_matmul"
@@ -68,9 +69,11 @@ def require() -> None:
 
 
 def best_isa() -> str:
-    """The instruction set `isa="auto"` runs on this CPU."""
+    """The instruction set `isa="auto"` runs on this CPU (of those `cpu_info.flags()` allows,
+    so `cpu_info.hiding` steers it)."""
     require()
-    return {v: k for k, v in ISAS.items()}[_LIB.JengineMatmulIsa(0)]
+    return next(isa for isa in ("avx512", "avx2", "portable")
+                if cpu_info.allows(isa) and supports(isa))
 
 
 def supports(isa: str) -> bool:
@@ -94,17 +97,19 @@ def small_matmul(
         raise ValueError(f"small_matmul takes a 2-D float32 x and a 2-D float32, bfloat16 or "
                          f"int8 w, got {x.dtype}{x.shape} and {w.dtype}{w.shape}")
     n = w.shape[0] if transpose_w else w.shape[1]
+    isa = best_isa() if isa == "auto" else isa
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, w, isa=np.int32(ISAS[isa]), transpose_w=np.int32(transpose_w),
                 max_threads=np.int32(max_threads))
 
 
-@functools.cache
 def int8_isa() -> str:
     """The instruction set the W8A8 kernel runs here with `isa="auto"`: `avx512_vnni`, or
     `portable` (exact but slow; the engine keeps XLA's int8 dot then)."""
     require()
-    return {v: k for k, v in INT8_ISAS.items()}[_LIB.JengineInt8MatmulIsa(0)]
+    vnni = cpu_info.allows("avx512_vnni") and _LIB.JengineInt8MatmulIsa(0) == INT8_ISAS[
+        "avx512_vnni"]
+    return "avx512_vnni" if vnni else "portable"
 
 
 def int8_matmul(
@@ -128,17 +133,23 @@ def int8_matmul(
     if sw.size != n or (transpose_w and xq.shape[1] % 4):
         raise ValueError(f"int8_matmul: {sw.size} channel scales for {n} columns"
                          + (", K not divisible by 4" if transpose_w else ""))
+    isa = int8_isa() if isa == "auto" else isa
     call = jax.ffi.ffi_call(_INT8_TARGET, jax.ShapeDtypeStruct((xq.shape[0], n), jnp.float32))
     return call(xq, sx.astype(jnp.float32), w, sw.astype(jnp.float32),
                 isa=np.int32(INT8_ISAS[isa]), transpose_w=np.int32(transpose_w),
                 max_threads=np.int32(max_threads))
 
 
-@functools.cache
 def amx_available() -> bool:
     """Whether `amx_matmul` runs here: the library loaded, the CPU has AMX-BF16 (and AVX-512
-    BF16), and Linux granted this process the tile state."""
-    return available() and bool(_LIB.JengineMatmulIsa(_AMX_CODE))
+    BF16) in `cpu_info.flags()`, and Linux granted this process the tile state."""
+    return cpu_info.allows("amx") and _granted(_AMX_CODE)
+
+
+@functools.cache
+def _granted(code: int) -> bool:
+    # Asks the CPU and Linux once (the first ask requests the tile state for the process).
+    return available() and bool(_LIB.JengineMatmulIsa(code))
 
 
 def amx_tiles(w: np.ndarray) -> np.ndarray:
@@ -165,11 +176,10 @@ def _b_tiles(w: np.ndarray, group: int) -> np.ndarray:
     return np.ascontiguousarray(t).reshape(np_ // 32, kp // step, 2, 16, step)
 
 
-@functools.cache
 def amx_int8_available() -> bool:
-    """Whether `amx_int8_matmul` runs here: the library loaded, the CPU has AMX-INT8, and Linux
-    granted this process the tile state."""
-    return available() and bool(_LIB.JengineMatmulIsa(_AMX_INT8_CODE))
+    """Whether `amx_int8_matmul` runs here: the library loaded, the CPU has AMX-INT8 in
+    `cpu_info.flags()`, and Linux granted this process the tile state."""
+    return cpu_info.allows("amx_int8") and _granted(_AMX_INT8_CODE)
 
 
 def amx_int8_tiles(w: np.ndarray) -> np.ndarray:
@@ -301,7 +311,8 @@ def amx_swiglu(
     return call(x, gate_tiles, up_tiles, n=np.int64(n), max_threads=np.int32(max_threads))
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0, *,
+             isa: str = "auto") -> jax.Array:
     """`layers.rms_norm` of x [..., E] (float32 or bfloat16) by the native kernel
     (csrc/rms_norm.cc): each row's sum of squares in one fixed order, whatever the batch, in
     one call instead of XLA's order-fixed tree of small fusions. The result's dtype is
@@ -315,5 +326,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     out = x.dtype if offset else jnp.result_type(weight, x)
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(_NORM_TARGET, jax.ShapeDtypeStruct(rows.shape, out))
-    y = call(rows, weight, eps=np.float32(eps), offset=np.float32(offset))
+    y = call(rows, weight, eps=np.float32(eps), offset=np.float32(offset),
+             isa=np.int32(ISAS[best_isa() if isa == "auto" else isa]))
     return y.reshape(x.shape)

@@ -111,6 +111,7 @@ def environment(devices: Sequence[jax.Device]) -> dict[str, Any]:
         "devices": [(d.id, d.device_kind, d.process_index) for d in devices],
         "num_devices": jax.device_count(),
         "cpu": _cpu_description(),
+        "cpu_hidden": sorted(cpu_info.hidden()),  # kernels chosen as on a CPU without these
         "env": {k: os.environ.get(k, "") for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
         "x64": jax.config.jax_enable_x64,
         "matmul_precision": str(jax.config.jax_default_matmul_precision),

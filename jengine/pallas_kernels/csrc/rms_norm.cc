@@ -39,9 +39,8 @@ void NormRowsAt(int32_t isa, const void* x, const void* w, void* y, int64_t rows
 }
 
 template <typename X, typename W>
-void NormRowsTo(bool y_bf16, const void* x, const void* w, void* y, int64_t rows, int64_t n,
-                float eps, float offset) {
-  static const int32_t isa = BestIsa();
+void NormRowsTo(int32_t isa, bool y_bf16, const void* x, const void* w, void* y, int64_t rows,
+                int64_t n, float eps, float offset) {
   if (y_bf16) {
     NormRowsAt<X, W, Bf16>(isa, x, w, y, rows, n, eps, offset);
   } else {
@@ -50,7 +49,12 @@ void NormRowsTo(bool y_bf16, const void* x, const void* w, void* y, int64_t rows
 }
 
 ffi::Error RmsNorm(ffi::AnyBuffer x, ffi::AnyBuffer weight, float eps, float offset,
-                   ffi::Result<ffi::AnyBuffer> y) {
+                   int32_t isa, ffi::Result<ffi::AnyBuffer> y) {
+  static const int32_t best = BestIsa();
+  if (isa == kAuto) isa = best;
+  if (isa < kPortable || isa > kAvx512 || !Supports(isa)) {
+    return ffi::Error::InvalidArgument("rms norm: instruction set not supported here");
+  }
   const auto xd = x.dimensions();
   const auto float_type = [](ffi::DataType t) { return t == ffi::F32 || t == ffi::BF16; };
   if (xd.size() != 2 || weight.element_count() != xd[1] || !float_type(x.element_type()) ||
@@ -63,10 +67,10 @@ ffi::Error RmsNorm(ffi::AnyBuffer x, ffi::AnyBuffer weight, float eps, float off
   const bool y_bf16 = y->element_type() == ffi::BF16;
   const void *xp = x.untyped_data(), *wp = weight.untyped_data();
   void* yp = y->untyped_data();
-  if (x_bf16 && w_bf16) NormRowsTo<Bf16, Bf16>(y_bf16, xp, wp, yp, xd[0], xd[1], eps, offset);
-  if (x_bf16 && !w_bf16) NormRowsTo<Bf16, float>(y_bf16, xp, wp, yp, xd[0], xd[1], eps, offset);
-  if (!x_bf16 && w_bf16) NormRowsTo<float, Bf16>(y_bf16, xp, wp, yp, xd[0], xd[1], eps, offset);
-  if (!x_bf16 && !w_bf16) NormRowsTo<float, float>(y_bf16, xp, wp, yp, xd[0], xd[1], eps, offset);
+  if (x_bf16 && w_bf16) NormRowsTo<Bf16, Bf16>(isa, y_bf16, xp, wp, yp, xd[0], xd[1], eps, offset);
+  if (x_bf16 && !w_bf16) NormRowsTo<Bf16, float>(isa, y_bf16, xp, wp, yp, xd[0], xd[1], eps, offset);
+  if (!x_bf16 && w_bf16) NormRowsTo<float, Bf16>(isa, y_bf16, xp, wp, yp, xd[0], xd[1], eps, offset);
+  if (!x_bf16 && !w_bf16) NormRowsTo<float, float>(isa, y_bf16, xp, wp, yp, xd[0], xd[1], eps, offset);
   return ffi::Error::Success();
 }
 
@@ -81,4 +85,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineRmsNorm, jengine::RmsNorm,
                                   .Arg<ffi::AnyBuffer>()  // weight [E]: f32 or bf16
                                   .Attr<float>("eps")
                                   .Attr<float>("offset")
+                                  .Attr<int32_t>("isa")  // 0 auto, 1 portable, 2 AVX2, 3 AVX-512
                                   .Ret<ffi::AnyBuffer>());  // y [R, E]

@@ -55,24 +55,23 @@ void Run(ffi::ThreadPool& pool, int32_t isa, bool transpose_w, int32_t max_threa
          const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N) {
   ColumnsFn<W> columns = transpose_w ? portable::NtColumns<W> : portable::Columns<W>;
   int64_t tile = transpose_w ? portable::kNtCols : portable::kTile;
-  int64_t stream_rows = portable::kStreamRows;
 #if JE_X86
   if (isa == kAvx512) {
     columns = transpose_w ? avx512::NtColumns<W> : avx512::Columns<W>;
     tile = transpose_w ? avx512::kNtCols : avx512::kTile;
-    stream_rows = avx512::kStreamRows;
   } else if (isa == kAvx2) {
     columns = transpose_w ? avx2::NtColumns<W> : avx2::Columns<W>;
     tile = transpose_w ? avx2::kNtCols : avx2::kTile;
-    stream_rows = avx2::kStreamRows;
   }
 #endif
   const int64_t threads = KernelThreads(pool, max_threads);
-  if (!transpose_w && R <= stream_rows && threads > 1 && K >= 64 * threads) {
-    // Streamed rows (one to four): each thread streams a contiguous run of whole weight rows
-    // (a k range) into its own partial sums, added at the end. Splitting the columns instead gives every
-    // thread short strided runs of each row (96 floats of a 192-wide weight on two threads),
-    // which the hardware prefetchers stream worse.
+  if (!transpose_w && threads > 1 && K >= 64 * threads) {
+    // Each thread takes a contiguous run of whole weight rows (a k range) into its own partial
+    // sums, added in order at the end. Streamed rows (one to kStreamRows) gain from it: splitting
+    // the columns instead gives every thread short strided runs of each row (96 floats of a
+    // 192-wide weight on two threads), which the hardware prefetchers stream worse. More rows
+    // split the same way so that a row's sums are added in one order whatever R is: a
+    // verification's rows then equal a one-row decode's to the bit (batch invariance).
     const int64_t parts = threads;
     std::vector<float> partial((parts - 1) * R * N);
     ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
@@ -89,10 +88,14 @@ void Run(ffi::ThreadPool& pool, int32_t isa, bool transpose_w, int32_t max_threa
         columns(xs.data(), w + k0 * N, out, R, k1 - k0, N, 0, N);
       }
     });
-    for (int64_t p = 0; p + 1 < parts; ++p) {
-      const float* src = partial.data() + p * R * N;
-      for (int64_t c = 0; c < R * N; ++c) y[c] += src[c];
-    }
+    const int64_t total = R * N;
+    ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
+      const int64_t c1 = (i + 1) * total / parts;
+      for (int64_t p = 0; p + 1 < parts; ++p) {
+        const float* src = partial.data() + p * total;
+        for (int64_t c = i * total / parts; c < c1; ++c) y[c] += src[c];
+      }
+    });
     return;
   }
   const int64_t tiles = (N + tile - 1) / tile;
