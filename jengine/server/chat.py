@@ -48,18 +48,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     tools = body.tool_setup()
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
-    engine = state.admit(request)
-    state.check_limits(params, 1, engine.core.model.max_model_len)
-    # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
-    prompt = await asyncio.to_thread(
-        render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,
-        chat_template=template, add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        template_kwargs=body.chat_template_kwargs, add_special_tokens=body.add_special_tokens,
-    )
-    request_id = state.response_id(request, body.request_id)
-    stream = await start_stream(state, engine, request, [prompt], params, request_id,
-                                body.constraint_param())
+    with state.admit(request) as slot:
+        engine = slot.engine
+        state.check_limits(params, 1, engine.core.model.max_model_len)
+        # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
+        prompt = await asyncio.to_thread(
+            render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,
+            chat_template=template, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs, add_special_tokens=body.add_special_tokens,
+        )
+        request_id = state.response_id(request, body.request_id)
+        stream = await start_stream(state, slot, request, [prompt], params, request_id,
+                                    body.constraint_param())
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
     if body.stream:
         return StreamingResponse(sse_stream(stream, view.events(stream)),

@@ -42,14 +42,15 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise bad_request("max_tokens may be 0 only with echo (to score the prompt)",
                           "max_tokens")
     params = body.sampling_params()
-    engine = state.admit(request)
-    state.check_limits(params, len(prompts), engine.core.model.max_model_len)
-    # Text is tokenized here, off the event loop, not in the engine thread that steps everyone.
-    prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,
-                                         body.add_special_tokens)
-    request_id = state.response_id(request, body.request_id)
-    stream = await start_stream(state, engine, request, prompt_ids, params, request_id,
-                                body.constraint_param())
+    with state.admit(request) as slot:
+        engine = slot.engine
+        state.check_limits(params, len(prompts), engine.core.model.max_model_len)
+        # Text is tokenized here, off the event loop, not in the engine thread that steps all.
+        prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,
+                                             body.add_special_tokens)
+        request_id = state.response_id(request, body.request_id)
+        stream = await start_stream(state, slot, request, prompt_ids, params, request_id,
+                                    body.constraint_param())
     view = _CompletionView(body, engine.tokenizer, prompts, f"cmpl-{request_id}",
                            state.model_name)
     if body.stream:
