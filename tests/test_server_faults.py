@@ -7,6 +7,7 @@ The last test kills the module's engine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -122,6 +123,58 @@ def test_queue_full_is_503_with_retry_after(local):
     after = local.metrics()
     assert after["jengine_requests_rejected_total{reason=queue_full}"] - rejected == 2
     local.wait_for("jengine_kv_pages_used", 0)
+    local.wait_for("jengine_num_requests_queued", 0)
+
+
+def test_a_simultaneous_burst_cannot_pass_the_queue_limit(local):
+    """30 requests sent at once while the one sequence slot is busy: the queue (max_queue 1)
+    takes exactly one, the other 29 get 503 + Retry-After, though all of them were checked
+    before any had finished tokenizing or compiling its grammar. Every slot comes back: after
+    the burst, and after requests that fail between admission and their first token."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    completion = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+    bodies = [("/v1/chat/completions", chat), ("/v1/completions", completion),
+              ("/v1/completions", {**completion, "structured_outputs": {"regex": "[ab]{3}"}})]
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=local.url, timeout=120, limits=limits) as client:
+            async with client.stream("POST", "/v1/completions",
+                                     json={**LONG, "stream": True}) as running:
+                lines = running.aiter_lines()
+                async for line in lines:  # the one sequence slot is taken
+                    if line.startswith("data: "):
+                        break
+                tasks = [asyncio.create_task(client.post(*bodies[i % 3][:1],
+                                                         json=bodies[i % 3][1]))
+                         for i in range(30)]
+                pending = set(tasks)
+                while len(pending) > 1:
+                    done, pending = await asyncio.wait(pending, timeout=60,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                    assert done, "the burst hung"
+                await asyncio.to_thread(local.wait_for, "jengine_num_requests_queued", 1)
+            # the running stream closed: the admitted request runs now
+            await asyncio.wait(pending, timeout=120)
+            return [t.result() for t in tasks]
+
+    responses = asyncio.run(burst())
+    ok = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code != 200]
+    assert len(ok) == 1, [r.status_code for r in responses]
+    for r in refused:
+        assert_error(r, 503, "queue_full")
+        assert int(r.headers["retry-after"]) >= 1
+    local.wait_for("jengine_num_requests_queued", 0)
+    # failures after admission give the slot back: with a queue of one, a leak is a 503 next
+    bad = [{**completion, "structured_outputs": {"regex": "("}},  # grammar compile: 400
+           {**completion, "max_tokens": 10**9},  # over the per-request token bound: 400
+           {**completion, "prompt": [10**8]}]  # out-of-vocabulary id, refused by the engine
+    for body in bad:
+        r = httpx.post(local.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        r = httpx.post(local.url + "/v1/completions", json=completion, timeout=60)
+        assert r.status_code == 200, r.text
     local.wait_for("jengine_num_requests_queued", 0)
 
 

@@ -13,6 +13,8 @@ import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import httpx
 import openai
@@ -183,6 +185,59 @@ def test_a_body_over_the_limit_is_a_413_before_parsing(local):
     r = httpx.post(local.url + "/v1/completions", content=chunks(), timeout=60,
                    headers={"content-type": "application/json"})
     assert_error(r, 413)
+    local.assert_whole()
+
+
+def _urllib_post(url: str, data) -> urllib.error.HTTPError:
+    request = urllib.request.Request(url + "/v1/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    return info.value
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_urllib_reads_the_413_of_a_body_it_sends_whole(local, chunked):
+    """urllib sends all of a body before it reads the answer: unless the server reads the rest
+    of a refused body, urllib sees a reset connection (or a broken pipe), not the 413."""
+    size = 20 * LIMITS.max_body_bytes  # 5 MiB, as the clients that failed sent
+    body = json.dumps({"model": MODEL, "prompt": "a" * size}).encode()
+    data = (body[i:i + 65536] for i in range(0, len(body), 65536)) if chunked else body
+    error = _urllib_post(local.url, data)
+    assert error.code == 413
+    assert json.loads(error.read())["error"]["code"] == "request_too_large"
+    local.assert_whole()
+
+
+def _raw_post(local, head_extra: bytes, length: int, body: bytes) -> bytes:
+    """Headers and `body` (of a declared `length`) on a raw socket, then waits for the answer
+    without sending more; returns what came back before the server closed."""
+    with socket.create_connection(("127.0.0.1", int(local.url.rsplit(":", 1)[1]))) as s:
+        s.settimeout(60)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n%s\r\n" % (length, head_extra)
+                  + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+            if b"request_too_large" in answer:
+                break
+        return answer
+
+
+def test_draining_a_refused_body_is_bounded(local, monkeypatch):
+    """An attacker cannot tie the connection up: a body declared beyond the drain bound, or one
+    that stalls, gets its 413 without the server waiting for the rest."""
+    from jengine.server import middleware
+
+    huge = middleware.DRAIN_MAX_BYTES + 1
+    assert _raw_post(local, b"", huge, b"{").startswith(b"HTTP/1.1 413")
+    assert _raw_post(local, b"Expect: 100-continue\r\n", 2 * LIMITS.max_body_bytes,
+                     b"").startswith(b"HTTP/1.1 413")
+    monkeypatch.setattr(middleware, "DRAIN_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    stalled = _raw_post(local, b"", 4 * LIMITS.max_body_bytes, b"a" * (LIMITS.max_body_bytes + 1))
+    assert stalled.startswith(b"HTTP/1.1 413") and time.monotonic() - start < 30
     local.assert_whole()
 
 

@@ -2,7 +2,8 @@
 
 A stream goes as OpenAI sends it: for each choice a first chunk with the role, then content
 chunks, then exactly one chunk with an empty delta and the finish_reason; with
-`stream_options.include_usage` a last chunk with `choices: []` and the usage; then `[DONE]`.
+`stream_options.include_usage` a last chunk with `choices: []` and the usage (per-chunk fields:
+`stream_extras.py`); then `[DONE]`.
 
 With tools (`jengine.text.tools`), `<tool_call>` blocks in the output become
 `message.tool_calls` and
@@ -32,7 +33,8 @@ from jengine.server.protocol import (
     usage,
 )
 from jengine.server.state import ServerState
-from jengine.server.streams import EngineStream, sse, sse_stream, start_stream
+from jengine.server.stream_extras import StreamExtras
+from jengine.server.streams import EngineStream, sse_stream, start_stream
 from jengine.text.chat import render_chat
 from jengine.text.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
 
@@ -48,18 +50,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     tools = body.tool_setup()
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
-    engine = state.admit(request)
-    state.check_limits(params, 1, engine.core.model.max_model_len)
-    # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
-    prompt = await asyncio.to_thread(
-        render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,
-        chat_template=template, add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        template_kwargs=body.chat_template_kwargs, add_special_tokens=body.add_special_tokens,
-    )
-    request_id = state.response_id(request, body.request_id)
-    stream = await start_stream(state, engine, request, [prompt], params, request_id,
-                                body.constraint_param())
+    with state.admit(request) as slot:
+        engine = slot.engine
+        body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)
+        state.check_limits(params, 1, engine.core.model.max_model_len)
+        # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
+        prompt = await asyncio.to_thread(
+            render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,
+            chat_template=template, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs, add_special_tokens=body.add_special_tokens,
+        )
+        request_id = state.response_id(request, body.request_id)
+        stream = await start_stream(state, slot, request, [prompt], params, request_id,
+                                    body.constraint_param())
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
     if body.stream:
         return StreamingResponse(sse_stream(stream, view.events(stream)),
@@ -86,6 +90,7 @@ class _ChatView:
         self.top_logprobs = body.top_logprobs or 0
         self.want_logprobs = bool(body.logprobs)
         self.usage: dict[str, int] | None = None
+        self.extras = StreamExtras(body.stream_options if body.stream else None)
 
     def _logprobs(self, out: CompletionOutput) -> list[dict[str, Any]] | None:
         if not self.want_logprobs:
@@ -127,12 +132,12 @@ class _ChatView:
         chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
                                  "created": self.created, "model": self.model,
                                  "choices": choices, **extra}
-        if self.body.include_usage:
-            chunk["usage"] = usage_
-        return sse(chunk)
+        return self.extras.chunk(chunk, choices[0]["index"] if len(choices) == 1 else None,
+                                 usage_)
 
     async def events(self, stream: EngineStream) -> AsyncIterator[str]:
         for i in range(self.n):
+            self.extras.count(i, len(stream.prompt_token_ids[0] or ()))
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": self.echo},
                                 "logprobs": None, "finish_reason": None}])
         parsers = {i: ToolCallStream(incremental=self.forced_calls) for i in range(self.n)}
@@ -141,6 +146,7 @@ class _ChatView:
             if delta.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
                 yield self._chunk([], prompt_logprobs=self.prompt_logprobs)
             for out in delta.outputs:
+                self.extras.count(out.index, len(delta.prompt_token_ids), len(out.token_ids))
                 logprobs = self._logprobs(out)
                 parser = parsers[out.index]
                 if self.parse_tools:

@@ -3,7 +3,7 @@ tools and `tool_choice`, and the sampling fields it shares with completions (`Sa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import StrictBool, StrictInt, StrictStr
 
@@ -35,6 +35,7 @@ class ChatCompletionRequest(SamplingFields):
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     # vLLM's chat extras
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -90,6 +91,11 @@ class ChatCompletionRequest(SamplingFields):
         for name in _CHAT_UNSUPPORTED:
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported yet", name)
+        if self.verbosity not in (None, "medium"):
+            # OpenAI's answer for a model without verbosity control
+            raise bad_request(f"Unsupported value: 'verbosity' does not support "
+                              f"{self.verbosity!r} with this model. Supported values are: "
+                              "'medium'.", "verbosity")
         if self.modalities and self.modalities != ["text"]:
             raise bad_request("only the 'text' modality is supported", "modalities")
         if self.continue_final_message and self.add_generation_prompt:

@@ -27,7 +27,8 @@ from jengine.server.protocol import (
     usage,
 )
 from jengine.server.state import ServerState
-from jengine.server.streams import EngineStream, sse, sse_stream, start_stream
+from jengine.server.stream_extras import StreamExtras
+from jengine.server.streams import EngineStream, sse_stream, start_stream
 
 router = APIRouter()
 
@@ -42,14 +43,16 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise bad_request("max_tokens may be 0 only with echo (to score the prompt)",
                           "max_tokens")
     params = body.sampling_params()
-    engine = state.admit(request)
-    state.check_limits(params, len(prompts), engine.core.model.max_model_len)
-    # Text is tokenized here, off the event loop, not in the engine thread that steps everyone.
-    prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,
-                                         body.add_special_tokens)
-    request_id = state.response_id(request, body.request_id)
-    stream = await start_stream(state, engine, request, prompt_ids, params, request_id,
-                                body.constraint_param())
+    with state.admit(request) as slot:
+        engine = slot.engine
+        body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)
+        state.check_limits(params, len(prompts), engine.core.model.max_model_len)
+        # Text is tokenized here, off the event loop, not in the engine thread that steps all.
+        prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,
+                                             body.add_special_tokens)
+        request_id = state.response_id(request, body.request_id)
+        stream = await start_stream(state, slot, request, prompt_ids, params, request_id,
+                                    body.constraint_param())
     view = _CompletionView(body, engine.tokenizer, prompts, f"cmpl-{request_id}",
                            state.model_name)
     if body.stream:
@@ -85,6 +88,7 @@ class _CompletionView:
         # prompt index -> (prompt tokens, completion tokens), from the final delta
         self._usage_by_prompt: dict[int, tuple[int, int, int]] = {}
         self._prompt_logprobs: dict[int, list] = {}  # prompt index -> engine prompt logprobs
+        self.extras = StreamExtras(body.stream_options if body.stream else None)
 
     # -- one choice's piece of a delta -----------------------------------------------------------
 
@@ -176,15 +180,16 @@ class _CompletionView:
     def _chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None) -> str:
         chunk: dict[str, Any] = {"id": self.id, "object": "text_completion",
                                  "created": self.created, "model": self.model, "choices": choices}
-        if self.body.include_usage:
-            chunk["usage"] = usage_
-        return sse(chunk)
+        return self.extras.chunk(chunk, choices[0]["index"] if len(choices) == 1 else None,
+                                 usage_)
 
     async def events(self, stream: EngineStream) -> AsyncIterator[str]:
         async for i, delta in stream:
             self._note_usage(i, delta)
             for out in delta.outputs:
                 first = index_of(i, self.n, out.index) not in self._offsets
+                self.extras.count(index_of(i, self.n, out.index), len(delta.prompt_token_ids),
+                                  0 if self.scores_only else len(out.token_ids))
                 index, text, lp = self._piece(i, delta.prompt_token_ids, out)
                 if text or out.finish_reason or (lp is not None and lp["tokens"]):
                     extra = self._prompt_logprobs_field(i) if first else {}

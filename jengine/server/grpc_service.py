@@ -56,14 +56,15 @@ class JengineService(pb_grpc.JengineServicer):
             self.state.check_model(request.model or None)
             prompt = self._prompt(request)
             params = sampling_params(request.sampling)
-            engine = self.state.admit()
-            self.state.check_limits(params, 1, engine.core.model.max_model_len)
+            slot = self.state.admit()
+            with slot:
+                self.state.check_limits(params, 1, slot.engine.core.model.max_model_len)
         except ValueError as e:
             await _abort(context, invalid_value(e))
         except APIError as e:
             await _abort(context, e)
         rid = clean_request_id(request.request_id) or uuid.uuid4().hex
-        async with EngineStream(self.state, engine, [prompt], params,
+        async with EngineStream(self.state, slot, [prompt], params,
                                 self.state.new_request_id(rid)) as stream:
             try:
                 async for _, delta in stream:

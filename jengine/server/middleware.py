@@ -6,7 +6,12 @@
 - `--api-key`: every `/v1` route needs `Authorization: Bearer <key>`; `/health`, `/metrics`,
   `/version` (and the other routes outside `/v1`) stay open. Checked before the body is read,
   so a request without the key gets 401 whatever its body.
-- Body size: a POST body over `max_body_bytes` is a 413 before anything parses it.
+- Body size: a POST body over `max_body_bytes` is a 413 before anything parses it. Clients
+  that send the whole body before reading any answer (Python's `urllib`) would see the
+  connection reset instead, as the server closed it with their bytes unread: so the rest of the
+  body is read and dropped before the 413, up to `DRAIN_MAX_BYTES` and `DRAIN_TIMEOUT_S` (a
+  chunk at a time, never held). A body declared larger than that, or a client that sent
+  `Expect: 100-continue` (it waits for the answer before sending), gets the 413 at once.
 - `X-Jengine-Warmup`: a request that carries this process's secret `warmup_token` is one of the
   server's own start-up requests (`jengine.server.warmup`); `request.state.warmup` says so.
 
@@ -17,6 +22,7 @@ disconnect.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -30,6 +36,9 @@ from jengine.server.errors import APIError
 log = logging.getLogger("jengine.server")
 
 MAX_REQUEST_ID = 128
+# How much of an oversized body is read (and dropped) so that the client gets to read the 413.
+DRAIN_MAX_BYTES = 64 * 2**20
+DRAIN_TIMEOUT_S = 10.0
 QUIET_PATHS = ("/health", "/metrics")  # polled: logged at DEBUG only
 WARMUP_HEADER = "x-jengine-warmup"
 
@@ -76,7 +85,7 @@ class EdgeMiddleware:
         try:
             denied = self._check_key(scope["path"], headers.get("authorization"))
             if denied is None and scope["method"] in ("POST", "PUT", "PATCH"):
-                denied, receive = await self._read_body(headers.get("content-length"), receive)
+                denied, receive = await self._read_body(headers, receive)
             if denied is not None:
                 await denied.response()(scope, receive, send_with_id)
             else:
@@ -86,14 +95,18 @@ class EdgeMiddleware:
             log.log(level, "%s %s %s %d %.3fs", request_id, scope["method"], scope["path"],
                     status, time.perf_counter() - start)
 
-    async def _read_body(self, length: str | None,
+    async def _read_body(self, headers: dict[str, str],
                          receive: Receive) -> tuple[APIError | None, Receive]:
         """Reads the body, at most `max_body_bytes` of it, before the app parses any: a larger
         one (by its Content-Length, or counted as it arrives) is a 413. Returns the error or a
         `receive` that replays the body and then goes on to the client's (disconnects)."""
         too_large = APIError(413, f"the request body is larger than {self.max_body_bytes} bytes",
                              code="request_too_large")
+        length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            if length.isdigit() and int(length) <= DRAIN_MAX_BYTES and \
+                    headers.get("expect", "").lower() != "100-continue":
+                await _drain(receive, 0)
             return too_large, receive
         messages, size = [], 0
         while True:
@@ -103,6 +116,8 @@ class EdgeMiddleware:
                 break
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
+                if message.get("more_body", False):
+                    await _drain(receive, size)
                 return too_large, receive
             if not message.get("more_body", False):
                 break
@@ -127,6 +142,24 @@ class EdgeMiddleware:
                 token.strip().encode("latin-1"), self.api_key):
             return _auth_error("Incorrect API key provided.")
         return None
+
+
+async def _drain(receive: Receive, size: int) -> None:
+    """Reads and drops the rest of a refused body (`size` bytes of it read so far), up to
+    `DRAIN_MAX_BYTES` in all and `DRAIN_TIMEOUT_S`: a client that sends more, or too slowly,
+    has its connection closed under it, as before."""
+    async def read() -> None:
+        nonlocal size
+        while size <= DRAIN_MAX_BYTES:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            size += len(message.get("body", b""))
+
+    try:
+        await asyncio.wait_for(read(), DRAIN_TIMEOUT_S)
+    except asyncio.TimeoutError:  # (TimeoutError from 3.11 on; Python 3.10 is supported)
+        return
 
 
 def _auth_error(message: str) -> APIError:

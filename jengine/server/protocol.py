@@ -6,6 +6,11 @@ except that vLLM's sampling extras are accepted too (`top_k`, `min_p`, `repetiti
 `skip_special_tokens`) and vLLM's structured-output fields (`structured_outputs` and the older
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`), which, like `response_format`
 and a forcing `tool_choice`, each constrain the output: at most one may be set per request.
+vLLM's fields for what this server does not do are accepted at the value that asks for nothing
+(what clients send unasked: `use_beam_search: false`, `length_penalty: 1.0`, empty `vllm_xargs`
+and `kv_transfer_params`) and a 400 naming the field otherwise; `spaces_between_special_tokens`
+is accepted and changes nothing (the fast tokenizer never puts spaces between special tokens,
+as in vLLM with one); `cache_salt` only where nothing is shared (prefix caching off).
 Message objects accept extra keys. Numbers and flags are strict
 (`"5"` is not an integer, `1` is not a boolean). Value ranges are left to `SamplingParams`,
 whose ValueError becomes a 400 with the same message.
@@ -46,6 +51,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # vLLM's: usage on every chunk
+    include_obfuscation: StrictBool | None = False  # OpenAI's (default true there): padding
 
 
 class StructuredOutputsField(BaseModel):
@@ -100,6 +107,13 @@ class SamplingFields(BaseModel):
     priority: StrictInt | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     request_id: StrictStr | None = None
+    spaces_between_special_tokens: StrictBool | None = None  # no effect (module docstring)
+    cache_salt: StrictStr | None = None
+    thinking_token_budget: StrictInt | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    use_beam_search: StrictBool | None = None
+    length_penalty: Float | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -117,6 +131,7 @@ class SamplingFields(BaseModel):
         if self.priority:
             raise bad_request("priority scheduling is not enabled (requests are served first "
                               "come, first served); leave priority at 0", "priority")
+        self._check_unsupported_extras()
         if self.guided_decoding_backend not in _BACKENDS:
             raise bad_request(f"guided_decoding_backend {self.guided_decoding_backend!r} is not "
                               "available; structured outputs use llguidance ('guidance')",
@@ -132,6 +147,34 @@ class SamplingFields(BaseModel):
         return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
                               structured_outputs=constraint[1] if constraint else None)
+
+    def _check_unsupported_extras(self) -> None:
+        """vLLM's fields for features this server lacks: their no-op values pass (clients send
+        them unasked), anything else is a 400 that names the field."""
+        if self.use_beam_search:
+            raise bad_request("beam search is not supported; use_beam_search must be false",
+                              "use_beam_search")
+        if self.length_penalty is not None and self.length_penalty != 1.0:
+            raise bad_request("length_penalty only applies to beam search, which is not "
+                              "supported; leave it at 1.0", "length_penalty")
+        if self.thinking_token_budget is not None:
+            raise bad_request("thinking_token_budget is not supported (no budget is enforced "
+                              "on reasoning); leave it out", "thinking_token_budget")
+        if self.vllm_xargs:
+            raise bad_request("vllm_xargs is not supported: this server has no custom logits "
+                              "processors to pass arguments to", "vllm_xargs")
+        if self.kv_transfer_params:
+            raise bad_request("kv_transfer_params is not supported: this server does not "
+                              "disaggregate prefill and decode", "kv_transfer_params")
+
+    def check_cache_salt(self, prefix_caching: bool) -> None:
+        """`cache_salt` asks that only requests with the same salt share cached prompt pages
+        (so that one tenant cannot time another's prompts). The prefix cache here is not
+        partitioned: the salt is honoured only when nothing is shared at all."""
+        if self.cache_salt is not None and prefix_caching:
+            raise bad_request("cache_salt is not supported: the prefix cache is shared by all "
+                              "requests (start the server with --no-enable-prefix-caching to "
+                              "share nothing)", "cache_salt")
 
     def constraint_param(self) -> str | None:
         """The field whose constraint the engine compiles (for the 400 of a bad one)."""

@@ -93,17 +93,16 @@ async def create_response(body: ResponsesRequest, request: Request):
         messages = chat.template_messages()
         tools = chat.tool_setup()
         params = chat.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
-    engine = state.admit(request)
-    with _in_responses_terms():
+    with state.admit(request) as slot, _in_responses_terms():
+        engine = slot.engine
         state.check_limits(params, 1, engine.core.model.max_model_len)
         # Rendering and tokenizing a long input takes a while: not in the event loop's thread.
         prompt = await asyncio.to_thread(
             render_chat, engine.tokenizer, messages, tools=chat.tools if tools.active else None,
             chat_template=state.chat_template)
+        stream = await start_stream(state, slot, request, [prompt], params,
+                                    request.state.request_id, chat.constraint_param())
     request_id = request.state.request_id
-    with _in_responses_terms():
-        stream = await start_stream(state, engine, request, [prompt], params, request_id,
-                                    chat.constraint_param())
     view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools)
     if body.stream:
         return StreamingResponse(view.sse(stream), media_type="text/event-stream")

@@ -161,11 +161,13 @@ class ServerState:
             raise engine_failed(self.engine.error or "the engine thread stopped")
         return self.engine
 
-    def admit(self, request: Any = None) -> AsyncEngine:
-        """The engine for a new generation request, or a 503/500 that says why not. `request`:
-        the HTTP request, so that a start-up request gets in before the server is ready."""
+    def admit(self, request: Any = None) -> QueueSlot:
+        """A slot in the waiting queue (and the engine) for a new generation request, or a
+        503/500 that says why not. `request`: the HTTP request, so that a start-up request gets
+        in before the server is ready. Checked and taken with no await in between: the event
+        loop runs one handler at a time, so the count is exact under any burst."""
         if self._warming is not None and is_warmup(request):
-            return self._warming
+            return QueueSlot(self._warming, None)
         engine = self.ready_engine()
         if self.draining:
             self.metrics.rejected.labels(reason="draining").inc()
@@ -174,7 +176,8 @@ class ServerState:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise unavailable(f"the waiting queue is full ({self.config.max_queue} requests); "
                               "retry later", "queue_full")
-        return engine
+        self.num_queued += 1
+        return QueueSlot(engine, self)
 
     def metrics_for(self, request: Any) -> ServerMetrics:
         """The metrics a request's latencies and tokens go to: the scratch set for a start-up
@@ -227,6 +230,36 @@ class ServerState:
         """An id unique in the engine that starts with the client's X-Request-Id, if any."""
         base = client_id or uuid.uuid4().hex
         return f"{base}-{next(self._ids)}"
+
+
+class QueueSlot:
+    """One admitted request's place in the waiting queue that `--max-queue` bounds.
+
+    Taken by `ServerState.admit`, given back exactly once (`release` is idempotent): by the
+    request's `EngineStream` at its first token or when it closes, or, when the handler fails
+    before a stream takes it over (a 400 from the limits, the tokenizer or the grammar, a client
+    gone while tokenizing), by the `with` block it is held in:
+
+        with state.admit(request) as slot:
+            ...  # checks, tokenizing: an exception here gives the slot back
+            stream = await start_stream(state, slot, ...)  # the stream owns it from here on
+    """
+
+    def __init__(self, engine: AsyncEngine, state: ServerState | None):
+        self.engine = engine
+        self._state = state  # None: not counted (the server's own start-up requests)
+
+    def release(self) -> None:
+        if self._state is not None:
+            self._state.num_queued -= 1
+            self._state = None
+
+    def __enter__(self) -> QueueSlot:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if error is not None:
+            self.release()
 
 
 def is_warmup(request: Any) -> bool:

@@ -7,8 +7,9 @@ A watchdog task turns the things a handler must not wait on forever into errors:
 thread dying, the request timeout, the client going away. `close()` cancels the tasks, which
 closes the engine streams, which aborts the engine requests and frees their KV pages.
 
-It also keeps the request's books: the waiting-queue count that `--max-queue` bounds (a request
-is queued until its first token), and the latency and token metrics.
+It also keeps the request's books: the `QueueSlot` it was admitted with (a request is queued
+until its first token; the slot goes back then, or when the stream closes first), and the
+latency and token metrics.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jengine.server.errors import APIError, bad_request, engine_failed, invalid_
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
     from jengine.server.metrics import ServerMetrics
-    from jengine.server.state import ServerState
+    from jengine.server.state import QueueSlot, ServerState
 
 log = logging.getLogger("jengine.server")
 
@@ -58,7 +59,7 @@ class EngineStream:
     def __init__(
         self,
         state: ServerState,
-        engine: AsyncEngine,
+        slot: QueueSlot,
         prompts: list[str | list[int]],
         params: SamplingParams,
         request_id: str,
@@ -67,7 +68,8 @@ class EngineStream:
     ):
         self.state = state
         self.metrics = metrics or state.metrics  # (a scratch set for the start-up requests)
-        self.engine = engine
+        self.slot = slot
+        self.engine: AsyncEngine = slot.engine
         self.request_id = request_id
         self.params = params
         self.num_prompts = len(prompts)
@@ -82,7 +84,6 @@ class EngineStream:
         self._ended: str | None = None  # why the request ended early, for the books
         self._closed = False
         self._buffer: list[tuple[int, RequestOutput]] = []
-        state.num_queued += 1
         self._tasks = [
             asyncio.create_task(self._pump(i, p, f"{request_id}-{i}"))
             for i, p in enumerate(prompts)
@@ -151,7 +152,7 @@ class EngineStream:
         metrics = self.metrics
         if self._first_at is None:
             self._first_at = now
-            self.state.num_queued -= 1
+            self.slot.release()
             metrics.ttft.observe(now - self.arrival)
         if self.prompt_token_ids[index] is None:
             self.prompt_token_ids[index] = delta.prompt_token_ids
@@ -181,8 +182,7 @@ class EngineStream:
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        if self._first_at is None:
-            self.state.num_queued -= 1
+        self.slot.release()
         total = self.num_prompts * self.params.n
         unfinished = total - len(self._finish)
         reasons = list(self._finish.values()) + [self._ended or "abort"] * unfinished
@@ -199,18 +199,19 @@ class EngineStream:
 
 
 async def start_stream(
-    state: ServerState, engine: AsyncEngine, request: Any, prompts: list[str | list[int]],
+    state: ServerState, slot: QueueSlot, request: Any, prompts: list[str | list[int]],
     params: SamplingParams, response_id: str, constraint_param: str | None,
 ) -> EngineStream:
     """The engine side of one HTTP request, started: its output constraint compiled on the
     grammar pool (a bad one is a 400 naming `constraint_param`), one engine request per
     prompt, and the first delta awaited, so that bad input is an error before any response
-    begins. The caller owns the stream from here on (`async with`, or `sse_stream`)."""
+    begins. The caller owns the stream from here on (`async with`, or `sse_stream`), and the
+    stream owns `slot` (on an exception the caller's `with slot` gives it back)."""
     try:
-        await engine.compile_grammar(params)
+        await slot.engine.compile_grammar(params)
     except ValueError as e:
         raise bad_request(str(e), constraint_param) from None
-    stream = EngineStream(state, engine, prompts, params, state.new_request_id(response_id),
+    stream = EngineStream(state, slot, prompts, params, state.new_request_id(response_id),
                           request.is_disconnected, state.metrics_for(request))
     try:
         await stream.first()
