@@ -35,8 +35,9 @@ def test_bf16_greedy_tokens_and_logprobs_are_a_plain_decodes(hide):
     reduce changes its order from 8 rows, which 8-row verifications, k = 7, reach).
 
     The same prompt again (`again`) finds its full pages cached and computes only its last
-    partial page, as 6 rows of the row path where the first run's 22-row block took the prefill
-    path, whose K/V differ in the last bits. Filling that page then meets the first run's copy:
+    partial page (until session 25 as 6 rows of the row path where the first run's 22-row
+    block took the prefill path, whose K/V differ in the last bits; now the first run computes
+    that page alone too). Filling that page then meets the first run's copy:
     a sequence that switched to the cache's copy there read other bits from the step after the
     page filled, and a verification that crossed the page's end read its own copy instead, so
     the two engines' logprobs parted (and, on near ties, their greedy text: docs/engine.md,
@@ -57,8 +58,9 @@ def _runs(sp: SamplingParams, kw: dict) -> list:
     if kw:  # every proposal verified, so the crossing below happens on any machine
         verifying_everything(engine)
     prompt = " ".join(REPETITIVE * 3)  # 333 tokens: verifications cross pages 20-21
-    # 342 tokens: after `prompt`'s 20 cached pages the first run computes 22 rows, the
-    # second 6 (page 21 of 16 tokens); its verification [350, 357) crosses page 21's end.
+    # 342 tokens: after `prompt`'s 20 cached pages the first run computes page 20 and then
+    # page 21's 6 rows in a step of their own (`prefix_reuse.chunk_limit`), the second only
+    # those 6; its verification [350, 357) crosses page 21's end.
     again = (engine.tokenizer.encode(" ".join(REPETITIVE * 4)) * 2)[:342]
     runs = [engine.generate([p], sp)[0].outputs[0] for p in (prompt, again, again)]
     if kw:

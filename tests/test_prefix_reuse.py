@@ -88,6 +88,27 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     assert h.result("b") == h.result("a")
 
 
+def test_a_prompts_last_page_is_computed_in_a_step_of_its_own():
+    """Cold, the prompt's full pages come first and its last page in a step of its own, as a
+    warm cache leaves it: so its rows meet the same kernels either way (`chunk_limit`)."""
+    h = cached_harness(page_size=PS, max_model_len=64)
+    p = params(max_tokens=2, ignore_eos=True)
+    for salt, (rid, n, cold) in enumerate((("a", 14, [(0, 12), (12, 2)]),
+                                           ("b", 12, [(0, 8), (8, 4)]), ("c", 4, [(0, 4)]))):
+        h.add(rid, prompt_of(n, salt), p)
+        steps = [h.step() for _ in cold]
+        assert [(int(b.positions[0]), b.num_tokens) for b in steps] == cold, rid
+        h.run()
+        h.add(rid + "'", prompt_of(n, salt), p)
+        warm = h.step()
+        assert (int(warm.positions[0]), warm.num_tokens) == cold[-1], rid
+        h.run()
+        assert h.result(rid + "'") == h.result(rid)
+    off = Harness(prefix_caching=False, page_size=PS, max_model_len=64)
+    off.add("a", prompt_of(14), p)
+    assert off.step().num_tokens == 14  # no cache, nothing to match: one chunk
+
+
 def test_a_generated_reply_is_reused_by_the_next_turn():
     h = cached_harness(page_size=PS, max_model_len=64)
     turn1 = prompt_of(10)

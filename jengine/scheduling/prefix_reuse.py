@@ -28,6 +28,23 @@ def reuse_cached(cache: PrefixCache | None, seq: Sequence) -> int | None:
     return seq.num_computed
 
 
+def chunk_limit(cache: PrefixCache | None, seq: Sequence, budget: int) -> int:
+    """The tokens `seq` computes this step, at most `budget`: a prefill chunk stops at the start
+    of the last page, which `reuse_cached` would leave to compute on a full hit, so that page
+    is always computed in a chunk of its own. Its rows then meet the same kernels and keys on a
+    cold cache as on a warm one, and a prompt's last logits (hence a seeded sample, or a greedy
+    near tie) do not depend on what the cache held: a 22-row block and the 6 rows a hit leaves
+    take different kernel paths, whose sums part in the last bits. Costs one step on a cold
+    prompt longer than a page; nothing without a prefix cache or for prompt logprobs."""
+    n = min(seq.num_uncomputed, budget)
+    if cache is None or seq.params.prompt_logprobs is not None:
+        return n
+    last_page = (seq.num_tokens - 1) // cache.allocator.page_size * cache.allocator.page_size
+    if seq.num_computed < last_page:
+        n = min(n, last_page - seq.num_computed)
+    return n
+
+
 def prefix_in_flight(seq: Sequence, chosen: list[tuple[Sequence, int]], ps: int) -> bool:
     """Whether a prefill chunk chosen this step fills the first page `seq` could reuse but
     has not found cached (same tokens up to that page's end)."""

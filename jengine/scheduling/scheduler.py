@@ -34,6 +34,7 @@ from jengine.scheduling.batch import ScheduledBatch, build_batch
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.prefix_reuse import (
+    chunk_limit,
     cache_pages,
     count_lookup,
     prefix_in_flight,
@@ -140,12 +141,20 @@ class Scheduler:
                 self._unreuse(seq, hit)
                 deferred += 1
                 continue
-            n = min(seq.num_uncomputed, budget)
-            need = self.allocator.pages_for(seq.num_computed + n) - len(seq.pages)
-            if not self._can_allocate(need):
-                self._unreuse(seq, hit)
-                break
-            seq.pages += self._allocate(need)
+            n = chunk_limit(self.prefix_cache, seq, budget)
+            if seq.status is SequenceStatus.RUNNING:
+                # Part-way through its prompt (chunked, or its last page left to this step): it
+                # preempts later-admitted work for its pages as a decode does, or sequences
+                # that each hold part of the pool and wait for one more page deadlock.
+                if seq not in self.running or not self._reserve(seq, seq.num_computed + n,
+                                                                chosen):
+                    continue
+            else:
+                need = self.allocator.pages_for(seq.num_computed + n) - len(seq.pages)
+                if not self._can_allocate(need):
+                    self._unreuse(seq, hit)
+                    break
+                seq.pages += self._allocate(need)
             if hit is not None:
                 count_lookup(self.prefix_cache, seq, hit)
             if seq.status is SequenceStatus.WAITING:
