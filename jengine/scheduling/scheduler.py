@@ -34,8 +34,8 @@ from jengine.scheduling.batch import ScheduledBatch, build_batch
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.prefix_reuse import (
-    chunk_limit,
     cache_pages,
+    chunk_limit,
     count_lookup,
     prefix_in_flight,
     reuse_cached,
