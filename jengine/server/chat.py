@@ -49,7 +49,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
     engine = state.admit(request)
-    state.check_limits(params, 1, engine.core.model.max_model_len)
+    state.check_limits(params, 1, engine.core.model.max_model_len, body.max_tokens_field)
     # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
     prompt = await asyncio.to_thread(
         render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,
