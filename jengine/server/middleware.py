@@ -7,6 +7,8 @@
   `/version` (and the other routes outside `/v1`) stay open. Checked before the body is read,
   so a request without the key gets 401 whatever its body.
 - Body size: a POST body over `max_body_bytes` is a 413 before anything parses it.
+- `--limit-concurrency`: a request on a connection opened past the bound (marked so by
+  `jengine.server.connections`) is a 503 once its body is read.
 - `X-Jengine-Warmup`: a request that carries this process's secret `warmup_token` is one of the
   server's own start-up requests (`jengine.server.warmup`); `request.state.warmup` says so.
 
@@ -22,9 +24,11 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jengine.server.connections import OVER_CONNECTION_LIMIT
 from jengine.server.errors import APIError
 
 log = logging.getLogger("jengine.server")
@@ -47,8 +51,10 @@ def clean_request_id(value: str | None) -> str | None:
 
 class EdgeMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int = 4 * 2**20,
-                 log_requests: bool = True, warmup_token: str | None = None):
+                 log_requests: bool = True, warmup_token: str | None = None,
+                 on_connection_limit: Callable[[], None] | None = None):
         self.app = app
+        self.on_connection_limit = on_connection_limit  # counts the 503s of the bound
         self.api_key = api_key.encode() if api_key else None
         self.warmup_token = warmup_token.encode() if warmup_token else None
         self.max_body_bytes = max_body_bytes
@@ -77,6 +83,8 @@ class EdgeMiddleware:
             denied = self._check_key(scope["path"], headers.get("authorization"))
             if denied is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 denied, receive = await self._read_body(headers.get("content-length"), receive)
+            if denied is None:
+                denied = self._over_connection_limit(scope["state"])
             if denied is not None:
                 await denied.response()(scope, receive, send_with_id)
             else:
@@ -111,6 +119,18 @@ class EdgeMiddleware:
             return messages.pop(0) if messages else await receive()
 
         return None, replay
+
+    def _over_connection_limit(self, state: dict) -> APIError | None:
+        """The 503 for a request on a connection opened past `--limit-concurrency`
+        (`jengine.server.connections`); the connection closes after it."""
+        limit = state.get(OVER_CONNECTION_LIMIT)
+        if limit is None:
+            return None
+        if self.on_connection_limit is not None:
+            self.on_connection_limit()
+        return APIError(503, f"too many open connections (the limit is {limit}); retry later",
+                        type="server_error", code="connection_limit",
+                        headers={"Retry-After": "1", "Connection": "close"})
 
     def _is_warmup(self, token: str | None) -> bool:
         return bool(self.warmup_token and token) and hmac.compare_digest(
