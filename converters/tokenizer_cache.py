@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from converters.quiet_transformers import import_transformers
+
 log = logging.getLogger("jengine")
 
 
@@ -33,6 +35,7 @@ def cached_tokenizer(inputs: dict[str, Any], build: Callable[[], Any]) -> Any:
     previous build had the same inputs, else built and stored."""
     path = cache_dir() / f"{_key(inputs, build)}.pkl"
     try:
+        import_transformers()  # (unpickling imports it, notice and all)
         return pickle.loads(path.read_bytes())
     except FileNotFoundError:
         pass

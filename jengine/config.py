@@ -105,6 +105,9 @@ class ServerConfig:
     default_max_tokens: int | None = None  # chat without max_tokens; None: to the context end
     max_tokens_per_request: int = 65536  # n * max_tokens (summed over a request's prompts)
     request_timeout: float | None = 600.0  # seconds; None: never
+    # Bounds on connections (uvicorn's names; jengine/server/connections.py).
+    limit_concurrency: int | None = 2048  # open connections; past it 503; None: no bound
+    timeout_keep_alive: float = 5.0  # seconds to a whole request header, or closed
     # Names and templates.
     served_model_name: tuple[str, ...] | None = None  # first is reported; all are accepted
     chat_template: str | None = None  # a Jinja template (text or file path) over the model's

@@ -42,11 +42,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 from collections.abc import Iterator
 from typing import Any
-
-from tqdm import tqdm
 
 from jengine.async_engine import AsyncEngine
 from jengine.config import EngineConfig, load_config
@@ -54,6 +51,7 @@ from jengine.core.replicas import make_core
 from jengine.core.request import merge_deltas
 from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
+from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
 from jengine.text.chat import render_chat
 from jengine.text.tools import constrain, split_tool_calls, tool_setup
@@ -169,8 +167,7 @@ class Engine:
                 self.core.abort(rid)
             raise
         deltas: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
-        bar = tqdm(total=len(ids), desc="generating", disable=not self.progress,
-                   file=sys.stderr, unit="req")
+        bar = progress_bar(total=len(ids), desc="generating", enabled=self.progress, unit="req")
         pending = set(ids)
         while pending:
             for out in self.core.step():

@@ -1,4 +1,6 @@
-"""An app served by uvicorn in a thread on 127.0.0.1, for in-process server tests."""
+"""An app served by uvicorn in a thread on 127.0.0.1, for in-process server tests, with the
+connection bounds `jengine serve` gives it (its `ServerConfig`'s `limit_concurrency` and
+`timeout_keep_alive`, jengine/server/connections.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import time
 from collections.abc import Iterator
 
 import uvicorn
+
+from jengine.server.connections import uvicorn_config
 
 
 def free_port() -> int:
@@ -22,7 +26,8 @@ def serving(app, port: int | None = None) -> Iterator[str]:
     """Serves `app` on `port` (default: a free one) of the loopback interface until the block
     ends; yields its base URL."""
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, app.state.server.config, host="127.0.0.1",
+                                           port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -192,6 +192,7 @@ def test_serve_flags_reach_the_server_config():
         "--disable-log-requests", "--max-n", "4", "--default-max-tokens", "32",
         "--request-timeout", "0", "--tool-call-parser", "hermes", "--seed", "7",
         "--root-path", "/api", "--uvicorn-log-level", "warning", "--max-body-bytes", "1000",
+        "--limit-concurrency", "0", "--timeout-keep-alive", "2.5",
     ])
     _serve_aliases(args)
     assert args.model == "some/model" and args.mesh == "tp=2" and args.seed == 7
@@ -203,6 +204,10 @@ def test_serve_flags_reach_the_server_config():
     assert cfg.request_timeout is None and cfg.tool_call_parser == "hermes"
     assert cfg.root_path == "/api" and cfg.uvicorn_log_level == "warning"
     assert cfg.max_body_bytes == 1000
+    assert cfg.limit_concurrency is None and cfg.timeout_keep_alive == 2.5  # 0: no bound
+    for flag, value in (("--limit-concurrency", "-1"), ("--timeout-keep-alive", "0")):
+        with pytest.raises(ValueError, match=flag):
+            server_config(build_parser().parse_args(["serve", flag, value]), ServerConfig())
     # left at their defaults, the preset decides
     preset = ServerConfig(max_n=9, request_timeout=5.0)
     plain = server_config(build_parser().parse_args(["serve"]), preset)

@@ -17,9 +17,11 @@ import urllib.error
 import urllib.request
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from local_server import serving
+from prometheus_client.parser import text_string_to_metric_families
 
 from jengine.async_engine import AsyncEngine
 from jengine.config import ServerConfig
@@ -97,6 +99,8 @@ TOOL = {"type": "function", "function": {"name": "f", "description": "d",
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"model": MODEL, "prompt": SURROGATE}, "prompt"),
+    ("/v1/completions", {"model": SURROGATE, "prompt": "ok"}, "model"),
+    ("/v1/chat/completions", {**CHAT, "model": "a" + SURROGATE}, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": ["ok", "a" + SURROGATE]}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "ok", "stop": [SURROGATE]}, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "ok", "bad_words": [SURROGATE]}, "bad_words"),
@@ -114,6 +118,8 @@ TOOL = {"type": "function", "function": {"name": "f", "description": "d",
     ("/v1/responses", {"model": MODEL, "input": "hi", "instructions": "a" + SURROGATE},
      "instructions"),
     ("/tokenize", {"prompt": SURROGATE}, "prompt"),
+    ("/tokenize", {"model": SURROGATE, "prompt": "ok"}, "model"),
+    ("/v1/responses", {"model": SURROGATE, "input": "hi"}, "model"),
     ("/tokenize", {"messages": [{"role": "user", "content": SURROGATE}]}, "messages"),
 ])
 def test_a_lone_surrogate_is_a_400_naming_the_field(local, path, body, param):
@@ -268,6 +274,35 @@ def test_out_of_vocabulary_ids_and_ranges_are_refused(local):
                  "allowed_token_ids")
     assert_error(local.post("/v1/completions", {**base, "temperature": 2.5}), 400, "temperature")
     assert_error(local.post("/v1/completions", {**base, "max_tokens": 0}), 400, "max_tokens")
+    local.assert_whole()
+
+
+def test_errors_name_the_field_the_client_sent(local):
+    """The engine's names (`logprobs`, `max_tokens`) are not what a chat client sent."""
+    for body, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+                        ({"max_completion_tokens": 100_000}, "max_completion_tokens"),
+                        ({"max_tokens": 0}, "max_tokens")]:
+        err = assert_error(local.post("/v1/chat/completions", {**CHAT, **body}), 400, param)
+        assert err["message"].startswith(param) or f"lower n or {param}" in err["message"], err
+    err = assert_error(local.post("/v1/responses", {"model": MODEL, "input": "hi",
+                                                    "max_output_tokens": 0}), 400)
+    assert err["param"] == "max_output_tokens" and "max_output_tokens" in err["message"], err
+
+
+def test_a_prompt_the_engine_refuses_counts_as_a_client_error(local):
+    """Out-of-vocabulary prompt ids are refused by the engine: a 400, counted in no request
+    metric (as no other 400 is), not as an engine error."""
+    def counts() -> dict[str, float]:
+        text = httpx.get(local.url + "/metrics", timeout=30).text
+        return {s.name + str(sorted(s.labels.items())): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith(("jengine_requests_total", "jengine_e2e_request_latency"))}
+
+    before = counts()
+    assert_error(local.post("/v1/completions", {"model": MODEL, "prompt": [10**7]}), 400,
+                 "prompt")
+    assert counts() == before
     local.assert_whole()
 
 
@@ -463,6 +498,38 @@ def test_forced_tool_calls_cut_off_by_max_tokens_leak_no_partial_block(local):
 
 
 # -- the fuzzer -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "messages": []}),
+    ("/v1/chat/completions", {**CHAT, "guided_choice": []}),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"choice": []}}),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}),
+    ("/v1/completions", {**REFERENCE, "prompt": [49152]}),
+    ("/v1/completions", {**REFERENCE, "prompt": [[1], [-1]]}),
+    ("/v1/completions", {**REFERENCE, "prompt": ""}),
+    ("/v1/completions", {**REFERENCE, "stop_token_ids": [10**7]}),
+    ("/v1/completions", {**REFERENCE, "allowed_token_ids": [-5]}),
+    ("/v1/completions", {**REFERENCE, "n": 0}),
+    ("/v1/completions", {**REFERENCE, "temperature": 2.5}),
+    ("/v1/responses", {"model": MODEL, "input": []}),
+    ("/tokenize", {"messages": []}),
+    ("/detokenize", {"tokens": [1, 49152]}),
+])
+def test_the_openapi_document_refuses_what_the_server_refuses(local, path, body):
+    """The document the fuzzer (and any client generator) reads says these bodies are invalid,
+    as the server does; the same bodies with the value in range are valid."""
+    doc = httpx.get(local.url + "/openapi.json", timeout=30).json()
+    schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = jsonschema.Draft202012Validator({**schema, "components": doc["components"]})
+    assert not validator.is_valid(body), body
+    assert_error(local.post(path, body), 400)
+    fixed = {"messages": CHAT["messages"], "guided_choice": ["a"], "top_logprobs": 20,
+             "structured_outputs": {"choice": ["a"]}, "max_completion_tokens": 1,
+             "prompt": [[1], [49151]], "stop_token_ids": [49151], "allowed_token_ids": [0],
+             "n": 1, "temperature": 2, "input": "hi", "tokens": [1, 49151]}
+    assert validator.is_valid({**body, **{k: v for k, v in fixed.items() if k in body}})
+
 
 def test_schema_fuzzing_finds_no_server_error(local):
     """schemathesis against the server's own /openapi.json: valid and invalid bodies for every

@@ -203,6 +203,7 @@ def test_tool_calls_parse_whole_and_streamed():
     for size in (1, 3, 10):
         pieces = _stream(text, size, incremental=False)
         assert _reassemble(pieces) == [(c.name, json.loads(c.arguments)) for c in calls]
+        assert _argument_texts(pieces) == [c.arguments for c in calls]
         assert "".join(p for p in pieces if isinstance(p, str)).startswith("Let me check.")
     assert parse_tool_calls("no calls here") == ("no calls here", [])
 
@@ -211,9 +212,12 @@ def test_forced_tool_calls_stream_argument_fragments():
     text = ('<tool_call>{"name": "add", "arguments": {"a": {"b": [1, 2]}, "c": "}"}}</tool_call>\n'
             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
     expected = [("add", {"a": {"b": [1, 2]}, "c": "}"}), ("get_weather", {"city": "Oslo"})]
+    # the streamed argument text is the non-streamed one to the character (no leading space)
+    whole = [c.arguments for c in parse_tool_calls(text, forced=True)[1]]
     for size in (1, 4, 9, len(text)):
         pieces = _stream(text, size, incremental=True)
         assert _reassemble(pieces) == expected
+        assert _argument_texts(pieces) == whole, size
         assert not any(isinstance(p, str) for p in pieces)
         fragments = [p for p in pieces if isinstance(p, CallArguments)]
         assert size == len(text) or len(fragments) > 2
@@ -224,6 +228,14 @@ def _stream(text: str, size: int, *, incremental: bool) -> list:
     for i in range(0, len(text), size):
         pieces += stream.feed(text[i:i + size])
     return pieces + stream.finish()
+
+
+def _argument_texts(pieces: list) -> list[str]:
+    texts: dict[int, str] = {}
+    for p in pieces:
+        if isinstance(p, CallArguments):
+            texts[p.index] = texts.get(p.index, "") + p.text
+    return [texts[i] for i in sorted(texts)]
 
 
 def _reassemble(pieces: list) -> list[tuple[str, dict]]:

@@ -86,6 +86,12 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     limits.add_argument("--request-timeout", type=float,
                         help="abort a generation request after this many seconds (default "
                         "600; 0: never)")
+    limits.add_argument("--limit-concurrency", type=int, metavar="N",
+                        help="open connections; a request on one past N gets 503 (default "
+                        "2048; 0: no bound)")
+    limits.add_argument("--timeout-keep-alive", type=float, metavar="S",
+                        help="close a connection without a whole request header S seconds "
+                        "after it opened or its last response ended (default 5)")
     limits.add_argument("--drain-timeout", type=float,
                         help="seconds in-flight requests get to finish after SIGTERM")
 

@@ -6,12 +6,10 @@ read (and tested) alone."""
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from converters import LoadedModel, load_source
 from jengine import cpu_info
@@ -24,6 +22,7 @@ from jengine.models.quant import quantize_params
 from jengine.models.smoothing import smooth_for_int8
 from jengine.pallas_kernels import resolve_backend
 from jengine.pallas_kernels.kv_quant import check_reader
+from jengine.progress import progress_bar
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.runner import Runner
 from jengine.sharding import MeshSpec, ShardingRules, load_params_sharded
@@ -210,8 +209,8 @@ def _packed_for_amx(params: dict, cfg: ModelConfig, specs: dict) -> dict:
 def warm_up(runner: Runner, progress: bool, require_stored: bool) -> float:
     """Builds every variant of every bucket's step program, with a progress bar; returns the
     seconds taken."""
-    bar = tqdm(total=len(runner.warmup_programs()), desc="step programs (load/compile)",
-               disable=not progress, file=sys.stderr, unit="program")
+    bar = progress_bar(total=len(runner.warmup_programs()), desc="step programs (load/compile)",
+                       enabled=progress, unit="program")
 
     def tick(done: int, total: int) -> None:
         bar.update(done - bar.n)

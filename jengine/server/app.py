@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 import jengine
 from jengine.config import ServerConfig
 from jengine.server import chat, completions, responses
+from jengine.server.connections import raise_open_file_limit, uvicorn_config
 from jengine.server.errors import bad_request, install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
 from jengine.server.openapi import install_openapi
@@ -103,7 +104,9 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, api_key=config.api_key,
                        max_body_bytes=config.max_body_bytes, log_requests=config.log_requests,
-                       warmup_token=state.warmup_token)
+                       warmup_token=state.warmup_token,
+                       on_connection_limit=state.metrics.rejected.labels(
+                           reason="connection_limit").inc)
     if config.allowed_origins:  # added last, so outermost: preflights need no API key
         app.add_middleware(
             CORSMiddleware, allow_origins=list(config.allowed_origins),
@@ -121,6 +124,7 @@ def create_app(
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # load balancers' probe: GET without a body
     async def health() -> Response:
         status, body = state.health()
         return JSONResponse(body, status_code=status)
@@ -209,6 +213,8 @@ def server_config(args: argparse.Namespace, preset: ServerConfig) -> ServerConfi
         values["log_requests"] = False
     if values["request_timeout"] is not None and values["request_timeout"] <= 0:
         values["request_timeout"] = None  # --request-timeout 0: never
+    if values["limit_concurrency"] == 0:
+        values["limit_concurrency"] = None  # --limit-concurrency 0: no bound
     config = ServerConfig(**values)
     check_server_config(config)
     return config
@@ -232,6 +238,12 @@ def check_server_config(config: ServerConfig) -> None:
     if config.tool_call_parser not in (None, "hermes"):
         raise ValueError(f"--tool-call-parser {config.tool_call_parser!r} is not available: "
                          "calls are parsed from <tool_call>{json}</tool_call> ('hermes')")
+    if config.limit_concurrency is not None and config.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be positive (0: no bound), got "
+                         f"{config.limit_concurrency}")
+    if not config.timeout_keep_alive > 0:
+        raise ValueError(f"--timeout-keep-alive must be positive, got "
+                         f"{config.timeout_keep_alive}")
     if config.uvicorn_log_level not in _LOG_LEVELS:
         raise ValueError(f"--uvicorn-log-level must be one of {sorted(_LOG_LEVELS)}")
 
@@ -281,8 +293,9 @@ def serve(args: argparse.Namespace) -> int:
     state: ServerState = app.state.server
     sock = _listen(config.host, config.port)
     state.warmup_url = loopback_url(sock, tls=bool(config.ssl_certfile))
-    uv_config = uvicorn.Config(
-        app, access_log=False, log_config=None, timeout_graceful_shutdown=drain_timeout,
+    raise_open_file_limit(config.limit_concurrency)
+    uv_config = uvicorn_config(
+        app, config, access_log=False, log_config=None, timeout_graceful_shutdown=drain_timeout,
         ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
         root_path=config.root_path,
     )

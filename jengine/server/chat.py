@@ -53,7 +53,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     with state.admit(request) as slot:
         engine = slot.engine
         body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)
-        state.check_limits(params, 1, engine.core.model.max_model_len)
+        state.check_limits(params, 1, engine.core.model.max_model_len, body.max_tokens_field)
         # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
         prompt = await asyncio.to_thread(
             render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import StrictBool, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from jengine.sampling_params import SamplingParams
-from jengine.server.errors import bad_request
-from jengine.server.protocol import ChatMessage, SamplingFields
+from jengine.server.errors import bad_request, invalid_value, rename_param
+from jengine.server.protocol import (
+    MAX_LOGPROBS,
+    NON_EMPTY,
+    ChatMessage,
+    SamplingFields,
+    documented,
+)
 from jengine.text.tools import ToolSetup, constrain, tool_setup
 
 # Fields of OpenAI's chat API this server does not implement yet: set, they give a clear 400.
@@ -20,11 +26,11 @@ _CHAT_UNSUPPORTED = ("functions", "function_call", "audio", "prediction",
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
-    messages: list[ChatMessage]
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    messages: list[ChatMessage] = Field(..., json_schema_extra=NON_EMPTY)
+    max_tokens: StrictInt | None = documented(minimum=1)
+    max_completion_tokens: StrictInt | None = documented(minimum=1)
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = documented(**MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
@@ -76,13 +82,23 @@ class ChatCompletionRequest(SamplingFields):
             max_tokens = self.max_tokens
         if max_tokens is None:
             max_tokens = default_max_tokens
-        params = self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        try:
+            params = self._sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        except ValueError as e:
+            error = invalid_value(e)
+            name = {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_field}
+            raise rename_param(error, name.get(error.param, error.param)) from None
         if tools is None:
             return params
         try:
             return constrain(params, tools)
         except ValueError as e:
             raise bad_request(str(e), "tool_choice") from None
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the client bounded the output with (errors name it)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def constraint_param(self) -> str | None:
         return super().constraint_param() or ("tools" if self.tools else None)

@@ -85,6 +85,17 @@ def invalid_value(error: ValueError) -> APIError:
     return APIError(400, message, param=param)
 
 
+def rename_param(error: APIError, name: str) -> APIError:
+    """`error` naming the field as the client spelled it (`max_completion_tokens` for the
+    engine's `max_tokens`): its param, and its message when it starts with the old name (as
+    `SamplingParams`' messages do)."""
+    if error.param is not None:
+        if error.message.startswith(error.param):
+            error.message = name + error.message.removeprefix(error.param)
+        error.param = name
+    return error
+
+
 def engine_failed(error: BaseException | str) -> APIError:
     return APIError(500, f"the engine failed: {error}", type=SERVER_ERROR, code="engine_error")
 

@@ -12,6 +12,8 @@
   body is read and dropped before the 413, up to `DRAIN_MAX_BYTES` and `DRAIN_TIMEOUT_S` (a
   chunk at a time, never held). A body declared larger than that, or a client that sent
   `Expect: 100-continue` (it waits for the answer before sending), gets the 413 at once.
+- `--limit-concurrency`: a request on a connection opened past the bound (marked so by
+  `jengine.server.connections`) is a 503 once its body is read.
 - `X-Jengine-Warmup`: a request that carries this process's secret `warmup_token` is one of the
   server's own start-up requests (`jengine.server.warmup`); `request.state.warmup` says so.
 
@@ -28,9 +30,11 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jengine.server.connections import OVER_CONNECTION_LIMIT
 from jengine.server.errors import APIError
 
 log = logging.getLogger("jengine.server")
@@ -56,8 +60,10 @@ def clean_request_id(value: str | None) -> str | None:
 
 class EdgeMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int = 4 * 2**20,
-                 log_requests: bool = True, warmup_token: str | None = None):
+                 log_requests: bool = True, warmup_token: str | None = None,
+                 on_connection_limit: Callable[[], None] | None = None):
         self.app = app
+        self.on_connection_limit = on_connection_limit  # counts the 503s of the bound
         self.api_key = api_key.encode() if api_key else None
         self.warmup_token = warmup_token.encode() if warmup_token else None
         self.max_body_bytes = max_body_bytes
@@ -86,6 +92,8 @@ class EdgeMiddleware:
             denied = self._check_key(scope["path"], headers.get("authorization"))
             if denied is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 denied, receive = await self._read_body(headers, receive)
+            if denied is None:
+                denied = self._over_connection_limit(scope["state"])
             if denied is not None:
                 await denied.response()(scope, receive, send_with_id)
             else:
@@ -126,6 +134,18 @@ class EdgeMiddleware:
             return messages.pop(0) if messages else await receive()
 
         return None, replay
+
+    def _over_connection_limit(self, state: dict) -> APIError | None:
+        """The 503 for a request on a connection opened past `--limit-concurrency`
+        (`jengine.server.connections`); the connection closes after it."""
+        limit = state.get(OVER_CONNECTION_LIMIT)
+        if limit is None:
+            return None
+        if self.on_connection_limit is not None:
+            self.on_connection_limit()
+        return APIError(503, f"too many open connections (the limit is {limit}); retry later",
+                        type="server_error", code="connection_limit",
+                        headers={"Retry-After": "1", "Connection": "close"})
 
     def _is_warmup(self, token: str | None) -> bool:
         return bool(self.warmup_token and token) and hmac.compare_digest(

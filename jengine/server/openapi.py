@@ -4,7 +4,9 @@ FastAPI documents a 422 for every route with a body, which this server never sen
 errors are 400s in OpenAI's shape, errors.py), and nothing of the 400/401/404/413/500/503/504 it
 does send. `install_openapi` rewrites the generated document once: the error responses each
 route can give, with OpenAI's error body, server-sent events as the generation routes' other
-200 body, and `/metrics` as Prometheus text.
+200 body, and `/metrics` as Prometheus text. The request schemas carry the bounds the server
+checks (non-empty `messages` and choices, token ids in the vocabulary, value ranges): a body the
+document accepts is one the server does not refuse for those reasons.
 """
 
 from __future__ import annotations
@@ -55,8 +57,27 @@ def _error_codes(path: str, method: str) -> list[int]:
     return sorted(set(codes))
 
 
+def _bound_token_ids(node: Any, vocab_size: int | None) -> None:
+    """Replaces protocol.py's token-id marker with the vocabulary's bound (none while the
+    engine loads), everywhere in the document."""
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False) and vocab_size is not None:
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)
+
+
+def _vocab_size(app: FastAPI) -> int | None:
+    engine = getattr(app.state, "server", None) and app.state.server.engine
+    return engine.core.model.vocab_size if engine is not None else None
+
+
 def build_openapi(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    _bound_token_ids(schema, _vocab_size(app))
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
@@ -81,11 +102,15 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
 
 
 def install_openapi(app: FastAPI) -> None:
-    """Serves `build_openapi`'s document (built on first request, then kept)."""
+    """Serves `build_openapi`'s document (built on first request, then kept once the engine
+    is loaded: the token-id bounds need its vocabulary)."""
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = build_openapi(app)
-        return app.openapi_schema
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build_openapi(app)
+        if _vocab_size(app) is not None:
+            app.openapi_schema = schema
+        return schema
 
     app.openapi = openapi

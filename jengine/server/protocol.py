@@ -35,13 +35,27 @@ from jengine.outputs import Logprob
 from jengine.sampling_params import SamplingParams, StructuredOutputs, check_strings
 from jengine.server.errors import bad_request
 
-# What /openapi.json says `prompt` is (the handler checks it: `CompletionRequest.prompts`).
+# What /openapi.json says about values the handlers and `SamplingParams` check themselves:
+# these only document (the checks keep their own messages). A token id is at least 0, and
+# below the vocabulary's size: openapi.py turns the marker into that maximum once the engine
+# is loaded.
+TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "x-token-id": True}
+TokenId = Annotated[StrictInt, WithJsonSchema(TOKEN_ID_SCHEMA)]
+NON_EMPTY = {"minItems": 1}
+# `prompt` (the handler checks it: `CompletionRequest.prompts`).
 _PROMPT_SCHEMA = {"anyOf": [
-    {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
-    {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+    {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
+    {"type": "array", "items": {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
      "minItems": 1},
 ]}
+MAX_LOGPROBS = {"minimum": 0, "maximum": 20}
+
+
+def documented(**schema: Any) -> Any:
+    """A field whose /openapi.json schema also says `schema` (bounds checked elsewhere)."""
+    return Field(None, json_schema_extra=schema)
 Float = Annotated[float, Strict()]  # accepts JSON integers, rejects strings
 # guided_decoding_backend values that name the backend this server has (vLLM's names)
 _BACKENDS = (None, "auto", "guidance", "llguidance")
@@ -62,7 +76,7 @@ class StructuredOutputsField(BaseModel):
 
     json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
     regex: StrictStr | None = None
-    choice: list[StrictStr] | None = None
+    choice: list[StrictStr] | None = documented(**NON_EMPTY)
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
 
@@ -73,9 +87,9 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None  # None: the served model
-    n: StrictInt | None = 1
-    temperature: Float | None = None
-    top_p: Float | None = None
+    n: StrictInt | None = Field(1, json_schema_extra={"minimum": 1})
+    temperature: Float | None = documented(minimum=0, maximum=2)
+    top_p: Float | None = documented(exclusiveMinimum=0, maximum=1)
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: dict[str, Float] | None = None
@@ -90,17 +104,17 @@ class SamplingFields(BaseModel):
     repetition_penalty: Float | None = None
     min_tokens: StrictInt | None = None
     ignore_eos: StrictBool | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
+    guided_choice: list[StrictStr] | None = documented(**NON_EMPTY)
     guided_grammar: StrictStr | None = None
     guided_decoding_backend: StrictStr | None = None
-    allowed_token_ids: list[StrictInt] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[StrictStr] | None = None
     truncate_prompt_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None
@@ -220,9 +234,9 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = Field(...)
-    max_tokens: StrictInt | None = 16
+    max_tokens: StrictInt | None = Field(16, json_schema_extra={"minimum": 0})  # 0: echo only
     echo: StrictBool | None = False
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = documented(**MAX_LOGPROBS)
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
     add_special_tokens: StrictBool = True
@@ -361,7 +375,7 @@ class TokenizeRequest(BaseModel):
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = documented(**NON_EMPTY)
     add_special_tokens: StrictBool = True
 
 
@@ -371,7 +385,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 # -- response pieces shared by the endpoints ------------------------------------------------------

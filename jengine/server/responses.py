@@ -43,7 +43,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jengine.outputs import RequestOutput
-from jengine.server.errors import APIError, invalid_value
+from jengine.server.errors import APIError, invalid_value, rename_param
 from jengine.server.protocol import check_text_fields
 from jengine.server.responses_request import ResponsesRequest, renamed_param
 from jengine.server.state import ServerState
@@ -71,14 +71,9 @@ def _in_responses_terms() -> Iterator[None]:
 
 
 def _rename(error: APIError) -> None:
-    """The error's param, and its message when it starts with the param (as `SamplingParams`'
-    and the engine's do), in this route's names."""
-    if error.param is None:
-        return
-    name = renamed_param(error.param)
-    if error.message.startswith(error.param):
-        error.message = name + error.message.removeprefix(error.param)
-    error.param = name
+    """The error's param (and its message) in this route's names."""
+    if error.param is not None:
+        rename_param(error, renamed_param(error.param))
 
 
 # -- the route ------------------------------------------------------------------------------------
@@ -95,7 +90,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         params = chat.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     with state.admit(request) as slot, _in_responses_terms():
         engine = slot.engine
-        state.check_limits(params, 1, engine.core.model.max_model_len)
+        state.check_limits(params, 1, engine.core.model.max_model_len, chat.max_tokens_field)
         # Rendering and tokenizing a long input takes a while: not in the event loop's thread.
         prompt = await asyncio.to_thread(
             render_chat, engine.tokenizer, messages, tools=chat.tools if tools.active else None,

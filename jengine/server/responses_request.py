@@ -44,7 +44,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None  # None: the served model
-    input: StrictStr | list[dict[str, Any]] = Field(...)
+    input: StrictStr | list[dict[str, Any]] = Field(..., json_schema_extra={"minItems": 1})
     instructions: StrictStr | None = None
     max_output_tokens: StrictInt | None = None
     temperature: Float | None = None

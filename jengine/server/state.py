@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jengine.config import ServerConfig
-from jengine.sampling_params import SamplingParams
+from jengine.sampling_params import SamplingParams, check_text
 from jengine.server.errors import APIError, bad_request, engine_failed, unavailable
 from jengine.server.metrics import ServerMetrics
 from jengine.server.middleware import clean_request_id
@@ -190,12 +190,22 @@ class ServerState:
         return self.config.served_model_name or (self.model_name,)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
+        """A 404 for a model this server does not serve; a 400 naming `model` for a name that
+        is not text (a lone surrogate: checked first, as the 404's message would repeat it)."""
+        if model is None:
+            return
+        try:
+            check_text("model", model)
+        except ValueError as e:
+            raise bad_request(str(e), "model") from None
+        if model not in self.model_names:
             raise APIError(404, f"The model '{model}' does not exist.", param="model",
                            code="model_not_found")
 
-    def check_limits(self, params: SamplingParams, num_prompts: int, max_model_len: int) -> None:
-        """The per-request bounds of `ServerConfig`: `n`, prompts, and generated tokens."""
+    def check_limits(self, params: SamplingParams, num_prompts: int, max_model_len: int,
+                     max_tokens_field: str = "max_tokens") -> None:
+        """The per-request bounds of `ServerConfig`: `n`, prompts, and generated tokens
+        (`max_tokens_field`: the name the client bounded them with)."""
         cfg = self.config
         if params.n > cfg.max_n:
             raise bad_request(f"n must be at most {cfg.max_n}, got {params.n}", "n")
@@ -205,12 +215,12 @@ class ServerState:
         per_sample = params.max_tokens or max_model_len
         total = num_prompts * params.n * per_sample
         if total > cfg.max_tokens_per_request:
-            what = f"max_tokens {params.max_tokens}" if params.max_tokens else (
+            what = f"{max_tokens_field} {params.max_tokens}" if params.max_tokens else (
                 f"up to {max_model_len} tokens each (no max_tokens: to the context's end)")
             raise bad_request(
                 f"this request could generate {total} tokens ({num_prompts} prompt(s) x n "
                 f"{params.n} x {what}); the limit is {cfg.max_tokens_per_request} per request: "
-                "lower n or max_tokens", "max_tokens")
+                f"lower n or {max_tokens_field}", max_tokens_field)
 
     def chat_template_for(self, requested: str | None) -> str | None:
         """The template a chat request renders with: its own only if the server trusts request

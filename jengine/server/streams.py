@@ -185,15 +185,18 @@ class EngineStream:
         self.slot.release()
         total = self.num_prompts * self.params.n
         unfinished = total - len(self._finish)
-        reasons = list(self._finish.values()) + [self._ended or "abort"] * unfinished
+        reasons = list(self._finish.values())
+        if self._ended != REJECTED:  # a refused request is no engine request, as any 4xx
+            reasons += [self._ended or "abort"] * unfinished
         for reason in reasons:
             self.metrics.requests.labels(finish_reason=reason).inc()
         elapsed = time.perf_counter() - self.arrival
-        self.metrics.e2e.observe(elapsed)
+        if reasons:
+            self.metrics.e2e.observe(elapsed)
         ttft = f"{self._first_at - self.arrival:.3f}s" if self._first_at else "-"
         log.log(self.state.request_log_level,
                 "request %s done: finish=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
-                "total=%.3fs", self.request_id, ",".join(sorted(set(reasons))),
+                "total=%.3fs", self.request_id, ",".join(sorted(set(reasons))) or self._ended,
                  sum(len(p or ()) for p in self.prompt_token_ids), self.usage_completion_tokens,
                  ttft, elapsed)
 
@@ -221,11 +224,16 @@ async def start_stream(
     return stream
 
 
+REJECTED = "rejected"  # the engine refused the input (a 400): the client's error, not counted
+
+
 def _ended_by(error: BaseException) -> str:
     if isinstance(error, ClientGone):
         return "abort"
     if isinstance(error, RequestTimeout):
         return "timeout"
+    if isinstance(error, APIError) and 400 <= error.status < 500:
+        return REJECTED
     return "error"
 
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from converters.lazy import normalize_index
 from converters.loaded import LoadedModel
 from jengine.models import ModelConfig, family_module
 from jengine.models.layers import ParamSpec
 from jengine.models.quant import QArray, scale_shape, scale_sharding
+from jengine.progress import progress_bar
 
 
 class ZeroPadded:
@@ -73,8 +73,8 @@ def load_params_sharded(
         return restore_params(Path(loaded.source), cfg, shardings, dtype)
     specs = family_module(cfg).param_specs(cfg)
     out = {}
-    for name, spec in tqdm(specs.items(), desc="loading weights", disable=not progress,
-                           unit="param", leave=False):
+    for name, spec in progress_bar(specs.items(), desc="loading weights", enabled=progress,
+                                   unit="param", leave=False):
         sharding = shardings[name] if shardings is not None else None
         source = loaded.params[name]
         if isinstance(source, QArray):

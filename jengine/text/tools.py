@@ -263,6 +263,7 @@ class ToolCallStream:
         self._space = ""  # trailing whitespace not yet emitted
         self._in_call = False
         self._sent = 0  # in an incremental call: where in `_buf` the unsent arguments start
+        self._args_begun = False  # ... and whether any of them went out yet
 
     def feed(self, text: str) -> list[str | CallStart | CallArguments]:
         self._buf += text
@@ -306,17 +307,22 @@ class ToolCallStream:
             out.append(CallStart(self.num_calls, f"call_{uuid.uuid4().hex[:24]}", head.group(1)))
             self.num_calls += 1
             self._space, self._sent = "", head.end()
+            self._args_begun = False
+        if not self._args_begun:  # whitespace before the arguments' `{` is not theirs
+            self._sent = _skip_space(self._buf, self._sent)
         stop = self._buf.rfind("}", self._sent)
         stop = len(self._buf) if stop < 0 else stop
         if stop > self._sent:
             out.append(CallArguments(self.num_calls - 1, self._buf[self._sent:stop]))
-            self._sent = stop
+            self._sent, self._args_begun = stop, True
 
     def _close(self, end: int, out: list) -> None:
         block, self._buf = self._buf[: end + len(CLOSE)], self._buf[end + len(CLOSE):]
         self._in_call, sent, self._sent = False, self._sent, 0
         body = block[len(OPEN): end]
         if sent:  # the rest of the arguments: up to the `}` that closes the call
+            if not self._args_begun:
+                sent = _skip_space(block, sent)
             rest = block[sent: len(OPEN) + len(body.rstrip()) - 1]
             if rest:
                 out.append(CallArguments(self.num_calls - 1, rest))
@@ -338,6 +344,12 @@ class ToolCallStream:
             out.append(self._space + stripped)
             self._space = ""
         self._space += text[len(stripped):]
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
 
 
 def _partial_prefix(text: str, marker: str) -> int:
