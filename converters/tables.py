@@ -176,6 +176,7 @@ TABLES: dict[str, list[Rule]] = {
     "exaone4": _POST_NORMS,
     "gemma3": _COMMON
     + [
+        (r"lm_head\.weight", "lm_head", _t),  # untied heads (`tie_word_embeddings: false`)
         (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", _same),
         (_LAYER + r"self_attn\.k_norm\.weight", "k_norm", _same),
         (_LAYER + r"post_attention_layernorm\.weight", "post_attn_norm", _same),

@@ -229,6 +229,49 @@ def test_an_unreadable_entry_is_dropped(tmp_path):
     assert store.load("absent", jax.devices()[:1]) is None
 
 
+def _with_host_callbacks(x):
+    doubled = jax.pure_callback(lambda a: np.asarray(a) * 2,
+                                jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    jax.debug.callback(lambda a: None, x)
+    return doubled + 1
+
+
+def test_a_program_holding_a_host_callback_is_not_stored(tmp_path, caplog, monkeypatch):
+    """A host callback (as Pallas' interpret mode, `jax.debug` and `pure_callback` put in a
+    program) is a local Python function that pickle refuses: the program is not stored, a
+    warning says so once, and the compiled program still runs (the engine that built it
+    used to fail the request with pickle's AttributeError)."""
+    monkeypatch.setattr(executables, "_reasons_logged", set())
+    x = jnp.arange(8, dtype=jnp.float32)
+    compiled, fresh = compile_fresh(_with_host_callbacks, f"probe_{uuid.uuid4().hex[:12]}",
+                                    (x,), {}, persistent_cache=False)
+    assert fresh
+    store = ExecutableStore(tmp_path / "store")
+    with caplog.at_level(logging.DEBUG, logger="jengine"):
+        assert store.save("k", compiled) == 0
+        with store.deferred():  # a warm-up's saves, written when it ends
+            store.save("k2", compiled)
+    assert store.entries() == [] and not list(tmp_path.rglob("*.tmp"))
+    notes = [r for r in caplog.records if "not stored" in r.getMessage()]
+    assert [r.levelno for r in notes] == [logging.WARNING, logging.DEBUG]
+    assert "AttributeError" in notes[0].getMessage()
+    np.testing.assert_array_equal(compiled(x), np.arange(8) * 2 + 1)
+
+
+@pytest.mark.kernel_sweep  # interpret-mode Pallas on CPU: about a minute for one token
+def test_an_engine_whose_step_holds_a_host_callback_serves(tiny, tmp_path, monkeypatch):
+    """The pallas_tpu backend on CPU runs in interpret mode, whose step program holds host
+    callbacks: the engine serves, and nothing is stored."""
+    store = tmp_path / "store"
+    monkeypatch.setattr(jengine.core.engine_core, "default_store_dir", lambda: store)
+    engine = Engine(tiny, config=ONE_BUCKET, attention_backend="pallas_tpu", progress=False)
+    [out] = engine.generate([[5, 9, 17, 33]], SamplingParams(max_tokens=1, temperature=0,
+                                                             ignore_eos=True))
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
+    assert engine.core.runner.programs_compiled == 1
+    assert not list(store.glob("*.jex"))
+
+
 def test_an_offline_engine_builds_only_the_buckets_it_uses(tiny):
     lazy = Engine(tiny, config=TWO_BUCKETS, progress=False)
     runner = lazy.core.runner

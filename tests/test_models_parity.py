@@ -300,6 +300,36 @@ def test_gemma2_soft_capping(tmp_path):
     assert _control_diff(_with(loaded, sliding_window=None), ids, expected) > TOL
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_untied_output_head(tmp_path, family):
+    """`tie_word_embeddings: false`, which HF's Gemma classes accept (the default ties): the
+    checkpoint's own `lm_head.weight` is the output head (it was refused as unexpected). The
+    control puts the embedding back as the head."""
+    config_cls, model_cls = {
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }[family]
+    config = config_cls(**_gemma_kwargs(tie_word_embeddings=False, final_logit_softcapping=None))
+    loaded, ids, expected = _build(tmp_path, config, model_cls, norm_offset=0.0)
+    cfg, params = loaded.config, loaded.params
+    assert cfg.model_type == family and not cfg.tie_word_embeddings
+    assert params["lm_head"].shape == (cfg.hidden_size, VOCAB)
+    assert _max_diff(loaded, ids, expected) < TOL
+    tied = dataclasses.replace(cfg, tie_word_embeddings=True)
+    embed_as_head = {k: v for k, v in params.items() if k != "lm_head"}
+    assert _control_diff((tied, embed_as_head), ids, expected) > TOL
+
+
+def test_a_config_without_tie_word_embeddings_means_the_hf_class_default():
+    base = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4}
+    for model_type, tied in (("llama", False), ("qwen2", False), ("smollm3", True),
+                             ("gemma2", True), ("gemma3_text", True)):
+        cfg = model_config_from_hf({**base, "model_type": model_type})
+        assert cfg.tie_word_embeddings == tied == transformers.AutoConfig.for_model(
+            model_type).tie_word_embeddings, model_type
+
+
 def _swapped_experts(params, a: int, b: int) -> dict:
     """Params with experts a and b exchanged in every expert weight (not in the router)."""
     out = dict(params)

@@ -149,6 +149,39 @@ def test_forced_tool_calls_are_valid(server, choice):  # noqa: F811
             assert choice == "required" or call.function.name == "get_time"
 
 
+@pytest.mark.parametrize("ask", [ASK[0]["content"],
+                                 "What time is it in Tokyo and what's the weather in Oslo?"])
+def test_required_parallel_calls_end_by_themselves(server, ask):  # noqa: F811
+    """`required` with the default `parallel_tool_calls`: the calls end well before max_tokens
+    (a forced separator between calls once made SmolLM2 repeat one call until the limit, and
+    the SDK's stream helper raised LengthFinishReasonError), whole and through that helper."""
+    kw = dict(messages=[{"role": "user", "content": ask}], tools=TOOLS, tool_choice="required",
+              temperature=0, max_tokens=250)
+    whole = _chat(server, **kw)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert whole.usage.completion_tokens < 120
+    assert choice.message.content is None and choice.message.tool_calls
+    for name, args in _calls(choice.message):
+        _valid(name, args)
+    with server.client().chat.completions.stream(model=MODEL, **kw) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion()
+    assert streamed.choices[0].finish_reason == "tool_calls"
+    assert _calls(streamed.choices[0].message) == _calls(choice.message)
+
+
+def test_named_call_is_one_call_with_parallel_calls_allowed(server):  # noqa: F811
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = _chat(server, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=250)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and r.usage.completion_tokens < 120
+    [(name, args)] = _calls(choice.message)
+    assert name == "get_time"
+    _valid(name, args)
+
+
 def test_streamed_tool_calls_reassemble_to_the_same_calls(server):  # noqa: F811
     kw = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
               temperature=0, max_tokens=40)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import layers, matmul
+from jengine.models import layers
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec, project, rms_norm, rope_inv_freq
@@ -24,7 +24,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     norm = ("layers", "embed")
     specs = {
-        "embed": ParamSpec((v, e), ("vocab", "embed"), contract=(1,)),  # tied: also the lm_head
+        # Tied (Gemma's default): the lm_head too, contracting the embed axis.
+        "embed": ParamSpec((v, e), ("vocab", "embed"),
+                           contract=(1,) if cfg.tie_word_embeddings else ()),
         "attn_norm": ParamSpec((n, e), norm, "zeros"),
         "wq": ParamSpec((n, e, h, d), ("layers", "embed", "q_heads", "head_dim"), contract=(1,)),
         "wk": ParamSpec((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim"), contract=(1,)),
@@ -43,6 +45,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     }
     if not has_qk_norm(cfg):
         del specs["q_norm"], specs["k_norm"]
+    if not cfg.tie_word_embeddings:  # HF's Gemma classes allow a separate head
+        specs["lm_head"] = ParamSpec((e, v), ("embed", "vocab"), contract=(0,))
     return specs
 
 
@@ -134,8 +138,7 @@ def forward(
 def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Hidden states [N, E] (`forward` without `head`) -> float32 logits [N, V]."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, offset=1.0, backend=cfg.matmul_backend)
-    with jax.named_scope("lm_head"):
-        out = matmul.dot("te,ve->tv", x, params["embed"], cfg.matmul_backend)
+    out = layers.lm_head(x, params, cfg.tie_word_embeddings, cfg.matmul_backend)
     if cfg.final_logit_softcapping:
         cap = cfg.final_logit_softcapping
         out = cap * jnp.tanh(out / cap)

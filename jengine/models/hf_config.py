@@ -67,7 +67,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=rope,
         local_rope=local_rope,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
         qkv_bias=(model_type == "qwen2" or attention_bias
                   or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))),
         o_bias=bool(hf.get("attention_out_bias", attention_bias)) and model_type != "qwen2",
@@ -87,6 +87,12 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf),
     )
+
+
+# The HF config classes whose `tie_word_embeddings` defaults to True (every other family's is
+# False): what a config.json that leaves the key out means. Either value loads: an untied
+# checkpoint's `lm_head.weight` is every family's output head.
+_TIED_BY_DEFAULT = ("gemma2", "gemma3", "gemma3_text", "smollm3")
 
 
 def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:

@@ -211,6 +211,19 @@ def compile_fresh(fun: Callable, name: str, args: tuple, kwargs: dict, *,
     return compiled, getattr(_hits, "count", 0) == before
 
 
+_reasons_logged: set[str] = set()
+
+
+def _not_stored(error: Exception) -> None:
+    """Logs why a program was not stored: a warning the first time for each kind of error (the
+    same reason holds for every program of an engine), debug after that."""
+    kind = type(error).__name__
+    level = logging.DEBUG if kind in _reasons_logged else logging.WARNING
+    _reasons_logged.add(kind)
+    log.log(level, "a compiled step program is not stored (it compiles again next start): "
+            "%s: %s", kind, error)
+
+
 class ProgramsNotStoredError(ValueError):
     """A start that must not compile (`serve --require-warm`) found programs missing."""
 
@@ -269,13 +282,22 @@ class ExecutableStore:
         try:
             with _GATE.serializing():
                 blob = pickle.dumps(serialize_executable.serialize(compiled))
-        except (ValueError, NotImplementedError) as e:
-            log.debug("cannot store a compiled program: %s", e)
+        except Exception as e:  # noqa: BLE001 - storing only saves a compile; never fail on it
+            # Backends that cannot serialize (ValueError, NotImplementedError), and programs
+            # that hold a host callback (a Pallas kernel in interpret mode, `jax.debug`,
+            # `pure_callback`): the callback is a local Python function, which pickle refuses
+            # (AttributeError). The compiled program in memory serves on.
+            _not_stored(e)
             return 0
-        self.path.mkdir(parents=True, exist_ok=True)
         tmp = self.path / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_bytes(blob)
-        os.replace(tmp, self._file(key))
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(blob)
+            os.replace(tmp, self._file(key))
+        except OSError as e:  # a full or read-only disk: the next start compiles again
+            tmp.unlink(missing_ok=True)
+            _not_stored(e)
+            return 0
         return len(blob)
 
     def size(self, key: str) -> int | None:

@@ -7,7 +7,11 @@ does:
     none       tools are left out of the prompt and nothing is parsed
     auto       tools go into the prompt; calls are parsed from the output, the rest is content
     required   the output is constrained (a grammar) to one or more calls, each call's JSON
-               validating against one of the tools (an anyOf); one call unless parallel calls
+               validating against one of the tools (an anyOf); one call unless parallel calls.
+               Parallel calls follow each other with nothing between them, so after every
+               `</tool_call>` the model chooses between EOS and another call: a separator the
+               grammar forced ("\n") left it no way to end, and SmolLM2 repeated the same call
+               until max_tokens
     {"type": "function", "function": {"name": N}}   constrained to one call of N
 
 A template that mentions `tools` gets them through `apply_chat_template(tools=...)`; any other
@@ -54,7 +58,7 @@ class ToolSetup:
         schemas = [_call_schema(f) for f in chosen]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         schema = {**schema, "x-guidance": _JSON_STYLE}
-        repeat = ' ("\\n" call)*' if self.parallel and self.choice == "required" else ""
+        repeat = "+" if self.parallel and self.choice == "required" else ""
         lark = (f'start: call{repeat}\ncall: "{OPEN}" body "{CLOSE}"\n'
                 f"body: %json {json.dumps(schema)}\n")
         return StructuredOutputs(grammar=lark)
