@@ -88,11 +88,12 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     assert h.result("b") == h.result("a")
 
 
-def test_a_prompts_last_page_is_computed_in_a_step_of_its_own():
-    """Cold, the prompt's full pages come first and its last page in a step of its own, as a
-    warm cache leaves it: so its rows meet the same kernels either way (`chunk_limit`)."""
+def test_a_seeded_prompts_last_page_is_computed_in_a_step_of_its_own():
+    """Cold, a seeded prompt's full pages come first and its last page in a step of its own, as
+    a warm cache leaves it: so its rows meet the same kernels either way (`chunk_limit`).
+    Unseeded prompts keep one chunk."""
     h = cached_harness(page_size=PS, max_model_len=64)
-    p = params(max_tokens=2, ignore_eos=True)
+    p = params(max_tokens=2, ignore_eos=True, seed=5)
     for salt, (rid, n, cold) in enumerate((("a", 14, [(0, 12), (12, 2)]),
                                            ("b", 12, [(0, 8), (8, 4)]), ("c", 4, [(0, 4)]))):
         h.add(rid, prompt_of(n, salt), p)
@@ -107,6 +108,8 @@ def test_a_prompts_last_page_is_computed_in_a_step_of_its_own():
     off = Harness(prefix_caching=False, page_size=PS, max_model_len=64)
     off.add("a", prompt_of(14), p)
     assert off.step().num_tokens == 14  # no cache, nothing to match: one chunk
+    h.add("u", prompt_of(14, 9), params(max_tokens=2, ignore_eos=True))
+    assert h.step().num_tokens == 14  # no seed: one chunk
 
 
 def test_a_generated_reply_is_reused_by_the_next_turn():
@@ -275,6 +278,7 @@ def test_random_stress_with_a_tiny_pool_matches_uncached_runs(mode):
             max_tokens=rng.randint(1, min(12, max_model_len - len(prompt))),
             ignore_eos=rng.random() < 0.3,
             prompt_logprobs=1 if rng.random() < 0.05 else None,
+            seed=rng.choice([None, 11]),  # seeded: the last prompt page in a step of its own
         )
         arrival = i + rng.randint(0, 2)
         abort_at = arrival + rng.randint(0, 20) if rng.random() < 0.1 else None

@@ -29,15 +29,15 @@ def reuse_cached(cache: PrefixCache | None, seq: Sequence) -> int | None:
 
 
 def chunk_limit(cache: PrefixCache | None, seq: Sequence, budget: int) -> int:
-    """The tokens `seq` computes this step, at most `budget`: a prefill chunk stops at the start
-    of the last page, which `reuse_cached` would leave to compute on a full hit, so that page
-    is always computed in a chunk of its own. Its rows then meet the same kernels and keys on a
-    cold cache as on a warm one, and a prompt's last logits (hence a seeded sample, or a greedy
-    near tie) do not depend on what the cache held: a 22-row block and the 6 rows a hit leaves
-    take different kernel paths, whose sums part in the last bits. Costs one step on a cold
-    prompt longer than a page; nothing without a prefix cache or for prompt logprobs."""
+    """The tokens `seq` computes this step, at most `budget`. A seeded request's prefill chunk
+    stops at the start of its last page, which `reuse_cached` would leave to compute on a full
+    hit, so that page is always computed in a step of its own: its rows then meet the same
+    kernels and keys on a cold cache as on a warm one, and one seed gives one output whatever
+    the cache held (a 40-row chunk and the 8 rows a hit leaves take other kernel paths, whose
+    sums part in the last bits). It costs a step on a cold prompt longer than a page (TTFT
+    1.2-1.8x, docs/engine.md), so only requests that ask to be reproduced (`seed`) pay it."""
     n = min(seq.num_uncomputed, budget)
-    if cache is None or seq.params.prompt_logprobs is not None:
+    if cache is None or seq.params.seed is None or seq.params.prompt_logprobs is not None:
         return n
     last_page = (seq.num_tokens - 1) // cache.allocator.page_size * cache.allocator.page_size
     if seq.num_computed < last_page:
