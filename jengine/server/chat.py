@@ -27,11 +27,8 @@ from jengine.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
 from jengine.server.chat_request import ChatCompletionRequest
 from jengine.server.protocol import (
     check_text_fields,
-    finite,
-    prompt_logprobs_json,
-    token_text,
-    usage,
 )
+from jengine.server.reply_json import finite, prompt_logprobs_json, token_text, usage
 from jengine.server.state import ServerState
 from jengine.server.stream_extras import StreamExtras
 from jengine.server.streams import EngineStream, sse_stream, start_stream

@@ -21,11 +21,8 @@ from jengine.server.errors import bad_request
 from jengine.server.protocol import (
     CompletionRequest,
     check_text_fields,
-    finite,
-    prompt_logprobs_json,
-    token_text,
-    usage,
 )
+from jengine.server.reply_json import finite, prompt_logprobs_json, token_text, usage
 from jengine.server.state import ServerState
 from jengine.server.stream_extras import StreamExtras
 from jengine.server.streams import EngineStream, sse_stream, start_stream
