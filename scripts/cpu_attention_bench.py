@@ -3,9 +3,9 @@
 Decode: S sequences of `slots` cached keys each, one query token per sequence (the reference's
 per-token gather). Prefill: one 512-token chunk over 1000 cached tokens; the reference runs
 `blocked_paged_attention` with 32-row blocks at the runner's bound for T = 512, S = 64 (78
-blocks, 16 of them real; `scripts/prefill_bench.py` times the runner's path). Also the K/V write of
-64 tokens: a plain XLA scatter (`.at[].set`), the reference `write_kv` (16-bit caches scattered
-as uint16 bits) and the in-place FFI write, f32 and bf16 caches, donated.
+blocks, 16 of them real; `experiments/prefill_bench.py` times the runner's path). Also the K/V
+write of 64 tokens: a plain XLA scatter (`.at[].set`), the reference `write_kv` (16-bit caches
+scattered as uint16 bits) and the in-place FFI write, f32 and bf16 caches, donated.
 Medians over `--reps` calls of one jitted layer call (4-layer cache, layer 1, pages shuffled).
 `--isa` picks the kernel's instruction set; two or more (`--isa avx2,avx512`) time only the
 kernel, each path against the first, reps interleaved so that load on a shared machine falls on

@@ -1,6 +1,6 @@
 """Constrained decoding on the real SmolLM2: the llguidance backend (errors, mask layout, EOS),
 the engine (every case of tests/structured_cases.py, length, n > 1, preemption, abort) and tool
-calling through `Engine.chat`. scripts/structured_check.py runs the same cases 50 times each."""
+calling through `Engine.chat`. experiments/structured_check.py runs the same cases 50 times each."""
 
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ def _native_int8(x: jax.Array, w: Weight, form: str) -> bool:
     docs/kernels.md).
 
     Alone, with the weights streamed from DRAM, the kernel was 1.0-1.8x as fast as XLA's int8
-    dot at 1 to 64 rows (scripts/int8_matmul_bench.py); inside a decode step it lost (steps
+    dot at 1 to 64 rows (experiments/int8_matmul_bench.py); inside a decode step it lost (steps
     1.4-1.8x as long at 1 and 8 rows, 1.03-1.24x at 64): each call hands half its work to a
     pool thread, while XLA runs its single-threaded small dots side by side (q/k/v, gate/up)
     with no handoff. Prefill

@@ -26,7 +26,7 @@ bucket's token count T (both give HF's sums; only float32 rounding differs):
   weight matrix that is zero off the chosen experts. It does X / k times the useful work, but
   it is plain batched matmuls. A sort by expert + grouped matmul (`lax.ragged_dot`) would do
   only the useful work, but XLA:CPU lowers `ragged_dot` to a masked dot over all experts.
-Measured on XLA:CPU (`scripts/moe_bench.py`, X=64, k=8, E=1024, F=384, median ms per layer,
+Measured on XLA:CPU (`experiments/moe_bench.py`, X=64, k=8, E=1024, F=384, median ms per layer,
 2 shared cores): T=1 gather 69 / dense 403 / ragged 468; T=4 152 / 353 / 409; T=8 (T*k = X)
 692 / 682 / 644; T=16 641 / 501 / 738; T=64 2386 / 755 / 1841. Gather wins while T*k < X,
 the three meet at T*k = X, dense wins beyond; ragged never wins there.

@@ -2,7 +2,7 @@
 w f32, bf16 or int8 (the int8 weight's per-channel scale is the caller's to apply).
 
 XLA:CPU's dot of a few rows costs far more than one row's (2 / 4 / 8 / 16 rows ran 1.6 / 2.5 /
-3.3 / 3.5x one row, `scripts/small_row_dots.py`), while a step of that shape should cost what
+3.3 / 3.5x one row, `experiments/small_row_dots.py`), while a step of that shape should cost what
 streaming the weights costs. The C++ kernel (`csrc/small_matmul.cc`, built into
 `_cpu_kernels*.so` by the package's install) keeps each output tile's R rows in registers so
 every weight row segment is read once for all of them, splits the columns over XLA's intra-op

@@ -35,7 +35,7 @@ from jengine.config import SpeculativeConfig
 # The pauses below are short since a verification got cheap (session 21: a 16-row step ~1.4x a
 # decode on the AMX Xeon, from ~1.6x): each step a copying sequence waits is a plain decode
 # where a verification might have yielded several tokens. Edit prompts, one stream, k = 15 with
-# ngram_min 2, one run (scripts/spec_pauses.py; docs/engine.md): 1.68x plain decoding's
+# ngram_min 2, one run (experiments/spec_pauses.py; docs/engine.md): 1.68x plain decoding's
 # tokens/s with the pauses before (found nothing 4, turned down 4, step declined 6, backoff 16),
 # 1.75x with these.
 # A sequence that saw this many verifications in a row accept nothing pauses speculation for

@@ -8,9 +8,9 @@ sequence, so this ratio is what it must earn back (docs/engine.md, "Speculative 
 `--backends xla native` times the same program with jengine's native small-row matmul
 (`jengine.pallas_kernels.cpu_matmul`) in place of XLA's dot, both in one process, interleaved.
 
-    python scripts/small_row_dots.py [--layers 20 --reps 7 --backends xla native]
-    python scripts/small_row_dots.py --k 576 --n 49152 --layers 1 --transposed  # tied lm_head
-    python scripts/small_row_dots.py --backends xla native --weight-dtypes float32 bfloat16 int8
+    python experiments/small_row_dots.py [--layers 20 --reps 7 --backends xla native]
+    python experiments/small_row_dots.py --k 576 --n 49152 --layers 1 --transposed  # tied lm_head
+    python experiments/small_row_dots.py --backends xla native --weight-dtypes float32 bfloat16 int8
 
 `--weight-dtypes` stores the weights narrower: XLA then converts them to f32 in the program (what
 a weight-only mode costs on XLA:CPU), the native kernel widens them in registers; an int8 case is

@@ -1,7 +1,7 @@
 """Structured outputs on SmolLM2 at temperature 0.7: validity over many samples per case, the
 cost of filling grammar masks, and the step-time cost of constrained rows.
 
-    python scripts/structured_check.py [--n 50] [--overhead-requests 16] [--overhead-tokens 48]
+    python experiments/structured_check.py [--n 50] [--overhead-requests 16] [--overhead-tokens 48]
 
 Per case (tests/structured_cases.py: JSON schemas with nested objects, arrays with min/max items,
 enums, integer ranges, $ref/$defs, anyOf, string patterns; regexes for email, ISO date and phone

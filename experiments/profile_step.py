@@ -18,7 +18,7 @@ The host gap is the step's wall time (dispatch to tokens on the host) minus the 
 thunks: input preparation, transfers and dispatch. Thunks may overlap on XLA's threads, so
 parts are shares of the summed thunk time.
 
-    python scripts/profile_step.py [--seqs 64] [--context 256] [--steps 5] [--trace-dir DIR]
+    python experiments/profile_step.py [--seqs 64] [--context 256] [--steps 5] [--trace-dir DIR]
                                    [--kv-cache-dtype auto|float32|bfloat16|int8]
                                    [--set quantization=int8 ...]
 """
@@ -32,10 +32,16 @@ import gzip
 import json
 import re
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
+
+# A probe run from a source tree: its sibling probes import however it is started
+# (`python -P` leaves the script's own folder off sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PARTS = ("gemm", "attention", "kv_write", "norm_rope", "lm_head", "sampling", "other")
 

@@ -1,4 +1,4 @@
-"""A synthetic `ScheduledBatch` for the step benchmarks in scripts/ (no scheduler involved)."""
+"""A synthetic `ScheduledBatch` for the step benchmarks in experiments/ (no scheduler involved)."""
 
 from __future__ import annotations
 

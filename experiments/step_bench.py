@@ -10,7 +10,7 @@ its time to first token without the scheduler). Trees alternate for `--rounds` r
 figure is the median over rounds.
 
     git worktree add /tmp/jengine-before <commit>
-    python scripts/step_bench.py --before /tmp/jengine-before [--reps 7 --rounds 2]
+    python experiments/step_bench.py --before /tmp/jengine-before [--reps 7 --rounds 2]
 """
 
 from __future__ import annotations

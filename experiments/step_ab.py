@@ -6,11 +6,11 @@ batches of 1, 8, 32 and 64 sequences at 256 cached tokens and for one 512-token 
 over 1,000 cached tokens; then, for each value in its own process with an empty compilation
 cache, the cold compile time of every bucket of the `cpu` preset (`EngineCore` warm-up).
 
-    python scripts/step_ab.py --key layer_layout --values stacked unstacked [--reps 15]
-    python scripts/step_ab.py --key attention_backend --values reference cpu --skip-compile
-    python scripts/step_ab.py --key kv_cache_dtype --values float32 bfloat16
-    python scripts/step_ab.py --key matmul_backend --values xla native --decodes 1 2 4 8 16
-    python scripts/step_ab.py --key matmul_backend --values native amx --set dtype=bfloat16
+    python experiments/step_ab.py --key layer_layout --values stacked unstacked [--reps 15]
+    python experiments/step_ab.py --key attention_backend --values reference cpu --skip-compile
+    python experiments/step_ab.py --key kv_cache_dtype --values float32 bfloat16
+    python experiments/step_ab.py --key matmul_backend --values xla native --decodes 1 2 4 8 16
+    python experiments/step_ab.py --key matmul_backend --values native amx --set dtype=bfloat16
 
 Any key of `load_config` works (`attention_backend`, `layer_layout`, `matmul_backend`, ...);
 `--set KEY=VALUE` fixes others for both sides.
@@ -26,8 +26,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from step_batch import synthetic_batch
+# A probe run from a source tree: its sibling probes and scripts/ (spec_bench) import however
+# it is started (`python -P` leaves the script's own folder off sys.path).
+sys.path[:0] = [str(Path(__file__).resolve().parent),
+                str(Path(__file__).resolve().parents[1] / "scripts")]
+
+from step_batch import synthetic_batch  # noqa: E402
 
 DECODES = (1, 8, 32, 64)
 CONTEXT = 256

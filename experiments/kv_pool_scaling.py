@@ -1,7 +1,7 @@
 """Decode step time vs KV page-pool size: the stacked cache is updated in place (scan carry,
 donated), so growing the pool 4x and 16x must leave the step time flat (within noise).
 
-    python scripts/kv_pool_scaling.py [--pages 200 800 3200] [--batch 32] [--context 256]
+    python experiments/kv_pool_scaling.py [--pages 200 800 3200] [--batch 32] [--context 256]
 """
 
 from __future__ import annotations

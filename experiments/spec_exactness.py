@@ -3,7 +3,7 @@ token's logprob, to the bit, on spec_bench's edit and free prompts, one prompt a
 `--rounds` times on the same two engines (prefix caching on: from the second run a prompt finds
 its pages cached, the case where session 23's switch to the cache's copies parted the texts).
 
-    PYTHONPATH=scripts:. python -P scripts/spec_exactness.py [--dtype bfloat16] [--config cpu]
+    PYTHONPATH=scripts:. python -P experiments/spec_exactness.py [--dtype bfloat16] [--config cpu]
         [--max-tokens 128] [--method ngram | draft --draft-model DIR] [--k K] [--rounds 2]
         [--verify-all]  # the cost model off: every proposal (every draft round) is verified
 """
@@ -11,10 +11,17 @@ its pages cached, the case where session 23's switch to the cache's copies parte
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from spec_bench import EDITS, FREE, render
+# A probe run from a source tree: its sibling probes and scripts/ (spec_bench) import however
+# it is started (`python -P` leaves the script's own folder off sys.path).
+sys.path[:0] = [str(Path(__file__).resolve().parent),
+                str(Path(__file__).resolve().parents[1] / "scripts")]
 
-from jengine import Engine, SamplingParams
+from spec_bench import EDITS, FREE, render  # noqa: E402
+
+from jengine import Engine, SamplingParams  # noqa: E402
 
 
 def first_difference(a: list, b: list) -> int | None:

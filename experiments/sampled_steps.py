@@ -8,18 +8,24 @@ buckets these batches use, then times `runner.execute` (dispatch to tokens on th
     decode64x256  64 decodes at 256 cached tokens
 
 each greedy (temperature 0) and sampled (temperature 0.7, no top-k/top-p), median of --reps.
-To compare trees, run it from each with its own PYTHONPATH (this file needs scripts/ on it):
+To compare trees, run it from each with its own PYTHONPATH:
 
-    PYTHONPATH=TREE:scripts python -P scripts/sampled_steps.py [--reps 11] [--set dtype=bfloat16]
+    PYTHONPATH=TREE python -P experiments/sampled_steps.py [--reps 11] [--set dtype=bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+# A probe run from a source tree: its sibling probes import however it is started
+# (`python -P` leaves the script's own folder off sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ copies sorted by expert and run through `jax.lax.ragged_dot` (one grouped matmul
 Random float32 weights of X experts [E, F], top-k routing of T tokens; a figure is the median
 wall time of `--reps` jitted calls after one warm-up, strategies alternating per token count.
 
-    python -P scripts/moe_bench.py [--experts 64] [--top-k 8] [--embed 1024] [--width 384]
+    python -P experiments/moe_bench.py [--experts 64] [--top-k 8] [--embed 1024] [--width 384]
 """
 
 from __future__ import annotations

@@ -1,22 +1,29 @@
 """Decode step time of the plain program against the `features` one (every sampling feature
 folded in, neutral where unused: `jengine.runtime.step_io.Variant`), in one process.
 
-The same `cpu`-preset `EngineCore` as scripts/quant_step_time.py (bundled SmolLM2, float32),
+The same `cpu`-preset `EngineCore` as experiments/quant_step_time.py (bundled SmolLM2, float32),
 `--decodes` sequences with `--context` tokens cached; a figure is the median wall time of
 `Runner.execute` over `--reps` calls, the two variants alternating for `--rounds` rounds.
 
-    python -P scripts/variant_step_time.py [--decodes 1 64]
+    python -P experiments/variant_step_time.py [--decodes 1 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
-from quant_step_time import build, step_ms
-from step_batch import synthetic_batch
+# A probe run from a source tree: its sibling probes and scripts/ (spec_bench) import however
+# it is started (`python -P` leaves the script's own folder off sys.path).
+sys.path[:0] = [str(Path(__file__).resolve().parent),
+                str(Path(__file__).resolve().parents[1] / "scripts")]
 
-from jengine.runtime.step_io import SamplingRows, Variant
+from quant_step_time import build, step_ms  # noqa: E402
+from step_batch import synthetic_batch  # noqa: E402
+
+from jengine.runtime.step_io import SamplingRows, Variant  # noqa: E402
 
 PAGE = 16
 

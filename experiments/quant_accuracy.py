@@ -2,8 +2,9 @@
 
 For every mode (default: int8 smoothed, int8 unsmoothed, int8 with the lm_head, w8a16; `/int8`
 after a mode: over an int8 KV cache) beside `none` (the model dtype, its KV cache too):
-- perplexity of a fixed public-domain text (`data/pride_and_prejudice_ch1-3.txt`: chapters 1-3
-  of Jane Austen's *Pride and Prejudice*, 1813), in independent windows of `--window` tokens;
+- perplexity of a fixed public-domain text (`scripts/data/pride_and_prejudice_ch1-3.txt`:
+  chapters 1-3 of Jane Austen's *Pride and Prejudice*, 1813), in independent windows of
+  `--window` tokens;
 - mean KL(unquantized || quantized) of the next-token distributions at every window position,
   and how often the two argmaxes agree there (teacher forced: both read the same text);
 - greedy decoding of `--prompts` prompts (24-token slices of the text at evenly spaced
@@ -14,9 +15,9 @@ after a mode: over an int8 KV cache) beside `none` (the model dtype, its KV cach
 Every model is an `EngineCore` of this tree (weights loaded, quantized, laid out as served);
 the window logits come from the model's own forward over the engine's params.
 
-    python scripts/quant_accuracy.py [--model PATH] [--modes int8 int8@0 int8+head w8a16]
-    python scripts/quant_accuracy.py --modes none/int8 int8/int8   # an int8 KV cache
-    python scripts/quant_accuracy.py --modes none/fp8 --attention-backend reference  # fp8 KV
+    python experiments/quant_accuracy.py [--model PATH] [--modes int8 int8@0 int8+head w8a16]
+    python experiments/quant_accuracy.py --modes none/int8 int8/int8   # an int8 KV cache
+    python experiments/quant_accuracy.py --modes none/fp8 --attention-backend reference  # fp8 KV
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from jengine.models import AttentionMetadata, KVCache, family_module
 from jengine.models.quant import weight_bytes
 from jengine.sampling_params import SamplingParams
 
-TEXT = Path(__file__).resolve().parent / "data" / "pride_and_prejudice_ch1-3.txt"
+TEXT = Path(__file__).resolve().parents[1] / "scripts" / "data" / "pride_and_prejudice_ch1-3.txt"
 PAGE = 16
 PROMPT_LEN = 24
 

@@ -7,20 +7,27 @@ the median wall time of `Runner.execute` (host prep, device step, fetch) over `-
 modes alternate for `--rounds` rounds and each figure is the median over rounds, so load from
 other jobs on the machine falls on every mode alike.
 
-    python scripts/quant_step_time.py [--modes none int8 w8a16] [--decodes 1 64]
+    python experiments/quant_step_time.py [--modes none int8 w8a16] [--decodes 1 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from step_batch import synthetic_batch
+# A probe run from a source tree: its sibling probes and scripts/ (spec_bench) import however
+# it is started (`python -P` leaves the script's own folder off sys.path).
+sys.path[:0] = [str(Path(__file__).resolve().parent),
+                str(Path(__file__).resolve().parents[1] / "scripts")]
 
-from jengine.config import load_config
-from jengine.core.engine_core import EngineCore
-from jengine.runtime.step_io import SamplingRows
+from step_batch import synthetic_batch  # noqa: E402
+
+from jengine.config import load_config  # noqa: E402
+from jengine.core.engine_core import EngineCore  # noqa: E402
+from jengine.runtime.step_io import SamplingRows  # noqa: E402
 
 PAGE = 16
 

@@ -3,7 +3,7 @@ dot (jengine.models.quant, what `--quantization int8` runs otherwise), at SmolLM
 shapes and its tied output head, for a range of row counts. Same process, alternating calls,
 the fastest of several timings each; prints ms and GOP/s.
 
-    PYTHONPATH=. python -P scripts/int8_matmul_bench.py [--rows 1 8 32 64 256 512]
+    PYTHONPATH=. python -P experiments/int8_matmul_bench.py [--rows 1 8 32 64 256 512]
 """
 
 from __future__ import annotations

@@ -9,23 +9,31 @@ after the last layer is compared with its decode's; where some differ, the first
 which they do, and the outputs of that layer's ops (norms, projections, attention, MLP: the
 model's functions wrapped to hand their outputs back from the jitted forward).
 
-    PYTHONPATH=scripts:. python -P scripts/verify_rows.py [--prompt 3] [--k 7] [--dtype bfloat16]
+    PYTHONPATH=. python -P experiments/verify_rows.py [--prompt 3] [--k 7] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from spec_bench import EDITS, render
 
-from jengine import Engine
-from jengine.models import llama
-from jengine.runtime.step_io import SamplingRows
-from jengine.scheduling.batch import ScheduledBatch
+# A probe run from a source tree: its sibling probes and scripts/ (spec_bench) import however
+# it is started (`python -P` leaves the script's own folder off sys.path).
+sys.path[:0] = [str(Path(__file__).resolve().parent),
+                str(Path(__file__).resolve().parents[1] / "scripts")]
+
+from spec_bench import EDITS, render  # noqa: E402
+
+from jengine import Engine  # noqa: E402
+from jengine.models import llama  # noqa: E402
+from jengine.runtime.step_io import SamplingRows  # noqa: E402
+from jengine.scheduling.batch import ScheduledBatch  # noqa: E402
 
 OPS = ("rms_norm", "project", "attend", "_mlp")  # llama's, wrapped by `Probe`
 

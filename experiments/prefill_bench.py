@@ -13,7 +13,7 @@ Each tree runs in its own subprocess against its own jengine, the two alternatin
 `--reps`-call medians.
 
     git worktree add /tmp/jengine-before <commit>   # the tree to compare against
-    python scripts/prefill_bench.py --before /tmp/jengine-before [--reps 5 --rounds 3]
+    python experiments/prefill_bench.py --before /tmp/jengine-before [--reps 5 --rounds 3]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ spec_bench's single-stream workload (`--workload edit` or `free`, greedy, 128 to
 variants and the plain engine in turn for `--rounds` rounds; medians, tokens/s against the
 plain engine, and whether the text is the plain engine's.
 
-    python scripts/spec_pauses.py --k 15:2 --dtype bfloat16 \
+    python experiments/spec_pauses.py --k 15:2 --dtype bfloat16 \
         --variant shipped --variant before:BACKOFF_STEPS=16,DECLINED_PAUSE=6,NO_PROPOSAL_PAUSE=4
 """
 
@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
-from spec_bench import EDITS, FREE, preset, single_stream
+# A probe run from a source tree: its sibling probes and scripts/ (spec_bench) import however
+# it is started (`python -P` leaves the script's own folder off sys.path).
+sys.path[:0] = [str(Path(__file__).resolve().parent),
+                str(Path(__file__).resolve().parents[1] / "scripts")]
 
-from jengine import Engine, SamplingParams
-from jengine.scheduling import speculation, speculative
+from spec_bench import EDITS, FREE, preset, single_stream  # noqa: E402
+
+from jengine import Engine, SamplingParams  # noqa: E402
+from jengine.scheduling import speculation, speculative  # noqa: E402
 
 PAUSES = ("NO_PROPOSAL_PAUSE", "DECLINED_PAUSE", "BACKOFF_STEPS", "MISSES_BEFORE_BACKOFF")
 

@@ -1,7 +1,7 @@
 """Where a start's time goes, from this script's first line to the first generated token.
 
-    python scripts/start_phases.py --config cpu            # Engine as `jengine generate` builds it
-    python scripts/start_phases.py --config cpu --warmup   # every bucket first, as `serve` does
+    python experiments/start_phases.py --config cpu           # Engine as `jengine generate` builds
+    python experiments/start_phases.py --config cpu --warmup  # every bucket first, as `serve` does
 
 Prints JSON: the import time, the engine's own start-up phases (`EngineCore.start_phases`, where
 the tree has them), the time to the first token of a short greedy generation, and the sums of
