@@ -151,7 +151,8 @@ def test_the_key_covers_every_traced_source():
     files = {str(p.relative_to(package)) for p in traced_files()}
     for name in ("runtime/runner.py", "runtime/sampler.py", "runtime/step_io.py",
                  "models/llama.py", "models/attention.py", "pallas_kernels/cpu.py",
-                 "pallas_kernels/csrc/paged_attention.cc", "sharding/rules.py"):
+                 "pallas_kernels/csrc/paged_attention.cc", "sharding/rules.py",
+                 "sampling_params.py"):
         assert name in files, name
     assert not any(p.startswith(("server/", "scheduling/")) for p in files)
 
