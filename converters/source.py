@@ -66,7 +66,7 @@ def load_source(
     `converters.lazy.LazyParam`s that read only the slices asked for; a converted checkpoint's
     params are left empty, for `converters.checkpoint.restore_params` to restore straight onto
     their shardings; GGUF tensors are dequantized whole either way. Keys and shapes are checked
-    now in every case. `jengine.sharding.load_params_sharded` places any of the three.
+    now in every case. `converters.load_params_sharded` places any of the three.
 
     `quantization` is the mode the engine will run (`quantize_lm_head`: with its head): for
     int8 or w8a16 a GGUF's Q8_0 projections are read as int8 (`converters.prequant`), not

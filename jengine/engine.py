@@ -47,12 +47,14 @@ from typing import Any
 
 from jengine.async_engine import AsyncEngine
 from jengine.config import EngineConfig, load_config
+from jengine.core.kv_budget import host_kv_budget
 from jengine.core.replicas import make_core
 from jengine.core.request import merge_deltas
 from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
 from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
+from jengine.sharding import MeshSpec
 from jengine.text.chat import render_chat
 from jengine.text.tools import constrain, split_tool_calls, tool_setup
 
@@ -60,13 +62,22 @@ log = logging.getLogger("jengine")
 
 # `from jengine.engine import AsyncEngine` keeps working: the asyncio front end has its own
 # module now (jengine/async_engine.py), which imports nothing from this one.
-__all__ = ["AsyncEngine", "Engine", "build_config"]
+__all__ = ["AsyncEngine", "Engine", "build_config", "check_kv_memory"]
 
 def build_config(model: str | None, config: str | None, **kwargs: Any) -> EngineConfig:
     """Engine kwargs (+ optional preset) -> EngineConfig. A keyword given (not None) always wins
     over the preset, even when it equals the default; the defaults themselves live only in the
     config dataclasses (`jengine.config`)."""
     return load_config(config, model=model, **kwargs)
+
+
+def check_kv_memory(cfg: EngineConfig) -> None:
+    """Raises ValueError when `cfg`'s `kv_cache_memory` cannot fit this host, from the config
+    alone: a server checks it before it loads anything, so a wrong flag is a one-line error at
+    start rather than one after the weights. Multi-host runs are skipped (each process must
+    start JAX's backend itself, which this would do)."""
+    if cfg.parallel.num_processes == 1:
+        host_kv_budget(cfg.cache.kv_cache_memory, MeshSpec.parse(cfg.parallel.mesh), 1)
 
 
 class Engine:

@@ -19,6 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs; also bounds the device->host transfer.
+# Temperatures below this are greedy (vLLM's epsilon): dividing by them would overflow the logits.
+# The one definition of greedy: `SamplingParams.greedy` and the device sampler both read it.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _fail(field: str, requirement: str, value: Any) -> ValueError:
@@ -194,7 +197,7 @@ class SamplingParams:
       n: completions to generate for the prompt.
       max_tokens: most tokens to generate per completion; None means up to the context length.
       min_tokens: tokens to generate before EOS, `stop_token_ids` or `stop` may end a completion.
-      temperature: softmax temperature; 0 means greedy.
+      temperature: softmax temperature; 0 (below `GREEDY_TEMPERATURE`) means greedy.
       top_p: nucleus sampling mass in (0, 1]; 1 means off.
       top_k: sample among the k most likely tokens; 0 means off (-1 is accepted, stored as 0).
       min_p: drop tokens less likely than min_p times the most likely one; 0 means off.
@@ -290,7 +293,15 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
 
+    def max_tokens_for(self, room: int) -> int:
+        """The tokens one completion may generate with `room` tokens of context left after its
+        prompt: `max_tokens`, or (None) up to the context's end. The one place None is
+        resolved: admission passes the room left, the server (before tokenizing) the whole
+        context as the bound."""
+        return room if self.max_tokens is None else self.max_tokens
+
     @property
     def greedy(self) -> bool:
-        """Whether sampling reduces to argmax (temperature 0, or only the top token allowed)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Whether sampling reduces to argmax: temperature 0 (below `GREEDY_TEMPERATURE`, as on
+        the device), or only the top token allowed."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -98,6 +98,10 @@ def test_programs_survive_a_restart(tiny, tmp_path, monkeypatch):
     tokens = cold.generate([[5, 9, 17, 33]], GREEDY)[0].outputs[0].token_ids
     keys = cold.core.runner.warmup_keys()
     assert len(set(keys)) == n and all(ExecutableStore(store).size(k) > 0 for k in keys)
+    [report] = cold.core.program_reports()  # what `jengine compile` prints
+    assert report.stored_bytes == [ExecutableStore(store).size(k) for k in keys]
+    assert (report.store, report.store_files) == (store, n)
+    assert report.store_bytes == sum(report.stored_bytes)
     again = EngineCore(cfg, progress=False, require_warm=True)
     assert (again.runner.programs_loaded, again.runner.programs_compiled) == (n, 0)
     warm = _start(model, tmp_path)
@@ -147,7 +151,8 @@ def test_the_key_covers_every_traced_source():
     files = {str(p.relative_to(package)) for p in traced_files()}
     for name in ("runtime/runner.py", "runtime/sampler.py", "runtime/step_io.py",
                  "models/llama.py", "models/attention.py", "pallas_kernels/cpu.py",
-                 "pallas_kernels/csrc/paged_attention.cc", "sharding/rules.py"):
+                 "pallas_kernels/csrc/paged_attention.cc", "sharding/rules.py",
+                 "sampling_params.py"):
         assert name in files, name
     assert not any(p.startswith(("server/", "scheduling/")) for p in files)
 

@@ -19,6 +19,30 @@ HOST_PACKAGES = ("jengine.scheduling", "jengine.text")
 HOST_MODULES = ("jengine.sampling_params", "jengine.outputs", "jengine.config")
 MAX_LINES = 400  # a file to read in one sitting; model files (jengine/models/) may be longer
 
+# The layers, top first. A module may import its own layer and the layers below it, never one
+# above; a name covers a module or a package with everything under it, the longest name wins.
+# docs/design.md ("Layers") draws the same table.
+LAYERS = (
+    ("cli", ("jengine.cli",)),
+    ("serving", ("jengine.server", "jengine.bench")),
+    # The public engine, the package's face (its lazy exports name the engine) and the engine
+    # flags every command shares (flags -> `Engine`).
+    ("engine", ("jengine.engine", "jengine.async_engine", "jengine.engine_flags", "jengine")),
+    ("core", ("jengine.core",)),
+    ("step", ("jengine.runtime", "jengine.scheduling")),
+    # Weights from files onto devices: checkpoint readers and placement, the mesh and the
+    # logical-axis rules. Both read the models' parameter specs; neither imports the other.
+    ("weights", ("converters", "jengine.sharding")),
+    ("model", ("jengine.models", "jengine.structured", "jengine.text")),
+    ("kernels", ("jengine.pallas_kernels",)),
+    # Values and helpers with no project import above them.
+    ("base", ("jengine.config", "jengine.cpu_info", "jengine.sampling_params",
+              "jengine.outputs", "jengine.progress")),
+)
+# The engine's inside: above the engine layer nothing imports these. The server, the CLI and
+# the benchmarks talk to `Engine` / `AsyncEngine`, and to the core only through `CoreContract`.
+BEHIND_THE_ENGINE = ("core", "step")
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -70,6 +94,66 @@ def _graph() -> dict[str, set[str]]:
         graph[me] = {n for n in _imports(path)
                      if n.split(".")[0] in TOPS and n != me and _module_file(n) is not None}
     return graph
+
+
+def _direct_imports(path: Path) -> set[str]:
+    """The project modules `path` names in its imports (not the packages Python runs on the way):
+    `from a.b import c` is `a.b.c` when that is a module, else `a.b`."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for alias in node.names:
+                names.add(f"{base}.{alias.name}" if _module_file(f"{base}.{alias.name}")
+                          else base)
+    return {n for n in names if n.split(".")[0] in TOPS and n != me and _module_file(n)}
+
+
+def _layer(module: str, layers=LAYERS) -> int:
+    """The index of `module`'s layer in `layers` (0 = top)."""
+    best = None
+    for depth, (_, names) in enumerate(layers):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (
+                    best is None or len(name) > len(best[1])):
+                best = (depth, name)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return best[0]
+
+
+def _breaks(imports: dict[str, set[str]], layers=LAYERS, behind=BEHIND_THE_ENGINE,
+            engine="engine") -> list[str]:
+    """Every import that runs up the table, or from above `engine` into a layer `behind` it."""
+    names = [name for name, _ in layers]
+    found = []
+    for module, deps in imports.items():
+        mine = _layer(module, layers)
+        for dep in deps:
+            theirs = _layer(dep, layers)
+            if theirs < mine or (mine < names.index(engine) and names[theirs] in behind):
+                found.append(f"{module} ({names[mine]}) imports {dep} ({names[theirs]})")
+    return sorted(found)
+
+
+def test_every_module_imports_only_its_layer_and_below():
+    imports = {_module_name(p): _direct_imports(p) for p in _sources()}
+    assert _breaks(imports) == []
+
+
+def test_the_layer_check_finds_a_break():
+    layers = (("top", ("a",)), ("engine", ("e",)), ("inner", ("i",)), ("low", ("a.b", "c")))
+    imports = {"c": {"a"}, "a.x": {"c", "a.b.y", "e"}, "a.b": {"c"}, "a.y": {"i.z"},
+               "e": {"i", "c"}, "i": {"c"}}
+    assert _breaks(imports, layers, behind=("inner",)) == [
+        "a.y (top) imports i.z (inner)", "c (low) imports a (top)"]
 
 
 def test_nothing_imports_the_command_line():

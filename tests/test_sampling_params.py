@@ -62,7 +62,8 @@ def test_logit_bias_is_copied():
 
 @pytest.mark.parametrize(
     ("kwargs", "greedy"),
-    [({"temperature": 0}, True), ({"top_k": 1}, True), ({"temperature": 0.01}, False), ({}, False)],
+    [({"temperature": 0}, True), ({"top_k": 1}, True), ({"temperature": 1e-6}, True),
+     ({"temperature": 0.01}, False), ({}, False)],
 )
 def test_greedy(kwargs, greedy):
     assert SamplingParams(**kwargs).greedy is greedy
@@ -174,3 +175,8 @@ def test_structured_outputs_accepts_each_kind():
 def test_invalid_structured_outputs_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputs(**kwargs)
+
+
+def test_max_tokens_none_runs_to_the_context_end():
+    assert SamplingParams(max_tokens=None).max_tokens_for(room=100) == 100  # default is 16
+    assert SamplingParams(max_tokens=7).max_tokens_for(room=100) == 7

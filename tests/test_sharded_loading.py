@@ -16,11 +16,11 @@ import pytest
 import transformers
 from jax.sharding import Mesh
 
-from converters import ModelLoadError, load_source
+from converters import ModelLoadError, load_params_sharded, load_source
 from converters.checkpoint import save_checkpoint
 from converters.lazy import LazyParam
 from jengine.models import family_module
-from jengine.sharding import ShardingRules, load_params_sharded, pad_query_heads, padded_config
+from jengine.sharding import ShardingRules, pad_query_heads, padded_config
 from jengine.sharding.mesh import TP
 
 HEADS = {"even": (16, 8), "padded": (9, 3)}

@@ -290,24 +290,24 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from jengine.runtime.executables import ExecutableStore, default_store_dir
-
     start = time.perf_counter()
     engine = make_engine(args, warmup=True)
-    store = ExecutableStore(default_store_dir())
-    for report in engine.core.program_reports():
-        sizes = [store.size(key) for key in report.keys if key is not None]
+    reports = engine.core.program_reports()
+    for report in reports:
+        sizes = [n for key, n in zip(report.keys, report.stored_bytes, strict=True)
+                 if key is not None]
         stored = [n for n in sizes if n is not None]
         unstored = len(sizes) - len(stored)
         print(f"serve will load {len(stored)} step programs, {sum(stored) / 2**20:.1f} MiB "
               f"({report.compiled} compiled now, {report.loaded} stored "
               "before)" + (f"; {unstored} could not be stored and will compile at every start"
                            if unstored else ""), file=sys.stderr)
-    entries = store.entries()
-    size = sum(p.stat().st_size for p in entries) / 2**20
+    last = reports[-1]
+    held = (f"{last.store} holds {last.store_files} programs, "
+            f"{last.store_bytes / 2**20:.1f} MiB in all" if last.store is not None
+            else "multi-process runs keep no store")
     print(f"done in {time.perf_counter() - start:.1f}s (warm-up "
-          f"{engine.core.warmup_seconds:.1f}s); {store.path} holds {len(entries)} programs, "
-          f"{size:.1f} MiB in all", file=sys.stderr)
+          f"{engine.core.warmup_seconds:.1f}s); {held}", file=sys.stderr)
     return 0
 
 

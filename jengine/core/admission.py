@@ -61,7 +61,7 @@ class Admission:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the context length is {self.max_model_len}"
             )
-        max_tokens = room if params.max_tokens is None else params.max_tokens
+        max_tokens = params.max_tokens_for(room)
         if max_tokens > room:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 
-from converters import LoadedModel, load_source
+from converters import LoadedModel, load_params_sharded, load_source
 from jengine import cpu_info
 from jengine.config import EngineConfig, ModelSection
 from jengine.core.kv_budget import host_kv_budget
@@ -25,7 +25,7 @@ from jengine.pallas_kernels.kv_quant import check_reader
 from jengine.progress import progress_bar
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.runner import Runner
-from jengine.sharding import MeshSpec, ShardingRules, load_params_sharded
+from jengine.sharding import MeshSpec, ShardingRules
 
 log = logging.getLogger("jengine")
 

@@ -13,6 +13,7 @@ from jengine.config import EngineConfig
 from jengine.core.request import RequestState
 from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
+from jengine.runtime.executables import ProgramReport
 from jengine.sampling_params import SamplingParams
 from jengine.structured import Grammar, GrammarCompiler
 
@@ -25,15 +26,6 @@ class ModelInfo:
     vocab_size: int  # token ids are in [0, vocab_size) (tensor-parallel padding included)
     max_model_len: int  # prompt + output tokens of one sequence, at most
     eos_token_ids: tuple[int, ...]  # every id that ends a sequence unless ignore_eos
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramReport:
-    """How one replica obtained its step programs (what `jengine compile` reports)."""
-
-    keys: list[str | None]  # executable-store key of each warm-up program (None: not storable)
-    loaded: int  # loaded from the store
-    compiled: int  # compiled in this process
 
 
 class CoreContract(Protocol):

@@ -30,7 +30,7 @@ from jengine.core.build import (
     step_buckets,
     warm_up,
 )
-from jengine.core.contract import ModelInfo, ProgramReport
+from jengine.core.contract import ModelInfo
 from jengine.core.draft import proposer_for
 from jengine.core.emit import emit_tokens
 from jengine.core.grammars import LazyGrammars
@@ -43,7 +43,7 @@ from jengine.models.quant import resolve_quantization
 from jengine.outputs import RequestOutput
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.compilation import enable_persistent_cache
-from jengine.runtime.executables import ExecutableStore, default_store_dir
+from jengine.runtime.executables import ExecutableStore, ProgramReport, default_store_dir
 from jengine.runtime.runner import Runner
 from jengine.runtime.step_io import StepOutputs, feed_rows
 from jengine.sampling_params import SamplingParams
@@ -260,8 +260,8 @@ class EngineCore:
 
     def program_reports(self) -> list[ProgramReport]:
         r = self.runner
-        return [ProgramReport(keys=r.warmup_keys(), loaded=r.programs_loaded,
-                              compiled=r.programs_compiled)]
+        return [ProgramReport.of(r.store, r.warmup_keys(), loaded=r.programs_loaded,
+                                 compiled=r.programs_compiled)]
 
     @property
     def replicas(self) -> list[EngineCore]:

@@ -61,7 +61,8 @@ def default_store_dir() -> Path:
 # code that starts running inside a jitted step must be listed here.
 # Paths are relative to the `jengine` package.
 TRACED_SOURCES = ("runtime/runner.py", "runtime/sampler.py", "runtime/step_io.py", "models",
-                  "pallas_kernels", "sharding")
+                  "pallas_kernels", "sharding",
+                  "sampling_params.py")  # GREEDY_TEMPERATURE is traced into the sampler
 
 
 def traced_files() -> list[Path]:
@@ -309,3 +310,27 @@ class ExecutableStore:
 
     def entries(self) -> list[Path]:
         return sorted(self.path.glob("*.jex")) if self.path.exists() else []
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    """How one replica obtained its step programs, and what the store holds afterwards: what
+    `jengine compile` prints, without the command line reaching into the store itself."""
+
+    keys: list[str | None]  # executable-store key of each warm-up program (None: not storable)
+    loaded: int  # loaded from the store
+    compiled: int  # compiled in this process
+    stored_bytes: list[int | None]  # each warm-up program's stored file (None: not stored)
+    store: Path | None  # the store's directory (None: multi-process runs keep no store)
+    store_files: int  # programs in the store, every model's together
+    store_bytes: int
+
+    @classmethod
+    def of(cls, store: ExecutableStore | None, keys: list[str | None], *, loaded: int,
+           compiled: int) -> ProgramReport:
+        entries = store.entries() if store is not None else []
+        return cls(keys=keys, loaded=loaded, compiled=compiled,
+                   stored_bytes=[store.size(k) if store is not None and k is not None else None
+                                 for k in keys],
+                   store=store.path if store is not None else None, store_files=len(entries),
+                   store_bytes=sum(p.stat().st_size for p in entries))

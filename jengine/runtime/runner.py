@@ -143,7 +143,7 @@ class Runner:
                                 out_shardings=out_shardings)
         self._programs: dict[tuple, jax.stages.Compiled] = {}
         self._programs_lock = threading.Lock()
-        self._store = store if jax.process_count() == 1 else None
+        self.store = store if jax.process_count() == 1 else None
         # What decides the step program besides its inputs' shapes (ExecutableStore's key).
         self._description = {
             "model": cfg, "kv_cache_dtype": str(kv_cache_dtype), "max_seqs": max_seqs,
@@ -225,7 +225,7 @@ class Runner:
     def program_key(self, batch: ScheduledBatch, rows: SamplingRows) -> str | None:
         """The store key of the program `batch` runs (None without a store): equal keys
         mean the same executable, so anything that changes the program must change it."""
-        if self._store is None:
+        if self.store is None:
             return None
         return self._key(self._signature(*self.host_inputs(batch, rows)))
 
@@ -250,9 +250,9 @@ class Runner:
         start = time.perf_counter()
         variant = signature[0]
         key = None
-        if self._store is not None:
+        if self.store is not None:
             key = self._key(signature)
-            program = self._store.load(key, self._devices)
+            program = self.store.load(key, self._devices)
             if program is not None:
                 self._built("loaded", signature, start)
                 return program
@@ -263,7 +263,7 @@ class Runner:
                 self._step_fn, name, (self.params, self.kv, *args), {"variant": variant},
                 persistent_cache=key is None, **self._jit_kwargs)
         if key is not None and fresh:
-            self._store.save(key, program)
+            self.store.save(key, program)
         self._built("compiled", signature, start)
         return program
 
@@ -329,7 +329,7 @@ class Runner:
         else:  # the store writes once all compiles are done (ExecutableStore.deferred)
             # Sharded: one at a time (XLA's SPMD partitioner races on shardings, jax-ml/jax#28143)
             threads = threads or (1 if len(self._devices) > 1 else os.cpu_count() or 1)
-            with (self._store.deferred() if self._store else contextlib.nullcontext(),
+            with (self.store.deferred() if self.store else contextlib.nullcontext(),
                   ThreadPoolExecutor(threads, thread_name_prefix="jengine-compile") as pool):
                 futures = [pool.submit(self._build_dummy, *program) for program in programs]
                 for i, future in enumerate(as_completed(futures)):
@@ -357,16 +357,16 @@ class Runner:
                 for shape, variant in self.warmup_programs()]
 
     def _check_stored(self, programs: list[tuple[tuple[int, int, int], Variant]]) -> None:
-        if self._store is None:
+        if self.store is None:
             raise ProgramsNotStoredError(
                 "--require-warm needs the executable store, which multi-process runs do not use")
         missing = [program for program, key in zip(programs, self.warmup_keys(), strict=True)
-                   if self._store.size(key) is None]
+                   if self.store.size(key) is None]
         if missing:
             (t, s, p), variant = missing[0]
             raise ProgramsNotStoredError(
                 f"{len(missing)} of {len(programs)} step programs are not stored in "
-                f"{self._store.path} (the first: T={t} S={s} P={p} {variant}); run "
+                f"{self.store.path} (the first: T={t} S={s} P={p} {variant}); run "
                 "`jengine compile` with the same model and engine flags first")
 
     def program(self, batch: ScheduledBatch, rows: SamplingRows) -> jax.stages.Compiled:

@@ -40,9 +40,7 @@ import numpy as np
 
 from jengine.models.layers import row_sum
 from jengine.runtime import pick
-
-# Temperatures below this are greedy (vLLM's epsilon): dividing by them would overflow the logits.
-GREEDY_TEMPERATURE = 1e-5
+from jengine.sampling_params import GREEDY_TEMPERATURE
 
 # Candidate widths tried in turn before a full sort of the vocabulary. On this project's CPU
 # (vocab 49152, 32 rows) `lax.top_k` costs ~9 ms at 256, ~72 ms at 4096 and a full sort ~570 ms.

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from jengine.runtime.pick import first_argmax
-from jengine.runtime.sampler import GREEDY_TEMPERATURE, SamplerOutput, SamplingArrays, sample
+from jengine.runtime.sampler import SamplerOutput, SamplingArrays, sample
 from jengine.runtime.step_io import Variant
+from jengine.sampling_params import GREEDY_TEMPERATURE
 
 SAMPLED_ROWS = (1, 8)  # row counts below S that a step's lm_head can run on
 

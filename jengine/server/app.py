@@ -270,17 +270,14 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(args: argparse.Namespace) -> int:
     """`jengine serve`: listen first, load the engine in the background, drain on SIGTERM."""
     from jengine.async_engine import AsyncEngine
-    from jengine.core.kv_budget import host_kv_budget
-    from jengine.engine import build_config
+    from jengine.engine import build_config, check_kv_memory
     from jengine.engine_flags import engine_kwargs
-    from jengine.sharding import MeshSpec
 
     kwargs = engine_kwargs(args)
     model, preset = kwargs.pop("model"), kwargs.pop("config")
     cfg = build_config(model, preset, **kwargs)  # bad flags or preset: a one-line error now
     config = server_config(args, cfg.server)
-    if cfg.parallel.num_processes == 1:  # (multi-host must start JAX's backend itself)
-        host_kv_budget(cfg.cache.kv_cache_memory, MeshSpec.parse(cfg.parallel.mesh), 1)
+    check_kv_memory(cfg)
     drain_timeout = getattr(args, "drain_timeout", None) or DEFAULT_DRAIN_TIMEOUT_S
     _configure_logging(config.uvicorn_log_level)
     app = create_app(

@@ -212,10 +212,9 @@ class ServerState:
         if num_prompts > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {num_prompts}",
                               "prompt")
-        per_sample = params.max_tokens or max_model_len
-        total = num_prompts * params.n * per_sample
+        total = num_prompts * params.n * params.max_tokens_for(max_model_len)
         if total > cfg.max_tokens_per_request:
-            what = f"{max_tokens_field} {params.max_tokens}" if params.max_tokens else (
+            what = f"{max_tokens_field} {params.max_tokens}" if params.max_tokens is not None else (
                 f"up to {max_model_len} tokens each (no max_tokens: to the context's end)")
             raise bad_request(
                 f"this request could generate {total} tokens ({num_prompts} prompt(s) x n "

@@ -7,12 +7,20 @@ batch; a step with no constrained row gets None, so it runs the step variant wit
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-from jengine.scheduling.sequence import Sequence
-from jengine.structured.backend import GrammarBackend
+from jengine.structured.backend import GrammarBackend, Matcher
 
 BITS_PER_WORD = 32
+
+
+class Row(Protocol):
+    """A batch row as the mask sees it (the scheduler's `Sequence` is one): its grammar state,
+    None when unconstrained."""
+
+    matcher: Matcher | None
 
 
 class StepMasks:
@@ -21,7 +29,7 @@ class StepMasks:
         words = -(-vocab_size // BITS_PER_WORD)
         self._mask = np.full((max_rows, words), -1, np.int32)  # [S, W]
 
-    def build(self, seqs: list[Sequence], sample: np.ndarray) -> np.ndarray | None:
+    def build(self, seqs: list[Row], sample: np.ndarray) -> np.ndarray | None:
         """[len(seqs), W] int32 for this step's rows, or None when no sampling row is
         constrained. The result is a view of a reused buffer: valid until the next call."""
         pairs = [(seq.matcher, i) for i, seq in enumerate(seqs)

@@ -1,4 +1,8 @@
-"""Sharded loading: every device receives its slice of every weight, read on its own.
+"""Placement: every device receives its slice of every weight, read on its own.
+
+It lives with the readers (not in `jengine.sharding`) because it is their other half: it reads
+through their lazy sources and restores their checkpoints; the shardings it is given come from
+`jengine.sharding.ShardingRules`, which it never imports.
 
 `load_params_sharded` takes what `load_source(..., lazy=True)` gives and the target shardings:
 - HF safetensors: each distinct shard index is read once, from the safetensors slices it needs
