@@ -170,7 +170,7 @@ def test_auto_dtype_on_cpu_is_bf16_only_with_amx_bf16(flags, want, monkeypatch):
 
 def test_kv_cache_dtype_from_config_and_errors(tmp_path):
     from jengine.config import load_config
-    from jengine.core.engine_core import resolve_kv_cache_dtype
+    from jengine.core.build import resolve_kv_cache_dtype
 
     preset = tmp_path / "bf16.yaml"
     preset.write_text("cache:\n  kv_cache_dtype: bfloat16\n")

@@ -1,0 +1,138 @@
+"""An engine core's start-up: its config resolved (dtype, backends, mesh, quantization), the
+model opened, and the parts an `EngineCore` steps built from them, in that order.
+
+The order matters: the multi-host runtime starts before anything touches JAX's backend, the
+backends and the tp split are checked before any weight is read, and the KV pool is sized from
+what is left once the weights are placed. `CoreParts` is what comes out; `EngineCore` keeps it
+and adds the request table, admission and the step loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from converters import LoadedModel, load_config
+from jengine.config import EngineConfig
+from jengine.core.build import (
+    Phases,
+    eos_ids,
+    kv_pages,
+    max_model_len,
+    open_model,
+    place_weights,
+    resolve_backends,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+    step_buckets,
+)
+from jengine.core.draft import proposer_for
+from jengine.models.config import ModelConfig
+from jengine.models.layers import resolve_layer_layout
+from jengine.models.quant import resolve_quantization
+from jengine.runtime.buckets import Buckets
+from jengine.runtime.executables import ExecutableStore, default_store_dir
+from jengine.runtime.runner import Runner
+from jengine.scheduling.page_allocator import PageAllocator
+from jengine.scheduling.prefix_cache import PrefixCache
+from jengine.scheduling.scheduler import Scheduler
+from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
+from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
+
+
+@dataclasses.dataclass
+class CoreParts:
+    """One engine replica's resolved settings and built parts."""
+
+    distributed: DistributedSpec  # this process's place among the hosts
+    dtype: Any  # the weights' and activations' dtype (`dtype: auto` resolved)
+    kv_cache_dtype: Any
+    mesh_spec: MeshSpec
+    layer_layout: str  # unstacked | stacked
+    quantization: str  # as configured, or as the source was stored
+    loaded: LoadedModel  # the opened checkpoint (config, tokenizer, weights' source)
+    model_config: ModelConfig  # padded for tp, with the resolved backends
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    allocator: PageAllocator
+    prefix_cache: PrefixCache | None
+    scheduler: Scheduler
+    runner: Runner
+
+
+def build_parts(
+    cfg: EngineConfig, phases: Phases, *, progress: bool, replica: int,
+    loaded: LoadedModel | None, make_runner: Callable[..., Runner] | None,
+    draft_core: Callable[[EngineConfig], Any],
+) -> CoreParts:
+    """Resolves `cfg` and builds replica `replica`'s parts, timing each phase into `phases`.
+    `draft_core(cfg)` builds the draft model's core (speculative method `draft`);
+    `make_runner` is `EngineCore`'s stand-in for placing the weights (tests/fake_runner.py)."""
+    par = cfg.parallel
+    distributed = DistributedSpec(coordinator=par.coordinator, num_processes=par.num_processes,
+                                  process_id=par.process_id)
+    initialize(distributed)  # before anything starts JAX's backend
+    dtype = resolve_dtype(cfg.model.dtype)
+    kv_cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
+    mesh_spec = MeshSpec.parse(par.mesh)
+    mesh = mesh_spec.replica_mesh(replica) if mesh_spec.num_devices > 1 else None
+    platform, tp = jax.default_backend(), mesh_spec.tp
+    backends = resolve_backends(cfg.model, platform, tp)  # before any weight is read
+    layer_layout = resolve_layer_layout(cfg.model.layer_layout, platform)
+    quantization = resolve_quantization(cfg.model.quantization, platform)
+    if mesh is not None:  # before any weight is read
+        check_divisible(load_config(cfg.model.model), tp)
+    loaded = loaded or open_model(cfg.model, dtype, quantization, progress)
+    phases.end("open model")
+    if quantization == "none":  # a source stored quantized: as stored
+        quantization = loaded.quantization
+    model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
+    context = max_model_len(loaded, cfg.model.max_model_len)
+    eos = eos_ids(loaded)
+    num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
+                         kv_cache_dtype, context)
+    buckets = step_buckets(cfg, context, backends["attention_backend"])
+    allocator = PageAllocator(num_pages, cfg.cache.page_size)
+    prefix_cache = PrefixCache(allocator) if cfg.cache.enable_prefix_caching else None
+    scheduler = Scheduler(
+        allocator, max_num_seqs=cfg.scheduler.max_num_seqs,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=context,
+        eos_token_ids=eos, prefix_cache=prefix_cache,
+        proposer=proposer_for(cfg, loaded, draft_core),
+    )
+    phases.end("set up")
+    if make_runner is not None:
+        runner = make_runner(model_config, num_pages=num_pages, page_size=cfg.cache.page_size,
+                             buckets=buckets)
+    else:
+        runner = _runner(cfg, loaded, model_config, mesh, num_pages, buckets, distributed,
+                         dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                         layer_layout=layer_layout, progress=progress, phases=phases)
+    phases.end("kv cache")
+    return CoreParts(distributed=distributed, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                     mesh_spec=mesh_spec, layer_layout=layer_layout, quantization=quantization,
+                     loaded=loaded, model_config=model_config, max_model_len=context,
+                     eos_token_ids=eos, allocator=allocator, prefix_cache=prefix_cache,
+                     scheduler=scheduler, runner=runner)
+
+
+def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, mesh,
+            num_pages: int, buckets: Buckets, distributed: DistributedSpec, *, dtype,
+            kv_cache_dtype, quantization: str, layer_layout: str, progress: bool,
+            phases: Phases) -> Runner:
+    """The weights on the devices and the runner around them (with its KV cache)."""
+    rules = ShardingRules.for_model(mesh, model_config) if mesh is not None else None
+    params = place_weights(
+        loaded, model_config, rules, dtype=dtype, quantization=quantization,
+        layer_layout=layer_layout, quantize_lm_head=cfg.model.quantize_lm_head,
+        smoothing_alpha=cfg.model.smoothing_alpha, progress=progress)
+    phases.end("weights")
+    return Runner(
+        model_config, params, num_pages=num_pages, page_size=cfg.cache.page_size,
+        buckets=buckets, kv_cache_dtype=kv_cache_dtype, rules=rules,
+        channel=StepChannel(distributed) if distributed.num_processes > 1 else None,
+        store=ExecutableStore(default_store_dir()),
+    )
