@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_sharding import _tiny_llama
 
 from jengine import Engine, SamplingParams
 from jengine.pallas_kernels import cpu
@@ -27,9 +26,8 @@ def _greedy(engine, prompts, n):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    _tiny_llama(path)
+def tiny(tiny_llama):
+    path = tiny_llama
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 96, n).tolist() for n in (3, 19, 37)]
     expected = _greedy(Engine(str(path), config=ONE_BUCKET, attention_backend="reference",
