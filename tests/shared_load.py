@@ -3,8 +3,8 @@
 `Engine(...)` reads and dequantizes its model's source in `jengine.core.build.open_model`
 (`converters.load_source`): ~2-3 s for SmolLM2, ~16 s for Gemma 3 270M's Q4_K_M GGUF here.
 Tests that compare two engines on one model (XLA's dots against a kernel's) need that read
-only once: engines only read a `LoadedModel`'s host arrays (data-parallel replicas share one the
-same way, `EngineCore(loaded=...)`), and everything after the read (placement, packing,
+only once: an engine only reads a `LoadedModel`'s host arrays (data-parallel replicas share one
+so, `EngineCore(loaded=...)`), and everything after the read (placement, packing,
 quantization, calibration, compiling) still runs per engine."""
 
 from __future__ import annotations
