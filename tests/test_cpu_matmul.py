@@ -24,34 +24,50 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
     for isa in ("portable", "avx2", "avx512")]
 
 
-def _check(x: np.ndarray, w: np.ndarray, isa: str, **kw) -> None:
-    """Both forms: x @ w with w [K, N], and x @ w with w given as [N, K] (`transpose_w`)."""
-    _check_form(x, w, isa, **kw)
-    _check_form(x, np.ascontiguousarray(w.T), isa, transpose_w=True, **kw)
+def _check_all(cases: list[tuple[np.ndarray, np.ndarray, dict]], isa: str) -> None:
+    """`_check` of every (x, w, kwargs) case, all products (both forms, and XLA's f32 dot of
+    each) computed by one compiled program: compiling a tiny program costs ~0.1 s here, so a
+    program per product made this file's time (121 s of CI) while the kernel ran microseconds.
+    Each call in the program is the kernel's own call with its own shapes, and its threads are
+    fixed by the pool size and `max_threads` alone (csrc/parallel_for.h), so the products are
+    those of separate programs; every case is checked as before."""
+    calls = []
+    for x, w, kw in cases:
+        calls.append((x, w, kw))
+        calls.append((x, np.ascontiguousarray(w.T), {**kw, "transpose_w": True}))
+    # a bf16 / int8 weight widens exactly
+    wides = [np.asarray(w.T if kw.get("transpose_w") else w).astype(np.float32)
+             for _, w, kw in calls]
 
+    def products(xs, ws, wides):
+        native = [cpu_matmul.small_matmul(x, w, isa=isa, **kw)
+                  for x, w, (_, _, kw) in zip(xs, ws, calls)]
+        return native, [jnp.dot(x, w) for x, w in zip(xs, wides)]
 
-def _check_form(x: np.ndarray, w_arg: np.ndarray, isa: str, **kw) -> None:
-    w = w_arg.T if kw.get("transpose_w") else w_arg
-    got = np.asarray(jax.jit(lambda a, b: cpu_matmul.small_matmul(a, b, isa=isa, **kw))(x, w_arg))
-    w = np.asarray(jnp.asarray(w).astype(jnp.float32))  # a bf16 / int8 weight widens exactly
-    want = x.astype(np.float64) @ w.astype(np.float64)
-    # f32 sums of K products: within K ulps of the largest partial sum, relative to |x| |w|.
-    bound = 1e-6 * x.shape[1] * (np.abs(x).astype(np.float64) @ np.abs(w)) + 1e-30
-    assert got.shape == want.shape and got.dtype == np.float32
-    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
-    np.testing.assert_allclose(got, np.asarray(jnp.dot(x, w)), rtol=1e-4,
-                               atol=1e-4 * max(1.0, float(np.abs(want).max())))
+    got, dots = jax.jit(products)([x for x, _, _ in calls], [w for _, w, _ in calls], wides)
+    for (x, _, kw), g, w, dot in zip(calls, got, wides, dots):
+        got = np.asarray(g)
+        want = x.astype(np.float64) @ w.astype(np.float64)
+        # f32 sums of K products: within K ulps of the largest partial sum, relative to |x| |w|.
+        bound = 1e-6 * x.shape[1] * (np.abs(x).astype(np.float64) @ np.abs(w)) + 1e-30
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.all(np.abs(got - want) <= bound), (kw, np.max(np.abs(got - want) / bound))
+        np.testing.assert_allclose(got, np.asarray(dot), rtol=1e-4,
+                                   atol=1e-4 * max(1.0, float(np.abs(want).max())))
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", range(1, 18))
-def test_rows_against_oracle(isa, rows):
-    """Every row count the engine sends (1..17 crosses each ISA's row groups), a ragged N."""
-    rng = np.random.default_rng(rows)
-    x = rng.standard_normal((rows, 70), np.float32)
-    w = rng.standard_normal((70, 300), np.float32)  # 300 = 9 x 32 + 12 ragged columns
-    # (and K = 70 = 8 x 8 + 6 ragged for the transposed form's vectors along K)
-    _check(x, w, isa)
+def test_rows_against_oracle(isa):
+    """Every row count the engine sends (1..17 crosses each ISA's row groups: the streamed
+    rows, each register tile height up to kMaxRows, then 2-3 groups), a ragged N."""
+    cases = []
+    for rows in range(1, 18):
+        rng = np.random.default_rng(rows)
+        x = rng.standard_normal((rows, 70), np.float32)
+        w = rng.standard_normal((70, 300), np.float32)  # 300 = 9 x 32 + 12 ragged columns
+        # (and K = 70 = 8 x 8 + 6 ragged for the transposed form's vectors along K)
+        cases.append((x, w, {}))
+    _check_all(cases, isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -60,20 +76,28 @@ def test_a_row_is_summed_alike_in_any_row_count(isa, dtype):
     """Row r of an R-row product equals the same row's product alone, to the bit, for every R
     the native ranges take: a speculative verification's rows then equal plain decoding's
     (the one-to-few-row calls split k over the threads; more rows split it the same way). Both
-    forms; SmolLM2's shapes, with K large enough for the k split."""
+    forms; SmolLM2's shapes, with K large enough for the k split. (All calls of a form in one
+    program: see `_check_all`.)"""
     rng = np.random.default_rng(7)
+    counts = (2, 3, 4, 5, 8, 13, 16, 33, 64)
     for k, n in ((576, 1536), (1536, 576)):
         x = rng.standard_normal((64, k), np.float32)
         w = rng.standard_normal((k, n), np.float32)
         w = jnp.asarray(w if dtype == "float32" else _narrow(w, dtype))
         for transpose_w in (False, True):
             operand = w.T if transpose_w else w
-            call = jax.jit(lambda a, b, t=transpose_w: cpu_matmul.small_matmul(
-                a, b, isa=isa, transpose_w=t))
-            alone = np.stack([np.asarray(call(x[r:r + 1], operand))[0] for r in range(8)])
-            for rows in (2, 3, 4, 5, 8, 13, 16, 33, 64):
-                got = np.asarray(call(x[:rows], operand))[:8]
-                np.testing.assert_array_equal(got, alone[:rows], err_msg=f"{rows} rows")
+
+            def calls(x, operand, t=transpose_w):
+                def call(a):
+                    return cpu_matmul.small_matmul(a, operand, isa=isa, transpose_w=t)
+                return ([call(x[r:r + 1]) for r in range(8)],
+                        [call(x[:rows]) for rows in counts])
+
+            singles, many = jax.jit(calls)(x, operand)
+            alone = np.stack([np.asarray(s)[0] for s in singles])
+            for rows, got in zip(counts, many):
+                np.testing.assert_array_equal(np.asarray(got)[:8], alone[:rows],
+                                              err_msg=f"{rows} rows")
 
 
 def _narrow(w: np.ndarray, dtype: str) -> np.ndarray:
@@ -85,17 +109,19 @@ def _narrow(w: np.ndarray, dtype: str) -> np.ndarray:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 40, 64])
-def test_narrow_weights_against_oracle(isa, dtype, rows):
+def test_narrow_weights_against_oracle(isa, dtype):
     """bf16 and int8 weights, widened to f32 in registers: every path (the 1-4 row streams,
     the register tiles and their row groups, the transposed form), ragged N and K."""
-    rng = np.random.default_rng(rows)
-    x = rng.standard_normal((rows, 70), np.float32)
-    _check(x, _narrow(rng.standard_normal((70, 300), np.float32), dtype), isa)
-    _check(x[:, :1], _narrow(rng.standard_normal((1, 5), np.float32), dtype), isa)
-    if rows <= 4:  # K split over the threads (3-4 rows: AVX-512 only)
-        _check(rng.standard_normal((rows, 1001), np.float32),
-               _narrow(rng.standard_normal((1001, 75), np.float32), dtype), isa)
+    cases = []
+    for rows in (1, 2, 3, 4, 7, 13, 40, 64):
+        rng = np.random.default_rng(rows)
+        x = rng.standard_normal((rows, 70), np.float32)
+        cases.append((x, _narrow(rng.standard_normal((70, 300), np.float32), dtype), {}))
+        cases.append((x[:, :1], _narrow(rng.standard_normal((1, 5), np.float32), dtype), {}))
+        if rows <= 4:  # K split over the threads (3-4 rows: AVX-512 only)
+            cases.append((rng.standard_normal((rows, 1001), np.float32),
+                          _narrow(rng.standard_normal((1001, 75), np.float32), dtype), {}))
+    _check_all(cases, isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -108,10 +134,11 @@ def test_shapes_and_threads(isa, k, n):
     grid)."""
     rng = np.random.default_rng(k * n)
     w = rng.standard_normal((k, n), np.float32)
+    cases = []
     for rows in (1, 2, 3, 4, 5):
         x = rng.standard_normal((rows, k), np.float32)
-        for threads in (0, 1):
-            _check(x, w, isa, max_threads=threads)
+        cases += [(x, w, {"max_threads": threads}) for threads in (0, 1)]
+    _check_all(cases, isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -119,11 +146,10 @@ def test_zeros_negatives_and_large_values(isa):
     rng = np.random.default_rng(7)
     x = np.zeros((6, 96), np.float32)
     w = rng.standard_normal((96, 80), np.float32)
-    _check(x, w, isa)  # exact zeros
-    x = -np.abs(rng.standard_normal((6, 96), np.float32)) * 1e17
-    w = np.abs(rng.standard_normal((96, 80), np.float32)) * 1e17  # products ~1e34: finite
-    _check(x, w, isa)
-    got = np.asarray(cpu_matmul.small_matmul(jnp.asarray(x), jnp.asarray(w), isa=isa))
+    x2 = -np.abs(rng.standard_normal((6, 96), np.float32)) * 1e17
+    w2 = np.abs(rng.standard_normal((96, 80), np.float32)) * 1e17  # products ~1e34: finite
+    _check_all([(x, w, {}), (x2, w2, {})], isa)  # exact zeros; large values
+    got = np.asarray(cpu_matmul.small_matmul(jnp.asarray(x2), jnp.asarray(w2), isa=isa))
     assert np.all(got < 0) and np.all(np.isfinite(got))
 
 
@@ -271,35 +297,49 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return np.asarray(jnp.asarray(a).astype(jnp.bfloat16))
 
 
-def _check_amx(x: np.ndarray, w: np.ndarray, **kw) -> None:
-    """amx_matmul of bf16-valued x (f32 and bf16) and bf16 w against a float64 oracle; with
-    a bf16 output, the f32 output rounded."""
-    n = w.shape[1]
-    tiles = jnp.asarray(cpu_matmul.amx_tiles(w))
-    want = x.astype(np.float64) @ w.astype(np.float64)
-    # f32 sums of K exact products: within K ulps of the largest partial sum, relative to |x| |w|.
-    bound = 1e-6 * x.shape[1] * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64))
-    for xd in (jnp.float32, jnp.bfloat16):
-        got = np.asarray(jax.jit(lambda a, t: cpu_matmul.amx_matmul(a, t, n, **kw))(
-            jnp.asarray(x).astype(xd), tiles))
-        assert got.shape == want.shape and got.dtype == np.float32
-        assert np.all(np.abs(got - want) <= bound + 1e-30), (xd, np.max(np.abs(got - want)))
-        rounded = jax.jit(lambda a, t: cpu_matmul.amx_matmul(a, t, n, out_dtype=jnp.bfloat16,
-                                                             **kw))(jnp.asarray(x).astype(xd),
-                                                                    tiles)
-        assert rounded.dtype == jnp.bfloat16  # the f32 sums' own rounding, bit for bit
-        np.testing.assert_array_equal(np.asarray(rounded),
-                                      np.asarray(jnp.asarray(got).astype(jnp.bfloat16)))
+def _check_amx(cases: list[tuple[np.ndarray, np.ndarray, dict]]) -> None:
+    """amx_matmul of bf16-valued x (f32 and bf16) and bf16 w against a float64 oracle, for
+    every (x, w, kwargs) case; with a bf16 output, the f32 output rounded. All products in one
+    compiled program (see `_check_all`)."""
+    tiles = [jnp.asarray(cpu_matmul.amx_tiles(w)) for _, w, _ in cases]
+
+    def products(xs, tiles):
+        out = []
+        for x, t, (_, w, kw) in zip(xs, tiles, cases):
+            for xd in (jnp.float32, jnp.bfloat16):
+                a = x.astype(xd)
+                out.append((cpu_matmul.amx_matmul(a, t, w.shape[1], **kw),
+                            cpu_matmul.amx_matmul(a, t, w.shape[1], out_dtype=jnp.bfloat16,
+                                                  **kw)))
+        return out
+
+    results = iter(jax.jit(products)([jnp.asarray(x) for x, _, _ in cases], tiles))
+    for x, w, _ in cases:
+        want = x.astype(np.float64) @ w.astype(np.float64)
+        # f32 sums of K exact products: within K ulps of the largest partial sum, relative to
+        # |x| |w|.
+        bound = 1e-6 * x.shape[1] * (np.abs(x).astype(np.float64) @
+                                     np.abs(w).astype(np.float64))
+        for xd in (jnp.float32, jnp.bfloat16):
+            got, rounded = next(results)
+            got = np.asarray(got)
+            assert got.shape == want.shape and got.dtype == np.float32
+            assert np.all(np.abs(got - want) <= bound + 1e-30), (xd, np.max(np.abs(got - want)))
+            assert rounded.dtype == jnp.bfloat16  # the f32 sums' own rounding, bit for bit
+            np.testing.assert_array_equal(np.asarray(rounded),
+                                          np.asarray(jnp.asarray(got).astype(jnp.bfloat16)))
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 520, 1030])
-def test_amx_rows_against_oracle(rows):
+def test_amx_rows_against_oracle():
     """Rows below, at and past one A tile (16) and one block (32), and prefill chunks past 512
     and kPanelRows (1,024); K = 70 and N = 300 are not multiples of 32 (zero-padded)."""
-    rng = np.random.default_rng(rows)
-    _check_amx(_bf16(rng.standard_normal((rows, 70), np.float32)),
-               _bf16(rng.standard_normal((70, 300), np.float32)))
+    cases = []
+    for rows in (1, 5, 16, 17, 33, 64, 520, 1030):
+        rng = np.random.default_rng(rows)
+        cases.append((_bf16(rng.standard_normal((rows, 70), np.float32)),
+                      _bf16(rng.standard_normal((70, 300), np.float32)), {}))
+    _check_amx(cases)
 
 
 @needs_amx
@@ -308,10 +348,11 @@ def test_amx_shapes_and_threads(k, n):
     """Tiny and model-sized K and N, one thread and all of them; exact zeros stay zero."""
     rng = np.random.default_rng(k + n)
     w = _bf16(rng.standard_normal((k, n), np.float32))
+    cases = []
     for rows in (3, 48):
         x = _bf16(rng.standard_normal((rows, k), np.float32))
-        for threads in (0, 1):
-            _check_amx(x, w, max_threads=threads)
+        cases += [(x, w, {"max_threads": threads}) for threads in (0, 1)]
+    _check_amx(cases)
     zeros = np.asarray(cpu_matmul.amx_matmul(jnp.zeros((4, k), jnp.bfloat16),
                                              jnp.asarray(cpu_matmul.amx_tiles(w)), n))
     assert not zeros.any()
