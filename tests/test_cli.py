@@ -183,8 +183,8 @@ def test_serve_on_a_busy_port_is_a_one_line_error():
 
 def test_serve_flags_reach_the_server_config():
     from jengine.cli.main import _serve_aliases, build_parser
+    from jengine.cli.serve import server_config
     from jengine.config import ServerConfig
-    from jengine.server.app import server_config
 
     args = build_parser().parse_args([
         "serve", "some/model", "-tp", "2", "--served-model-name", "a", "b",

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from jengine.cli.main import build_parser
+from jengine.cli.serve import server_config
 from jengine.config import ServerConfig
 from jengine.engine import build_config
 from jengine.engine_flags import engine_kwargs
-from jengine.server.app import server_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

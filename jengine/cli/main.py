@@ -312,9 +312,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jengine.server.app import serve
+    from jengine.cli.serve import cmd_serve as run
 
-    return serve(args)
+    return run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -1,6 +1,5 @@
-"""The OpenAI-compatible HTTP server: `create_app` (the FastAPI app) and `serve` (`jengine serve`).
-
-    jengine serve [engine flags] [--host H] [--port P] [--api-key K] [--max-queue N]
+"""The OpenAI-compatible HTTP server: `create_app` (the FastAPI app) and `serve` (what
+`jengine serve` runs once `jengine.cli.serve` has read its flags).
 
 `serve` validates the configuration, starts listening at once and builds the engine in a
 background thread (warm-up compiles show a progress bar on stderr), then sends itself a few real
@@ -9,16 +8,15 @@ through the request path (`warmup.py`); `/health` answers 503 until all that is 
 stops admission (new requests get 503, `/health` 503), lets in-flight requests finish within
 `drain_timeout` seconds, then shuts the engine down.
 
-Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (completions.py, chat.py), and
-`/health`, `/metrics`, `/version`, `/tokenize`, `/detokenize` here. Handlers only translate
+Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`
+(completions.py, chat.py, responses.py), and `/health`, `/metrics`, `/version`, `/tokenize`,
+`/detokenize` here; gRPC serves the same engine (grpc_service.py). Handlers only translate
 between the OpenAI protocol and `AsyncEngine`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import logging
 import signal
 import socket
@@ -34,7 +32,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import jengine
-from jengine.config import ServerConfig
+from jengine.config import EngineConfig, ServerConfig
 from jengine.server import chat, completions, responses
 from jengine.server.connections import raise_open_file_limit, uvicorn_config
 from jengine.server.errors import bad_request, install_error_handlers
@@ -198,28 +196,6 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def server_config(args: argparse.Namespace, preset: ServerConfig) -> ServerConfig:
-    """The `server` section of the preset, with the command-line flags that were given on top
-    (even one equal to its default)."""
-    values = {}
-    for field in dataclasses.fields(ServerConfig):
-        flag = getattr(args, field.name, None)
-        if isinstance(flag, list):
-            flag = tuple(flag)
-        # A flag given wins (None: not given); a store_true flag left False cannot say "off".
-        given = flag is not None and not (flag is False and field.default is False)
-        values[field.name] = flag if given else getattr(preset, field.name)
-    if getattr(args, "disable_log_requests", False):
-        values["log_requests"] = False
-    if values["request_timeout"] is not None and values["request_timeout"] <= 0:
-        values["request_timeout"] = None  # --request-timeout 0: never
-    if values["limit_concurrency"] == 0:
-        values["limit_concurrency"] = None  # --limit-concurrency 0: no bound
-    config = ServerConfig(**values)
-    check_server_config(config)
-    return config
-
-
 def check_server_config(config: ServerConfig) -> None:
     """The server settings that can be wrong before anything starts, as one-line errors."""
     if config.max_queue < 0:
@@ -267,24 +243,19 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(args: argparse.Namespace) -> int:
-    """`jengine serve`: listen first, load the engine in the background, drain on SIGTERM."""
+def serve(cfg: EngineConfig, config: ServerConfig, *, model: str | None, preset: str | None,
+          engine_kwargs: dict, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+          require_warm: bool = False) -> int:
+    """Runs the server until SIGTERM: listens first, loads the engine (`AsyncEngine(model,
+    config=preset, **engine_kwargs)`, already checked as `cfg`) in the background, drains on
+    SIGTERM. `jengine.cli.serve` reads the command line into these."""
     from jengine.async_engine import AsyncEngine
-    from jengine.engine import build_config, check_kv_memory
-    from jengine.engine_flags import engine_kwargs
 
-    kwargs = engine_kwargs(args)
-    model, preset = kwargs.pop("model"), kwargs.pop("config")
-    cfg = build_config(model, preset, **kwargs)  # bad flags or preset: a one-line error now
-    config = server_config(args, cfg.server)
-    check_kv_memory(cfg)
-    drain_timeout = getattr(args, "drain_timeout", None) or DEFAULT_DRAIN_TIMEOUT_S
     _configure_logging(config.uvicorn_log_level)
     app = create_app(
         None, config, model_name=served_model_name(cfg.model.model),
         load_engine=lambda: AsyncEngine(model, config=preset, progress=True,
-                                        require_warm=bool(getattr(args, "require_warm", False)),
-                                        **kwargs),
+                                        require_warm=require_warm, **engine_kwargs),
         drain_timeout=drain_timeout,
     )
     state: ServerState = app.state.server
