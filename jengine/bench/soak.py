@@ -117,18 +117,23 @@ class Soak:
         row = {"t_s": round(time.monotonic() - self.start, 1), "requests_done": self.done,
                "errors": sum(self.errors.values()), "rss_mb": rss_mb(self.args.pid),
                "kv_pages_used": m.get("jengine_kv_pages_used"),
+               # pages that hold cached prefixes: the part of the KV pool touched so far (its
+               # RSS grows until the pool is full of them, a growth that is not a leak)
+               "kv_pages_cached": m.get("jengine_prefix_cache_pages"),
                "running": m.get("jengine_num_requests_running")}
         self.samples.append(row)
         rss = "-" if row["rss_mb"] is None else f"{row['rss_mb']:.0f}"
         print(f"soak {row['t_s']:7.0f}s  done {self.done:6d}  errors {row['errors']:3d}  "
-              f"rss {rss} MB  kv_pages_used {row['kv_pages_used']}", file=sys.stderr)
+              f"rss {rss} MB  kv_pages_used {row['kv_pages_used']}  "
+              f"cached {row['kv_pages_cached']}", file=sys.stderr)
         return m
 
     async def sampler(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await self.sample()
+        while not stop.is_set():  # the first sample is taken before the load starts
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.args.interval)
+            if not stop.is_set():
+                await self.sample()
 
     async def settle(self) -> dict[str, Any]:
         """Waits (at most SETTLE_S) for the server to go idle; its gauges then."""
