@@ -182,6 +182,24 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every request (0: greedy)")
     sv.add_argument("--output-json")
+    sk = bsub.add_parser("soak", help="hold a local server under mixed load; sample its RSS and "
+                         "KV pages, check it returns to idle")
+    sk.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback URL only")
+    sk.add_argument("--api-key")
+    sk.add_argument("--served-model", help="model name to request (default: the first listed)")
+    sk.add_argument("--pid", type=int, help="the server's process id, whose RSS is sampled")
+    sk.add_argument("--start", action="store_true",
+                    help="start `jengine serve` on 127.0.0.1 at the --url's port, stop it after")
+    sk.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                    help="with --start: one more argument for `jengine serve` (repeatable)")
+    sk.add_argument("--duration", type=float, default=3600.0, help="seconds of load")
+    sk.add_argument("--concurrency", type=int, default=16)
+    sk.add_argument("--interval", type=float, default=30.0, help="seconds between samples")
+    sk.add_argument("--max-requests", type=int, default=1_000_000,
+                    help="stop starting requests after this many")
+    sk.add_argument("--request-timeout", type=float, default=300.0)
+    sk.add_argument("--csv", help="write the samples here")
+    sk.add_argument("--output-json")
     return parser
 
 
@@ -318,7 +336,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.bench_command == "serve":
+    if args.bench_command == "soak":
+        from jengine.bench.soak import run_soak
+
+        result = run_soak(args)
+    elif args.bench_command == "serve":
         from jengine.bench.serve import run_serve_bench
 
         result = run_serve_bench(args)
