@@ -17,8 +17,8 @@ from jengine.cli.main import main
 def test_short_soak_reports_samples_and_returns_to_idle(server, capsys, tmp_path):
     out = tmp_path / "soak.csv"
     rc = main(["bench", "soak", "--url", server.url, "--api-key", KEY,
-               "--pid", str(server.proc.pid), "--duration", "25", "--concurrency", "16",
-               "--interval", "5", "--csv", str(out)])
+               "--pid", str(server.proc.pid), "--duration", "12", "--concurrency", "16",
+               "--interval", "3", "--csv", str(out)])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
 
@@ -35,7 +35,7 @@ def test_short_soak_reports_samples_and_returns_to_idle(server, capsys, tmp_path
     assert end["num_requests_waiting"] == 0 and end["num_requests_queued"] == 0
 
     samples = report["samples"]
-    assert len(samples) >= 5  # one before the load, one per 5 s, and the settled one
+    assert len(samples) >= 5  # one before the load, one per 3 s, and the settled one
     times = [s["t_s"] for s in samples]
     assert times == sorted(times)
     assert all(s["rss_mb"] > 100 for s in samples)  # a loaded SmolLM2 server
