@@ -62,22 +62,31 @@ def _sources() -> list[Path]:
     return sorted(p for top in TOPS for p in (ROOT / top).rglob("*.py"))
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module `path` imports, at any depth of the file (function-local imports too), with
-    the packages Python imports on the way (`a.b.c` runs `a` and `a.b` first)."""
-    names: set[str] = set()
+def _import_statements(path: Path) -> list[tuple[str, list[str]]]:
+    """Each import of `path`, at any depth of the file (function-local imports too), as (module,
+    names): `import a.b` is ("a.b", []), `from .c import d` is (the resolved "pkg.c", ["d"])."""
     me = _module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out: list[tuple[str, list[str]]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            out += [(alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
+            out.append((base, [alias.name for alias in node.names]))
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, with the packages Python imports on the way (`a.b.c` runs
+    `a` and `a.b` first)."""
+    names: set[str] = set()
+    for base, members in _import_statements(path):
+        names.add(base)
+        names.update(f"{base}.{m}" for m in members)
     out = set()
     for name in names:
         parts = name.split(".")
@@ -99,20 +108,12 @@ def _graph() -> dict[str, set[str]]:
 def _direct_imports(path: Path) -> set[str]:
     """The project modules `path` names in its imports (not the packages Python runs on the way):
     `from a.b import c` is `a.b.c` when that is a module, else `a.b`."""
-    me = _module_name(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            for alias in node.names:
-                names.add(f"{base}.{alias.name}" if _module_file(f"{base}.{alias.name}")
-                          else base)
+    for base, members in _import_statements(path):
+        if not members:  # `import a.b`
+            names.add(base)
+        names.update(f"{base}.{m}" if _module_file(f"{base}.{m}") else base for m in members)
+    me = _module_name(path)
     return {n for n in names if n.split(".")[0] in TOPS and n != me and _module_file(n)}
 
 
