@@ -24,6 +24,7 @@ import pytest
 from test_sharding import _tiny_llama
 
 import jengine.core.engine_core
+import jengine.core.startup
 from jengine import Engine, SamplingParams
 from jengine.core.engine_core import EngineCore
 from jengine.engine import build_config
@@ -86,7 +87,7 @@ def test_programs_survive_a_restart(tiny, tmp_path, monkeypatch):
     included: its FFI target is registered before anything is deserialized) and
     `--require-warm` load them and give the same tokens."""
     store = tmp_path / "jengine" / "executables"  # where the second process's store lives
-    monkeypatch.setattr(jengine.core.engine_core, "default_store_dir", lambda: store)
+    monkeypatch.setattr(jengine.core.startup, "default_store_dir", lambda: store)
     model = _unseen_model(tiny, tmp_path / "model")
     cfg = build_config(model, ONE_BUCKET)
     with pytest.raises(ProgramsNotStoredError, match="3 of 3 step programs are not stored"):
@@ -268,7 +269,7 @@ def test_an_engine_whose_step_holds_a_host_callback_serves(tiny, tmp_path, monke
     """The pallas_tpu backend on CPU runs in interpret mode, whose step program holds host
     callbacks: the engine serves, and nothing is stored."""
     store = tmp_path / "store"
-    monkeypatch.setattr(jengine.core.engine_core, "default_store_dir", lambda: store)
+    monkeypatch.setattr(jengine.core.startup, "default_store_dir", lambda: store)
     engine = Engine(tiny, config=ONE_BUCKET, attention_backend="pallas_tpu", progress=False)
     [out] = engine.generate([[5, 9, 17, 33]], SamplingParams(max_tokens=1, temperature=0,
                                                              ignore_eos=True))
