@@ -9,7 +9,6 @@ the deltas of its metrics.
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import openai
 import pytest
 from local_server import free_port  # tests/local_server.py
 from prometheus_client.parser import text_string_to_metric_families
+
+from jengine.bench.soak import stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "test-key-123"
@@ -100,9 +101,4 @@ def running_server(log: Path) -> Iterator[Server]:
     try:
         yield Server(proc, port, grpc_port, log, seen)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)  # SIGTERM (a drain), then a kill after 90 s
