@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _hidden: frozenset[str] = frozenset()
@@ -59,6 +59,12 @@ def allows(isa: str) -> bool:
     library also asks the CPU itself, and Linux for the AMX tile state, before it runs one)."""
     have = flags()
     return all(f in have for f in ISA_FLAGS[isa])
+
+
+def best_vector_isa(runs: Callable[[str], bool]) -> str:
+    """What a native kernel's `isa="auto"` takes: the widest of AVX-512F, AVX2+FMA and portable
+    C++ that `flags()` allows and the library's own check `runs(isa)` accepts."""
+    return next(isa for isa in ("avx512", "avx2", "portable") if allows(isa) and runs(isa))
 
 
 def hidden() -> frozenset[str]:

@@ -63,8 +63,7 @@ def best_isa() -> str:
     else portable C++ (and, for bf16 queries and cache, `amx` where `amx_runs()`); what the CPU
     has is `cpu_info.flags()`, so `cpu_info.hiding` steers it."""
     require()
-    return next(isa for isa in ("avx512", "avx2", "portable")
-                if cpu_info.allows(isa) and supports(isa))
+    return cpu_info.best_vector_isa(supports)
 
 
 def amx_runs() -> bool:

@@ -72,8 +72,7 @@ def best_isa() -> str:
     """The instruction set `isa="auto"` runs on this CPU (of those `cpu_info.flags()` allows,
     so `cpu_info.hiding` steers it)."""
     require()
-    return next(isa for isa in ("avx512", "avx2", "portable")
-                if cpu_info.allows(isa) and supports(isa))
+    return cpu_info.best_vector_isa(supports)
 
 
 def supports(isa: str) -> bool:
