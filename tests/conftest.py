@@ -66,6 +66,14 @@ def _default_gguf_parsed_once():
     gguf.GGUFReader = real
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--accelerator-on-cpu", action="store_true",
+        help="run tests/accelerator on this CPU (Pallas in interpret mode, the smallest cases): "
+             "a dry run of the GPU suite before a device lease",
+    )
+
+
 def pytest_collection_modifyitems(items):
     """Tests marked `stops_server` run right after the last other test that uses `server`."""
     stoppers = [item for item in items if item.get_closest_marker("stops_server")]

@@ -33,7 +33,7 @@ import pytest
 import torch
 import transformers
 from paged import greedy_paged, run_paged  # tests/paged.py: pytest puts tests/ on sys.path
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tiny_models import randomize, save_tokenizer
 
 from converters import load_source
 from jengine.models import model_config_from_hf
@@ -49,34 +49,6 @@ PREFILL_CHUNK = 7
 WINDOW = 5  # sliding window, much shorter than SEQ_LEN
 
 
-def _save_tokenizer(path) -> None:
-    """A word-level tokenizer over `VOCAB` tokens: load_source loads one with every HF model."""
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
-    )
-    fast.save_pretrained(path)
-
-
-def _randomize(model: torch.nn.Module, *, norm_offset: float) -> None:
-    """Every parameter random and O(1)-scaled: projections ~ 1/sqrt(fan_in), norms around
-    `norm_offset` (1 for Llama's `w * x`, 0 for Gemma's `(1 + w) * x`), biases ~ 0.5."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(norm_offset + 0.3 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.5 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-
-
 def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0, edit=None,
            greedy: bool = True):
     """Saves a random model to tmp_path; returns (its loaded jengine form, ids, HF logits).
@@ -85,12 +57,12 @@ def _build(tmp_path, config, model_cls, *, norm_offset: float = 1.0, edit=None,
     torch.manual_seed(0)
     config._attn_implementation = "eager"
     model = model_cls(config).eval()
-    _randomize(model, norm_offset=norm_offset)
+    randomize(model, norm_offset=norm_offset)
     if edit is not None:
         with torch.no_grad():
             edit(model)
     model.save_pretrained(tmp_path)
-    _save_tokenizer(tmp_path)
+    save_tokenizer(tmp_path, VOCAB)
     ids = np.random.default_rng(2).integers(3, VOCAB, SEQ_LEN).tolist()
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].float().numpy()

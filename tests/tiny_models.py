@@ -1,0 +1,49 @@
+"""Tiny random HF models for the oracle tests: a word-level tokenizer and O(1)-scaled random
+weights, so that every weight (norms and biases included) moves the logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+
+def save_tokenizer(path: Path, vocab: int) -> None:
+    """A word-level tokenizer over `vocab` tokens t0..t{vocab-1} (t1 bos, t2 eos): `load_source`
+    loads one with every HF model."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
+    ).save_pretrained(path)
+
+
+def randomize(model: torch.nn.Module, *, norm_offset: float) -> None:
+    """Every parameter random and O(1)-scaled: projections ~ 1/sqrt(fan_in), norms around
+    `norm_offset` (1 for Llama's `w * x`, 0 for Gemma's `(1 + w) * x`), biases ~ 0.5."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(norm_offset + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.5 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def random_hf_model(path: Path, config, model_cls, *, norm_offset: float = 1.0):
+    """Builds, randomizes and saves (with a tokenizer) an eager-attention HF model; returns the
+    torch model, the oracle for what is saved at `path`."""
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    model = model_cls(config).eval()
+    randomize(model, norm_offset=norm_offset)
+    model.save_pretrained(path)
+    save_tokenizer(path, config.vocab_size)
+    return model
