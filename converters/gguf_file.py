@@ -7,9 +7,10 @@ tensors at a time in threads (NumPy releases the GIL). What llama.cpp's converte
 layout: the q/k rows its `LlamaModel` subclasses (llama, Mixtral, Granite, SmolLM3) permute for
 their interleaved rope, Gemma's norm weights stored as (1 + w), and the per-expert tensors it
 stacks (read as llama.cpp's `[X, out, in]` stacks), and the per-head halves newer converters
-split DeepSeek-V2's kv_b_proj into (`attn_k_b`, transposed, and `attn_v_b`; joined back). The
-metadata keys it writes per architecture become the HF config fields they came from
-(`converters.gguf_arch`).
+split DeepSeek-V2's kv_b_proj into (`attn_k_b`, transposed, and `attn_v_b`; joined back). What
+differs per architecture comes from the family's record (`jengine.models.registry`): the
+model_type its files read as, the HF config fields its own metadata keys give
+(`Family.gguf_config`), its own tensor names, the q/k permutation and the norm offset.
 """
 
 from __future__ import annotations
@@ -23,27 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from converters import gguf_arch, prequant, tables
+from converters import prequant, tables
 from converters.errors import ModelLoadError
 from converters.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo, dequantize
 from converters.quiet_transformers import import_transformers
 from converters.tokenizer_cache import cached_tokenizer
 from jengine.models import ModelConfig, family_module
 from jengine.models.quant import quantized_names
-
-_ARCH_TO_MODEL_TYPE = {
-    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-    "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gemma3": "gemma3_text",
-    "gemma2": "gemma2", "phi3": "phi3", "granite": "granite", "granitemoe": "granitemoe",
-    "olmo2": "olmo2", "exaone4": "exaone4", "smollm3": "smollm3", "seed_oss": "seed_oss",
-    "deepseek2": "deepseek_v2",
-}
-# The model type of an architecture's files that carry experts (llama.cpp writes Mixtral as
-# `llama` with `llama.expert_count` set).
-_ARCH_WITH_EXPERTS = {"llama": "mixtral"}
-# The architectures whose converter is llama.cpp's `LlamaModel` or a subclass: q/k permuted.
-_PERMUTED = ("llama", "mistral", "granite", "granitemoe", "smollm3")
-_GEMMA = ("gemma2", "gemma3")
+from jengine.models.registry import BY_GGUF_ARCH, gguf_family
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -73,26 +61,9 @@ _BLOCK_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_norm": "post_attention_layernorm",  # Gemma's: its pre_feedforward_layernorm
+    "post_attention_norm": "post_attention_layernorm",
 }
-# Names of one architecture's own: DeepSeek-V2's latent attention projections and its shared
-# experts (HF's `shared_experts`, un-gated). `attn_k_b` is read with `attn_v_b` as the whole
-# kv_b_proj (`_join_kv_b`).
-_ARCH_BLOCK_NAMES = {
-    "deepseek2": {
-        "attn_q_a": "self_attn.q_a_proj",
-        "attn_q_a_norm": "self_attn.q_a_layernorm",
-        "attn_q_b": "self_attn.q_b_proj",
-        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
-        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-        "attn_kv_b": "self_attn.kv_b_proj",
-        "attn_k_b": "self_attn.kv_b_proj",
-        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-        "ffn_up_shexp": "mlp.shared_experts.up_proj",
-        "ffn_down_shexp": "mlp.shared_experts.down_proj",
-    },
-}
-
-
 class GGUFModel:
     """An opened GGUF file. Raises `ModelLoadError` if it is missing, truncated or corrupt."""
 
@@ -107,39 +78,50 @@ class GGUFModel:
         self.meta = self.reader.metadata
         self._by_name = {t.name: t for t in self.reader.tensors}
         self.arch = self.meta.get("general.architecture")
-        if self.arch not in _ARCH_TO_MODEL_TYPE:
+        if self.arch not in BY_GGUF_ARCH:
             raise ModelLoadError(
                 f"unsupported architecture {self.arch!r} in {self.path.name}; jengine supports "
-                f"{sorted(_ARCH_TO_MODEL_TYPE)}"
+                f"{sorted(BY_GGUF_ARCH)}"
             )
+        self.family, self._model_type = gguf_family(self.arch)
+        self._blocks = _BLOCK_NAMES | dict(self.family.gguf_tensor_names)
 
-    def _get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: Any = None) -> Any:
+        """The metadata value `{arch}.{key}`."""
         return self.meta.get(f"{self.arch}.{key}", default)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._by_name
+
+    def tensor_values(self, name: str) -> np.ndarray | None:
+        """The tensor dequantized to float32 (None where the file has none of that name)."""
+        t = self._tensor(name)
+        return None if t is None else self._dequantize(t)
 
     def hf_config(self) -> dict[str, Any]:
         """The header as an HF `config.json` dict."""
         names = {t.name for t in self.reader.tensors}
-        heads = int(self._get("attention.head_count"))
-        hidden = int(self._get("embedding_length"))
-        vocab = self._get("vocab_size") or len(self.meta.get("tokenizer.ggml.tokens", []))
+        heads = int(self.get("attention.head_count"))
+        hidden = int(self.get("embedding_length"))
+        vocab = self.get("vocab_size") or len(self.meta.get("tokenizer.ggml.tokens", []))
         cfg: dict[str, Any] = {
-            "model_type": _ARCH_TO_MODEL_TYPE[self.arch],
+            "model_type": self._model_type,
             "vocab_size": int(vocab),
             "hidden_size": hidden,
-            **({"intermediate_size": int(self._get("feed_forward_length"))}
-               if self._get("feed_forward_length") is not None else {}),
-            "num_hidden_layers": int(self._get("block_count")),
+            **({"intermediate_size": int(self.get("feed_forward_length"))}
+               if self.get("feed_forward_length") is not None else {}),
+            "num_hidden_layers": int(self.get("block_count")),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(self._get("attention.head_count_kv", heads)),
-            "head_dim": int(self._get("attention.key_length", hidden // heads)),
-            "max_position_embeddings": int(self._get("context_length", 2048)),
-            "rms_norm_eps": float(self._get("attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(self._get("rope.freq_base", 10000.0)),
+            "num_key_value_heads": int(self.get("attention.head_count_kv", heads)),
+            "head_dim": int(self.get("attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(self.get("context_length", 2048)),
+            "rms_norm_eps": float(self.get("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.get("rope.freq_base", 10000.0)),
             "tie_word_embeddings": "output.weight" not in names,
             "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.meta.get("tokenizer.ggml.eos_token_id"),
         }
-        scaling = self._get("rope.scaling.type")
+        scaling = self.get("rope.scaling.type")
         freqs = self._tensor("rope_freqs.weight")
         if freqs is not None:  # llama3 scaling, stored by llama.cpp as inv_freq divisors
             cfg["rope_scaling"] = {
@@ -149,28 +131,17 @@ class GGUFModel:
         elif scaling and scaling not in ("none", "longrope"):
             cfg["rope_scaling"] = {
                 "rope_type": scaling,
-                "factor": float(self._get("rope.scaling.factor", 1.0)),
+                "factor": float(self.get("rope.scaling.factor", 1.0)),
                 "original_max_position_embeddings": int(
-                    self._get("rope.scaling.original_context_length", 8192)
+                    self.get("rope.scaling.original_context_length", 8192)
                 ),
                 **self._yarn_keys(),
             }
-        if self.arch in gguf_arch.ARCH_CONFIG:
-            gguf_arch.ARCH_CONFIG[self.arch](self, cfg)
-        if self.arch in ("qwen2", "qwen3", "qwen3moe", "qwen2moe", "smollm3"):
-            cfg["use_sliding_window"] = False
-        if self.arch in ("qwen3moe", "qwen2moe"):
-            cfg["num_experts"] = int(self._get("expert_count"))
-            cfg["num_experts_per_tok"] = int(self._get("expert_used_count"))
-            cfg["moe_intermediate_size"] = int(self._get("expert_feed_forward_length"))
-            cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
-        if self.arch in _ARCH_WITH_EXPERTS and self._get("expert_count"):
-            cfg["model_type"] = _ARCH_WITH_EXPERTS[self.arch]
-            cfg["num_local_experts"] = int(self._get("expert_count"))
-            cfg["num_experts_per_tok"] = int(self._get("expert_used_count"))
-            width = self._get("expert_feed_forward_length")
-            if width is not None:
-                cfg["intermediate_size"] = int(width)
+        if self.family.gguf_config:  # the architecture's own keys
+            try:
+                self.family.gguf_config(self, cfg)
+            except ValueError as e:
+                raise ModelLoadError(str(e)) from e
         return cfg
 
     def _yarn_keys(self) -> dict[str, float]:
@@ -181,7 +152,7 @@ class GGUFModel:
                 "beta_slow": ("rope.scaling.yarn_beta_slow",)}
         out = {}
         for hf, names in keys.items():
-            value = next((self._get(n) for n in names if self._get(n) is not None), None)
+            value = next((self.get(n) for n in names if self.get(n) is not None), None)
             if value is not None:
                 out[hf] = float(value)
         return out
@@ -275,13 +246,13 @@ class GGUFModel:
                 raise ModelLoadError(f"{self.path.name} has {t.name} without its attn_v_b")
             w = _join_kv_b(w, self._dequantize(v_b))
         w = self._hf_rows(t.name, w, cfg)
-        if self.arch in _GEMMA and t.name.endswith("norm.weight"):
-            w = w - 1.0
+        if self.family.gguf_norm_offset and t.name.endswith("norm.weight"):
+            w = w - self.family.gguf_norm_offset
         return self._hf_name(t.name), w
 
     def _hf_rows(self, name: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
         """`w` (or its per-row scales) with the q/k rows llama.cpp permuted back in HF's order."""
-        if self.arch in _PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if self.family.gguf_permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
             n = cfg["num_attention_heads"] if "attn_q" in name else cfg["num_key_value_heads"]
             return _unpermute_rope(w, n)
         return w
@@ -290,21 +261,9 @@ class GGUFModel:
         if name in _TENSOR_NAMES:
             return _TENSOR_NAMES[name]
         parts = name.split(".")
-        blocks = _BLOCK_NAMES | _ARCH_BLOCK_NAMES.get(self.arch, {})
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in blocks | {
-            "ffn_norm": None, "post_attention_norm": None
-        }:
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in self._blocks:
             layer, base, kind = parts[1], parts[2], parts[3]
-            if base == "ffn_norm":
-                gemma = self.arch in _GEMMA
-                hf = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
-            elif base == "post_attention_norm":
-                hf = "post_attention_layernorm"
-            elif base == "ffn_up" and self.arch == "phi3":  # gate and up, fused as HF's
-                hf = "mlp.gate_up_proj"
-            else:
-                hf = blocks[base]
-            return f"model.layers.{layer}.{hf}.{kind}"
+            return f"model.layers.{layer}.{self._blocks[base]}.{kind}"
         raise ModelLoadError(f"unsupported tensor {name!r} in {self.path.name} ({self.arch})")
 
     def tokenizer(self):

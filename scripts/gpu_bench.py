@@ -236,7 +236,7 @@ def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked"
 
             params = unstack_layers(
                 params,
-                family_module(model_config).LAYER_KEYS,
+                family_module(model_config).layer_keys,
                 model_config.num_layers,
                 delete_stacked=True,
                 first_layer=layer_offsets(model_config),

@@ -38,7 +38,7 @@ def _unpack(model: Any, layer_layout: str = "as_given") -> tuple[ModelConfig, di
     cfg, params = (model.config, model.params) if hasattr(model, "config") else model
     params = jax.tree.map(jnp.asarray, dict(params))
     if layer_layout == "unstacked" and "layers" not in params:
-        params = unstack_layers(params, family_module(cfg).LAYER_KEYS, cfg.num_layers,
+        params = unstack_layers(params, family_module(cfg).layer_keys, cfg.num_layers,
                                 first_layer=layer_offsets(cfg))
     return cfg, params
 

@@ -402,7 +402,7 @@ def test_pack_projections_and_dot_on_smollm2():
     cfg = loaded.config
     specs = family_module(cfg).param_specs(cfg)
     host = {name: np.asarray(loaded.params[name]) for name in specs if name in loaded.params}
-    params = jax.device_put(layers.unstack_layers(host, family_module(cfg).LAYER_KEYS,
+    params = jax.device_put(layers.unstack_layers(host, family_module(cfg).layer_keys,
                                                   cfg.num_layers))
     first = params["layers"][0]
     originals = {name: np.asarray(w) for name, w in first.items()}

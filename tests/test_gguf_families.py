@@ -456,14 +456,13 @@ def test_info_reports_family_parameters_context_and_template(tmp_path, capsys):
 
 
 def test_every_gguf_arch_maps_to_a_model_type_llama_cpp_names():
-    from converters.gguf_file import _ARCH_TO_MODEL_TYPE
-    from jengine.models.config import FAMILIES
+    from jengine.models.registry import BY_GGUF_ARCH, BY_MODEL_TYPE, gguf_family
 
     known = set(gguf.MODEL_ARCH_NAMES.values())
     # `mistral` is no llama.cpp architecture (its converter writes Mistral as `llama`); other
     # writers' files carry it, and they load as Mistral.
-    assert set(_ARCH_TO_MODEL_TYPE) - {"mistral"} <= known
-    assert set(_ARCH_TO_MODEL_TYPE.values()) <= set(FAMILIES)
+    assert set(BY_GGUF_ARCH) - {"mistral"} <= known
+    assert {gguf_family(arch)[1] for arch in BY_GGUF_ARCH} <= set(BY_MODEL_TYPE)
 
 
 def test_unknown_arch_is_refused(tmp_path):

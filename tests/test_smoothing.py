@@ -23,7 +23,7 @@ SEQ = 24
 def _with_outliers(cfg, params: dict) -> dict:
     """Channels 3 and 40 of every pre-norm (x30, x60) and columns 7, 90 of w_up (x40)."""
     out = dict(params)
-    gemma = cfg.family == "gemma3"
+    gemma = family_module(cfg).name == "gemma3"
     for norm in ("attn_norm", "pre_mlp_norm" if gemma else "mlp_norm"):
         w = np.array(out[norm]) + (1.0 if gemma else 0.0)  # the factor the norm applies
         w[:, 3] *= 30
@@ -70,10 +70,10 @@ def test_smoothing_flattens_the_int8_inputs_and_brings_int8_closer_to_float(hf):
     windows = _calibration(cfg)
     folds = family.smoothing_folds(cfg)
     names = tuple(smoothing.observed_name(f) for f in folds)
-    before = smoothing.activation_maxima(params, cfg, family.forward, family.LAYER_KEYS, names,
+    before = smoothing.activation_maxima(params, cfg, family.forward, family.layer_keys, names,
                                          windows)
     folded = smoothing.smooth(params, cfg, family, windows, alpha=0.5)
-    after = smoothing.activation_maxima(folded, cfg, family.forward, family.LAYER_KEYS, names,
+    after = smoothing.activation_maxima(folded, cfg, family.forward, family.layer_keys, names,
                                         windows)
     for name in ("wq", "w_gate", "w_down"):  # the inputs given outliers
         ratio = smoothing.outlier_ratio(before[name]), smoothing.outlier_ratio(after[name])

@@ -251,16 +251,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from converters.source import load_source
-    from jengine.models import family_module
+    from jengine.models.registry import family_of
 
     loaded = load_source(args.model, progress=True)
     cfg = loaded.config
-    specs = family_module(cfg).param_specs(cfg)  # every weight the model holds, counted exactly
+    network = family_of(cfg).network
+    specs = network.param_specs(cfg)  # every weight the model holds, counted exactly
     info = {
         "source": loaded.source,
         "format": loaded.kind,
         "architecture": cfg.model_type,
-        "family": cfg.family,
+        "family": network.name,  # the model file that runs it
         "parameters": sum(math.prod(spec.shape) for spec in specs.values()),
         "dtype": str(next(iter(loaded.params.values())).dtype),
         "quantization": loaded.quantization,  # of the stored weights

@@ -170,7 +170,7 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         # each once. Placing the stacks and splitting them on the device costs a jitted
         # split per weight and a second copy of every layer (~1 s for SmolLM2 on CPU).
         stacked = {name: np.asarray(w) for name, w in host.items()}
-        params = jax.device_put(unstack_layers(stacked, family.LAYER_KEYS, cfg.num_layers,
+        params = jax.device_put(unstack_layers(stacked, family.layer_keys, cfg.num_layers,
                                                first_layer=layer_offsets(cfg)))
         return _packed_for_amx(params, cfg, specs)
     # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
@@ -189,7 +189,7 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         lm_head=quantize_lm_head, delete_float=True,
     )
     if layer_layout == "unstacked":
-        params = unstack_layers(params, family.LAYER_KEYS, cfg.num_layers,
+        params = unstack_layers(params, family.layer_keys, cfg.num_layers,
                                 delete_stacked=True, first_layer=layer_offsets(cfg))
         params = _packed_for_amx(params, cfg, specs)
     return params

@@ -1,8 +1,9 @@
 """`ModelConfig`: one model's architecture, from an HF `config.json` dict (read by
 `jengine.models.hf_config`) or a GGUF header.
 
-One frozen dataclass covers every supported family; the family picks the model file
-(`jengine/models/llama.py` or `gemma3.py`) and the switches pick the features (rope scaling,
+One frozen dataclass covers every supported family; the family's record
+(`jengine.models.registry`, by `model_type`) picks the network (`llama.py`, `gemma3.py`,
+`deepseek.py`) and the switches pick the features (rope scaling,
 partial and per-layer rope, attention/MLP biases, tied embeddings, per-layer sliding windows,
 q/k norms, norm placement, Gemma's extra norms, the MoE MLP).
 """
@@ -12,32 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
-
-# HF `model_type` -> jengine family. Everything mapped to "llama" runs through models/llama.py.
-FAMILIES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-    "qwen3": "llama",  # Llama with an RMSNorm on every q and k head (`qk_norm`)
-    "granite": "llama",  # Llama with embedding / residual / attention / logit multipliers
-    "granitemoe": "llama",  # Granite with a sparse MoE MLP (softmax over the top-k logits)
-    "mixtral": "llama",  # Mistral with a sparse MoE MLP (top-k of softmax, renormalised)
-    "qwen3_moe": "llama",  # Qwen3 with a sparse MoE MLP (top-k of softmax, `norm_topk_prob`)
-    "qwen2_moe": "llama",  # Qwen2 with a sparse MoE MLP plus a sigmoid-gated shared expert
-    "phi3": "llama",  # fused qkv_proj / gate_up_proj in the checkpoint; partial rotary (Phi-4-mini)
-    "olmo2": "llama",  # norms after attention and MLP (not before), q/k norm over the full width
-    "olmo3": "llama",  # OLMo 2 with sliding-window layers (their own rope when configured)
-    "exaone4": "llama",  # OLMo 2's post-norms, Qwen3's per-head q/k norm, no rope on global layers
-    "ministral": "llama",  # Mistral with per-layer sliding windows (`layer_types`)
-    "seed_oss": "llama",  # Llama with q/k/v biases and a separate o_proj bias switch
-    "smollm3": "llama",  # Llama without rope on every 4th layer (`no_rope_layers`)
-    "smollm": "llama",
-    "gemma3_text": "gemma3",
-    "gemma2": "gemma3",  # Gemma 3's network without q/k norms, with soft-capping (gemma3.py)
-    "gemma3": "gemma3",
-    # Multi-head latent attention over a compressed KV cache, DeepSeek's MoE (models/deepseek.py)
-    "deepseek_v2": "deepseek",
-}
 
 # "freq_factors": explicit per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF.
 # "longrope" (Phi-3 / Phi-4-mini; "su" is its old name) and "dynamic" (NTK) depend on the
@@ -229,10 +204,6 @@ class ModelConfig:
     # small-row kernel, one CPU device) | amx (native + bf16 projections on the AMX tiles);
     # jengine.models.matmul.resolve_matmul_backend.
     matmul_backend: str = "xla"
-
-    @property
-    def family(self) -> str:
-        return FAMILIES[self.model_type]
 
     @property
     def sm_scale(self) -> float:

@@ -27,9 +27,15 @@ Layers: the first `first_dense_layers` have a dense SwiGLU MLP, the rest the MoE
 stack only their own layers (`layer_offsets`), so the per-layer weight dicts differ, and a
 model with both kinds runs the per-layer loop (the CPU default layout); a stacked layout is
 accepted when all layers are of one kind.
+
+The family's record (`DEEPSEEK_V2`: its HF config reader, weight rules, GGUF header and tensor
+names) is at the end of this file.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +43,18 @@ import jax.numpy as jnp
 from jengine.models import layers, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend_latent
 from jengine.models.config import ModelConfig
+from jengine.models.family import Family, GGUFHeader, ModelType, Network
+from jengine.models.hf_config import eos_ids, rope_from_hf
 from jengine.models.layers import ParamSpec, project, rms_norm, rope_inv_freq
+from jengine.models.weight_rules import (
+    LAYER,
+    Rule,
+    experts_t,
+    heads_of,
+    o_heads_of,
+    same,
+    transposed,
+)
 
 DENSE_KEYS = ("w_gate", "w_up", "w_down")
 
@@ -77,7 +94,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs["w_up"] = ParamSpec((dense, e, f), ("layers", "embed", "mlp"), contract=(1,))
         specs["w_down"] = ParamSpec((dense, f, e), ("layers", "mlp", "embed"), contract=(1,))
     if dense < n:
-        specs.update(moe.param_specs(cfg))
+        specs.update(moe.param_specs(cfg, gated_shared=False))
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((e, v), ("embed", "vocab"), contract=(0,))
     return specs
@@ -133,7 +150,7 @@ def forward(
         x = x + layers.project_heads(attn, p["wo"], backend=mm)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, backend=mm)
         if "router" in p:
-            out = moe.moe_mlp(h, p, cfg)
+            out = moe.moe_mlp(h, p, cfg, router=moe.route_deepseek)
         else:
             gate = project(h, p["w_gate"], "te,ef->tf", backend=mm)
             up = project(h, p["w_up"], "te,ef->tf", backend=mm)
@@ -191,3 +208,190 @@ def _rope_pairs(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
         re, im = pairs[..., 0], pairs[..., 1]
         out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
         return out.reshape(x.shape).astype(x.dtype)
+
+
+NETWORK = Network(name="deepseek", param_specs=param_specs, forward=forward, logits=logits,
+                  layer_keys=LAYER_KEYS, smoothing_folds=smoothing_folds,
+                  layer_offsets=layer_offsets)
+
+
+def _read_hf(hf: dict[str, Any]) -> ModelConfig:
+    """DeepSeek-V2 (and -Lite): multi-head latent attention and DeepSeek's MoE.
+
+    The softmax scale is HF's: (qk_nope + qk_rope) ** -0.5, times yarn's
+    mscale(factor, mscale_all_dim) ** 2 under a scaled rope; the rope's own attention factor
+    (mscale / mscale_all_dim) scales the rotated q and k parts.
+
+    Raises:
+      ValueError: a routing method other than greedy / group-limited greedy.
+    """
+    num_layers = int(hf["num_hidden_layers"])
+    rope, _ = rope_from_hf(hf)
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    nope, rope_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    scale = float(nope + rope_dim) ** -0.5
+    if rope.rope_type != "default" and params.get("mscale_all_dim"):
+        m = 0.1 * float(params["mscale_all_dim"]) * math.log(rope.factor) + 1.0
+        scale *= m * m if rope.factor > 1 else 1.0
+    method = hf.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2 routing {method!r} is not built "
+                         "(greedy, group_limited_greedy)")
+    grouped = method == "group_limited_greedy"
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("deepseek_v2 with attention or MLP biases is not built")
+    num_experts = int(hf["n_routed_experts"])
+    moe_width = int(hf["moe_intermediate_size"])
+    return ModelConfig(
+        model_type="deepseek_v2",
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=int(hf["num_attention_heads"]),
+        num_kv_heads=1,  # every q head reads the one latent row per token (MQA over the latent)
+        head_dim=int(hf["kv_lora_rank"]) + rope_dim,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=rope,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_multiplier=scale,
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=int(hf["v_head_dim"]),
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=moe_width,
+        shared_expert_intermediate_size=moe_width * int(hf.get("n_shared_experts") or 0),
+        first_dense_layers=min(int(hf.get("first_k_dense_replace", 0)), num_layers),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        expert_groups=int(hf["n_group"]) if grouped else 0,
+        topk_groups=int(hf["topk_group"]) if grouped else 0,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids(hf),
+    )
+
+
+def _weight_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
+    """DeepSeek-V2's table (its head widths differ from the cache's `head_dim`, so the
+    transforms are built for the config). The MoE weights' layer index counts from the first
+    MoE layer (`layer_offsets`, applied by `converters.tables.lookup`)."""
+    qk = heads_of(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    attn = LAYER + r"self_attn\."
+    mlp = LAYER + r"mlp\."
+    return (
+        (r"model\.embed_tokens\.weight", "embed", same),
+        (r"model\.norm\.weight", "final_norm", same),
+        (r"lm_head\.weight", "lm_head", transposed),
+        (LAYER + r"input_layernorm\.weight", "attn_norm", same),
+        (LAYER + r"post_attention_layernorm\.weight", "mlp_norm", same),
+        (attn + r"q_proj\.weight", "wq", qk),
+        (attn + r"q_a_proj\.weight", "wq_a", transposed),
+        (attn + r"q_a_layernorm\.weight", "q_a_norm", same),
+        (attn + r"q_b_proj\.weight", "wq_b", qk),
+        (attn + r"kv_a_proj_with_mqa\.weight", "wkv_a", transposed),
+        (attn + r"kv_a_layernorm\.weight", "kv_a_norm", same),
+        (attn + r"kv_b_proj\.weight", "wkv_b", heads_of(cfg.qk_nope_head_dim + cfg.v_head_dim)),
+        (attn + r"o_proj\.weight", "wo", o_heads_of(cfg.v_head_dim)),
+        (mlp + r"gate_proj\.weight", "w_gate", transposed),
+        (mlp + r"up_proj\.weight", "w_up", transposed),
+        (mlp + r"down_proj\.weight", "w_down", transposed),
+        (mlp + r"gate\.weight", "router", transposed),
+        (mlp + r"experts\.(\d+)\.gate_proj\.weight", "we_gate", transposed),
+        (mlp + r"experts\.(\d+)\.up_proj\.weight", "we_up", transposed),
+        (mlp + r"experts\.(\d+)\.down_proj\.weight", "we_down", transposed),
+        # GGUF's: all a layer's experts in one tensor [X, out, in].
+        (mlp + r"experts\.gate_proj\.weight", "we_gate", experts_t),
+        (mlp + r"experts\.up_proj\.weight", "we_up", experts_t),
+        (mlp + r"experts\.down_proj\.weight", "we_down", experts_t),
+        (mlp + r"shared_experts\.gate_proj\.weight", "ws_gate", transposed),
+        (mlp + r"shared_experts\.up_proj\.weight", "ws_up", transposed),
+        (mlp + r"shared_experts\.down_proj\.weight", "ws_down", transposed),
+    )
+
+
+_GATING_SOFTMAX = 1  # llama.cpp's expert gating functions (its `expert_gating_func` key)
+
+
+def _gguf_config(gguf: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """DeepSeek-V2's latent attention and MoE keys as HF's `deepseek_v2` fields.
+
+    llama.cpp's converter writes the cache's widths as key / value_length (kv_lora_rank +
+    rope, kv_lora_rank) and the heads' as key / value_length_mla; files older than that
+    have only the heads' widths, as key / value_length. Its yarn mscale_all_dim is stored
+    x 0.1 as `yarn_log_multiplier`, and its graph takes `mscale` equal to it (no key).
+
+    Raises:
+      ValueError: sigmoid expert gating or renormalised top-k weights (DeepSeek-V3's,
+        which llama.cpp writes as `deepseek2` too).
+    """
+    if int(gguf.get("expert_gating_func", _GATING_SOFTMAX)) != _GATING_SOFTMAX:
+        raise ValueError(f"{gguf.path.name}: deepseek2 with sigmoid expert gating "
+                         "(DeepSeek-V3) is not built")
+    if gguf.get("expert_weights_norm"):
+        raise ValueError(f"{gguf.path.name}: deepseek2 with renormalised top-k expert "
+                         "weights is not built (DeepSeek-V2 does not renormalise)")
+    rope = int(gguf.get("rope.dimension_count"))
+    mla = gguf.get("attention.key_length_mla") is not None
+    heads = cfg["num_attention_heads"]
+    key = int(gguf.get("attention.key_length_mla" if mla else "attention.key_length",
+                       cfg["hidden_size"] // heads))
+    value = int(gguf.get("attention.value_length_mla" if mla else "attention.value_length",
+                         key - rope))
+    cfg.pop("head_dim")  # the file's key_length: not a head width here
+    moe_width = int(gguf.get("expert_feed_forward_length"))
+    cfg.setdefault("intermediate_size", moe_width)
+    cfg.update(
+        kv_lora_rank=int(gguf.get("attention.kv_lora_rank")),
+        q_lora_rank=(int(gguf.get("attention.q_lora_rank"))
+                     if gguf.get("attention.q_lora_rank") else None),
+        qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, v_head_dim=value,
+        n_routed_experts=int(gguf.get("expert_count")),
+        num_experts_per_tok=int(gguf.get("expert_used_count")),
+        moe_intermediate_size=moe_width,
+        n_shared_experts=int(gguf.get("expert_shared_count", 0)),
+        first_k_dense_replace=int(gguf.get("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(gguf.get("expert_weights_scale", 1.0)),
+        topk_method="greedy",
+    )
+    groups = int(gguf.get("expert_group_count", 1))
+    if groups > 1:  # HF's group-limited greedy: the best groups' experts only
+        cfg.update(topk_method="group_limited_greedy", n_group=groups,
+                   topk_group=int(gguf.get("expert_group_used_count")))
+    log_mul = gguf.get("rope.scaling.yarn_log_multiplier")
+    if "rope_scaling" in cfg and log_mul:
+        mscale = float(log_mul) / 0.1
+        cfg["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
+
+
+DEEPSEEK_V2 = Family(
+    name="deepseek_v2",
+    network=NETWORK,
+    model_types=(ModelType(
+        name="deepseek_v2",
+        features="MLA: compressed KV cache (latent + rope key per token), absorbed projections, "
+                 "interleaved rope, yarn mscale; MoE (greedy / group-limited routing, routed "
+                 "scaling, shared experts, dense first layers); tests/test_deepseek.py",
+        parity_test="test_mla_parity_q_projection"),),
+    read_hf=_read_hf,
+    hf_weights_for=_weight_rules,
+    gguf_archs=(("deepseek2", "deepseek_v2"),),
+    gguf_config=_gguf_config,
+    # Its latent attention projections and its shared experts (HF's `shared_experts`,
+    # un-gated). `attn_k_b` is read with `attn_v_b` as the whole kv_b_proj
+    # (`converters.gguf_file`).
+    gguf_tensor_names={
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.kv_b_proj",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    },
+)

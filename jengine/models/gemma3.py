@@ -3,9 +3,12 @@ GeGLU MLP, scaled embeddings, and norms before and after both attention and MLP.
 
 Gemma 2 is the same network without the q/k norms, with one rope for every layer and
 soft-capped attention scores and final logits (`attn_logit_softcapping`,
-`final_logit_softcapping`, which Gemma 3 leaves unset)."""
+`final_logit_softcapping`, which Gemma 3 leaves unset). Both records (`GEMMA3`, `GEMMA2`: names,
+config keys, weight rules, GGUF header) are at the end of this file."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +17,10 @@ import numpy as np
 from jengine.models import layers
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
+from jengine.models.family import Family, GGUFHeader, ModelType, Network
 from jengine.models.layers import ParamSpec, project, rms_norm, rope_inv_freq
 from jengine.models.smoothing import ChannelFold, NormFold
+from jengine.models.weight_rules import COMMON, LAYER, Rule, same, transposed
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -143,3 +148,85 @@ def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.
         cap = cfg.final_logit_softcapping
         out = cap * jnp.tanh(out / cap)
     return out
+
+
+NETWORK = Network(name="gemma3", param_specs=param_specs, forward=forward, logits=logits,
+                  layer_keys=LAYER_KEYS, smoothing_folds=smoothing_folds)
+
+_RULES: tuple[Rule, ...] = COMMON + (
+    (r"lm_head\.weight", "lm_head", transposed),  # untied heads (`tie_word_embeddings: false`)
+    (LAYER + r"self_attn\.q_norm\.weight", "q_norm", same),
+    (LAYER + r"self_attn\.k_norm\.weight", "k_norm", same),
+    (LAYER + r"post_attention_layernorm\.weight", "post_attn_norm", same),
+    (LAYER + r"pre_feedforward_layernorm\.weight", "pre_mlp_norm", same),
+    (LAYER + r"post_feedforward_layernorm\.weight", "post_mlp_norm", same),
+)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's test for its 27B attention scale
+
+
+def _hf_fields(hf: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's softmax scale (`query_pre_attn_scalar`); the rope scalings not built for it.
+
+    Raises:
+      ValueError: yarn, longrope or dynamic rope scaling.
+    """
+    if fields["rope"].rope_type in ("yarn", "longrope", "dynamic"):
+        raise ValueError(f"rope scaling {fields['rope'].rope_type!r} is not built for "
+                         f"{hf['model_type']}")
+    return {"query_pre_attn_scalar": hf.get("query_pre_attn_scalar")}
+
+
+def _sliding_every(default: int):
+    """Every `sliding_window_pattern`-th layer global, the others sliding (Gemma 2 alternates
+    from layer 0, Gemma 3 has five sliding layers per global one)."""
+    def layers_of(hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", default)))
+        return tuple((i + 1) % pattern != 0 for i in range(num_layers))
+    return layers_of
+
+
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 checkpoint's text model."""
+    if "text_config" not in hf:
+        return hf
+    return {**hf["text_config"], "model_type": "gemma3_text"}
+
+
+def _gguf_config(gguf: GGUFHeader, cfg: dict[str, Any]) -> None:
+    cfg["sliding_window"] = int(gguf.get("attention.sliding_window", 4096))
+    # llama.cpp scales queries by hidden / heads for the 27B models (46 layers in Gemma 2,
+    # 62 in Gemma 3: their query_pre_attn_scalar), by head_dim otherwise; no key says it.
+    layers_, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // heads
+                                    if layers_ == _GEMMA_27B_LAYERS[gguf.arch]
+                                    else cfg["head_dim"])
+    if gguf.arch == "gemma3":
+        cfg["rope_local_base_freq"] = 10000.0
+        cfg["sliding_window_pattern"] = 6
+        return
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if gguf.get(key) is not None:
+            cfg[key] = float(gguf.get(key))
+
+
+# What Gemma 2 and 3 share: llama.cpp stores their norms as (1 + w) and names the MLP's
+# pre-norm `ffn_norm`.
+_SHARED = dict(network=NETWORK, hf_fields=_hf_fields, tied_by_default=True, hf_weights=_RULES,
+               gguf_config=_gguf_config, gguf_norm_offset=1.0,
+               gguf_tensor_names={"ffn_norm": "pre_feedforward_layernorm"})
+
+GEMMA3 = Family(
+    name="gemma3",
+    model_types=(
+        ModelType(name="gemma3_text", features="q/k norms, interleaved sliding / global layers "
+                  "with two ropes, GeGLU", parity_test="test_gemma3_text"),
+        ModelType(name="gemma3", features="the text model of a multimodal Gemma 3 checkpoint "
+                  "(as `gemma3_text`)"),
+    ),
+    unwrap_hf=_text_config, default_sliding=_sliding_every(6),
+    gguf_archs=(("gemma3", "gemma3_text"),), **_SHARED)
+GEMMA2 = Family(
+    name="gemma2",
+    model_types=(ModelType(name="gemma2", features="attention and final logit soft-capping, "
+                           "alternating sliding window", parity_test="test_gemma2_soft_capping"),),
+    default_sliding=_sliding_every(2), gguf_archs=(("gemma2", "gemma2"),), **_SHARED)

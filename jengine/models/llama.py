@@ -1,5 +1,7 @@
-"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Granite 3, SmolLM2, Phi-3,
-OLMo 2, and the MoE Mixtral and Qwen3-MoE (`jengine/models/moe.py`) through config switches.
+"""The Llama network: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Granite 3, SmolLM2/3,
+Phi-3, OLMo 2/3, EXAONE 4, Seed-OSS, and the MoE Mixtral, Qwen2/3-MoE and Granite-MoE
+(`jengine/models/moe.py`) through config switches. Each of those families' records (its names,
+config keys, weight rules) is in `jengine/models/llama_variants.py`.
 
 Every layer weight is declared with a leading `layers` axis; the layers run under `jax.lax.scan`
 with the stacked KV cache in the carry (each layer updates its pages in place), or, with the
@@ -15,6 +17,7 @@ import numpy as np
 from jengine.models import layers, matmul, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
+from jengine.models.family import Network
 from jengine.models.layers import ParamSpec, apply_rope, project, rms_norm, rope_inv_freq
 from jengine.models.smoothing import ChannelFold, NormFold
 
@@ -248,3 +251,8 @@ def _scaled_by(multiplier: float):
     if multiplier == 1.0:
         return lambda x: x
     return lambda x: x * jnp.asarray(multiplier, x.dtype)
+
+
+# The network every Llama-shaped family runs (their records: `jengine/models/llama_variants.py`).
+NETWORK = Network(name="llama", param_specs=param_specs, forward=forward, logits=logits,
+                  layer_keys=LAYER_KEYS, smoothing_folds=smoothing_folds)

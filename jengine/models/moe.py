@@ -9,13 +9,13 @@ logits is the same weights; a config switch for Qwen2/3-MoE). Each token's
 output is the weighted sum of its chosen experts' SwiGLU MLPs, plus (Qwen2-MoE) a shared
 expert's MLP that every token runs, scaled by sigmoid(h . `ws_router`).
 
-DeepSeek-V2 routes its own way (`route`): the router logits in float32, softmax, then either
-the top k (greedy) or, with `expert_groups` > 0, the top k among the experts of the
-`topk_groups` groups whose best expert scores highest (group-limited greedy); the chosen
-probabilities are scaled by `routed_scaling_factor`, never renormalised (HF's DeepSeek-V2 ignores
-`norm_topk_prob`). Its shared experts are one MLP every token runs, without a gate. Its first
-`first_dense_layers` layers have a dense MLP instead, so the MoE weights stack only the layers
-after them.
+DeepSeek-V2 routes its own way (`route_deepseek`, which its network passes to `moe_mlp`): the
+router logits in float32, softmax, then either the top k (greedy) or, with `expert_groups` > 0,
+the top k among the experts of the `topk_groups` groups whose best expert scores highest
+(group-limited greedy); the chosen probabilities are scaled by `routed_scaling_factor`, never
+renormalised (HF's DeepSeek-V2 ignores `norm_topk_prob`). Its shared experts are one MLP every
+token runs, without a gate. Its first `first_dense_layers` layers have a dense MLP instead, so
+the MoE weights stack only the layers after them.
 
 The experts are three stacked weights with a logical `experts` axis, `we_gate`/`we_up`
 [L, X, E, F] and `we_down` [L, X, F, E]. Two exact ways compute them, picked statically from the
@@ -40,6 +40,8 @@ The router is replicated, so every device routes identically. (An `ep` mesh axis
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -48,8 +50,9 @@ from jengine.models.layers import ParamSpec
 from jengine.models.matmul import dot
 
 
-def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """The router and the stacked experts of every layer."""
+def param_specs(cfg: ModelConfig, *, gated_shared: bool = True) -> dict[str, ParamSpec]:
+    """The router and the stacked experts of every layer; the shared expert's gate vector with
+    `gated_shared` (Qwen2-MoE gates its shared expert per token; DeepSeek's are not gated)."""
     n, e, x = cfg.num_layers - cfg.first_dense_layers, cfg.hidden_size, cfg.num_experts
     f = cfg.moe_intermediate_size
     specs = {
@@ -65,14 +68,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
             "ws_up": ParamSpec((n, e, shared), ("layers", "embed", "mlp")),
             "ws_down": ParamSpec((n, shared, e), ("layers", "mlp", "embed")),
         })
-        if _gated_shared_expert(cfg):
+        if gated_shared:
             specs["ws_router"] = ParamSpec((n, e), ("layers", "embed"))
     return specs
-
-
-def _gated_shared_expert(cfg: ModelConfig) -> bool:
-    """Qwen2-MoE gates its shared expert per token; DeepSeek's shared experts are not gated."""
-    return cfg.model_type != "deepseek_v2"
 
 
 LAYER_KEYS = ("router", "we_gate", "we_up", "we_down", "ws_router", "ws_gate", "ws_up", "ws_down")
@@ -80,8 +78,6 @@ LAYER_KEYS = ("router", "we_gate", "we_up", "we_down", "ws_router", "ws_gate", "
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """[T, E] -> (chosen experts [T, k] int32, their weights [T, k] float32), as HF routes."""
-    if cfg.model_type == "deepseek_v2":
-        return _route_deepseek(h, router, cfg)
     logits = dot("te,ex->tx", h, router).astype(h.dtype)  # HF's router runs in the model dtype
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
@@ -90,7 +86,7 @@ def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     return experts, weights
 
 
-def _route_deepseek(h: jax.Array, router: jax.Array, cfg: ModelConfig):
+def route_deepseek(h: jax.Array, router: jax.Array, cfg: ModelConfig):
     """DeepSeek-V2's router: float32 logits and softmax; greedy or group-limited top k; the
     weights scaled by `routed_scaling_factor`."""
     logits = dot("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32))
@@ -104,10 +100,13 @@ def _route_deepseek(h: jax.Array, router: jax.Array, cfg: ModelConfig):
     return experts, weights * cfg.routed_scaling_factor
 
 
-def moe_mlp(h: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig) -> jax.Array:
-    """[T, E] -> [T, E]: the routed experts' SwiGLU MLPs, weighted and summed per token."""
+def moe_mlp(h: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig, *,
+            router: Callable[[jax.Array, jax.Array, ModelConfig], tuple[jax.Array, jax.Array]]
+            = route) -> jax.Array:
+    """[T, E] -> [T, E]: the routed experts' SwiGLU MLPs, weighted and summed per token, chosen
+    by `router` (`route`, or `route_deepseek`)."""
     with jax.named_scope("moe"):
-        experts, weights = route(h, p["router"], cfg)
+        experts, weights = router(h, p["router"], cfg)
         num_tokens, k = experts.shape
         if num_tokens * k <= cfg.num_experts:
             out = _gather_experts(h, p, experts, weights)

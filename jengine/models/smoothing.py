@@ -38,6 +38,7 @@ import numpy as np
 from jengine.config import ModelSection
 from jengine.models.attention import AttentionMetadata, KVCache
 from jengine.models.config import ModelConfig
+from jengine.models.family import Network
 from jengine.models.matmul import Observed
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
@@ -229,7 +230,7 @@ def _scale_fn(sharding, divide: bool, offset: float):
     return jax.jit(scale, out_shardings=sharding)
 
 
-def smooth_for_int8(params: dict, cfg: ModelConfig, family, tokenizer,
+def smooth_for_int8(params: dict, cfg: ModelConfig, family: Network, tokenizer,
                     alpha: float = DEFAULT_ALPHA, *, delete_float: bool = False) -> dict:
     """The default calibration (`CALIBRATION_WINDOWS` windows of `calibration.txt`) and fold,
     as the engine runs it at load time and `jengine convert --quantization int8` before it
@@ -248,11 +249,11 @@ def smooth_for_int8(params: dict, cfg: ModelConfig, family, tokenizer,
     return smooth(params, cfg, family, windows, alpha, delete_float=delete_float)
 
 
-def _folds(family, cfg: ModelConfig) -> tuple[Fold, ...]:
-    return tuple(getattr(family, "smoothing_folds", lambda cfg: ())(cfg))
+def _folds(family: Network, cfg: ModelConfig) -> tuple[Fold, ...]:
+    return tuple(family.smoothing_folds(cfg)) if family.smoothing_folds else ()
 
 
-def smooth(params: dict, cfg: ModelConfig, family, windows: np.ndarray,
+def smooth(params: dict, cfg: ModelConfig, family: Network, windows: np.ndarray,
            alpha: float = DEFAULT_ALPHA, *, delete_float: bool = False) -> dict:
     """Calibrates the float model on `windows` [N, W] and folds in the factors of `family`'s
     folds (`params` stacked, as loaded). A family without `smoothing_folds`, or one that
@@ -261,7 +262,7 @@ def smooth(params: dict, cfg: ModelConfig, family, windows: np.ndarray,
     if not folds or alpha <= 0:
         return params
     names = tuple(dict.fromkeys(observed_name(f) for f in folds))
-    maxima = activation_maxima(params, cfg, family.forward, family.LAYER_KEYS, names, windows)
+    maxima = activation_maxima(params, cfg, family.forward, family.layer_keys, names, windows)
     # One fold at a time, each from the weights the folds before it left (a channel fold
     # rescales wv / w_up columns, which the norm fold after it reads): every fold's input
     # maxima stay those calibrated, since no fold changes another's input.
