@@ -2,7 +2,7 @@
 
 Every row comes from `jengine.models.registry.FAMILIES`: each family's HF `model_type`s with
 their features and HF parity test (`Family.model_types`), the model file its network lives in,
-and the GGUF architecture whose files read as that type. tests/test_supported_models.py fails
+and the GGUF architecture whose files read as that type. tests/models/test_supported_models.py fails
 when a named test does not exist, or when README.md or docs/models.md differs from what this
 script writes (both carry the same table between the markers).
 

@@ -99,10 +99,10 @@ def _release_programs():
 def tiny_llama(tmp_path_factory) -> Path:
     """test_sharding's random Llama (16 q / 8 kv heads, untied lm_head, word-level tokenizer),
     built once for the test files that only read it."""
-    from test_sharding import _tiny_llama
+    from tiny_models import llama_16x8
 
     path = tmp_path_factory.mktemp("tiny_llama")
-    _tiny_llama(path)
+    llama_16x8(path)
     return path
 
 

@@ -1,4 +1,4 @@
-"""Structured-output cases shared by tests/test_structured.py (a few generations per case) and
+"""Structured-output cases shared by tests/structured/test_structured.py (a few generations per case) and
 experiments/structured_check.py (50 per case): a prompt, a constraint and a check of the output;
 and a tool for the tool-calling tests."""
 

@@ -297,3 +297,26 @@ def test_files_stay_short():
             if p.relative_to(ROOT).parts[:2] != ("jengine", "models")
             and (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+# tests/ mirrors the package: a folder per layer's package (named as in jengine/, plus
+# `converters`, `kernels` for pallas_kernels and the native CPU kernels, `base` for the
+# top-level value modules, `accelerator` for the GPU/TPU suite). Shared test helpers and the two
+# checks over the whole tree (this file, test_docs_paths.py) stay at the top.
+TEST_FOLDERS = {"cli": "jengine/cli", "server": "jengine/server", "engine": "jengine/engine.py",
+                "core": "jengine/core", "runtime": "jengine/runtime",
+                "scheduling": "jengine/scheduling", "converters": "converters",
+                "sharding": "jengine/sharding", "models": "jengine/models",
+                "structured": "jengine/structured", "text": "jengine/text",
+                "kernels": "jengine/pallas_kernels", "base": "jengine/config.py",
+                "accelerator": "jengine/pallas_kernels"}
+TREE_CHECKS = {"test_layers.py", "test_docs_paths.py"}
+
+
+def test_tests_mirror_the_package():
+    tests = ROOT / "tests"
+    loose = sorted(p.name for p in tests.glob("test_*.py") if p.name not in TREE_CHECKS)
+    assert loose == [], "a test module belongs in its layer's folder, tests/<package>/"
+    folders = {p.relative_to(tests).parts[0] for p in tests.rglob("test_*.py")} - TREE_CHECKS
+    assert folders <= set(TEST_FOLDERS), folders - set(TEST_FOLDERS)
+    assert all((ROOT / path).exists() for path in TEST_FOLDERS.values())

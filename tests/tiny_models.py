@@ -47,3 +47,43 @@ def random_hf_model(path: Path, config, model_cls, *, norm_offset: float = 1.0):
     model.save_pretrained(path)
     save_tokenizer(path, config.vocab_size)
     return model
+
+
+def llama_16x8(path: Path) -> None:
+    """A random Llama (16 q / 8 kv heads, untied lm_head) with a word-level tokenizer over its 96
+    tokens: 8 kv heads split evenly over tp=8, the sharding and multi-host tests' model."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=8, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    save_tokenizer(path, 96)
+
+
+def llama_heads(path: Path, heads: int, kv_heads: int, *, bias: bool = False,
+                tied: bool = False) -> Path:
+    """A random 64-token Llama with the given head counts (head dim 4) and nonzero biases when
+    `bias`: the sharded-loading and quantization tests' model."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=4 * heads, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=4,
+        max_position_embeddings=64, attention_bias=bias, tie_word_embeddings=tied,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # biases start at zero: make them count
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_()
+    model.save_pretrained(path)
+    save_words(path, 64)
+    return path
+
+
+def save_words(path: Path, vocab: int) -> None:
+    """A bare word-level tokenizer (no pre-tokenizer, no special tokens) over t0..t{vocab-1}."""
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(
+        path)

@@ -373,7 +373,7 @@ DEEPSEEK_V2 = Family(
         name="deepseek_v2",
         features="MLA: compressed KV cache (latent + rope key per token), absorbed projections, "
                  "interleaved rope, yarn mscale; MoE (greedy / group-limited routing, routed "
-                 "scaling, shared experts, dense first layers); tests/test_deepseek.py",
+                 "scaling, shared experts, dense first layers); tests/models/test_deepseek.py",
         parity_test="test_mla_parity_q_projection"),),
     read_hf=_read_hf,
     hf_weights_for=_weight_rules,

@@ -2,7 +2,7 @@
 readers, the converters, the supported-models table and `jengine info` use.
 
 Adding a family is its record (`jengine.models.family.Family`, in its own file) plus one line
-here; tests/test_family_registry.py checks that no HF `model_type` or GGUF architecture is
+here; tests/models/test_family_registry.py checks that no HF `model_type` or GGUF architecture is
 claimed twice and that every record is reached by its names.
 """
 

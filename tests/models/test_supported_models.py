@@ -1,0 +1,37 @@
+"""The supported-models tables of README.md and docs/models.md are what
+scripts/supported_models.py generates from the family registry, every registered `model_type`
+has a row, and every parity test a row names exists."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import test_deepseek
+import test_models_parity
+
+from jengine.models.registry import BY_MODEL_TYPE, FAMILIES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "supported_models", ROOT / "scripts" / "supported_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_table_is_generated_and_complete():
+    script = _script()
+    assert [row[0].strip("`") for row in script.rows()] == list(BY_MODEL_TYPE)
+    assert {doc.name for doc in script.DOCS} == {"README.md", "models.md"}
+    for doc in script.DOCS:
+        text = doc.read_text()
+        assert script.updated(text) == text, f"{doc.name}: run scripts/supported_models.py"
+    tested = [t.parity_test for f in FAMILIES for t in f.model_types if t.parity_test]
+    for name in tested:
+        assert callable(getattr(test_models_parity, name, None)
+                        or getattr(test_deepseek, name, None)), name
+    assert len(tested) >= 15
