@@ -15,62 +15,50 @@ calls (the grammar makes them well-formed), at once when the block closes under 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
 from jengine.server.chat_request import ChatCompletionRequest
-from jengine.server.protocol import (
-    check_text_fields,
-)
+from jengine.server.pipeline import OPENAI_FRAMING, Job, accept, reply, start
 from jengine.server.reply_json import finite, prompt_logprobs_json, token_text, usage
-from jengine.server.state import ServerState
 from jengine.server.stream_extras import StreamExtras
-from jengine.server.streams import EngineStream, sse_stream, start_stream
+from jengine.server.streams import EngineStream
 from jengine.text.chat import render_chat
 from jengine.text.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
 
-router = APIRouter()
 
-
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-    state: ServerState = request.app.state.server
-    state.check_model(body.model)
-    check_text_fields(body)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = accept(request, body)
     messages = body.template_messages()
     tools = body.tool_setup()
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
-    with state.admit(request) as slot:
-        engine = slot.engine
-        body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)
-        state.check_limits(params, 1, engine.core.model.max_model_len, body.max_tokens_field)
-        # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
-        prompt = await asyncio.to_thread(
-            render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,
+
+    def prompts(tokenizer: Any) -> list[list[int]]:
+        return [render_chat(
+            tokenizer, messages, tools=body.tools if tools.active else None,
             chat_template=template, add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             template_kwargs=body.chat_template_kwargs, add_special_tokens=body.add_special_tokens,
-        )
-        request_id = state.response_id(request, body.request_id)
-        stream = await start_stream(state, slot, request, [prompt], params, request_id,
-                                    body.constraint_param())
+        )]
+
+    request_id = state.response_id(request, body.request_id)
+    stream = await start(state, request, Job(
+        params, prompts, 1, request_id, body.max_tokens_field, body.constraint_param(),
+        lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)))
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
-    if body.stream:
-        return StreamingResponse(sse_stream(stream, view.events(stream)),
-                                 media_type="text/event-stream")
-    async with stream:
-        return JSONResponse(await view.response(stream))
+    return await reply(stream, view, bool(body.stream))
 
 
 class _ChatView:
     """Turns engine deltas into OpenAI chat completion objects (whole, or as stream chunks)."""
+
+    framing = OPENAI_FRAMING
 
     def __init__(self, body: ChatCompletionRequest, response_id: str, model: str,
                  tools: ToolSetup):

@@ -8,55 +8,37 @@ first token has `null`, as nothing precedes it).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.server.errors import bad_request
-from jengine.server.protocol import (
-    CompletionRequest,
-    check_text_fields,
-)
+from jengine.server.pipeline import OPENAI_FRAMING, Job, accept, reply, start
+from jengine.server.protocol import CompletionRequest
 from jengine.server.reply_json import finite, prompt_logprobs_json, token_text, usage
-from jengine.server.state import ServerState
 from jengine.server.stream_extras import StreamExtras
-from jengine.server.streams import EngineStream, sse_stream, start_stream
-
-router = APIRouter()
+from jengine.server.streams import EngineStream
 
 
-@router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request):
-    state: ServerState = request.app.state.server
-    state.check_model(body.model)
-    check_text_fields(body)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = accept(request, body)
     prompts = body.prompts()
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens may be 0 only with echo (to score the prompt)",
                           "max_tokens")
     params = body.sampling_params()
-    with state.admit(request) as slot:
-        engine = slot.engine
-        body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)
-        state.check_limits(params, len(prompts), engine.core.model.max_model_len)
-        # Text is tokenized here, off the event loop, not in the engine thread that steps all.
-        prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,
-                                             body.add_special_tokens)
-        request_id = state.response_id(request, body.request_id)
-        stream = await start_stream(state, slot, request, prompt_ids, params, request_id,
-                                    body.constraint_param())
-    view = _CompletionView(body, engine.tokenizer, prompts, f"cmpl-{request_id}",
+    request_id = state.response_id(request, body.request_id)
+    stream = await start(state, request, Job(
+        params, lambda tokenizer: _tokenize(tokenizer, prompts, body.add_special_tokens),
+        len(prompts), request_id, constraint_param=body.constraint_param(),
+        check=lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)))
+    view = _CompletionView(body, stream.engine.tokenizer, prompts, f"cmpl-{request_id}",
                            state.model_name)
-    if body.stream:
-        return StreamingResponse(sse_stream(stream, view.events(stream)),
-                                 media_type="text/event-stream")
-    async with stream:
-        return JSONResponse(await view.response(stream))
+    return await reply(stream, view, bool(body.stream))
 
 
 def _tokenize(tokenizer: Any, prompts: list[str | list[int]],
@@ -68,6 +50,8 @@ def _tokenize(tokenizer: Any, prompts: list[str | list[int]],
 
 class _CompletionView:
     """Turns engine deltas into OpenAI completion objects (whole, or as stream chunks)."""
+
+    framing = OPENAI_FRAMING
 
     def __init__(self, body: CompletionRequest, tokenizer: Any, prompts: list[str | list[int]],
                  response_id: str, model: str):

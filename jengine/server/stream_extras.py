@@ -19,7 +19,7 @@ import json
 import secrets
 from typing import Any
 
-from jengine.server.streams import sse
+from jengine.server.pipeline import sse
 
 OBFUSCATION_BLOCK = 128  # bytes: more than the text of a few tokens
 

@@ -1,4 +1,5 @@
-"""`EngineStream`: the engine side of one HTTP request, and the SSE framing of its answer.
+"""`EngineStream`: the engine side of one request, the output view of the generation pipeline
+(pipeline.py), which starts it.
 
 An OpenAI request may carry several prompts (completions) and ask for `n` completions each; the
 engine takes one prompt per request. `EngineStream` runs one `AsyncEngine.generate` per prompt in
@@ -15,7 +16,6 @@ latency and token metrics.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,7 +25,7 @@ from typing_extensions import Self
 
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
-from jengine.server.errors import APIError, bad_request, engine_failed, invalid_value
+from jengine.server.errors import APIError, engine_failed, invalid_value
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
@@ -201,29 +201,6 @@ class EngineStream:
                  ttft, elapsed)
 
 
-async def start_stream(
-    state: ServerState, slot: QueueSlot, request: Any, prompts: list[str | list[int]],
-    params: SamplingParams, response_id: str, constraint_param: str | None,
-) -> EngineStream:
-    """The engine side of one HTTP request, started: its output constraint compiled on the
-    grammar pool (a bad one is a 400 naming `constraint_param`), one engine request per
-    prompt, and the first delta awaited, so that bad input is an error before any response
-    begins. The caller owns the stream from here on (`async with`, or `sse_stream`), and the
-    stream owns `slot` (on an exception the caller's `with slot` gives it back)."""
-    try:
-        await slot.engine.compile_grammar(params)
-    except ValueError as e:
-        raise bad_request(str(e), constraint_param) from None
-    stream = EngineStream(state, slot, prompts, params, state.new_request_id(response_id),
-                          request.is_disconnected, state.metrics_for(request))
-    try:
-        await stream.first()
-    except BaseException:
-        stream.close()
-        raise
-    return stream
-
-
 REJECTED = "rejected"  # the engine refused the input (a 400): the client's error, not counted
 
 
@@ -235,34 +212,3 @@ def _ended_by(error: BaseException) -> str:
     if isinstance(error, APIError) and 400 <= error.status < 500:
         return REJECTED
     return "error"
-
-
-# -- server-sent events -------------------------------------------------------------------------
-
-DONE = "data: [DONE]\n\n"
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def sse_stream(stream: EngineStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Frames a handler's events; an error mid-stream becomes an error event, then `[DONE]`.
-
-    The response owns `stream` from here on: however the response ends (completed, client gone,
-    server shut down), the engine requests are aborted and their pages freed.
-    """
-    try:
-        async for event in events:
-            yield event
-    except ClientGone:
-        return
-    except APIError as e:
-        log.warning("request %s failed mid-stream: %s", stream.request_id, e.message)
-        yield e.sse_event()
-    except Exception as e:
-        log.exception("request %s failed mid-stream", stream.request_id)
-        yield APIError(500, f"internal server error: {e}", type="server_error").sse_event()
-    finally:
-        stream.close()
-    yield DONE
