@@ -24,10 +24,9 @@ from fastapi.responses import Response
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
 from jengine.server.chat_request import ChatCompletionRequest
-from jengine.server.pipeline import OPENAI_FRAMING, Job, accept, reply, start
+from jengine.server.pipeline import OPENAI_FRAMING, EngineStream, Job, accept, reply, start
 from jengine.server.reply_json import finite, prompt_logprobs_json, token_text, usage
 from jengine.server.stream_extras import StreamExtras
-from jengine.server.streams import EngineStream
 from jengine.text.chat import render_chat
 from jengine.text.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
 

@@ -17,11 +17,10 @@ from fastapi.responses import Response
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.server.errors import bad_request
-from jengine.server.pipeline import OPENAI_FRAMING, Job, accept, reply, start
+from jengine.server.pipeline import OPENAI_FRAMING, EngineStream, Job, accept, reply, start
 from jengine.server.protocol import CompletionRequest
 from jengine.server.reply_json import finite, prompt_logprobs_json, token_text, usage
 from jengine.server.stream_extras import StreamExtras
-from jengine.server.streams import EngineStream
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:

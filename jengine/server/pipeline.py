@@ -1,31 +1,26 @@
-"""The one generation pipeline: every route that generates runs the same three steps, and is
-itself only a protocol view over them.
+"""The one generation pipeline: every generating route runs the same three steps and is only
+a protocol view over them (chat.py, completions.py, responses.py; grpc_service.py for 1-2).
 
-1. The route turns its request into a `Job`: the `SamplingParams`, a function that makes the
-   prompts (text or token ids) from the tokenizer of the engine it is admitted to, and the
-   names its errors use. Field checks come first, so a bad body is a 400 before admission.
-2. `start(state, request, job)` does everything else before the first byte of an answer, once:
-   admission (a `QueueSlot`: 503 while loading, draining or with a full queue, 500 with the
-   engine dead), the per-request bounds, the engine-dependent checks, the prompts rendered and
-   tokenized off the event loop, the output constraint compiled (a bad one is a 400 naming
-   `job.constraint_param`), one engine request per prompt, and the first delta awaited, so
-   that bad input is a plain error response, never a broken stream. It returns the output
-   view, an `EngineStream` (streams.py): `(prompt index, RequestOutput delta)` pairs, each
-   delta holding the new text, token ids and logprobs of its choices (`outputs[k].index`), the
-   finish reason on a choice's last and the usage on a prompt's last. The stream watches for
-   the client leaving, the request timeout and a dead engine, and aborts the engine requests
-   (freeing their KV pages) whenever it is closed, and keeps the metrics and the log line.
-3. `reply(stream, view, streaming)` collects the stream into the view's JSON body, or frames
-   the view's events as server-sent events (`sse_stream`): an error after the stream began
-   becomes the protocol's error events (`Framing`), and the stream is closed however the
-   response ends. gRPC (grpc_service.py) runs steps 1-2 and writes protobuf messages itself.
+1. The route checks its body's fields (a 400 before admission) and makes a `Job`: the
+   `SamplingParams`, a function from the admitted engine's tokenizer to the prompts, and the
+   field names its errors use.
+2. `start(state, request, job)` does all that comes before the first byte of an answer: the
+   admission (`QueueSlot`: 503 loading, draining or queue full; 500 engine dead), the
+   per-request bounds, the prompts rendered and tokenized off the event loop, the output
+   constraint compiled, one engine request per prompt, and the first delta awaited, so that bad
+   input is an error response, never a broken stream. It returns the output view, an
+   `EngineStream` of `(prompt index, RequestOutput delta)` pairs (per-choice text, token ids
+   and logprobs in `outputs[k]`, the finish reason on a choice's last delta, the usage on a
+   prompt's last), which watches for disconnects, the timeout and a dead engine.
+3. `reply(stream, view, streaming)` collects the view's JSON body, or frames its events as
+   server-sent events; an error after the stream began becomes the protocol's error events
+   (the view's `Framing`), and the engine requests are aborted however the answer ends.
 
-A new route plugs in the same way: a request model, a handler `body -> Job -> start -> view ->
-reply`, a view with `framing`, `response(stream)` and `events(stream)`, and a row in the route
-table (routes.py: path, auth, streaming, error shape). Anthropic's messages route is chat's
-`Job` with its own view and a `Framing` of `error` events and no `[DONE]` (as responses.py does
-for the Responses API); a batch runs one `start` per line; embeddings need the engine's embed
-task and reuse admission, bounds and prompts with a view over its output.
+A new route plugs in the same way: a request model, a handler `body -> Job -> start -> view
+-> reply`, a view (`framing`, `response`, `events`) and a row in the route table (routes.py).
+Anthropic's messages are chat's `Job` with a view of their own and a `Framing` of `error`
+events without `[DONE]`, as responses.py does; a batch runs a `start` per line; embeddings
+(the engine's embed task) reuse admission, bounds and prompts with a view over their vectors.
 """
 
 from __future__ import annotations
@@ -33,23 +28,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from typing_extensions import Self
 
+from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
-from jengine.server.errors import APIError, bad_request
+from jengine.server.errors import APIError, bad_request, engine_failed, invalid_value
 from jengine.server.protocol import check_text_fields
-from jengine.server.streams import ClientGone, EngineStream
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
-    from jengine.server.state import ServerState
+    from jengine.server.metrics import ServerMetrics
+    from jengine.server.state import QueueSlot, ServerState
 
 log = logging.getLogger("jengine.server")
+
+WATCHDOG_PERIOD_S = 0.25
 
 Prompt = str | list[int]
 
@@ -104,6 +104,191 @@ async def start(state: ServerState, request: Request | None, job: Job) -> Engine
         stream.close()
         raise
     return stream
+
+
+# -- the output view ----------------------------------------------------------------------------
+
+class ClientGone(APIError):
+    """The client closed the connection; there is nobody left to answer (nginx's 499)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection", code="client_closed")
+
+
+class RequestTimeout(APIError):
+    def __init__(self, seconds: float):
+        super().__init__(504, f"the request did not finish within {seconds:g} s",
+                         type="server_error", code="timeout")
+
+
+class EngineStream:
+    """The output view: merged deltas of one request's engine requests (one per prompt).
+
+    One `AsyncEngine.generate` per prompt runs in its own task, and the deltas come out as
+    `(prompt index, RequestOutput)` pairs in arrival order. A watchdog task turns what a route
+    must not wait on forever into errors: the engine thread dying, the request timeout, the
+    client going away. `close()` cancels the tasks, which aborts the engine requests and frees
+    their KV pages. It keeps the request's books: the `QueueSlot` it was admitted with (given
+    back at the first token, or when the stream closes first), the latency and token metrics,
+    the log line. Usage: `async with stream: async for i, delta in stream: ...`.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        slot: QueueSlot,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        request_id: str,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+        metrics: ServerMetrics | None = None,
+    ):
+        self.state = state
+        self.metrics = metrics or state.metrics  # (a scratch set for the start-up requests)
+        self.slot = slot
+        self.engine: AsyncEngine = slot.engine
+        self.request_id = request_id
+        self.params = params
+        self.num_prompts = len(prompts)
+        self.arrival = time.perf_counter()
+        self.prompt_token_ids: list[list[int] | None] = [None] * len(prompts)
+        self.usage_completion_tokens = 0
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._open = len(prompts)
+        self._first_at: float | None = None
+        self._last_at = [0.0] * len(prompts)
+        self._finish: dict[tuple[int, int], str] = {}
+        self._ended: str | None = None  # why the request ended early, for the books
+        self._closed = False
+        self._buffer: list[tuple[int, RequestOutput]] = []
+        self._tasks = [
+            asyncio.create_task(self._pump(i, p, f"{request_id}-{i}"))
+            for i, p in enumerate(prompts)
+        ]
+        self._tasks.append(asyncio.create_task(self._watchdog(is_disconnected)))
+
+    # -- producing ---------------------------------------------------------------------------------
+
+    async def _pump(self, index: int, prompt: str | list[int], engine_rid: str) -> None:
+        try:
+            async for delta in self.engine.generate(prompt, self.params, engine_rid):
+                self._queue.put_nowait((index, delta))
+        except asyncio.CancelledError:
+            raise
+        except ValueError as e:
+            self._queue.put_nowait((index, invalid_value(e)))
+        except Exception as e:  # noqa: BLE001 - a dead engine thread (RuntimeError) or a bug:
+            # either way the handler must get an error, never wait forever
+            self._queue.put_nowait((index, engine_failed(e)))
+        else:
+            self._queue.put_nowait((index, None))
+
+    async def _watchdog(self, is_disconnected: Callable[[], Awaitable[bool]] | None) -> None:
+        timeout = self.state.request_timeout
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            if not self.engine.is_alive:
+                error = self.engine.error or "the engine thread stopped"
+                self._queue.put_nowait((-1, engine_failed(error)))
+                return
+            if timeout is not None and time.perf_counter() - self.arrival > timeout:
+                self._queue.put_nowait((-1, RequestTimeout(timeout)))
+                return
+            if is_disconnected is not None and await is_disconnected():
+                self._queue.put_nowait((-1, ClientGone()))
+                return
+
+    # -- consuming ---------------------------------------------------------------------------------
+
+    async def first(self) -> tuple[int, RequestOutput]:
+        """Waits for the first delta, so that bad input is known before a response starts."""
+        item = await self.__anext__()
+        self._buffer.append(item)
+        return item
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self._buffer:
+            return self._buffer.pop(0)
+        while self._open:
+            index, item = await self._queue.get()
+            if item is None:
+                self._open -= 1
+                continue
+            if isinstance(item, BaseException):
+                self._ended = _ended_by(item)
+                raise item
+            self._account(index, item)
+            return index, item
+        raise StopAsyncIteration
+
+    def _account(self, index: int, delta: RequestOutput) -> None:
+        now = time.perf_counter()
+        metrics = self.metrics
+        if self._first_at is None:
+            self._first_at = now
+            self.slot.release()
+            metrics.ttft.observe(now - self.arrival)
+        if self.prompt_token_ids[index] is None:
+            self.prompt_token_ids[index] = delta.prompt_token_ids
+            metrics.prompt_tokens.inc(len(delta.prompt_token_ids))
+        elif self._last_at[index]:
+            metrics.inter_token.observe(now - self._last_at[index])
+        self._last_at[index] = now
+        new_tokens = sum(len(o.token_ids) for o in delta.outputs)
+        metrics.generation_tokens.inc(new_tokens)
+        self.usage_completion_tokens += new_tokens
+        for o in delta.outputs:
+            if o.finish_reason is not None:
+                self._finish[(index, o.index)] = o.finish_reason
+
+    # -- closing -----------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, kind, error, tb) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Aborts whatever is still running and settles the books (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        self.slot.release()
+        total = self.num_prompts * self.params.n
+        unfinished = total - len(self._finish)
+        reasons = list(self._finish.values())
+        if self._ended != REJECTED:  # a refused request is no engine request, as any 4xx
+            reasons += [self._ended or "abort"] * unfinished
+        for reason in reasons:
+            self.metrics.requests.labels(finish_reason=reason).inc()
+        elapsed = time.perf_counter() - self.arrival
+        if reasons:
+            self.metrics.e2e.observe(elapsed)
+        ttft = f"{self._first_at - self.arrival:.3f}s" if self._first_at else "-"
+        log.log(self.state.request_log_level,
+                "request %s done: finish=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
+                "total=%.3fs", self.request_id, ",".join(sorted(set(reasons))) or self._ended,
+                 sum(len(p or ()) for p in self.prompt_token_ids), self.usage_completion_tokens,
+                 ttft, elapsed)
+
+
+REJECTED = "rejected"  # the engine refused the input (a 400): the client's error, not counted
+
+
+def _ended_by(error: BaseException) -> str:
+    if isinstance(error, ClientGone):
+        return "abort"
+    if isinstance(error, RequestTimeout):
+        return "timeout"
+    if isinstance(error, APIError) and 400 <= error.status < 500:
+        return REJECTED
+    return "error"
 
 
 # -- answers ------------------------------------------------------------------------------------

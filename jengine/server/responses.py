@@ -42,9 +42,17 @@ from fastapi.responses import Response
 
 from jengine.outputs import RequestOutput
 from jengine.server.errors import APIError, invalid_value, rename_param
-from jengine.server.pipeline import Framing, Job, accept, reply, sse, sse_stream, start
+from jengine.server.pipeline import (
+    EngineStream,
+    Framing,
+    Job,
+    accept,
+    reply,
+    sse,
+    sse_stream,
+    start,
+)
 from jengine.server.responses_request import ResponsesRequest, renamed_param
-from jengine.server.streams import EngineStream
 from jengine.text.chat import render_chat
 from jengine.text.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
 
@@ -54,19 +62,11 @@ def _in_responses_terms() -> Iterator[None]:
     """Errors raised by the chat path, with this route's field names."""
     try:
         yield
-    except APIError as e:
-        _rename(e)
-        raise
-    except ValueError as e:
-        error = invalid_value(e)
-        _rename(error)
+    except (APIError, ValueError) as e:
+        error = e if isinstance(e, APIError) else invalid_value(e)
+        if error.param is not None:
+            rename_param(error, renamed_param(error.param))
         raise error from None
-
-
-def _rename(error: APIError) -> None:
-    """The error's param (and its message) in this route's names."""
-    if error.param is not None:
-        rename_param(error, renamed_param(error.param))
 
 
 # -- the route ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.routing import compile_path
 
 import jengine
@@ -42,8 +42,6 @@ class Route:
     auth: bool  # needs `Authorization: Bearer <key>` when the server has an API key
     streams: bool = False  # generates: may answer server-sent events, bounded by the timeout
     errors: ErrorShape = "openai"  # the body its errors have (the document's error schema)
-    in_schema: bool = True
-    response_class: type[Response] | None = None  # None: FastAPI's default (JSON)
 
 
 # -- the routes that do not generate ------------------------------------------------------------
@@ -119,10 +117,9 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/completions", "POST", create_completion, auth=True, streams=True),
     Route("/v1/chat/completions", "POST", create_chat_completion, auth=True, streams=True),
     Route("/v1/responses", "POST", create_response, auth=True, streams=True),
-    # load balancers' probe: GET without a body
-    Route("/health", "HEAD", health, auth=False, in_schema=False),
+    Route("/health", "HEAD", health, auth=False),  # load balancers' probe (undocumented)
     Route("/health", "GET", health, auth=False),
-    Route("/metrics", "GET", metrics, auth=False, response_class=PlainTextResponse),
+    Route("/metrics", "GET", metrics, auth=False),
     Route("/version", "GET", version, auth=False),
     Route("/v1/models", "GET", models, auth=True),
     Route("/v1/models/{model:path}", "GET", model, auth=True),
