@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP server: `create_app` (the FastAPI app) and `serve` (what
-`jengine serve` runs once `jengine.cli.serve` has read its flags).
+`jengine serve` runs once `jengine.cli.serve` has read and checked its flags).
 
-`serve` validates the configuration, starts listening at once and builds the engine in a
-background thread (warm-up compiles show a progress bar on stderr), then sends itself a few real
-requests through its own socket, so that the first client does not pay Python's first pass
-through the request path (`warmup.py`); `/health` answers 503 until all that is done. SIGTERM
-stops admission (new requests get 503, `/health` 503), lets in-flight requests finish within
-`drain_timeout` seconds, then shuts the engine down.
+`serve` starts listening at once and builds the engine in a background thread (warm-up
+compiles show a progress bar on stderr), then sends itself a few real requests through its own
+socket, so that the first client does not pay Python's first pass through the request path
+(`warmup.py`); `/health` answers 503 until all that is done. SIGTERM stops admission (new
+requests get 503, `/health` 503), lets in-flight requests finish within `drain_timeout`
+seconds, then shuts the engine down.
 
 The routes, and what each needs (API key, streaming, error shape), are the table in routes.py;
 the generating ones are views over the one generation pipeline (pipeline.py), which gRPC

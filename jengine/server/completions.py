@@ -1,4 +1,4 @@
-"""`POST /v1/completions`: OpenAI's legacy completions over `AsyncEngine`.
+"""`POST /v1/completions`: OpenAI's legacy completions, a view over the generation pipeline.
 
 Each prompt of the request is one engine request; choice `i * n + k` is completion k of prompt i,
 as in OpenAI and vLLM. With `echo`, the prompt text leads the choice's text, and with `logprobs`
@@ -19,8 +19,7 @@ from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.server.errors import bad_request
 from jengine.server.pipeline import OPENAI_FRAMING, EngineStream, Job, accept, reply, start
 from jengine.server.protocol import CompletionRequest
-from jengine.server.reply_json import finite, prompt_logprobs_json, token_text, usage
-from jengine.server.stream_extras import StreamExtras
+from jengine.server.reply_json import StreamExtras, finite, prompt_logprobs_json, token_text, usage
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -31,20 +30,18 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                           "max_tokens")
     params = body.sampling_params()
     request_id = state.response_id(request, body.request_id)
+
+    def prompt_ids(tokenizer: Any) -> list[list[int]]:  # text tokenized off the engine thread
+        return [p if isinstance(p, list) else
+                list(tokenizer(p, add_special_tokens=body.add_special_tokens).input_ids)
+                for p in prompts]
+
     stream = await start(state, request, Job(
-        params, lambda tokenizer: _tokenize(tokenizer, prompts, body.add_special_tokens),
-        len(prompts), request_id, constraint_param=body.constraint_param(),
+        params, prompt_ids, len(prompts), request_id, constraint_param=body.constraint_param(),
         check=lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)))
     view = _CompletionView(body, stream.engine.tokenizer, prompts, f"cmpl-{request_id}",
                            state.model_name)
     return await reply(stream, view, bool(body.stream))
-
-
-def _tokenize(tokenizer: Any, prompts: list[str | list[int]],
-              add_special_tokens: bool) -> list[list[int]]:
-    return [p if isinstance(p, list) else
-            list(tokenizer(p, add_special_tokens=add_special_tokens).input_ids)
-            for p in prompts]
 
 
 class _CompletionView:
@@ -68,7 +65,9 @@ class _CompletionView:
         # prompt index -> (prompt tokens, completion tokens), from the final delta
         self._usage_by_prompt: dict[int, tuple[int, int, int]] = {}
         self._prompt_logprobs: dict[int, list] = {}  # prompt index -> engine prompt logprobs
-        self.extras = StreamExtras(body.stream_options if body.stream else None)
+        self.extras = StreamExtras(body.stream_options if body.stream else None, {
+            "id": self.id, "object": "text_completion", "created": self.created,
+            "model": self.model})
 
     # -- one choice's piece of a delta -----------------------------------------------------------
 
@@ -157,12 +156,6 @@ class _CompletionView:
 
     # -- stream ----------------------------------------------------------------------------------
 
-    def _chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None) -> str:
-        chunk: dict[str, Any] = {"id": self.id, "object": "text_completion",
-                                 "created": self.created, "model": self.model, "choices": choices}
-        return self.extras.chunk(chunk, choices[0]["index"] if len(choices) == 1 else None,
-                                 usage_)
-
     async def events(self, stream: EngineStream) -> AsyncIterator[str]:
         async for i, delta in stream:
             self._note_usage(i, delta)
@@ -173,10 +166,10 @@ class _CompletionView:
                 index, text, lp = self._piece(i, delta.prompt_token_ids, out)
                 if text or out.finish_reason or (lp is not None and lp["tokens"]):
                     extra = self._prompt_logprobs_field(i) if first else {}
-                    yield self._chunk([{"index": index, "text": text, "logprobs": lp,
-                                        "finish_reason": out.finish_reason, **extra}])
+                    yield self.extras.chunk([{"index": index, "text": text, "logprobs": lp,
+                                              "finish_reason": out.finish_reason, **extra}])
         if self.body.include_usage:
-            yield self._chunk([], self._total_usage())
+            yield self.extras.chunk([], self._total_usage())
 
 
 def index_of(prompt_index: int, n: int, sample: int) -> int:

@@ -38,9 +38,8 @@ _SAMPLING_FIELDS = (
 
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
-    """Set fields of `options` -> SamplingParams (max_tokens defaults to 16)."""
+    """Set fields of `options` -> SamplingParams (unset: its defaults, max_tokens 16)."""
     given = {name: getattr(options, name) for name in _SAMPLING_FIELDS if options.HasField(name)}
-    given.setdefault("max_tokens", 16)
     return SamplingParams(**given, stop=list(options.stop) or None,
                           stop_token_ids=list(options.stop_token_ids) or None)
 

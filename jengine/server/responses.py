@@ -49,11 +49,9 @@ from jengine.server.pipeline import (
     accept,
     reply,
     sse,
-    sse_stream,
     start,
 )
 from jengine.server.responses_request import ResponsesRequest, renamed_param
-from jengine.text.chat import render_chat
 from jengine.text.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
 
 
@@ -80,9 +78,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         tools = chat.tool_setup()
         params = chat.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
         stream = await start(state, request, Job(
-            params, lambda tokenizer: [render_chat(
-                tokenizer, messages, tools=chat.tools if tools.active else None,
-                chat_template=state.chat_template)],
+            params, lambda tokenizer: [chat.render(tokenizer, messages, tools,
+                                                   state.chat_template)],
             1, request_id, chat.max_tokens_field, chat.constraint_param()))
     view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools)
     return await reply(stream, view, bool(body.stream))
@@ -137,10 +134,6 @@ class _ResponseView:
         async for _ in self.events(stream):
             pass
         return self.snapshot(self.status)
-
-    def sse(self, stream: EngineStream) -> AsyncIterator[str]:
-        """The events as server-sent events; an error becomes `error` + `response.failed`."""
-        return sse_stream(stream, self.events(stream), self.framing)
 
     def _failed(self, error: APIError) -> Iterator[str]:
         message = error.message

@@ -25,11 +25,14 @@ import jengine
 from jengine.server.chat import create_chat_completion
 from jengine.server.completions import create_completion
 from jengine.server.errors import bad_request
-from jengine.server.protocol import DetokenizeRequest, TokenizeRequest, check_text_fields
+from jengine.server.pipeline import accept
+from jengine.server.protocol import DetokenizeRequest, TokenizeRequest
 from jengine.server.responses import create_response
 from jengine.server.state import ServerState
 from jengine.text.chat import render_chat
 
+# The body of a route's errors. Only "openai" exists yet (errors.py); the first route of another
+# shape brings its body (an error handler that reads the route's row) and its document schema.
 ErrorShape = Literal["openai", "anthropic", "plain"]
 API_PREFIX = "/v1"  # a path under it that no route matches still needs the key (a 401, not 404)
 
@@ -83,9 +86,7 @@ async def model(model: str, request: Request) -> dict:
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
-    state = _state(request)
-    state.check_model(body.model)
-    check_text_fields(body)
+    state = accept(request, body)
     engine = state.ready_engine()
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("pass exactly one of prompt and messages")
@@ -102,8 +103,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 
 
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-    state = _state(request)
-    state.check_model(body.model)
+    state = accept(request, body)
     engine = state.ready_engine()
     vocab = engine.core.model.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
