@@ -1,10 +1,14 @@
 """The route table (jengine/server/routes.py) is the one statement of the server's routes: the
 app registers exactly its rows, /openapi.json documents a 401 exactly where a row says `auth`
 and an event-stream body exactly where it says `streams`, and the edge middleware asks for the
-key exactly where the table does. No engine is loaded: the app is built with a loader that
+key exactly where the table does; and nothing in the server parses a command line (that is
+jengine/cli/'s). No engine is loaded: the app is built with a loader that
 never runs (no lifespan), which is all the routing and the document need."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 from fastapi.routing import APIRoute
@@ -51,3 +55,15 @@ def test_the_middleware_asks_the_table_for_the_key(app):
     assert client.get("/v1/no-such-route",
                       headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
     assert not needs_key("/no-such-route")
+
+
+def test_nothing_in_the_server_parses_a_command_line():
+    server = Path(__file__).resolve().parents[1] / "jengine" / "server"
+    found = []
+    for path in sorted(server.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if "argparse" in names or (isinstance(node, ast.Attribute) and node.attr == "argv"):
+                found.append(path.name)
+    assert found == []
