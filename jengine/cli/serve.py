@@ -1,15 +1,17 @@
-"""`jengine serve`: its command line read into an `EngineConfig` and a `ServerConfig`, then the
-server run (`jengine.server.app.serve`, which parses nothing)."""
+"""`jengine serve`: its command line read into an `EngineConfig` and a `ServerConfig` and checked
+(`check_server_config`: one-line errors in the flags' terms), then the server run
+(`jengine.server.app.serve`, which parses nothing)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from jengine.config import ServerConfig
 from jengine.engine import build_config, check_kv_memory
 from jengine.engine_flags import engine_kwargs
-from jengine.server.app import DEFAULT_DRAIN_TIMEOUT_S, check_server_config, serve
+from jengine.server.app import DEFAULT_DRAIN_TIMEOUT_S, LOG_LEVELS, serve
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -43,3 +45,31 @@ def server_config(args: argparse.Namespace, preset: ServerConfig) -> ServerConfi
     config = ServerConfig(**values)
     check_server_config(config)
     return config
+
+
+def check_server_config(config: ServerConfig) -> None:
+    """The server settings that can be wrong before anything starts, as one-line errors."""
+    if config.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
+    for name in ("max_n", "max_body_bytes", "max_tokens_per_request"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
+                             f"{getattr(config, name)}")
+    if config.default_max_tokens is not None and config.default_max_tokens < 1:
+        raise ValueError("--default-max-tokens must be at least 1")
+    if bool(config.ssl_keyfile) != bool(config.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    for path in (config.ssl_keyfile, config.ssl_certfile):
+        if path and not Path(path).is_file():
+            raise ValueError(f"TLS file {path!r} not found")
+    if config.tool_call_parser not in (None, "hermes"):
+        raise ValueError(f"--tool-call-parser {config.tool_call_parser!r} is not available: "
+                         "calls are parsed from <tool_call>{json}</tool_call> ('hermes')")
+    if config.limit_concurrency is not None and config.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be positive (0: no bound), got "
+                         f"{config.limit_concurrency}")
+    if not config.timeout_keep_alive > 0:
+        raise ValueError(f"--timeout-keep-alive must be positive, got "
+                         f"{config.timeout_keep_alive}")
+    if config.uvicorn_log_level not in LOG_LEVELS:
+        raise ValueError(f"--uvicorn-log-level must be one of {sorted(LOG_LEVELS)}")

@@ -1,47 +1,41 @@
 """The OpenAI-compatible HTTP server: `create_app` (the FastAPI app) and `serve` (what
-`jengine serve` runs once `jengine.cli.serve` has read its flags).
+`jengine serve` runs once `jengine.cli.serve` has read and checked its flags).
 
-`serve` validates the configuration, starts listening at once and builds the engine in a
-background thread (warm-up compiles show a progress bar on stderr), then sends itself a few real
-requests through its own socket, so that the first client does not pay Python's first pass
-through the request path (`warmup.py`); `/health` answers 503 until all that is done. SIGTERM
-stops admission (new requests get 503, `/health` 503), lets in-flight requests finish within
-`drain_timeout` seconds, then shuts the engine down.
+`serve` starts listening at once and builds the engine in a background thread (warm-up
+compiles show a progress bar on stderr), then sends itself a few real requests through its own
+socket, so that the first client does not pay Python's first pass through the request path
+(`warmup.py`); `/health` answers 503 until all that is done. SIGTERM stops admission (new
+requests get 503, `/health` 503), lets in-flight requests finish within `drain_timeout`
+seconds, then shuts the engine down.
 
-Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`
-(completions.py, chat.py, responses.py), and `/health`, `/metrics`, `/version`, `/tokenize`,
-`/detokenize` here; gRPC serves the same engine (grpc_service.py). Handlers only translate
-between the OpenAI protocol and `AsyncEngine`.
+The routes, and what each needs (API key, streaming, error shape), are the table in routes.py;
+the generating ones are views over the one generation pipeline (pipeline.py), which gRPC
+(grpc_service.py) shares.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
 import socket
 import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import jengine
 from jengine.config import EngineConfig, ServerConfig
-from jengine.server import chat, completions, responses
 from jengine.server.connections import raise_open_file_limit, uvicorn_config
-from jengine.server.errors import bad_request, install_error_handlers
+from jengine.server.errors import install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
 from jengine.server.openapi import install_openapi
-from jengine.server.protocol import DetokenizeRequest, TokenizeRequest, check_text_fields
+from jengine.server.routes import ROUTES, needs_key
 from jengine.server.state import ServerState, served_model_name
 from jengine.server.warmup import loopback_url
-from jengine.text.chat import render_chat
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
@@ -100,7 +94,7 @@ def create_app(
                   root_path=config.root_path)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(EdgeMiddleware, api_key=config.api_key,
+    app.add_middleware(EdgeMiddleware, api_key=config.api_key, needs_key=needs_key,
                        max_body_bytes=config.max_body_bytes, log_requests=config.log_requests,
                        warmup_token=state.warmup_token,
                        on_connection_limit=state.metrics.rejected.labels(
@@ -112,71 +106,11 @@ def create_app(
             allow_headers=list(config.allowed_headers),
             allow_credentials=config.allow_credentials,
         )
-    app.include_router(completions.router)
-    app.include_router(chat.router)
-    app.include_router(responses.router)
-    _add_routes(app, state)
+    for route in ROUTES:  # HEAD (a GET without a body) is not documented
+        app.add_api_route(route.path, route.handler, methods=[route.method],
+                          include_in_schema=route.method != "HEAD")
     install_openapi(app)
     return app
-
-
-def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
-    @app.head("/health", include_in_schema=False)  # load balancers' probe: GET without a body
-    async def health() -> Response:
-        status, body = state.health()
-        return JSONResponse(body, status_code=status)
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": jengine.__version__}
-
-    def card(name: str) -> dict:
-        card = {"id": name, "object": "model", "created": state.created, "owned_by": "jengine",
-                "root": state.model_name}
-        if state.engine is not None:
-            card["max_model_len"] = state.engine.core.model.max_model_len
-        return card
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [card(name) for name in state.model_names]}
-
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str) -> dict:
-        state.check_model(model)
-        return card(model)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        state.check_model(body.model)
-        check_text_fields(body)
-        engine = state.ready_engine()
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("pass exactly one of prompt and messages")
-        if body.messages is not None:
-            messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-            tokens = await asyncio.to_thread(render_chat, engine.tokenizer, messages,
-                                             chat_template=state.chat_template)
-        else:
-            tokens = await asyncio.to_thread(
-                lambda: list(engine.tokenizer(
-                    body.prompt, add_special_tokens=body.add_special_tokens).input_ids))
-        return {"count": len(tokens), "max_model_len": engine.core.model.max_model_len,
-                "tokens": tokens}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        state.check_model(body.model)
-        engine = state.ready_engine()
-        vocab = engine.core.model.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
 
 # -- `jengine serve` ----------------------------------------------------------------------------
@@ -196,35 +130,7 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def check_server_config(config: ServerConfig) -> None:
-    """The server settings that can be wrong before anything starts, as one-line errors."""
-    if config.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
-    for name in ("max_n", "max_body_bytes", "max_tokens_per_request"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
-                             f"{getattr(config, name)}")
-    if config.default_max_tokens is not None and config.default_max_tokens < 1:
-        raise ValueError("--default-max-tokens must be at least 1")
-    if bool(config.ssl_keyfile) != bool(config.ssl_certfile):
-        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
-    for path in (config.ssl_keyfile, config.ssl_certfile):
-        if path and not Path(path).is_file():
-            raise ValueError(f"TLS file {path!r} not found")
-    if config.tool_call_parser not in (None, "hermes"):
-        raise ValueError(f"--tool-call-parser {config.tool_call_parser!r} is not available: "
-                         "calls are parsed from <tool_call>{json}</tool_call> ('hermes')")
-    if config.limit_concurrency is not None and config.limit_concurrency < 1:
-        raise ValueError(f"--limit-concurrency must be positive (0: no bound), got "
-                         f"{config.limit_concurrency}")
-    if not config.timeout_keep_alive > 0:
-        raise ValueError(f"--timeout-keep-alive must be positive, got "
-                         f"{config.timeout_keep_alive}")
-    if config.uvicorn_log_level not in _LOG_LEVELS:
-        raise ValueError(f"--uvicorn-log-level must be one of {sorted(_LOG_LEVELS)}")
-
-
-_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
                "info": logging.INFO, "debug": logging.DEBUG, "trace": logging.DEBUG}
 
 
@@ -288,7 +194,7 @@ def serve(cfg: EngineConfig, config: ServerConfig, *, model: str | None, preset:
 def _configure_logging(uvicorn_level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name, level in (("jengine", logging.INFO), ("uvicorn", _LOG_LEVELS[uvicorn_level])):
+    for name, level in (("jengine", logging.INFO), ("uvicorn", LOG_LEVELS[uvicorn_level])):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(level)

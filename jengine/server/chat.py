@@ -1,9 +1,10 @@
-"""`POST /v1/chat/completions`: chat over `AsyncEngine`, with the model's chat template.
+"""`POST /v1/chat/completions`: chat, a view over the generation pipeline (pipeline.py), with
+the model's chat template.
 
 A stream goes as OpenAI sends it: for each choice a first chunk with the role, then content
 chunks, then exactly one chunk with an empty delta and the finish_reason; with
 `stream_options.include_usage` a last chunk with `choices: []` and the usage (per-chunk fields:
-`stream_extras.py`); then `[DONE]`.
+`reply_json.StreamExtras`); then `[DONE]`.
 
 With tools (`jengine.text.tools`), `<tool_call>` blocks in the output become
 `message.tool_calls` and
@@ -15,62 +16,39 @@ calls (the grammar makes them well-formed), at once when the block closes under 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response
 
-from jengine.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall
+from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.server.chat_request import ChatCompletionRequest
-from jengine.server.protocol import (
-    check_text_fields,
-)
-from jengine.server.reply_json import finite, prompt_logprobs_json, token_text, usage
-from jengine.server.state import ServerState
-from jengine.server.stream_extras import StreamExtras
-from jengine.server.streams import EngineStream, sse_stream, start_stream
-from jengine.text.chat import render_chat
+from jengine.server.pipeline import OPENAI_FRAMING, EngineStream, Job, accept, reply, start
+from jengine.server.reply_json import StreamExtras, finite, prompt_logprobs_json, token_text, usage
 from jengine.text.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
 
-router = APIRouter()
 
-
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-    state: ServerState = request.app.state.server
-    state.check_model(body.model)
-    check_text_fields(body)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = accept(request, body)
     messages = body.template_messages()
     tools = body.tool_setup()
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
-    with state.admit(request) as slot:
-        engine = slot.engine
-        body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)
-        state.check_limits(params, 1, engine.core.model.max_model_len, body.max_tokens_field)
-        # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
-        prompt = await asyncio.to_thread(
-            render_chat, engine.tokenizer, messages, tools=body.tools if tools.active else None,
-            chat_template=template, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            template_kwargs=body.chat_template_kwargs, add_special_tokens=body.add_special_tokens,
-        )
-        request_id = state.response_id(request, body.request_id)
-        stream = await start_stream(state, slot, request, [prompt], params, request_id,
-                                    body.constraint_param())
+    request_id = state.response_id(request, body.request_id)
+    stream = await start(state, request, Job(
+        params, lambda tokenizer: [body.render(tokenizer, messages, tools, template)], 1,
+        request_id, body.max_tokens_field, body.constraint_param(),
+        lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)))
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
-    if body.stream:
-        return StreamingResponse(sse_stream(stream, view.events(stream)),
-                                 media_type="text/event-stream")
-    async with stream:
-        return JSONResponse(await view.response(stream))
+    return await reply(stream, view, bool(body.stream))
 
 
 class _ChatView:
     """Turns engine deltas into OpenAI chat completion objects (whole, or as stream chunks)."""
+
+    framing = OPENAI_FRAMING
 
     def __init__(self, body: ChatCompletionRequest, response_id: str, model: str,
                  tools: ToolSetup):
@@ -87,7 +65,9 @@ class _ChatView:
         self.top_logprobs = body.top_logprobs or 0
         self.want_logprobs = bool(body.logprobs)
         self.usage: dict[str, int] | None = None
-        self.extras = StreamExtras(body.stream_options if body.stream else None)
+        self.extras = StreamExtras(body.stream_options if body.stream else None, {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model})
 
     def _logprobs(self, out: CompletionOutput) -> list[dict[str, Any]] | None:
         if not self.want_logprobs:
@@ -124,24 +104,17 @@ class _ChatView:
             response["prompt_logprobs"] = self.prompt_logprobs
         return response
 
-    def _chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None,
-               **extra: Any) -> str:
-        chunk: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
-                                 "created": self.created, "model": self.model,
-                                 "choices": choices, **extra}
-        return self.extras.chunk(chunk, choices[0]["index"] if len(choices) == 1 else None,
-                                 usage_)
-
     async def events(self, stream: EngineStream) -> AsyncIterator[str]:
         for i in range(self.n):
             self.extras.count(i, len(stream.prompt_token_ids[0] or ()))
-            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": self.echo},
-                                "logprobs": None, "finish_reason": None}])
+            yield self.extras.chunk([{"index": i,
+                                     "delta": {"role": "assistant", "content": self.echo},
+                                     "logprobs": None, "finish_reason": None}])
         parsers = {i: ToolCallStream(incremental=self.forced_calls) for i in range(self.n)}
         async for _, delta in stream:
             self._note(delta)
             if delta.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
-                yield self._chunk([], prompt_logprobs=self.prompt_logprobs)
+                yield self.extras.chunk([], prompt_logprobs=self.prompt_logprobs)
             for out in delta.outputs:
                 self.extras.count(out.index, len(delta.prompt_token_ids), len(out.token_ids))
                 logprobs = self._logprobs(out)
@@ -154,16 +127,16 @@ class _ChatView:
                     deltas = [{"content": ""}]
                 for j, d in enumerate(deltas):
                     lp = {"content": logprobs} if logprobs and j == 0 else None
-                    yield self._chunk([{"index": out.index, "delta": d, "logprobs": lp,
-                                        "finish_reason": None}])
+                    yield self.extras.chunk([{"index": out.index, "delta": d, "logprobs": lp,
+                                              "finish_reason": None}])
                 if out.finish_reason is not None:
                     reason = out.finish_reason
                     if reason == "stop" and parser.num_calls:
                         reason = "tool_calls"
-                    yield self._chunk([{"index": out.index, "delta": {}, "logprobs": None,
-                                        "finish_reason": reason}])
+                    yield self.extras.chunk([{"index": out.index, "delta": {},
+                                              "logprobs": None, "finish_reason": reason}])
         if self.body.include_usage:
-            yield self._chunk([], self.usage)
+            yield self.extras.chunk([], self.usage)
 
 
 def _tool_deltas(parser: ToolCallStream, out: CompletionOutput) -> list[dict[str, Any]]:
@@ -195,14 +168,11 @@ def _split_calls(choice: dict[str, Any], forced: bool) -> None:
     if not calls:
         return
     choice["message"]["content"] = content
-    choice["message"]["tool_calls"] = [_call_json(i, c) for i, c in enumerate(calls)]
+    choice["message"]["tool_calls"] = [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls]
     if choice["finish_reason"] == "stop":
         choice["finish_reason"] = "tool_calls"
-
-
-def _call_json(index: int, call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _token_logprob(token_id: int, entry: dict[int, Logprob], k: int,

@@ -16,6 +16,7 @@ from jengine.server.protocol import (
     SamplingFields,
     documented,
 )
+from jengine.text.chat import render_chat
 from jengine.text.tools import ToolSetup, constrain, tool_setup
 
 # Fields of OpenAI's chat API this server does not implement yet: set, they give a clear 400.
@@ -60,6 +61,16 @@ class ChatCompletionRequest(SamplingFields):
         if not self.messages:
             raise bad_request("messages must be a non-empty list", "messages")
         return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+    def render(self, tokenizer: Any, messages: list[dict[str, Any]], tools: ToolSetup,
+               template: str | None) -> list[int]:
+        """The prompt's token ids: `messages` (`template_messages()`) through `template`
+        (None: the model's), with the tools when they are active."""
+        return render_chat(
+            tokenizer, messages, tools=self.tools if tools.active else None,
+            chat_template=template, add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            template_kwargs=self.chat_template_kwargs, add_special_tokens=self.add_special_tokens)
 
     def tool_setup(self) -> ToolSetup:
         try:

@@ -1,4 +1,4 @@
-"""`POST /v1/completions`: OpenAI's legacy completions over `AsyncEngine`.
+"""`POST /v1/completions`: OpenAI's legacy completions, a view over the generation pipeline.
 
 Each prompt of the request is one engine request; choice `i * n + k` is completion k of prompt i,
 as in OpenAI and vLLM. With `echo`, the prompt text leads the choice's text, and with `logprobs`
@@ -8,66 +8,46 @@ first token has `null`, as nothing precedes it).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.server.errors import bad_request
-from jengine.server.protocol import (
-    CompletionRequest,
-    check_text_fields,
-)
-from jengine.server.reply_json import finite, prompt_logprobs_json, token_text, usage
-from jengine.server.state import ServerState
-from jengine.server.stream_extras import StreamExtras
-from jengine.server.streams import EngineStream, sse_stream, start_stream
-
-router = APIRouter()
+from jengine.server.pipeline import OPENAI_FRAMING, EngineStream, Job, accept, reply, start
+from jengine.server.protocol import CompletionRequest
+from jengine.server.reply_json import StreamExtras, finite, prompt_logprobs_json, token_text, usage
 
 
-@router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request):
-    state: ServerState = request.app.state.server
-    state.check_model(body.model)
-    check_text_fields(body)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = accept(request, body)
     prompts = body.prompts()
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens may be 0 only with echo (to score the prompt)",
                           "max_tokens")
     params = body.sampling_params()
-    with state.admit(request) as slot:
-        engine = slot.engine
-        body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)
-        state.check_limits(params, len(prompts), engine.core.model.max_model_len)
-        # Text is tokenized here, off the event loop, not in the engine thread that steps all.
-        prompt_ids = await asyncio.to_thread(_tokenize, engine.tokenizer, prompts,
-                                             body.add_special_tokens)
-        request_id = state.response_id(request, body.request_id)
-        stream = await start_stream(state, slot, request, prompt_ids, params, request_id,
-                                    body.constraint_param())
-    view = _CompletionView(body, engine.tokenizer, prompts, f"cmpl-{request_id}",
+    request_id = state.response_id(request, body.request_id)
+
+    def prompt_ids(tokenizer: Any) -> list[list[int]]:  # text tokenized off the engine thread
+        return [p if isinstance(p, list) else
+                list(tokenizer(p, add_special_tokens=body.add_special_tokens).input_ids)
+                for p in prompts]
+
+    stream = await start(state, request, Job(
+        params, prompt_ids, len(prompts), request_id, constraint_param=body.constraint_param(),
+        check=lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)))
+    view = _CompletionView(body, stream.engine.tokenizer, prompts, f"cmpl-{request_id}",
                            state.model_name)
-    if body.stream:
-        return StreamingResponse(sse_stream(stream, view.events(stream)),
-                                 media_type="text/event-stream")
-    async with stream:
-        return JSONResponse(await view.response(stream))
-
-
-def _tokenize(tokenizer: Any, prompts: list[str | list[int]],
-              add_special_tokens: bool) -> list[list[int]]:
-    return [p if isinstance(p, list) else
-            list(tokenizer(p, add_special_tokens=add_special_tokens).input_ids)
-            for p in prompts]
+    return await reply(stream, view, bool(body.stream))
 
 
 class _CompletionView:
     """Turns engine deltas into OpenAI completion objects (whole, or as stream chunks)."""
+
+    framing = OPENAI_FRAMING
 
     def __init__(self, body: CompletionRequest, tokenizer: Any, prompts: list[str | list[int]],
                  response_id: str, model: str):
@@ -85,7 +65,9 @@ class _CompletionView:
         # prompt index -> (prompt tokens, completion tokens), from the final delta
         self._usage_by_prompt: dict[int, tuple[int, int, int]] = {}
         self._prompt_logprobs: dict[int, list] = {}  # prompt index -> engine prompt logprobs
-        self.extras = StreamExtras(body.stream_options if body.stream else None)
+        self.extras = StreamExtras(body.stream_options if body.stream else None, {
+            "id": self.id, "object": "text_completion", "created": self.created,
+            "model": self.model})
 
     # -- one choice's piece of a delta -----------------------------------------------------------
 
@@ -174,12 +156,6 @@ class _CompletionView:
 
     # -- stream ----------------------------------------------------------------------------------
 
-    def _chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None) -> str:
-        chunk: dict[str, Any] = {"id": self.id, "object": "text_completion",
-                                 "created": self.created, "model": self.model, "choices": choices}
-        return self.extras.chunk(chunk, choices[0]["index"] if len(choices) == 1 else None,
-                                 usage_)
-
     async def events(self, stream: EngineStream) -> AsyncIterator[str]:
         async for i, delta in stream:
             self._note_usage(i, delta)
@@ -190,10 +166,10 @@ class _CompletionView:
                 index, text, lp = self._piece(i, delta.prompt_token_ids, out)
                 if text or out.finish_reason or (lp is not None and lp["tokens"]):
                     extra = self._prompt_logprobs_field(i) if first else {}
-                    yield self._chunk([{"index": index, "text": text, "logprobs": lp,
-                                        "finish_reason": out.finish_reason, **extra}])
+                    yield self.extras.chunk([{"index": index, "text": text, "logprobs": lp,
+                                              "finish_reason": out.finish_reason, **extra}])
         if self.body.include_usage:
-            yield self._chunk([], self._total_usage())
+            yield self.extras.chunk([], self._total_usage())
 
 
 def index_of(prompt_index: int, n: int, sample: int) -> int:

@@ -2,7 +2,7 @@
 
 It runs on the HTTP server's event loop, over the same `ServerState`: the same engine, the same
 admission (queue limit, draining, dead engine), the same metrics and books. Like the HTTP
-handlers it only translates, here between protobuf messages and `AsyncEngine`.
+routes it is a view over the generation pipeline (pipeline.py), here for protobuf messages.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from jengine.outputs import CompletionOutput, Usage
 from jengine.sampling_params import SamplingParams
 from jengine.server.errors import APIError, invalid_value
 from jengine.server.middleware import clean_request_id
+from jengine.server.pipeline import Job, start
 from jengine.server.proto import jengine_pb2 as pb
 from jengine.server.proto import jengine_pb2_grpc as pb_grpc
 from jengine.server.state import ServerState
-from jengine.server.streams import EngineStream
 
 _STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -37,9 +38,8 @@ _SAMPLING_FIELDS = (
 
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
-    """Set fields of `options` -> SamplingParams (max_tokens defaults to 16)."""
+    """Set fields of `options` -> SamplingParams (unset: its defaults, max_tokens 16)."""
     given = {name: getattr(options, name) for name in _SAMPLING_FIELDS if options.HasField(name)}
-    given.setdefault("max_tokens", 16)
     return SamplingParams(**given, stop=list(options.stop) or None,
                           stop_token_ids=list(options.stop_token_ids) or None)
 
@@ -51,35 +51,22 @@ class JengineService(pb_grpc.JengineServicer):
 
     async def Generate(self, request: pb.GenerateRequest,  # CamelCase: gRPC method names
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        rid = clean_request_id(request.request_id) or uuid.uuid4().hex
         try:
             self._authorize(context)
             self.state.check_model(request.model or None)
             prompt = self._prompt(request)
-            params = sampling_params(request.sampling)
-            slot = self.state.admit()
-            with slot:
-                self.state.check_limits(params, 1, slot.engine.core.model.max_model_len)
+            job = Job(sampling_params(request.sampling), lambda _: [prompt], 1, rid)
+            stream = await start(self.state, None, job)
         except ValueError as e:
             await _abort(context, invalid_value(e))
         except APIError as e:
             await _abort(context, e)
-        rid = clean_request_id(request.request_id) or uuid.uuid4().hex
-        async with EngineStream(self.state, slot, [prompt], params,
-                                self.state.new_request_id(rid)) as stream:
+        async with stream:
             try:
                 async for _, delta in stream:
                     for out in delta.outputs:
-                        usage = None
-                        if delta.usage is not None and out is delta.outputs[-1]:
-                            u = delta.usage
-                            usage = pb.Usage(prompt_tokens=u.prompt_tokens,
-                                             completion_tokens=u.completion_tokens,
-                                             total_tokens=u.total_tokens,
-                                             cached_tokens=u.cached_tokens)
-                        yield pb.GenerateResponse(
-                            request_id=rid, index=out.index, text=out.text,
-                            token_ids=out.token_ids, finish_reason=out.finish_reason or "",
-                            usage=usage)
+                        yield _message(rid, out, delta.usage if out is delta.outputs[-1] else None)
             except APIError as e:
                 await _abort(context, e)
 
@@ -117,6 +104,15 @@ class JengineService(pb_grpc.JengineServicer):
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise ValueError("prompt is empty: set text or token_ids")
+
+
+def _message(rid: str, out: CompletionOutput, usage: Usage | None) -> pb.GenerateResponse:
+    """One choice's delta as a message; the request's usage goes on its very last."""
+    return pb.GenerateResponse(
+        request_id=rid, index=out.index, text=out.text, token_ids=out.token_ids,
+        finish_reason=out.finish_reason or "", usage=None if usage is None else pb.Usage(
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens, cached_tokens=usage.cached_tokens))
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: APIError) -> None:

@@ -3,9 +3,10 @@
 - `X-Request-Id`: taken from the request (`clean_request_id`: at most 128 characters, no spaces)
   or made up, put in `request.state.request_id`, echoed on the response, and written in every
   log line about it.
-- `--api-key`: every `/v1` route needs `Authorization: Bearer <key>`; `/health`, `/metrics`,
-  `/version` (and the other routes outside `/v1`) stay open. Checked before the body is read,
-  so a request without the key gets 401 whatever its body.
+- `--api-key`: a route the route table (routes.py) marks `auth` (every `/v1` route, and any
+  other `/v1` path) needs `Authorization: Bearer <key>`; `/health`, `/metrics`, `/version` (and
+  the other routes outside `/v1`) stay open. Checked before the body is read, so a request
+  without the key gets 401 whatever its body.
 - Body size: a POST body over `max_body_bytes` is a 413 before anything parses it. Clients
   that send the whole body before reading any answer (Python's `urllib`) would see the
   connection reset instead, as the server closed it with their bytes unread: so the rest of the
@@ -59,12 +60,14 @@ def clean_request_id(value: str | None) -> str | None:
 
 
 class EdgeMiddleware:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int = 4 * 2**20,
+    def __init__(self, app: ASGIApp, *, api_key: str | None, needs_key: Callable[[str], bool],
+                 max_body_bytes: int = 4 * 2**20,
                  log_requests: bool = True, warmup_token: str | None = None,
                  on_connection_limit: Callable[[], None] | None = None):
         self.app = app
         self.on_connection_limit = on_connection_limit  # counts the 503s of the bound
         self.api_key = api_key.encode() if api_key else None
+        self.needs_key = needs_key  # path -> whether it needs the key (routes.needs_key)
         self.warmup_token = warmup_token.encode() if warmup_token else None
         self.max_body_bytes = max_body_bytes
         self.log_level = logging.INFO if log_requests else logging.DEBUG
@@ -152,7 +155,7 @@ class EdgeMiddleware:
             token.encode("latin-1"), self.warmup_token)
 
     def _check_key(self, path: str, authorization: str | None) -> APIError | None:
-        if self.api_key is None or not (path == "/v1" or path.startswith("/v1/")):
+        if self.api_key is None or not self.needs_key(path):
             return None
         if not authorization:
             return _auth_error("You didn't provide an API key. Pass it in the Authorization "

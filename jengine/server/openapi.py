@@ -3,8 +3,9 @@
 FastAPI documents a 422 for every route with a body, which this server never sends (validation
 errors are 400s in OpenAI's shape, errors.py), and nothing of the 400/401/404/413/500/503/504 it
 does send. `install_openapi` rewrites the generated document once: the error responses each
-route can give, with OpenAI's error body, server-sent events as the generation routes' other
-200 body, and `/metrics` as Prometheus text. The request schemas carry the bounds the server
+route can give, with its error shape's body, and server-sent events as a streaming route's
+other 200 body (all read from the route's row in the table, routes.py), and `/metrics` as
+Prometheus text. The request schemas carry the bounds the server
 checks (non-empty `messages` and choices, token ids in the vocabulary, value ranges): a body the
 document accepts is one the server does not refuse for those reasons.
 """
@@ -15,6 +16,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+
+from jengine.server.routes import ROUTES, Route, document_path
 
 _ERROR_SCHEMA = {
     "type": "object",
@@ -39,22 +42,19 @@ _REASONS = {
     503: "Loading, draining, or the waiting queue is full (Retry-After)",
     504: "The request timeout passed",
 }
-_GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_ERROR_SCHEMAS = {"openai": "ErrorResponse"}  # a route's error shape -> its component
 
 
-def _error_codes(path: str, method: str) -> list[int]:
-    if not path.startswith("/v1") and method == "get":
-        return []
-    codes = [400] if method == "post" else []
-    if path.startswith("/v1"):
-        codes.append(401)
-    if path.startswith("/v1/models/") or method == "post":
-        codes.append(404)
-    if method == "post":
-        codes += [413, 500, 503]
-    if path in _GENERATION:
-        codes.append(504)
-    return sorted(set(codes))
+def _error_codes(route: Route) -> list[int]:
+    """The errors a route can answer with, from its row in the route table."""
+    codes = {400, 404, 413, 500, 503} if route.method == "POST" else set()
+    if route.auth:
+        codes.add(401)
+    if "{model" in route.path:  # a path that names a model: unknown is a 404
+        codes.add(404)
+    if route.streams:  # generating: --request-timeout applies
+        codes.add(504)
+    return sorted(codes)
 
 
 def _bound_token_ids(node: Any, vocab_size: int | None) -> None:
@@ -82,16 +82,20 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     components["ErrorResponse"] = _ERROR_SCHEMA
-    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-    for path, operations in schema.get("paths", {}).items():
-        for method, op in operations.items():
-            responses = op.setdefault("responses", {})
-            responses.pop("422", None)
-            for code in _error_codes(path, method):
-                responses[str(code)] = {"description": _REASONS[code], "content": ref}
-            if path in _GENERATION and "200" in responses:  # `stream: true` answers SSE
-                responses["200"].setdefault("content", {})["text/event-stream"] = {
-                    "schema": {"type": "string"}}
+    paths = schema.get("paths", {})
+    for route in ROUTES:
+        op = paths.get(document_path(route), {}).get(route.method.lower())
+        if op is None:  # not documented (HEAD /health)
+            continue
+        responses = op.setdefault("responses", {})
+        responses.pop("422", None)
+        ref = {"$ref": f"#/components/schemas/{_ERROR_SCHEMAS[route.errors]}"}
+        for code in _error_codes(route):
+            responses[str(code)] = {"description": _REASONS[code],
+                                    "content": {"application/json": {"schema": ref}}}
+        if route.streams and "200" in responses:  # `stream: true` answers SSE
+            responses["200"].setdefault("content", {})["text/event-stream"] = {
+                "schema": {"type": "string"}}
     metrics = schema.get("paths", {}).get("/metrics", {}).get("get")
     if metrics is not None:
         metrics["responses"]["200"] = {

@@ -31,29 +31,28 @@ that makes the events, so a streamed and a whole response carry the same output.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response
 
 from jengine.outputs import RequestOutput
 from jengine.server.errors import APIError, invalid_value, rename_param
-from jengine.server.protocol import check_text_fields
+from jengine.server.pipeline import (
+    EngineStream,
+    Framing,
+    Job,
+    accept,
+    reply,
+    sse,
+    start,
+)
 from jengine.server.responses_request import ResponsesRequest, renamed_param
-from jengine.server.state import ServerState
-from jengine.server.streams import ClientGone, EngineStream, sse, start_stream
-from jengine.text.chat import render_chat
 from jengine.text.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
-
-log = logging.getLogger("jengine.server")
-
-router = APIRouter()
 
 
 @contextlib.contextmanager
@@ -61,48 +60,29 @@ def _in_responses_terms() -> Iterator[None]:
     """Errors raised by the chat path, with this route's field names."""
     try:
         yield
-    except APIError as e:
-        _rename(e)
-        raise
-    except ValueError as e:
-        error = invalid_value(e)
-        _rename(error)
+    except (APIError, ValueError) as e:
+        error = e if isinstance(e, APIError) else invalid_value(e)
+        if error.param is not None:
+            rename_param(error, renamed_param(error.param))
         raise error from None
-
-
-def _rename(error: APIError) -> None:
-    """The error's param (and its message) in this route's names."""
-    if error.param is not None:
-        rename_param(error, renamed_param(error.param))
 
 
 # -- the route ------------------------------------------------------------------------------------
 
-@router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request):
-    state: ServerState = request.app.state.server
-    state.check_model(body.model)
-    check_text_fields(body)
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    state = accept(request, body)
     chat = body.chat_request()
+    request_id = request.state.request_id
     with _in_responses_terms():
         messages = chat.template_messages()
         tools = chat.tool_setup()
         params = chat.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
-    with state.admit(request) as slot, _in_responses_terms():
-        engine = slot.engine
-        state.check_limits(params, 1, engine.core.model.max_model_len, chat.max_tokens_field)
-        # Rendering and tokenizing a long input takes a while: not in the event loop's thread.
-        prompt = await asyncio.to_thread(
-            render_chat, engine.tokenizer, messages, tools=chat.tools if tools.active else None,
-            chat_template=state.chat_template)
-        stream = await start_stream(state, slot, request, [prompt], params,
-                                    request.state.request_id, chat.constraint_param())
-    request_id = request.state.request_id
+        stream = await start(state, request, Job(
+            params, lambda tokenizer: [chat.render(tokenizer, messages, tools,
+                                                   state.chat_template)],
+            1, request_id, chat.max_tokens_field, chat.constraint_param()))
     view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools)
-    if body.stream:
-        return StreamingResponse(view.sse(stream), media_type="text/event-stream")
-    async with stream:
-        return JSONResponse(await view.response(stream))
+    return await reply(stream, view, bool(body.stream))
 
 
 class _ResponseView:
@@ -122,6 +102,7 @@ class _ResponseView:
         self._call: int | None = None  # output index of the call still being generated
         self._calls: dict[int, int] = {}  # call index -> output index
         self._seq = 0
+        self.framing = Framing(self._failed, None)  # OpenAI sends no [DONE] on this route
 
     # -- the response object -----------------------------------------------------------------------
 
@@ -150,34 +131,14 @@ class _ResponseView:
         }
 
     async def response(self, stream: EngineStream) -> dict[str, Any]:
-        async for _ in self._events(stream):
+        async for _ in self.events(stream):
             pass
         return self.snapshot(self.status)
 
-    async def sse(self, stream: EngineStream) -> AsyncIterator[str]:
-        """The events as server-sent events; an error becomes `error` + `response.failed`.
-
-        The response owns `stream` from here on: however it ends, the engine request is aborted
-        and its pages freed.
-        """
-        try:
-            async for event in self._events(stream):
-                yield event
-        except ClientGone:
-            return
-        except APIError as e:
-            log.warning("request %s failed mid-stream: %s", stream.request_id, e.message)
-            for event in self._failed(e.code or e.type, e.message, e.param):
-                yield event
-        except Exception as e:
-            log.exception("request %s failed mid-stream", stream.request_id)
-            for event in self._failed("server_error", f"internal server error: {e}"):
-                yield event
-        finally:
-            stream.close()
-
-    def _failed(self, code: str, message: str, param: str | None = None) -> Iterator[str]:
-        yield self._event("error", code=code, message=message, param=param)
+    def _failed(self, error: APIError) -> Iterator[str]:
+        message = error.message
+        yield self._event("error", code=error.code or error.type, message=message,
+                          param=error.param)
         yield self._event("response.failed", response=self.snapshot(
             "failed", {"code": "server_error", "message": message}))
 
@@ -188,7 +149,7 @@ class _ResponseView:
         self._seq += 1
         return f"event: {kind}\n" + sse(payload)
 
-    async def _events(self, stream: EngineStream) -> AsyncIterator[str]:
+    async def events(self, stream: EngineStream) -> AsyncIterator[str]:
         """All events of the response, building `output`; the last carries the whole response."""
         yield self._event("response.created", response=self.snapshot("in_progress"))
         yield self._event("response.in_progress", response=self.snapshot("in_progress"))

@@ -245,13 +245,9 @@ class QueueSlot:
     """One admitted request's place in the waiting queue that `--max-queue` bounds.
 
     Taken by `ServerState.admit`, given back exactly once (`release` is idempotent): by the
-    request's `EngineStream` at its first token or when it closes, or, when the handler fails
+    request's `EngineStream` at its first token or when it closes, or, when the request fails
     before a stream takes it over (a 400 from the limits, the tokenizer or the grammar, a client
-    gone while tokenizing), by the `with` block it is held in:
-
-        with state.admit(request) as slot:
-            ...  # checks, tokenizing: an exception here gives the slot back
-            stream = await start_stream(state, slot, ...)  # the stream owns it from here on
+    gone while tokenizing), by the `with` block `pipeline.start` holds it in.
     """
 
     def __init__(self, engine: AsyncEngine, state: ServerState | None):

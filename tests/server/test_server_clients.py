@@ -17,7 +17,7 @@ from openai_shapes import assert_error, sse_payloads  # tests/openai_shapes.py
 from serve_process import MODEL  # tests/serve_process.py
 
 from jengine.server.protocol import CompletionRequest
-from jengine.server.stream_extras import OBFUSCATION_BLOCK
+from jengine.server.reply_json import OBFUSCATION_BLOCK
 
 CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}  # what guidellm sends
 GREEDY = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}

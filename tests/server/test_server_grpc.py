@@ -76,3 +76,19 @@ def test_grpc_cancel_frees_pages(server, grpc_stub):
     while server.metrics()["jengine_kv_pages_used"] != 0:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_grpc_client_command(server, grpc_stub, capsys):
+    """`python -m jengine.cli.grpc_client` (the command line over the client library): the
+    stream's text on stdout; an RPC error one line on stderr and exit status 1."""
+    from jengine.cli.grpc_client import main
+    from jengine.server.grpc_client import generate_stream
+
+    host, port = server.grpc_target.rsplit(":", 1)
+    flags = ["--host", host, "--port", port, "--max-tokens", "8"]
+    text = "".join(m.text for m in generate_stream(server.grpc_target, "Hi", api_key=KEY,
+                                                    max_tokens=8, temperature=0))
+    assert main(["Hi", *flags, "--api-key", KEY]) == 0
+    assert capsys.readouterr().out == text + "\n"
+    assert main(["Hi", *flags, "--api-key", "wrong"]) == 1
+    assert "error: UNAUTHENTICATED" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from serve_process import MODEL  # tests/serve_process.py
 
 from jengine.outputs import CompletionOutput, RequestOutput, Usage
 from jengine.server.errors import APIError
+from jengine.server.pipeline import sse_stream
 from jengine.server.responses import _ResponseView
 from jengine.server.responses_request import ResponsesRequest, input_messages
 from jengine.text.tools import ToolSetup
@@ -335,7 +336,8 @@ class _FakeStream:
 
 def _run_events(view: _ResponseView, stream: _FakeStream) -> list[dict]:
     async def collect() -> list[dict]:
-        return [json.loads(e.split("data: ", 1)[1]) async for e in view.sse(stream)]
+        events = sse_stream(stream, view.events(stream), view.framing)  # as the route frames them
+        return [json.loads(e.split("data: ", 1)[1]) async for e in events]
 
     return asyncio.run(collect())
 

@@ -1,15 +1,26 @@
-"""`EngineStream`: the engine side of one HTTP request, and the SSE framing of its answer.
+"""The one generation pipeline: every generating route runs the same three steps and is only
+a protocol view over them (chat.py, completions.py, responses.py; grpc_service.py for 1-2).
 
-An OpenAI request may carry several prompts (completions) and ask for `n` completions each; the
-engine takes one prompt per request. `EngineStream` runs one `AsyncEngine.generate` per prompt in
-its own task and hands the handler `(prompt_index, RequestOutput delta)` pairs in arrival order.
-A watchdog task turns the things a handler must not wait on forever into errors: the engine
-thread dying, the request timeout, the client going away. `close()` cancels the tasks, which
-closes the engine streams, which aborts the engine requests and frees their KV pages.
+1. The route checks its body's fields (a 400 before admission) and makes a `Job`: the
+   `SamplingParams`, a function from the admitted engine's tokenizer to the prompts, and the
+   field names its errors use.
+2. `start(state, request, job)` does all that comes before the first byte of an answer: the
+   admission (`QueueSlot`: 503 loading, draining or queue full; 500 engine dead), the
+   per-request bounds, the prompts rendered and tokenized off the event loop, the output
+   constraint compiled, one engine request per prompt, and the first delta awaited, so that bad
+   input is an error response, never a broken stream. It returns the output view, an
+   `EngineStream` of `(prompt index, RequestOutput delta)` pairs (per-choice text, token ids
+   and logprobs in `outputs[k]`, the finish reason on a choice's last delta, the usage on a
+   prompt's last), which watches for disconnects, the timeout and a dead engine.
+3. `reply(stream, view, streaming)` collects the view's JSON body, or frames its events as
+   server-sent events; an error after the stream began becomes the protocol's error events
+   (the view's `Framing`), and the engine requests are aborted however the answer ends.
 
-It also keeps the request's books: the `QueueSlot` it was admitted with (a request is queued
-until its first token; the slot goes back then, or when the stream closes first), and the
-latency and token metrics.
+A new route plugs in the same way: a request model, a handler `body -> Job -> start -> view
+-> reply`, a view (`framing`, `response`, `events`) and a row in the route table (routes.py).
+Anthropic's messages are chat's `Job` with a view of their own and a `Framing` of `error`
+events without `[DONE]`, as responses.py does; a batch runs a `start` per line; embeddings
+(the engine's embed task) reuse admission, bounds and prompts with a view over their vectors.
 """
 
 from __future__ import annotations
@@ -18,14 +29,18 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from typing_extensions import Self
 
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams
 from jengine.server.errors import APIError, bad_request, engine_failed, invalid_value
+from jengine.server.protocol import check_text_fields
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
@@ -36,6 +51,62 @@ log = logging.getLogger("jengine.server")
 
 WATCHDOG_PERIOD_S = 0.25
 
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a route asks of the engine, in the engine's terms."""
+
+    params: SamplingParams
+    prompts: Callable[[Any], list[Prompt]]  # tokenizer -> one prompt per engine request
+    num_prompts: int  # len(prompts(...)), known before tokenizing (for the bounds)
+    request_id: str  # the id the answer carries; engine ids are made unique from it
+    max_tokens_field: str = "max_tokens"  # the field the client bounded the output with
+    constraint_param: str | None = None  # the field a bad output constraint came from
+    check: Callable[[AsyncEngine], None] | None = None  # checks that need the engine
+
+
+def accept(request: Request, body: Any) -> ServerState:
+    """The app's state, once the body names a model this server serves (404) in text that
+    can be encoded (400): the checks every route's body gets first."""
+    state: ServerState = request.app.state.server
+    state.check_model(body.model)
+    check_text_fields(body)
+    return state
+
+
+async def start(state: ServerState, request: Request | None, job: Job) -> EngineStream:
+    """Admits `job` and starts its engine requests (step 2 of the module docstring).
+
+    `request`: the HTTP request (its disconnect is watched; a start-up request is let in
+    before the server is ready), or None (gRPC). The caller owns the returned stream: `reply`,
+    or `async with`."""
+    with state.admit(request) as slot:  # an exception before the stream exists frees the slot
+        engine = slot.engine
+        if job.check is not None:
+            job.check(engine)
+        state.check_limits(job.params, job.num_prompts, engine.core.model.max_model_len,
+                           job.max_tokens_field)
+        # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
+        prompts = await asyncio.to_thread(job.prompts, engine.tokenizer)
+        try:
+            await engine.compile_grammar(job.params)
+        except ValueError as e:
+            raise bad_request(str(e), job.constraint_param) from None
+        stream = EngineStream(state, slot, prompts, job.params,
+                              state.new_request_id(job.request_id),
+                              request.is_disconnected if request is not None else None,
+                              state.metrics_for(request))
+    try:
+        await stream.first()
+    except BaseException:
+        stream.close()
+        raise
+    return stream
+
+
+# -- the output view ----------------------------------------------------------------------------
 
 class ClientGone(APIError):
     """The client closed the connection; there is nobody left to answer (nginx's 499)."""
@@ -51,9 +122,15 @@ class RequestTimeout(APIError):
 
 
 class EngineStream:
-    """Merged deltas of one HTTP request's engine requests (one per prompt).
+    """The output view: merged deltas of one request's engine requests (one per prompt).
 
-    Usage: `async with EngineStream(...) as stream: async for i, delta in stream: ...`.
+    One `AsyncEngine.generate` per prompt runs in its own task, and the deltas come out as
+    `(prompt index, RequestOutput)` pairs in arrival order. A watchdog task turns what a route
+    must not wait on forever into errors: the engine thread dying, the request timeout, the
+    client going away. `close()` cancels the tasks, which aborts the engine requests and frees
+    their KV pages. It keeps the request's books: the `QueueSlot` it was admitted with (given
+    back at the first token, or when the stream closes first), the latency and token metrics,
+    the log line. Usage: `async with stream: async for i, delta in stream: ...`.
     """
 
     def __init__(
@@ -201,29 +278,6 @@ class EngineStream:
                  ttft, elapsed)
 
 
-async def start_stream(
-    state: ServerState, slot: QueueSlot, request: Any, prompts: list[str | list[int]],
-    params: SamplingParams, response_id: str, constraint_param: str | None,
-) -> EngineStream:
-    """The engine side of one HTTP request, started: its output constraint compiled on the
-    grammar pool (a bad one is a 400 naming `constraint_param`), one engine request per
-    prompt, and the first delta awaited, so that bad input is an error before any response
-    begins. The caller owns the stream from here on (`async with`, or `sse_stream`), and the
-    stream owns `slot` (on an exception the caller's `with slot` gives it back)."""
-    try:
-        await slot.engine.compile_grammar(params)
-    except ValueError as e:
-        raise bad_request(str(e), constraint_param) from None
-    stream = EngineStream(state, slot, prompts, params, state.new_request_id(response_id),
-                          request.is_disconnected, state.metrics_for(request))
-    try:
-        await stream.first()
-    except BaseException:
-        stream.close()
-        raise
-    return stream
-
-
 REJECTED = "rejected"  # the engine refused the input (a 400): the client's error, not counted
 
 
@@ -237,7 +291,7 @@ def _ended_by(error: BaseException) -> str:
     return "error"
 
 
-# -- server-sent events -------------------------------------------------------------------------
+# -- answers ------------------------------------------------------------------------------------
 
 DONE = "data: [DONE]\n\n"
 
@@ -246,8 +300,39 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def sse_stream(stream: EngineStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Frames a handler's events; an error mid-stream becomes an error event, then `[DONE]`.
+@dataclass(frozen=True)
+class Framing:
+    """How a protocol's event stream reports an error after it began, and how it ends."""
+
+    failed: Callable[[APIError], Iterable[str]]
+    done: str | None  # the last line (OpenAI's `[DONE]`), or None
+
+
+OPENAI_FRAMING = Framing(lambda error: [error.sse_event()], DONE)
+
+
+class View(Protocol):
+    """A route's protocol view of the output stream."""
+
+    framing: Framing
+
+    async def response(self, stream: EngineStream) -> dict[str, Any]: ...
+
+    def events(self, stream: EngineStream) -> AsyncIterator[str]: ...
+
+
+async def reply(stream: EngineStream, view: View, streaming: bool) -> Response:
+    """The HTTP answer: the view's events as SSE, or its whole body as JSON."""
+    if streaming:
+        return StreamingResponse(sse_stream(stream, view.events(stream), view.framing),
+                                 media_type="text/event-stream")
+    async with stream:
+        return JSONResponse(await view.response(stream))
+
+
+async def sse_stream(stream: EngineStream, events: AsyncIterator[str],
+                     framing: Framing = OPENAI_FRAMING) -> AsyncIterator[str]:
+    """Frames a view's events; an error mid-stream becomes `framing`'s error events.
 
     The response owns `stream` from here on: however the response ends (completed, client gone,
     server shut down), the engine requests are aborted and their pages freed.
@@ -259,10 +344,14 @@ async def sse_stream(stream: EngineStream, events: AsyncIterator[str]) -> AsyncI
         return
     except APIError as e:
         log.warning("request %s failed mid-stream: %s", stream.request_id, e.message)
-        yield e.sse_event()
+        for event in framing.failed(e):
+            yield event
     except Exception as e:
         log.exception("request %s failed mid-stream", stream.request_id)
-        yield APIError(500, f"internal server error: {e}", type="server_error").sse_event()
+        for event in framing.failed(APIError(500, f"internal server error: {e}",
+                                             type="server_error")):
+            yield event
     finally:
         stream.close()
-    yield DONE
+    if framing.done is not None:
+        yield framing.done

@@ -1,0 +1,143 @@
+"""The route table: every HTTP route the server answers, and the facts about it stated once.
+
+`create_app` registers the routes from `ROUTES` in its order; the OpenAPI document
+(openapi.py) derives each route's error responses and its event-stream body from the same rows;
+the edge middleware asks `needs_key` whether a path needs the API key. The generating routes'
+handlers live in their protocol's module (completions.py, chat.py, responses.py: views over the
+generation pipeline, pipeline.py); the routes that do not generate are the small handlers below.
+gRPC (grpc_service.py) serves the same engine on its own port.
+
+A new route is a row here (and its handler); docs/design.md, "Add a route", lists the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import compile_path
+
+import jengine
+from jengine.server.chat import create_chat_completion
+from jengine.server.completions import create_completion
+from jengine.server.errors import bad_request
+from jengine.server.pipeline import accept
+from jengine.server.protocol import DetokenizeRequest, TokenizeRequest
+from jengine.server.responses import create_response
+from jengine.server.state import ServerState
+from jengine.text.chat import render_chat
+
+# The body of a route's errors. Only "openai" exists yet (errors.py); the first route of another
+# shape brings its body (an error handler that reads the route's row) and its document schema.
+ErrorShape = Literal["openai", "anthropic", "plain"]
+API_PREFIX = "/v1"  # a path under it that no route matches still needs the key (a 401, not 404)
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str  # Starlette's syntax: `{model:path}` takes the rest, slashes included
+    method: str
+    handler: Callable[..., Any]
+    auth: bool  # needs `Authorization: Bearer <key>` when the server has an API key
+    streams: bool = False  # generates: may answer server-sent events, bounded by the timeout
+    errors: ErrorShape = "openai"  # the body its errors have (the document's error schema)
+
+
+# -- the routes that do not generate ------------------------------------------------------------
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def health(request: Request) -> Response:
+    status, body = _state(request).health()
+    return JSONResponse(body, status_code=status)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def version() -> dict:
+    return {"version": jengine.__version__}
+
+
+def _card(state: ServerState, name: str) -> dict:
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "jengine",
+            "root": state.model_name}
+    if state.engine is not None:
+        card["max_model_len"] = state.engine.core.model.max_model_len
+    return card
+
+
+async def models(request: Request) -> dict:
+    state = _state(request)
+    return {"object": "list", "data": [_card(state, name) for name in state.model_names]}
+
+
+async def model(model: str, request: Request) -> dict:
+    state = _state(request)
+    state.check_model(model)
+    return _card(state, model)
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    state = accept(request, body)
+    engine = state.ready_engine()
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("pass exactly one of prompt and messages")
+    if body.messages is not None:
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        tokens = await asyncio.to_thread(render_chat, engine.tokenizer, messages,
+                                         chat_template=state.chat_template)
+    else:
+        tokens = await asyncio.to_thread(
+            lambda: list(engine.tokenizer(
+                body.prompt, add_special_tokens=body.add_special_tokens).input_ids))
+    return {"count": len(tokens), "max_model_len": engine.core.model.max_model_len,
+            "tokens": tokens}
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    state = accept(request, body)
+    engine = state.ready_engine()
+    vocab = engine.core.model.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+ROUTES: tuple[Route, ...] = (
+    Route("/v1/completions", "POST", create_completion, auth=True, streams=True),
+    Route("/v1/chat/completions", "POST", create_chat_completion, auth=True, streams=True),
+    Route("/v1/responses", "POST", create_response, auth=True, streams=True),
+    Route("/health", "HEAD", health, auth=False),  # load balancers' probe (undocumented)
+    Route("/health", "GET", health, auth=False),
+    Route("/metrics", "GET", metrics, auth=False),
+    Route("/version", "GET", version, auth=False),
+    Route("/v1/models", "GET", models, auth=True),
+    Route("/v1/models/{model:path}", "GET", model, auth=True),
+    Route("/tokenize", "POST", tokenize, auth=False),
+    Route("/detokenize", "POST", detokenize, auth=False),
+)
+
+_PATTERNS = [(compile_path(r.path)[0], r.auth) for r in ROUTES]
+
+
+def needs_key(path: str) -> bool:
+    """Whether a request for `path` must carry the API key (when the server has one)."""
+    for pattern, auth in _PATTERNS:
+        if pattern.match(path):
+            return auth
+    return path == API_PREFIX or path.startswith(API_PREFIX + "/")
+
+
+def document_path(route: Route) -> str:
+    """The route's path as the OpenAPI document writes it (`{model}`, no converter)."""
+    return compile_path(route.path)[1]
