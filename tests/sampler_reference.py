@@ -1,7 +1,7 @@
 """The sampler tests' shared part: SamplingArrays with no-op defaults, jitted entry points, and a
 NumPy reference of every setting (vLLM's penalties, temperature / min-p / top-k / top-p by a full
-sort) that tests/runtime/test_sampler.py and tests/runtime/test_sampler_filters.py compare jengine.runtime.sampler
-with."""
+sort) that tests/runtime/test_sampler.py and tests/runtime/test_sampler_filters.py compare
+jengine.runtime.sampler with."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Structured-output cases shared by tests/structured/test_structured.py (a few generations per case) and
-experiments/structured_check.py (50 per case): a prompt, a constraint and a check of the output;
-and a tool for the tool-calling tests."""
+"""Structured-output cases shared by tests/structured/test_structured.py (a few generations per
+case) and experiments/structured_check.py (50 per case): a prompt, a constraint and a check of the
+output; and a tool for the tool-calling tests."""
 
 from __future__ import annotations
 

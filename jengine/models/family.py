@@ -64,7 +64,8 @@ class ModelType:
 
     name: str
     features: str
-    parity_test: str | None = None  # in tests/models/test_models_parity.py or tests/models/test_deepseek.py
+    # in tests/models/test_models_parity.py or tests/models/test_deepseek.py
+    parity_test: str | None = None
     # How GGUF files reach this type when no architecture maps to it by name (Mixtral is
     # llama.cpp's `llama` with experts).
     gguf_note: str | None = None

@@ -1,6 +1,7 @@
 """GGUF reading, the file format: dequantization against hand-built blocks of every type, and
-the header, metadata and tensor bytes as llama.cpp's own reader reads them (tests/converters/test_gguf.py:
-llama.cpp's conversions undone and logits against transformers).
+the header, metadata and tensor bytes as llama.cpp's own reader reads them
+(tests/converters/test_gguf.py: llama.cpp's conversions undone and logits against
+transformers).
 
 Each quantized tensor is written byte by byte from ggml's documented block layouts
 (`ggml-common.h`; the loops of `dequantize_row_*` in `ggml-quants.c`) with chosen scales, mins

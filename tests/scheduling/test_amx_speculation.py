@@ -1,7 +1,7 @@
 """n-gram speculation on a bf16 model (the AMX CPUs' default dtype) against plain decoding, to the
 bit: the engine-level check of the attention kernel's batch-invariant decode rows
-(tests/kernels/test_cpu_attention.py checks the kernel's bits). Its own module, so that its two engines
-are built early in the suite: late in a full run (94%), building them crashed inside JAX's
+(tests/kernels/test_cpu_attention.py checks the kernel's bits). Its own module, so that its two
+engines are built early in the suite: late in a full run (94%), building them crashed inside JAX's
 compilation-cache write twice, which the module alone never did (docs/engine.md)."""
 
 from __future__ import annotations

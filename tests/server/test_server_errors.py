@@ -1,6 +1,6 @@
-"""The session's `jengine serve` (tests/server/test_server.py says which) on bad input: 400s in OpenAI's
-error shape for malformed bodies, 404 for unknown models and routes, 401 without the key, and
-request ids echoed and logged."""
+"""The session's `jengine serve` (tests/server/test_server.py says which) on bad input: 400s in
+OpenAI's error shape for malformed bodies, 404 for unknown models and routes, 401 without the
+key, and request ids echoed and logged."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def test_the_middleware_asks_the_table_for_the_key(app):
 
 
 def test_nothing_in_the_server_parses_a_command_line():
-    server = Path(__file__).resolve().parents[1] / "jengine" / "server"
+    server = Path(__file__).resolve().parents[2] / "jengine" / "server"
     found = []
     for path in sorted(server.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
