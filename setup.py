@@ -1,5 +1,6 @@
-"""The native CPU kernels (paged attention, KV write and zeros that touch no page; the small-row
-matmul), built against the XLA FFI headers that jaxlib ships.
+"""The native CPU kernels (jengine/cpu_kernels/csrc: paged attention, KV write and zeros that
+touch no page, the small-row, AMX and int8 matmuls, RMSNorm), built against the XLA FFI headers
+that jaxlib ships.
 
 Everything else about the package is in pyproject.toml; this file only declares the extensions.
 """
@@ -24,26 +25,22 @@ def _xla_ffi_include() -> str:
     return str(include)
 
 
-def _kernel(name: str, sources: list[str], *headers: str) -> Extension:
-    csrc = "jengine/pallas_kernels/csrc/"
+CSRC = Path("jengine/cpu_kernels/csrc")
+
+
+def _native_kernels() -> Extension:
+    """Every `csrc/*.cc` in one library, `jengine.cpu_kernels._cpu_kernels` (one library so that
+    the attention and the matmuls share one SpinHelper thread); each file adds its own FFI
+    targets and ISA codes to the library's table (csrc/registry.h), so a new kernel is a new
+    file here and nothing to list."""
     return Extension(
-        f"jengine.pallas_kernels.{name}",
-        sources=[csrc + source for source in sources],
-        depends=[csrc + h for h in ("isa.h", "parallel_for.h", "per_isa.h", *headers)],
+        "jengine.cpu_kernels._cpu_kernels",
+        sources=sorted(str(p) for p in CSRC.glob("*.cc")),
+        depends=sorted(str(p) for p in CSRC.glob("*.h")),
         include_dirs=[_xla_ffi_include()],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-g0", "-fvisibility=hidden", "-w"],
     )
 
 
-setup(
-    ext_modules=[
-        # One library, so that the attention and the matmuls share one SpinHelper thread.
-        _kernel("_cpu_kernels",
-                ["paged_attention.cc", "kv_zeros.cc", "small_matmul.cc", "int8_matmul.cc",
-                 "rms_norm.cc"],
-                "paged_attention_impl.h", "amx_tiles.h", "amx_attention.h", "small_matmul_impl.h",
-                "amx_bf16.h", "amx_swiglu.h", "amx_int8.h", "spin_helper.h", "rms_norm_impl.h",
-                "bf16.h"),
-    ]
-)
+setup(ext_modules=[_native_kernels()])

@@ -1,4 +1,4 @@
-"""The native W8A8 kernel (jengine.pallas_kernels.cpu_matmul.int8_matmul) against XLA:CPU's int8
+"""The native W8A8 kernel (jengine.cpu_kernels.int8_matmul) against XLA:CPU's int8
 dot (jengine.models.quant, what `--quantization int8` runs otherwise), at SmolLM2's projection
 shapes and its tied output head, for a range of row counts. Same process, alternating calls,
 the fastest of several timings each; prints ms and GOP/s.
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.cpu_kernels import int8_matmul as cpu_matmul
 from jengine.models import quant
-from jengine.pallas_kernels import cpu_matmul
 
 SHAPES = {  # name: (K, N, w^T)
     "qkv 576x960": (576, 960, False), "o 576x576": (576, 576, False),

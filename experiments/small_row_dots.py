@@ -6,7 +6,7 @@ the median wall time per program, the ratio to M = 1, the weight bytes per secon
 GFLOP/s, cases alternating for `--reps` rounds. Speculative verification runs k + 1 rows per
 sequence, so this ratio is what it must earn back (docs/engine.md, "Speculative decoding").
 `--backends xla native` times the same program with jengine's native small-row matmul
-(`jengine.pallas_kernels.cpu_matmul`) in place of XLA's dot, both in one process, interleaved.
+(`jengine.cpu_kernels.matmul`) in place of XLA's dot, both in one process, interleaved.
 
     python experiments/small_row_dots.py [--layers 20 --reps 7 --backends xla native]
     python experiments/small_row_dots.py --k 576 --n 49152 --layers 1 --transposed  # tied lm_head
@@ -54,7 +54,7 @@ def main() -> None:
     def make(backend: str, dtype: str):
         def mm(x, w):
             if backend == "native":
-                from jengine.pallas_kernels.cpu_matmul import small_matmul
+                from jengine.cpu_kernels.matmul import small_matmul
                 y = small_matmul(x, w, transpose_w=args.transposed, isa=args.isa)
             else:
                 w = w.astype(jnp.float32)

@@ -7,7 +7,7 @@ turn; prints the fastest of several timings in ms and the rate in GFLOP/s. `--ba
 the AMX kernel of another build of the library (a copy of `_cpu_kernels*.so` from before a
 change), timed in turn with this tree's in the same process. `--int8` adds the `int8` (W8A8)
 projections: XLA's int8 dot and rescale (quant.einsum) against the AMX-INT8 kernel
-(cpu_matmul.amx_int8_matmul), both quantizing each row of x first.
+(cpu_int8.amx_int8_matmul), both quantizing each row of x first.
 
     PYTHONPATH=. python -P scripts/amx_matmul_bench.py [--rows 1 8 32 64 512] [--reps 7]
         [--baseline /tmp/old_cpu_kernels.so] [--int8]
@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.cpu_kernels import int8_matmul as cpu_int8
+from jengine.cpu_kernels import matmul as cpu_matmul
 from jengine.models import quant
-from jengine.pallas_kernels import cpu_matmul
 
 E, F, KV, LAYERS = 576, 1536, 192, 30
 SHAPES = {"wq": (E, E), "wk": (E, KV), "wv": (E, KV), "wo": (E, E), "w_gate": (E, F),
@@ -85,12 +86,12 @@ def main() -> None:
     if args.int8:
         qw = [{n: quant.quantize_weight(w, (0,), "int8") for n, w in layer.items()}
               for layer in plain]
-        qpacked = [{n: (jnp.asarray(cpu_matmul.amx_int8_tiles(np.asarray(w.q))), w.scale)
+        qpacked = [{n: (jnp.asarray(cpu_int8.amx_int8_tiles(np.asarray(w.q))), w.scale)
                     for n, w in layer.items()} for layer in qw]
 
         def amx_int8(x, w, n):
             xq, sx = quant.quantize_rows(x)
-            return cpu_matmul.amx_int8_matmul(xq, sx, *w, SHAPES[n][1], max_threads=args.threads)
+            return cpu_int8.amx_int8_matmul(xq, sx, *w, SHAPES[n][1], max_threads=args.threads)
         runs["xla int8"] = (_layers(lambda x, w, n: quant.einsum("tk,kn->tn", x, w)), qw)
         runs["amx int8"] = (_layers(amx_int8), qpacked)
     flop_per_row = 2 * LAYERS * sum(k * n for k, n in SHAPES.values())

@@ -30,16 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.cpu_kernels import attention as cpu
+from jengine.cpu_kernels import library
+from jengine.cpu_kernels.attention import ragged_paged_attention_cpu, write_kv_cpu
 from jengine.pallas_kernels import (
     blocked_paged_attention,
-    cpu,
     num_query_blocks,
     quantize_rows,
     query_blocks,
     ragged_paged_attention,
-    ragged_paged_attention_cpu,
     write_kv,
-    write_kv_cpu,
 )
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 9, 3, 64, 16, 4
@@ -234,14 +234,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--isa", default="auto",
                         help=f"the kernel's instruction set, or several, comma-separated, to "
-                             f"compare: {', '.join(cpu.ISAS)}")
+                             f"compare: {', '.join(library.isas('attention'))}")
     parser.add_argument("--baseline", metavar="LIB",
                         help="another build of the kernel library (_cpu_kernels*.so) to time")
     args = parser.parse_args()
     isas = args.isa.split(",")
-    unknown = [isa for isa in isas if isa not in cpu.ISAS]
+    unknown = [isa for isa in isas if isa not in library.isas("attention")]
     if unknown:
-        parser.error(f"unknown --isa {unknown}; choose from {list(cpu.ISAS)}")
+        parser.error(f"unknown --isa {unknown}; choose from {list(library.isas('attention'))}")
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
           f"auto = {cpu.best_isa()}, timed: {', '.join(isas)}")
     if args.baseline:

@@ -34,7 +34,8 @@ LAYERS = (
     # logical-axis rules. Both read the models' parameter specs; neither imports the other.
     ("weights", ("converters", "jengine.sharding")),
     ("model", ("jengine.models", "jengine.structured", "jengine.text")),
-    ("kernels", ("jengine.pallas_kernels",)),
+    # The attention backends (pallas_kernels) reach the native CPU kernels' `cpu` backend.
+    ("kernels", ("jengine.pallas_kernels", "jengine.cpu_kernels")),
     # Values and helpers with no project import above them.
     ("base", ("jengine.config", "jengine.cpu_info", "jengine.sampling_params",
               "jengine.outputs", "jengine.progress")),

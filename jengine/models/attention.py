@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jengine.cpu_kernels.attention import write_kv_cpu
+from jengine.cpu_kernels.kv_zeros import untouched_zeros
 from jengine.models.config import ModelConfig
 from jengine.pallas_kernels import (
     attention_fn,
@@ -16,9 +18,7 @@ from jengine.pallas_kernels import (
     ragged_paged_attention,
     shard_for_context_mesh,
     shard_write_for_context_mesh,
-    untouched_zeros,
     write_kv,
-    write_kv_cpu,
 )
 
 
@@ -59,7 +59,7 @@ class KVCache:
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, *,
               untouched: bool = False) -> KVCache:
         """An empty cache. `untouched` (inside a program for one CPU device): the same zeros,
-        made without writing them (`pallas_kernels.untouched_zeros`), so start-up pays no page
+        made without writing them (`cpu_kernels.kv_zeros`), so start-up pays no page
         faults for pages no step has used yet."""
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         rows = shape[:-1]

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.cpu_kernels.rms_norm import rms_norm as native_rms_norm
 from jengine.models import quant
 from jengine.models.config import RopeConfig
 from jengine.models.matmul import AmxPacked, Weight, dot, packed_rows
-from jengine.pallas_kernels import cpu_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +56,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: float = 0.0
     """RMSNorm in float32; Gemma scales by (1 + weight) (`offset=1`), Llama by weight. The mean
     of squares is `row_sum`'s, so a row normalises to the same bits in any batch. With the
     native CPU kernels (`backend` "native" or "amx", the matmul backend's) the native norm
-    computes it in one call, also batch-invariant (`cpu_matmul.rms_norm`)."""
+    computes it in one call, also batch-invariant (`cpu_kernels.rms_norm`)."""
     with jax.named_scope("norm"):  # the scopes name the parts in profiles (scripts/)
         if backend in ("native", "amx"):
-            return cpu_matmul.rms_norm(x, weight, eps, offset)
+            return native_rms_norm(x, weight, eps, offset)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x.shape[-1] + eps)
         if offset:

@@ -1,6 +1,6 @@
 """Which kernel runs a projection's dot: XLA's einsum, the native small-row kernel, the
 native W8A8 kernel, or the AMX kernel over weights packed for the tiles at load time
-(jengine.pallas_kernels.cpu_matmul), chosen per shape, weight dtype and CPU at trace time;
+(jengine.cpu_kernels.matmul), chosen per shape, weight dtype and CPU at trace time;
 `dot` is the one entry point the model code calls."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine import cpu_info
+from jengine.cpu_kernels import int8_matmul as cpu_int8
+from jengine.cpu_kernels import matmul as cpu_matmul
 from jengine.models import quant
 from jengine.models.quant import QArray
-from jengine.pallas_kernels import cpu_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,7 @@ class AmxPacked:
     """A bf16 projection weight in the AMX tiles' layout (`cpu_matmul.amx_tiles` of its
     [K, out...] form, the contracted axes merged into K; of a tied embedding's transpose),
     which only `cpu_matmul.amx_matmul` reads (and `packed_rows`, the embedding's gather); or
-    an `int8` (W8A8) one's int8 values and scales, which `cpu_matmul.amx_int8_matmul` reads.
+    an `int8` (W8A8) one's int8 values and scales, which `cpu_int8.amx_int8_matmul` reads.
     Packed once at load time (`pack_projections`), so that a call reads the tiles straight from
     memory instead of repacking the weight (docs/kernels.md, "AMX bf16 projections")."""
 
@@ -94,7 +95,7 @@ INT8_NATIVE_ROWS = 128  # from this many rows an `int8` projection runs the nati
 
 def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
     """`auto` -> `amx` (the native kernels, and bf16 projections packed for the AMX kernel)
-    on one CPU device with AMX-BF16, `native` (jengine.pallas_kernels.cpu_matmul) on other
+    on one CPU device with AMX-BF16, `native` (jengine.cpu_kernels.matmul) on other
     CPUs when the library loaded, else `xla`. XLA cannot partition the custom calls, so a tp
     mesh keeps XLA's dot, and so do accelerators; `native` or `amx` there is an error, and so
     is `amx` on a CPU without it. `amx` packs only a bf16 model's float projections."""
@@ -123,7 +124,7 @@ def pack_projections(params: dict, specs: dict) -> dict:
     `embed` [V, E] as the tiles of its transpose), as an `AmxPacked` (packed on the host, each
     float weight freed once packed). `specs` are the stacked declarations: a layer weight's
     contracted axes follow the layer axis."""
-    int8 = cpu_matmul.amx_int8_available()
+    int8 = cpu_int8.amx_int8_available()
     layers = []
     for layer in params["layers"]:
         out = dict(layer)
@@ -165,7 +166,7 @@ def _packed_int8(w: QArray, n_in: int) -> AmxPacked:
     `amx_int8_matmul`, with its column scales; w is freed."""
     host = np.asarray(w.q)
     host = host.reshape(int(np.prod(w.shape[:n_in])), -1)
-    packed = AmxPacked(tiles=jax.device_put(cpu_matmul.amx_int8_tiles(host), w.q.sharding),
+    packed = AmxPacked(tiles=jax.device_put(cpu_int8.amx_int8_tiles(host), w.q.sharding),
                        k=host.shape[0], out_shape=tuple(w.shape[n_in:]),
                        scale=w.scale.reshape(-1))
     w.q.delete()
@@ -203,7 +204,7 @@ def _native_operand(x: jax.Array, w: Weight, form: str
 
 
 def _native_int8(x: jax.Array, w: Weight, form: str) -> bool:
-    """Whether the native W8A8 kernel (cpu_matmul.int8_matmul) takes this `int8` product: a
+    """Whether the native W8A8 kernel (cpu_int8.int8_matmul) takes this `int8` product: a
     projection (`kn`) of at least INT8_NATIVE_ROWS rows on a VNNI CPU without AMX-INT8 (where
     XLA's int8 dot runs on the tiles at 1.4-2.1 TOP/s on two cores, 2-3x the kernel's rate:
     docs/kernels.md).
@@ -216,7 +217,7 @@ def _native_int8(x: jax.Array, w: Weight, form: str) -> bool:
     chunks gain (0.89-0.97x the step). The tied output head (`nk`) stays on XLA: packing
     w^T costs more than the kernel saves there."""
     return (isinstance(w, QArray) and w.mode == "int8" and form == "kn" and x.ndim == 2
-            and x.shape[0] >= INT8_NATIVE_ROWS and cpu_matmul.int8_isa() == "avx512_vnni"
+            and x.shape[0] >= INT8_NATIVE_ROWS and cpu_int8.int8_isa() == "avx512_vnni"
             and "amx_int8" not in cpu_info.flags())
 
 
@@ -224,7 +225,7 @@ def _int8_dot(x: jax.Array, w: QArray) -> jax.Array:
     """`quant.einsum` of an `int8` projection by the native kernel: the same per-row quantized
     x, int32 sums and rescale, so the same floats."""
     xq, sx = quant.quantize_rows(x)
-    y = cpu_matmul.int8_matmul(xq, sx, w.q.reshape(w.q.shape[0], -1), w.scale)
+    y = cpu_int8.int8_matmul(xq, sx, w.q.reshape(w.q.shape[0], -1), w.scale)
     return y.reshape(x.shape[0], *w.q.shape[1:])
 
 
@@ -257,7 +258,7 @@ def swiglu(x: jax.Array, w_gate: Weight, w_up: Weight, backend: str = "xla") -> 
             and x.dtype == jnp.bfloat16 and w_gate.scale is not None and w_up.scale is not None
             and w_gate.tiles.shape == w_up.tiles.shape):
         xq, sx = quant.quantize_rows(x)
-        return cpu_matmul.amx_int8_swiglu(xq, sx, (w_gate.tiles, w_gate.scale),
+        return cpu_int8.amx_int8_swiglu(xq, sx, (w_gate.tiles, w_gate.scale),
                                           (w_up.tiles, w_up.scale), int(np.prod(w_gate.out_shape)))
     eq = "te,ef->tf"
     gate = dot(eq, x, w_gate, backend, rounded_to=x.dtype).astype(x.dtype)
@@ -286,7 +287,7 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla", *,
         n = int(np.prod(w.out_shape))
         if w.scale is not None:  # int8 (W8A8): the rows quantized as quant.einsum's
             xq, sx = quant.quantize_rows(x)
-            y = cpu_matmul.amx_int8_matmul(xq, sx, w.tiles, w.scale, n, out_dtype=out)
+            y = cpu_int8.amx_int8_matmul(xq, sx, w.tiles, w.scale, n, out_dtype=out)
         else:
             y = cpu_matmul.amx_matmul(x, w.tiles, n, out_dtype=out)
         return y.reshape(x.shape[0], *w.out_shape)

@@ -1,11 +1,13 @@
-"""Ragged paged attention backends behind one signature.
+"""Ragged paged attention backends behind one signature, each an `AttentionBackend` record.
 
-`reference` is pure JAX (the oracle the kernels are tested against); `cpu` is a native C++
-kernel through `jax.ffi` (its FFI targets are registered when this package is imported);
-`pallas_tpu` (Mosaic, pages streamed from HBM with double-buffered DMAs) and `pallas_gpu`
-(Triton, split-K) share its signature. `attention_fn(backend, platform)` picks one. This package
-imports only jax and numpy (and loads the native library with ctypes); the two Pallas kernels
-(and Pallas itself) are imported when first named, so a CPU engine never imports them.
+`reference` is pure JAX (the oracle the kernels are tested against); `pallas_tpu` (Mosaic, pages
+streamed from HBM with double-buffered DMAs) and `pallas_gpu` (Triton, split-K) share its
+signature, and so does `cpu`, the native C++ kernel of `jengine.cpu_kernels.attention` (its FFI
+targets are registered when that package loads). `attention_fn(backend, platform)` picks one.
+This package imports only jax and numpy (and the native kernels' package); the two Pallas
+kernels (and Pallas itself) are imported when first named, so a CPU engine never imports them.
+The KV cache's quantized rows (`kv_quant`) and the query blocks (`block_layout`) every backend
+reads live here too.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import importlib
 from typing import Any
 
 from jengine.pallas_kernels.backends import (
+    ATTENTION_BACKENDS,
     BACKENDS,
+    AttentionBackend,
     attention_fn,
     resolve_backend,
     shard_for_context_mesh,
@@ -22,8 +26,6 @@ from jengine.pallas_kernels.backends import (
     shard_write_for_context_mesh,
 )
 from jengine.pallas_kernels.block_layout import num_query_blocks
-from jengine.pallas_kernels.cpu import ragged_paged_attention_cpu, untouched_zeros, write_kv_cpu
-from jengine.pallas_kernels.cpu_matmul import small_matmul
 from jengine.pallas_kernels.kv_quant import KV_FP8, KV_INT8, is_quantized, quantize_rows
 from jengine.pallas_kernels.reference import (
     blocked_paged_attention,
@@ -38,7 +40,9 @@ _LAZY = {
 }
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "BACKENDS",
+    "AttentionBackend",
     "KV_FP8",
     "KV_INT8",
     "attention_fn",
@@ -48,17 +52,13 @@ __all__ = [
     "query_blocks",
     "quantize_rows",
     "ragged_paged_attention",
-    "ragged_paged_attention_cpu",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_tpu",
     "resolve_backend",
     "shard_for_context_mesh",
-    "small_matmul",
     "shard_over_heads",
     "shard_write_for_context_mesh",
-    "untouched_zeros",
     "write_kv",
-    "write_kv_cpu",
 ]
 
 

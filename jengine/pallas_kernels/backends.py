@@ -1,18 +1,22 @@
-"""Attention backend choice, and the `shard_map` wrapper that runs a kernel per tp shard.
+"""Attention backends behind one protocol, and the `shard_map` wrapper that runs a kernel per tp
+shard.
 
-Every backend has the reference's signature:
+Every backend's kernel has the reference's signature:
 `fn(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale, sliding_window,
 soft_cap, kv_head_map, k_scale=None, v_scale=None) -> [T, H, D]` (the scales: an int8
-cache's, which every backend reads). `auto` resolves by platform: cpu -> cpu
-(the native C++ kernel, jengine.pallas_kernels.cpu; reference, with a warning, when its
-library was not built), tpu -> pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. Asking for `cpu`
-itself without the library is a `RuntimeError` naming the fix. A Pallas backend asked for on
-CPU runs its kernel in interpret mode (TPU emulation for pallas_tpu), which is how the tests and
-an end-to-end check on this machine exercise the kernels.
+cache's, which every backend reads). Each backend is an `AttentionBackend` record in
+`ATTENTION_BACKENDS`: `reference` (pure JAX, the oracle), `cpu` (the native C++ kernel,
+jengine.cpu_kernels.attention), `pallas_tpu` and `pallas_gpu`. `auto` resolves by platform:
+cpu -> cpu (reference, with a warning, when the native library was not built), tpu ->
+pallas_tpu, gpu (cuda/rocm) -> pallas_gpu. Asking for `cpu` itself without the library is a
+`RuntimeError` naming the fix. A Pallas backend asked for on CPU runs its kernel in interpret
+mode (TPU emulation for pallas_tpu), which is how the tests and an end-to-end check on this
+machine exercise the kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -21,12 +25,62 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from jengine.pallas_kernels import cpu
+from jengine.cpu_kernels import attention as cpu_attention
 from jengine.pallas_kernels.reference import ragged_paged_attention
 
-BACKENDS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
-_AUTO = {"cpu": "cpu", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
-         "rocm": "pallas_gpu"}
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """One implementation of the attention signature, as the runtime picks it by `name`.
+
+    `kernel(platform, **block_sizes)` returns the attention function on `platform` (a Pallas
+    kernel is imported only then: Pallas and Mosaic cost ~0.35 s of a CPU start-up; off its
+    hardware it runs in interpret mode). `available()` says whether it can run at all here (the
+    native kernel needs its library) and `require()` raises the error naming the fix when not.
+    """
+
+    name: str
+    auto_on: tuple[str, ...]  # the platforms `auto` picks this backend on
+    kernel: Callable[..., Callable]
+    available: Callable[[], bool] = lambda: True
+    require: Callable[[], None] = lambda: None
+
+
+def _reference(platform: str, **block_sizes) -> Callable:
+    return ragged_paged_attention
+
+
+def _cpu(platform: str, **block_sizes) -> Callable:
+    if platform != "cpu":
+        raise ValueError(f"attention backend 'cpu' runs on the CPU platform, not {platform!r}")
+    return functools.partial(cpu_attention.ragged_paged_attention_cpu, **block_sizes)
+
+
+def _pallas_tpu(platform: str, **block_sizes) -> Callable:
+    from jax.experimental.pallas import tpu as pltpu
+
+    from jengine.pallas_kernels.tpu import ragged_paged_attention_tpu
+
+    interpret = pltpu.InterpretParams() if platform != "tpu" else False
+    return functools.partial(ragged_paged_attention_tpu, interpret=interpret, **block_sizes)
+
+
+def _pallas_gpu(platform: str, **block_sizes) -> Callable:
+    from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
+
+    interpret = platform not in _GPU_PLATFORMS
+    return functools.partial(ragged_paged_attention_gpu, interpret=interpret, **block_sizes)
+
+
+ATTENTION_BACKENDS = {b.name: b for b in (
+    AttentionBackend("reference", (), _reference),
+    AttentionBackend("cpu", ("cpu",), _cpu, cpu_attention.available, cpu_attention.require),
+    AttentionBackend("pallas_tpu", ("tpu",), _pallas_tpu),
+    AttentionBackend("pallas_gpu", _GPU_PLATFORMS, _pallas_gpu),
+)}
+BACKENDS = ("auto", *ATTENTION_BACKENDS)
 
 
 def resolve_backend(backend: str, platform: str) -> str:
@@ -34,18 +88,18 @@ def resolve_backend(backend: str, platform: str) -> str:
     when its native library is built, else a `RuntimeError` naming the fix)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "cpu":
-        cpu.require()
     if backend != "auto":
+        ATTENTION_BACKENDS[backend].require()
         return backend
-    if platform not in _AUTO:
+    picked = next((b for b in ATTENTION_BACKENDS.values() if platform in b.auto_on), None)
+    if picked is None:
         raise ValueError(f"no attention backend for platform {platform!r}")
-    if _AUTO[platform] == "cpu" and not cpu.available():
+    if not picked.available():
         logging.getLogger("jengine").warning(
             "the native CPU attention kernel is not built; using the slower 'reference' backend "
             "(reinstall jengine with a C++ compiler present: `pip install -e .`)")
         return "reference"
-    return _AUTO[platform]
+    return picked.name
 
 
 def attention_fn(backend: str, platform: str | None = None, **block_sizes) -> Callable:
@@ -55,25 +109,7 @@ def attention_fn(backend: str, platform: str | None = None, **block_sizes) -> Ca
     `num_kv_splits`, `num_warps`, `num_stages` for GPU; `block_q`, `isa` for cpu).
     """
     platform = platform or jax.default_backend()
-    name = resolve_backend(backend, platform)
-    if name == "reference":
-        return ragged_paged_attention
-    if name == "cpu":
-        if platform != "cpu":
-            raise ValueError(f"attention backend 'cpu' runs on the CPU platform, not {platform!r}")
-        return functools.partial(cpu.ragged_paged_attention_cpu, **block_sizes)
-    # The Pallas kernels import here: Pallas and Mosaic cost ~0.35 s of a CPU start-up.
-    if name == "pallas_tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
-        from jengine.pallas_kernels.tpu import ragged_paged_attention_tpu
-
-        interpret = pltpu.InterpretParams() if platform != "tpu" else False
-        return functools.partial(ragged_paged_attention_tpu, interpret=interpret, **block_sizes)
-    from jengine.pallas_kernels.gpu import ragged_paged_attention_gpu
-
-    interpret = platform not in ("gpu", "cuda", "rocm")
-    return functools.partial(ragged_paged_attention_gpu, interpret=interpret, **block_sizes)
+    return ATTENTION_BACKENDS[resolve_backend(backend, platform)].kernel(platform, **block_sizes)
 
 
 def shard_for_context_mesh(fn: Callable, axis: str = "tp") -> Callable:

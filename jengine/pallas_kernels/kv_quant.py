@@ -21,14 +21,16 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jengine.cpu_kernels.attention import CACHE_DTYPES as CPU_CACHE_DTYPES
+
 KV_INT8 = jnp.dtype(jnp.int8)
 KV_FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # Each quantized dtype's largest magnitude: a row's absmax maps onto it.
 _QMAX = {KV_INT8: 127.0, KV_FP8: 448.0}
-# The attention backends that read each quantized dtype (the native cpu kernel widens float and
-# int8 pages only), and the dtype's `kv_cache_dtype` name.
-READERS = {KV_INT8: ("reference", "cpu", "pallas_gpu", "pallas_tpu"),
-           KV_FP8: ("reference", "pallas_gpu", "pallas_tpu")}
+# The attention backends that read each quantized dtype (the native cpu kernel widens the pages
+# of its CACHE_DTYPES only: int8, not fp8), and the dtype's `kv_cache_dtype` name.
+READERS = {dtype: tuple(b for b in ("reference", "cpu", "pallas_gpu", "pallas_tpu")
+                        if b != "cpu" or dtype in CPU_CACHE_DTYPES) for dtype in (KV_INT8, KV_FP8)}
 _NAMES = {KV_INT8: "int8", KV_FP8: "fp8"}
 
 

@@ -17,7 +17,7 @@ from test_cpu_attention import _round_to_bf16, kernel, run
 from test_reference_attention import Case
 
 from jengine import Engine, SamplingParams
-from jengine.pallas_kernels import cpu
+from jengine.cpu_kernels import attention as cpu
 
 pytestmark = pytest.mark.skipif(
     not (cpu.available() and cpu.supports("amx")),

@@ -23,8 +23,9 @@ from verify_all import ngram_speculation  # tests/verify_all.py
 
 from jengine import Engine, SamplingParams
 from jengine.core import build
+from jengine.cpu_kernels import int8_matmul as cpu_int8
+from jengine.cpu_kernels import matmul as cpu_matmul
 from jengine.models import matmul
-from jengine.pallas_kernels import cpu_matmul
 from jengine.runtime.step_io import SamplingRows, dummy_batch
 
 pytestmark = pytest.mark.skipif(
@@ -113,7 +114,7 @@ def test_speculation_and_prompt_logprobs_on_packed_weights(engines):
                 assert gp[t].logprob == pytest.approx(wp[t].logprob, abs=0.2)
 
 
-INT8_LAYERS = 7 if cpu_matmul.amx_int8_available() else 0  # int8 projections packed a layer
+INT8_LAYERS = 7 if cpu_int8.amx_int8_available() else 0  # int8 projections packed a layer
 
 
 @pytest.mark.parametrize(("setting", "per_layer", "head"), [

@@ -1,5 +1,6 @@
-"""The native CPU kernels (`jengine.pallas_kernels.cpu`) against the float64 oracle and the
-reference, on each instruction-set path (portable; AVX2+FMA and AVX-512F where the CPU has them).
+"""The native CPU kernels (`jengine.cpu_kernels.attention`, `kv_zeros`) against the float64
+oracle and the reference, on each instruction-set path (portable; AVX2+FMA and AVX-512F where the
+CPU has them).
 
 Batches are `test_reference_attention.Case`s (shuffled pages, garbage in every unwritten slot).
 The step writes this step's K/V with the kernel's own in-place write, then attends. f32 caches:
@@ -22,8 +23,9 @@ import numpy as np
 import pytest
 from test_reference_attention import HEAD_DIM, LAYER, MIXED, NUM_LAYERS, SHAPES, Case
 
+from jengine.cpu_kernels import attention as cpu
+from jengine.cpu_kernels import kv_zeros, library
 from jengine.pallas_kernels import (
-    cpu,
     is_quantized,
     quantize_rows,
     ragged_paged_attention,
@@ -253,11 +255,12 @@ def test_auto_and_forced_instruction_sets(monkeypatch):
     assert cpu.has_avx2() == cpu.supports("avx2")
     case = Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=8)
     np.testing.assert_array_equal(run(case, kernel("auto")), run(case, kernel(best)))
-    monkeypatch.setitem(cpu.ISAS, "unknown", 7)
-    lacking = [isa for isa in ("avx2", "avx512", "unknown") if not cpu.supports(isa)]
+    lacking = [isa for isa in ("avx2", "avx512") if not cpu.supports(isa)]
     for isa in lacking:
         with pytest.raises(jax.errors.JaxRuntimeError, match="instruction set unsupported"):
             run(case, kernel(isa))
+    with pytest.raises(ValueError, match="no instruction set 'unknown'.*'avx512'"):
+        run(case, kernel("unknown"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -283,8 +286,8 @@ def test_kv_write_is_in_place_when_donated():
 
 
 def test_missing_library_names_the_fix(monkeypatch):
-    monkeypatch.setattr(cpu, "_LIB", None)
-    monkeypatch.setattr(cpu, "_LOAD_ERROR", "no _cpu_attention library")
+    monkeypatch.setattr(library, "_LIB", None)
+    monkeypatch.setattr(library, "_LOAD_ERROR", "no _cpu_kernels library")
     with pytest.raises(RuntimeError, match="pip install -e .*--attention-backend reference"):
         cpu.require()
 
@@ -313,7 +316,7 @@ def test_shard_over_heads(head_map):
 def test_auto_falls_back_to_reference_without_the_library(monkeypatch):
     from jengine.pallas_kernels import resolve_backend
 
-    monkeypatch.setattr(cpu, "_LIB", None)
+    monkeypatch.setattr(library, "_LIB", None)
     assert resolve_backend("auto", "cpu") == "reference"
     with pytest.raises(RuntimeError, match="--attention-backend reference"):
         resolve_backend("cpu", "cpu")
@@ -383,10 +386,6 @@ def _resident_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_the_library_has_the_zeros_target():
-    assert cpu._HAS_ZEROS, "rebuild the native library: python setup.py build_ext --inplace"
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_untouched_zeros_are_zeros_in_reused_memory(dtype):
     """Every byte reads zero, also where the allocator hands back memory that held data: sizes
@@ -398,7 +397,7 @@ def test_untouched_zeros_are_zeros_in_reused_memory(dtype):
         struct = jax.ShapeDtypeStruct((n,), dtype)
         dirty = jnp.full((n,), -1.5, dtype).block_until_ready()  # freed just before the zeros
         del dirty
-        (zeros,) = jax.jit(lambda s=struct: cpu.untouched_zeros(s))()
+        (zeros,) = jax.jit(lambda s=struct: kv_zeros.untouched_zeros(s))()
         assert not np.asarray(zeros).view(bits).any(), n
 
 
@@ -406,7 +405,7 @@ def test_untouched_zeros_map_only_the_pages_written():
     """A 256 MiB cache adds almost nothing to resident memory: the pages a donated in-place
     step writes are mapped then, and reading the rest maps none."""
     struct = jax.ShapeDtypeStruct((64, 1 << 20), jnp.float32)
-    make = jax.jit(lambda: cpu.untouched_zeros(struct)).lower().compile()
+    make = jax.jit(lambda: kv_zeros.untouched_zeros(struct)).lower().compile()
     write = jax.jit(lambda c: c.at[3, :16].set(1.0), donate_argnums=0).lower(struct).compile()
     before = _resident_bytes()
     (cache,) = make()

@@ -1,4 +1,4 @@
-"""The native small-row matmul (`jengine.pallas_kernels.cpu_matmul`) against a float64 oracle
+"""The native small-row matmul (`jengine.cpu_kernels.matmul`) against a float64 oracle
 and `jnp.dot`, on every instruction-set path this CPU runs, for f32, bf16 and int8 weights, and
 the engine's greedy tokens with it on and off (`matmul_backend`); the AMX kernel over packed
 bf16 weights (`amx_tiles`, `amx_matmul`) against the oracle where the CPU has AMX-BF16, and
@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from jengine import Engine, SamplingParams, cpu_info
+from jengine.cpu_kernels import library
+from jengine.cpu_kernels import matmul as cpu_matmul
 from jengine.models import matmul, quant
-from jengine.pallas_kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="native matmul not built")
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
@@ -244,8 +245,8 @@ def test_resolve_matmul_backend():
 
 
 def test_auto_keeps_xla_without_the_library(monkeypatch):
-    monkeypatch.setattr(cpu_matmul, "_LIB", None)
-    monkeypatch.setattr(cpu_matmul, "_LOAD_ERROR", "no _cpu_matmul library")
+    monkeypatch.setattr(library, "_LIB", None)
+    monkeypatch.setattr(library, "_LOAD_ERROR", "no _cpu_kernels library")
     assert matmul.resolve_matmul_backend("auto", "cpu", 1) == "xla"
     with pytest.raises(RuntimeError, match="pip install -e .*matmul_backend 'xla'"):
         matmul.resolve_matmul_backend("native", "cpu", 1)

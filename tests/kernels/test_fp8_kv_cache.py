@@ -21,12 +21,12 @@ from test_int8_kv_cache import _cache_config, _round_trip
 from test_reference_attention import MIXED, Case
 
 from jengine.core.build import resolve_kv_cache_dtype
+from jengine.cpu_kernels.attention import ragged_paged_attention_cpu
 from jengine.models import KVCache
 from jengine.pallas_kernels import (
     KV_FP8,
     quantize_rows,
     ragged_paged_attention,
-    ragged_paged_attention_cpu,
     ragged_paged_attention_gpu,
     ragged_paged_attention_tpu,
 )
@@ -91,8 +91,8 @@ def test_backends_read_an_fp8_cache(backend):
 
 def test_cpu_kernel_refuses_an_fp8_cache():
     case = Case(MIXED, num_heads=6, num_kv_heads=2, page_size=4, seed=33)
-    with pytest.raises(ValueError, match="fp8 needs attention_backend reference, pallas_gpu or "
-                       "pallas_tpu, not 'cpu'"):
+    with pytest.raises(ValueError, match="'cpu' reads float32, bfloat16 and int8 KV caches, "
+                       "not float8_e4m3fn"):
         run(case, ragged_paged_attention_cpu, **FP8)
 
 

@@ -23,10 +23,10 @@ from test_cpu_attention import ISAS, TOL, check, kernel, run
 from test_reference_attention import HEAD_DIM, LAYER, MIXED, NUM_LAYERS, SHAPES, Case
 
 from jengine.core.build import resolve_kv_cache_dtype
+from jengine.cpu_kernels import attention as cpu
 from jengine.models import AttentionMetadata, KVCache
 from jengine.models.attention import attend
 from jengine.pallas_kernels import (
-    cpu,
     num_query_blocks,
     quantize_rows,
     query_blocks,

@@ -1,4 +1,4 @@
-"""The native W8A8 matmul (`cpu_matmul.int8_matmul`) against XLA's int8 dot with jengine's
+"""The native W8A8 matmul (`cpu_kernels.int8_matmul`) against XLA's int8 dot with jengine's
 rescale: equal bit for bit on every instruction-set path this CPU runs, over shapes that cross
 its tiles, k chunks and thread splits; and `matmul.dot`'s routing of `int8` projections to it."""
 
@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 
 from jengine import cpu_info
+from jengine.cpu_kernels import int8_matmul as cpu_int8
+from jengine.cpu_kernels import matmul as cpu_matmul
 from jengine.models import matmul, quant
-from jengine.pallas_kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="native matmul not built")
 
 
 def _runs(isa: str) -> bool:
-    return cpu_matmul.available() and (isa == "portable" or cpu_matmul.int8_isa() == isa)
+    return cpu_matmul.available() and (isa == "portable" or cpu_int8.int8_isa() == isa)
 
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not _runs(isa), reason=f"no {isa} here"))
@@ -43,7 +44,7 @@ def _want(xq, sx, w, sw, transpose_w: bool) -> np.ndarray:
 
 def _check(rng, r, k, n, isa, transpose_w=False, max_threads=0):
     xq, sx, w, sw = _operands(rng, r, k, n, transpose_w)
-    got = jax.jit(lambda *a: cpu_matmul.int8_matmul(
+    got = jax.jit(lambda *a: cpu_int8.int8_matmul(
         *a, transpose_w=transpose_w, isa=isa, max_threads=max_threads))(xq, sx, w, sw)
     got = np.asarray(got)
     assert got.shape == (r, n) and got.dtype == np.float32
@@ -76,14 +77,14 @@ def test_transposed_form_is_exact(isa, r, k, n):
 def test_zero_rows_and_bad_operands():
     w = jnp.ones((8, 4), jnp.int8)
     sw = jnp.ones(4, jnp.float32)
-    empty = cpu_matmul.int8_matmul(jnp.ones((0, 8), jnp.int8), jnp.ones((0, 1)), w, sw)
+    empty = cpu_int8.int8_matmul(jnp.ones((0, 8), jnp.int8), jnp.ones((0, 1)), w, sw)
     assert empty.shape == (0, 4)
     with pytest.raises(ValueError, match="int8 xq and w"):
-        cpu_matmul.int8_matmul(jnp.ones((2, 8), jnp.float32), jnp.ones((2, 1)), w, sw)
+        cpu_int8.int8_matmul(jnp.ones((2, 8), jnp.float32), jnp.ones((2, 1)), w, sw)
     with pytest.raises(ValueError, match="3 channel scales for 4 columns"):
-        cpu_matmul.int8_matmul(jnp.ones((2, 8), jnp.int8), jnp.ones((2, 1)), w, sw[:3])
+        cpu_int8.int8_matmul(jnp.ones((2, 8), jnp.int8), jnp.ones((2, 1)), w, sw[:3])
     with pytest.raises(ValueError, match="K not divisible by 4"):
-        cpu_matmul.int8_matmul(jnp.ones((2, 6), jnp.int8), jnp.ones((2, 1)),
+        cpu_int8.int8_matmul(jnp.ones((2, 6), jnp.int8), jnp.ones((2, 1)),
                                jnp.ones((4, 6), jnp.int8), sw, transpose_w=True)
 
 
@@ -98,7 +99,7 @@ def test_dot_routes_int8_prefill_projections_to_the_kernel(amx, monkeypatch):
     rng = np.random.default_rng(5)
     w = quant.quantize_weight(jnp.asarray(rng.standard_normal((64, 4, 8), np.float32)), (0,),
                               "int8")
-    vnni = (cpu_matmul.int8_isa() == "avx512_vnni"
+    vnni = (cpu_int8.int8_isa() == "avx512_vnni"
             and "amx_int8" not in cpu_info.flags())
     rows_at = matmul.INT8_NATIVE_ROWS
     for rows in (rows_at - 1, rows_at, rows_at + 70):

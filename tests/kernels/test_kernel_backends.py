@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from jengine import Engine, SamplingParams
-from jengine.pallas_kernels import cpu
+from jengine.cpu_kernels import attention as cpu
 from jengine.runtime.buckets import QUERY_BLOCK
 from jengine.runtime.step_io import SamplingRows, dummy_batch
 

@@ -1,5 +1,6 @@
-"""The native RMSNorm (`cpu_matmul.rms_norm`, csrc/rms_norm.cc) against `layers.rms_norm`'s XLA
-formula, for every dtype pairing a model uses and Gemma's (1 + weight), and its errors."""
+"""The native RMSNorm (`jengine.cpu_kernels.rms_norm`, csrc/rms_norm.cc) against
+`layers.rms_norm`'s XLA formula, for every dtype pairing a model uses and Gemma's
+(1 + weight), and its errors."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jengine.cpu_kernels import matmul as cpu_matmul
+from jengine.cpu_kernels import rms_norm as native_norm
 from jengine.models import layers
-from jengine.pallas_kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(),
                                 reason="the native CPU kernels are not built")
@@ -43,6 +45,6 @@ def test_native_norm_matches_the_xla_formula(x_dtype, w_dtype, offset):
 def test_native_norm_refuses_what_it_cannot_take():
     x = jnp.ones((2, 8), jnp.float32)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        cpu_matmul.rms_norm(x.astype(jnp.float16), jnp.ones(8), 1e-6)
+        native_norm.rms_norm(x.astype(jnp.float16), jnp.ones(8), 1e-6)
     with pytest.raises(ValueError, match=r"weight must be \[8\]"):
-        cpu_matmul.rms_norm(x, jnp.ones(4), 1e-6)
+        native_norm.rms_norm(x, jnp.ones(4), 1e-6)

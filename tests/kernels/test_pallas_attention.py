@@ -24,9 +24,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from test_reference_attention import HEAD_DIM, LAYER, MIXED, SHAPES, Case
 
+from jengine.cpu_kernels import attention as cpu
 from jengine.pallas_kernels import (
     attention_fn,
-    cpu,
     ragged_paged_attention,
     ragged_paged_attention_gpu,
     ragged_paged_attention_tpu,

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jengine.cpu_kernels import matmul as cpu_matmul
 from jengine.models import layers
-from jengine.pallas_kernels import cpu_matmul
 from jengine.runtime import sampler
 
 

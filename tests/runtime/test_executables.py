@@ -151,8 +151,9 @@ def test_the_key_covers_every_traced_source():
     package = Path(jengine.core.engine_core.__file__).parents[1]
     files = {str(p.relative_to(package)) for p in traced_files()}
     for name in ("runtime/runner.py", "runtime/sampler.py", "runtime/step_io.py",
-                 "models/llama.py", "models/attention.py", "pallas_kernels/cpu.py",
-                 "pallas_kernels/csrc/paged_attention.cc", "sharding/rules.py",
+                 "models/llama.py", "models/attention.py", "pallas_kernels/reference.py",
+                 "cpu_kernels/attention.py", "cpu_kernels/csrc/paged_attention.cc",
+                 "cpu_kernels/csrc/registry.h", "sharding/rules.py",
                  "sampling_params.py"):
         assert name in files, name
     assert not any(p.startswith(("server/", "scheduling/")) for p in files)

@@ -1,15 +1,13 @@
-"""Native CPU ragged paged attention, KV write and KV zeros: C++ kernels called through `jax.ffi`.
+"""Native CPU ragged paged attention and KV write: C++ kernels called through `jax.ffi`, the
+`cpu` attention backend (jengine.pallas_kernels.backends reaches it through its
+`AttentionBackend` record).
 
-The kernels (`csrc/paged_attention.cc`, `csrc/kv_zeros.cc`) are built into `_cpu_kernels*.so`
-by the package's install (a setuptools Extension against the XLA FFI headers of jaxlib); nothing
-is compiled at run time. They read and write the paged cache in place: attention visits only the
-pages each query block can see (no gathered copy), and the KV write is an aliased output, so a
-donated cache is never copied (XLA's own scatter on a bf16 cache rewrites all of it).
-`untouched_zeros` makes the cache itself without writing its pages (the OS maps each page on its
-first write).
+The kernels (`csrc/paged_attention.cc`) are built into `_cpu_kernels*.so` by the package's
+install (a setuptools Extension against the XLA FFI headers of jaxlib); nothing is compiled at
+run time. They read and write the paged cache in place: attention visits only the pages each
+query block can see (no gathered copy), and the KV write is an aliased output, so a donated
+cache is never copied (XLA's own scatter on a bf16 cache rewrites all of it).
 
-The FFI targets are registered when this module is imported (jengine.pallas_kernels imports it),
-before any program that calls them is compiled or loaded from the persistent compilation cache.
 If the library is missing, importing still succeeds and the `cpu` backend raises `RuntimeError`
 naming the fix when asked for; the `reference` backend never needs it.
 """
@@ -21,41 +19,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine import cpu_info
-from jengine.pallas_kernels.kv_quant import check_cache
-from jengine.pallas_kernels.native_library import load_native, missing
+from jengine.cpu_kernels import library
 
-_ATTENTION_TARGET = "jengine_paged_attention"
-_KV_WRITE_TARGET = "jengine_kv_write"
-_ZEROS_TARGET = "jengine_zeros"
-# The kernel's instruction set; "amx": AVX-512F, with prefill blocks over a bf16 cache on the
-# AMX tiles (queries rounded to bf16, what `auto` takes for bf16 queries and cache where it runs).
-ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "amx": 4}
-
-_LIB, _LOAD_ERROR = load_native("_cpu_kernels", {_ATTENTION_TARGET: "JenginePagedAttention",
-                                                   _KV_WRITE_TARGET: "JengineKvWrite"})
-
-
-def _register_zeros() -> bool:
-    # Optional, so that a library built before the target existed still serves attention.
-    if _LIB is None or not hasattr(_LIB, "JengineZeros"):
-        return False
-    jax.ffi.register_ffi_target(_ZEROS_TARGET, jax.ffi.pycapsule(_LIB.JengineZeros),
-                                platform="cpu")
-    return True
-
-
-_HAS_ZEROS = _register_zeros()
+# The cache dtypes the kernel widens to f32 a page at a time; int8 rows come with f32 scales.
+# `pallas_kernels.kv_quant.READERS` reads this to say which quantized caches `cpu` serves.
+CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
 
 
 def available() -> bool:
     """Whether the native library was built and its FFI targets are registered."""
-    return _LIB is not None
+    return library.available()
 
 
 def require() -> None:
     """Raises a `RuntimeError` naming the fix when the native library is unavailable."""
-    if _LIB is None:
-        raise missing("attention backend 'cpu'", _LOAD_ERROR, "--attention-backend reference")
+    library.require("attention backend 'cpu'", "--attention-backend reference")
 
 
 def best_isa() -> str:
@@ -74,12 +52,23 @@ def amx_runs() -> bool:
 def supports(isa: str) -> bool:
     """Whether this CPU runs the kernel's `isa` path; forcing one it does not is an error."""
     require()
-    return bool(_LIB.JengineAttentionIsa(ISAS[isa]))
+    return bool(library.runs("attention", isa))
 
 
 def has_avx2() -> bool:
     """Whether this CPU runs the kernel's AVX2+FMA path."""
     return supports("avx2")
+
+
+def _check_cache(k_cache: jax.Array, k_scale: jax.Array | None) -> None:
+    """The kernel reads a float32, bfloat16 or int8 cache, the int8 one with its scales."""
+    dtype = jnp.dtype(k_cache.dtype)
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"attention backend 'cpu' reads float32, bfloat16 and int8 KV caches, "
+                         f"not {dtype} (kv_cache_dtype fp8 needs another backend)")
+    if (dtype == jnp.int8) != (k_scale is not None):
+        raise ValueError("cpu: an int8 or fp8 KV cache needs its scales (k_scale, v_scale), a "
+                         "float one none")
 
 
 def ragged_paged_attention_cpu(
@@ -96,7 +85,7 @@ def ragged_paged_attention_cpu(
     soft_cap: float | None = None,
     kv_head_map: tuple[int, ...] | jax.Array | None = None,  # [H] (else h // G)
     k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
-    v_scale: jax.Array | None = None,  # (an fp8 cache: ValueError, see `kv_quant.READERS`)
+    v_scale: jax.Array | None = None,  # (an fp8 cache: ValueError, see `CACHE_DTYPES`)
     block_q: int = 32,
     isa: str = "auto",
     max_threads: int = 0,  # 0: all of XLA's intra-op threads
@@ -126,9 +115,9 @@ def ragged_paged_attention_cpu(
     if kv_head_map is None:
         kv_head_map = np.arange(num_heads, dtype=np.int32) // (num_heads // num_kv_heads)
     window = jnp.iinfo(jnp.int32).max if sliding_window is None else sliding_window
-    check_cache("cpu", k_cache, k_scale)
+    _check_cache(k_cache, k_scale)
     no_scales = jnp.zeros((0,), jnp.float32)
-    call = jax.ffi.ffi_call(ffi_target or _ATTENTION_TARGET,
+    call = jax.ffi.ffi_call(ffi_target or library.target("jengine_paged_attention"),
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(
         q.astype(jnp.float32), k_cache, v_cache,
@@ -137,7 +126,8 @@ def ragged_paged_attention_cpu(
         token_seq.astype(jnp.int32), positions.astype(jnp.int32), page_table.astype(jnp.int32),
         jnp.asarray(window, jnp.int32).reshape(()), jnp.asarray(kv_head_map, jnp.int32),
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
-        isa=np.int32(ISAS[isa]), block_q=np.int32(block_q), max_threads=np.int32(max_threads),
+        isa=np.int32(library.isa_code("attention", isa)), block_q=np.int32(block_q),
+        max_threads=np.int32(max_threads),
     )
     return out.astype(q.dtype)
 
@@ -153,17 +143,9 @@ def write_kv_cpu(
     already quantized (`kv_quant.quantize_rows`)."""
     require()
     new = new.astype(jnp.int8 if cache.dtype == jnp.int8 else jnp.float32)
-    call = jax.ffi.ffi_call(_KV_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+    call = jax.ffi.ffi_call(library.target("jengine_kv_write"),
+                            jax.ShapeDtypeStruct(cache.shape, cache.dtype),
                             input_output_aliases={0: 0})
     return call(cache, jnp.asarray(layer, jnp.int32).reshape(()), slot_mapping.astype(jnp.int32),
                 new)
 
-
-def untouched_zeros(*structs: jax.ShapeDtypeStruct) -> tuple[jax.Array, ...]:
-    """Zero arrays of these shapes for a program on one CPU device, made without writing them:
-    their whole pages are fresh mappings that the OS fills with zeros on first touch (calloc's
-    way), so a 2 GiB KV cache costs page faults only for the pages steps write. The result is
-    `jnp.zeros`'s, and is `jnp.zeros` itself when the library lacks the target."""
-    if not _HAS_ZEROS:
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in structs)
-    return tuple(jax.ffi.ffi_call(_ZEROS_TARGET, structs)())

@@ -17,6 +17,7 @@
 
 #include "bf16.h"
 #include "isa.h"
+#include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -47,6 +48,9 @@ void NormRowsTo(int32_t isa, bool y_bf16, const void* x, const void* w, void* y,
     NormRowsAt<X, W, float>(isa, x, w, y, rows, n, eps, offset);
   }
 }
+
+// isa 0: the instruction set `auto` picks here; else whether that one runs here (1 or 0).
+int RmsNormIsa(int isa) { return isa == kAuto ? BestIsa() : Supports(isa) ? 1 : 0; }
 
 ffi::Error RmsNorm(ffi::AnyBuffer x, ffi::AnyBuffer weight, float eps, float offset,
                    int32_t isa, ffi::Result<ffi::AnyBuffer> y) {
@@ -87,3 +91,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineRmsNorm, jengine::RmsNorm,
                                   .Attr<float>("offset")
                                   .Attr<int32_t>("isa")  // 0 auto, 1 portable, 2 AVX2, 3 AVX-512
                                   .Ret<ffi::AnyBuffer>());  // y [R, E]
+
+JE_FFI_TARGET("jengine_rms_norm", JengineRmsNorm);
+JE_ISAS("rms_norm", jengine::RmsNormIsa,
+        {{"auto", jengine::kAuto}, {"portable", jengine::kPortable}, {"avx2", jengine::kAvx2},
+         {"avx512", jengine::kAvx512}});

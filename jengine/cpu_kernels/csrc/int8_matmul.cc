@@ -26,6 +26,7 @@
 
 #include "isa.h"
 #include "parallel_for.h"
+#include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -428,3 +429,8 @@ extern "C" int JengineInt8MatmulIsa(int isa) {
   if (isa == jengine::kInt8Auto) return jengine::Int8BestIsa();
   return jengine::Int8Supports(isa) ? 1 : 0;
 }
+
+JE_FFI_TARGET("jengine_int8_matmul", JengineInt8Matmul);
+JE_ISAS("int8_matmul", JengineInt8MatmulIsa,
+        {{"auto", jengine::kInt8Auto}, {"portable", jengine::kInt8Portable},
+         {"avx512_vnni", jengine::kInt8Vnni}});

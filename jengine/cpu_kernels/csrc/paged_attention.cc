@@ -35,6 +35,7 @@
 #include "isa.h"
 #include "parallel_for.h"
 #include "spin_helper.h"
+#include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -539,3 +540,9 @@ extern "C" int JengineAttentionIsa(int isa) {
   if (isa == jengine::kAmx) return jengine::AmxSupported() ? 1 : 0;
   return jengine::Supports(isa) ? 1 : 0;
 }
+
+JE_FFI_TARGET("jengine_paged_attention", JenginePagedAttention);
+JE_FFI_TARGET("jengine_kv_write", JengineKvWrite);
+JE_ISAS("attention", JengineAttentionIsa,
+        {{"auto", jengine::kAuto}, {"portable", jengine::kPortable}, {"avx2", jengine::kAvx2},
+         {"avx512", jengine::kAvx512}, {"amx", jengine::kAmx}});

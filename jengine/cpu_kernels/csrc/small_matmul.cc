@@ -22,6 +22,7 @@
 #include "bf16.h"
 #include "isa.h"
 #include "parallel_for.h"
+#include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -349,3 +350,14 @@ extern "C" int JengineMatmulIsa(int isa) {
   if (isa == jengine::kAuto) return jengine::BestIsa();
   return jengine::SupportsHere(isa) ? 1 : 0;
 }
+
+JE_FFI_TARGET("jengine_small_matmul", JengineSmallMatmul);
+JE_FFI_TARGET("jengine_amx_matmul", JengineAmxMatmul);
+JE_FFI_TARGET("jengine_amx_swiglu", JengineAmxSwiGlu);
+JE_FFI_TARGET("jengine_amx_int8_matmul", JengineAmxInt8Matmul);
+JE_FFI_TARGET("jengine_amx_int8_swiglu", JengineAmxInt8SwiGlu);
+JE_ISAS("matmul", JengineMatmulIsa,
+        {{"auto", jengine::kAuto}, {"portable", jengine::kPortable}, {"avx2", jengine::kAvx2},
+         {"avx512", jengine::kAvx512}});
+// Not `isa` attributes: the codes JengineMatmulIsa answers whether the AMX targets run here.
+JE_ISAS("amx", JengineMatmulIsa, {{"bf16", jengine::kAmxBf16}, {"int8", jengine::kAmxInt8}});

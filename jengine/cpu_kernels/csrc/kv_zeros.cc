@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -54,3 +55,5 @@ extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* JengineZeros(
     XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineZeros, jengine::Zeros, ffi::Ffi::Bind().RemainingRets());
+
+JE_FFI_TARGET("jengine_zeros", JengineZeros);
