@@ -48,6 +48,8 @@ def _hf_greedy_text(prompt: str, max_new_tokens: int) -> str:
 
 
 def test_generate_without_torch_matches_hf(tmp_path):
+    """`jengine generate` as users run it, with torch unimportable, prints HF's greedy text: the
+    CLI, the no-torch install and the default model in one process (the HF side runs meanwhile)."""
     cmd, env = _command("generate", PROMPT, "--max-tokens", "24", "--config", "test",
                         no_torch=True)
     log = tmp_path / "stderr.log"

@@ -84,6 +84,8 @@ def test_system_prompt_pages_are_shared_not_copied(smol_engine, uncached):
 
 
 def test_eviction_and_preemption_under_a_tiny_pool_keep_outputs(smol_engine, uncached):
+    """A 19-page pool forces cache eviction and preemption on the session engine: outputs stay
+    the uncached ones and nothing but the cache holds pages afterwards."""
     prompts, expected = uncached
     core = smol_engine.core
     before = core.scheduler.num_preemptions

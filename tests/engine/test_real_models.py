@@ -104,6 +104,10 @@ SPECS = {  # model -> (plain prompts, chat conversations)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SPECS))
 def test_greedy_tokens_match_transformers(name, tmp_path):
+    """The bundled real weights (SmolLM2 Q4_1, Gemma 3 Q4_K_M) end to end against HF
+    transformers reading the same GGUF: the only check of real quantized weights, real
+    tokenizers and chat templates together (Gemma 3's 262k vocabulary costs most of its time
+    on the HF side). jengine runs in a subprocess meanwhile, so the two sides overlap."""
     path = _model_path(name)
     prompts, chats = SPECS[name]
     job = {name: {"path": str(path), "prompts": prompts, "chat": chats, "new_tokens": NEW_TOKENS}}

@@ -15,6 +15,9 @@ from jengine.cli.main import main
 
 
 def test_short_soak_reports_samples_and_returns_to_idle(server, capsys, tmp_path):
+    """12 s of `jengine bench soak` (every request kind, hang-ups, bad input) on the session
+    server: no client error, every abort counted, memory sampled, and the server idle with no KV
+    page held afterwards. The 12 s is the shortest run that gives the trend its samples."""
     out = tmp_path / "soak.csv"
     rc = main(["bench", "soak", "--url", server.url, "--api-key", KEY,
                "--pid", str(server.proc.pid), "--duration", "12", "--concurrency", "16",

@@ -73,6 +73,9 @@ async def _send_all(server) -> None:
 
 
 def test_no_step_program_is_built_after_ready(server):
+    """Every request feature the warm-up claims to cover (logprobs, penalties, structured
+    output, n > 1, streaming, prompt logprobs...) compiles nothing once /health said ready: the
+    promise "a compile while serving is a bug" checked on the session server."""
     assert _count(server) == 0
     client = server.client()
     for kwargs in COMPLETIONS:  # each feature alone in its batch

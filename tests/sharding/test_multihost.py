@@ -34,6 +34,8 @@ scheduler: {max_num_seqs: 16, max_num_batched_tokens: 16, token_buckets: [16],
 
 
 def test_two_processes_tp8_match_one_process(tmp_path):
+    """Two real processes joined by `jax.distributed` (tp=8 over 4 + 4 CPU devices) give the
+    one-process text, and only the leader prints: the multi-host path has no cheaper check."""
     model = tmp_path / "tiny"
     llama_16x8(model)
     preset = tmp_path / "one_bucket.yaml"

@@ -177,6 +177,9 @@ def test_cli_cpu_devices_flag_makes_fake_devices():
 
 
 def test_data_parallel_replicas_match_one_device_and_share_the_load(smol_engine):
+    """dp=2 x tp=4 on the real model: replicas on disjoint devices give the one-device tokens,
+    split a burst evenly and route a cached prefix to its holder. Its cost is two replicas'
+    loads and compiles; no smaller engine has the prefix cache's routing to check."""
     from jengine.core.replicas import ReplicaSet
 
     expected = _greedy(smol_engine, PROMPTS)
