@@ -24,7 +24,7 @@ class LoadedModel:
     params: dict[str, np.ndarray]
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     source: str
-    kind: str  # "gguf" | "hf" | "checkpoint"
+    kind: str  # "gguf" | "hf" | "checkpoint" | "dummy" (config and tokenizer only)
     generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Of the weights as read: a checkpoint `jengine convert` quantized, a compressed-tensors int8
     # checkpoint, a GGUF's Q8_0 projections read as int8 for an int8 / w8a16 engine.

@@ -58,7 +58,7 @@ def resolve(model: str | None) -> Path:
 
 def load_source(
     model: str | None, dtype: str = "float32", progress: bool = True, *, lazy: bool = False,
-    quantization: str = "none", quantize_lm_head: bool = False,
+    quantization: str = "none", quantize_lm_head: bool = False, load_format: str = "auto",
 ) -> LoadedModel:
     """Loads config, weights and tokenizer from any supported source.
 
@@ -71,8 +71,15 @@ def load_source(
     `quantization` is the mode the engine will run (`quantize_lm_head`: with its head): for
     int8 or w8a16 a GGUF's Q8_0 projections are read as int8 (`converters.prequant`), not
     dequantized. An HF compressed-tensors int8 checkpoint is read as int8 whatever it is.
+
+    `load_format="dummy"` reads the config and tokenizer only (kind "dummy", no params): the
+    engine makes random weights of the declared shapes on the devices.
     """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"unknown load_format {load_format!r}; use auto or dummy")
     path = resolve(model)
+    if load_format == "dummy":
+        return _load_dummy(path)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"unsupported model file {path.name} (expected a .gguf file)")
@@ -164,6 +171,30 @@ def _load_hf_dir(path: Path, dtype: str, progress: bool, lazy: bool = False) -> 
             "rest float" if mode != "none" else "float")
     return LoadedModel(cfg, params, tokenizer, str(path), "hf", generation, quantization=mode,
                        weights_note=note)
+
+
+def _load_dummy(path: Path) -> LoadedModel:
+    """A source's config and tokenizer, none of its weights (an HF directory needs no
+    safetensors; a GGUF's header is read, not its tensors)."""
+    ggufs = [path] if path.is_file() else sorted(path.glob("*.gguf"))
+    if (path / "config.json").exists() if path.is_dir() else False:
+        import_transformers()
+        from transformers import AutoTokenizer
+
+        cfg = _config_from_hf(json.loads((path / "config.json").read_text()))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
+    elif len(ggufs) == 1 and ggufs[0].suffix == ".gguf":
+        from converters.gguf_file import GGUFModel
+
+        gg = GGUFModel(ggufs[0])
+        cfg, tokenizer = _config_from_hf(gg.hf_config()), gg.tokenizer()
+    else:
+        raise ModelLoadError(f"load_format dummy needs a config.json or a .gguf file in {path}")
+    return LoadedModel(cfg, {}, tokenizer, str(path), "dummy",
+                       weights_note="random weights (load_format dummy)")
 
 
 def _hf_tensors(files: list[Path], mode: str) -> Iterator[tuple[str, np.ndarray | Int8Tensor]]:

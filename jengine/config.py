@@ -33,6 +33,10 @@ class ModelSection:
     # (int8 weights, float activations) | fp8 (e4m3 weights; GPU/TPU); see models/quant.py.
     quantization: str = "none"
     quantize_lm_head: bool = False  # also the output head (off: it stays in the model dtype)
+    # auto: the source's weights | dummy: random weights of the source's shapes (vLLM's
+    # `--load-format dummy`): only the config and tokenizer are read, for timing a model whose
+    # weights are not at hand
+    load_format: str = "auto"
     # int8 only: SmoothQuant's migration strength, calibrated and folded into the float weights
     # at load time (models/smoothing.py); 0 turns it off. 0.55: SmolLM2's teacher-forced KL was
     # flat over 0.5-0.65 (docs/quantization.md).

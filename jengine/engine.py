@@ -93,6 +93,7 @@ class Engine:
         kv_cache_dtype: str | None = None,  # "auto"
         quantization: str | None = None,  # "none"
         quantize_lm_head: bool | None = None,  # False
+        load_format: str | None = None,  # "auto" | "dummy" (random weights)
         speculative: str | None = None,  # None (off) | "ngram"
         num_speculative_tokens: int | None = None,  # 15 (ngram) | 3 (draft)
         draft_model: str | None = None,
@@ -118,6 +119,9 @@ class Engine:
         `quantization` ("none" | "int8" | "w8a16" | "fp8") quantizes the projections at load
         time (jengine/models/quant.py); an unknown mode, or fp8 on CPU, is a ValueError.
         `quantize_lm_head=True` quantizes the output head (a tied embedding table) too.
+        `load_format="dummy"` reads only the model's config and tokenizer and serves random
+        weights of its shapes, made on the devices (vLLM's name): for timing a model whose
+        weights are not at hand.
 
         `speculative="ngram"` proposes `num_speculative_tokens` tokens per decode by prompt
         lookup and verifies them in the same step (jengine/scheduling/speculative.py);
@@ -131,7 +135,7 @@ class Engine:
         cfg = build_config(
             model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-            quantize_lm_head=quantize_lm_head, speculative=speculative,
+            quantize_lm_head=quantize_lm_head, load_format=load_format, speculative=speculative,
             num_speculative_tokens=num_speculative_tokens,
             draft_model=draft_model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,

@@ -10,8 +10,8 @@ import argparse
 
 ENGINE_FLAGS = (
     "model", "config", "mesh", "dtype", "attention_backend", "kv_cache_dtype", "quantization",
-    "quantize_lm_head", "speculative", "num_speculative_tokens", "draft_model", "max_model_len",
-    "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
+    "quantize_lm_head", "load_format", "speculative", "num_speculative_tokens", "draft_model",
+    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
     "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
 )
 
@@ -43,6 +43,9 @@ def engine_parent() -> argparse.ArgumentParser:
     g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction,
                    help="with --quantization: the output head (a tied embedding too) as well; "
                    "saves its bytes and its float dot for ~1 point of perplexity (default off)")
+    g.add_argument("--load-format", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shapes (only its config and "
+                   "tokenizer are read), for timing; default auto (the source's weights)")
     g.add_argument("--speculative", choices=["ngram", "draft"],
                    help="speculative decoding: ngram = prompt lookup, verified in the same step "
                    "(outputs unchanged); draft = a smaller model of the same tokenizer "

@@ -146,113 +146,30 @@ def run_attention(log: Log) -> None:
         log(**row)
 
 
-def _tokenizer(path: Path, vocab: int) -> None:
-    from tiny_models import save_tokenizer
-
-    save_tokenizer(path, vocab)
-
-
-# --- throughput ------------------------------------------------------------------------------
-
-
-def _random_params(cfg) -> dict:
-    """Every weight of the family's declarations, random bf16 on the device (norms ones)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jengine.models import family_module
-
-    specs = family_module(cfg).param_specs(cfg)
-
-    def make(key, shape, init):
-        if init == "ones":
-            return jnp.ones(shape, jnp.bfloat16)
-        if init == "zeros":
-            return jnp.zeros(shape, jnp.bfloat16)
-        return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
-
-    params = {}
-    for i, (name, spec) in enumerate(specs.items()):
-        fn = jax.jit(make, static_argnums=(1, 2))
-        params[name] = fn(jax.random.key(i), spec.shape, spec.init)
-        params[name].block_until_ready()
-    return params
-
-
 def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked",
                quant: str = "none"):
-    """An EngineCore at Llama-3-8B shapes, random weights, the real scheduler and runner."""
-    from converters.loaded import LoadedModel
-    from jengine.config import load_config
-    from jengine.core.build import resolve_kv_cache_dtype
-    from jengine.core.engine_core import EngineCore
-    from jengine.models import model_config_from_hf
-    from jengine.runtime.runner import Runner
+    """An engine at Llama-3-8B shapes with random bf16 weights made on the device
+    (`load_format="dummy"`: only the config and a tokenizer are on disk); its core, through the
+    engine contract, and the seconds the engine took to build."""
+    from tiny_models import save_tokenizer
+
+    from jengine import Engine
 
     path = root / "llama3-8b-random"
     path.mkdir(exist_ok=True)
     (path / "config.json").write_text(json.dumps(LLAMA3_8B))
-    _tokenizer(path, LLAMA3_8B["vocab_size"])
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    cfg = load_config(
-        None,
-        model=str(path),
-        dtype="bfloat16",
-        attention_backend=backend,
-        max_model_len=512,
-        max_num_seqs=256,
-        max_num_batched_tokens=2048,
-        kv_cache_memory=kv_memory,
-        enable_prefix_caching=False,
-        token_buckets=(8, 32, 256, 2048),
-        page_buckets=(32,),
-        layer_layout=layout,
-        quantization=quant,
+    save_tokenizer(path, LLAMA3_8B["vocab_size"])
+    preset = root / f"bench-{layout}.yaml"
+    preset.write_text(
+        f"model: {{max_model_len: 512, layer_layout: {layout}}}\n"
+        "scheduler: {max_num_seqs: 256, max_num_batched_tokens: 2048,\n"
+        "            token_buckets: [8, 32, 256, 2048], page_buckets: [32]}\n"
     )
-    loaded = LoadedModel(
-        config=model_config_from_hf(LLAMA3_8B),
-        params={},
-        tokenizer=tokenizer,
-        source=str(path),
-        kind="hf",
-    )
-    holder = {}
-
-    def make_runner(model_config, *, num_pages, page_size, buckets):
-        t = time.perf_counter()
-        params = _random_params(model_config)
-        if quant != "none":
-            from jengine.models import family_module
-            from jengine.models.quant import quantize_params
-
-            specs = family_module(model_config).param_specs(model_config)
-            params = quantize_params(params, specs, quant, tied_embeddings=False,
-                                     delete_float=True)
-        if layout == "unstacked":
-            from jengine.models import family_module, layer_offsets
-            from jengine.models.layers import unstack_layers
-
-            params = unstack_layers(
-                params,
-                family_module(model_config).layer_keys,
-                model_config.num_layers,
-                delete_stacked=True,
-                first_layer=layer_offsets(model_config),
-            )
-        holder["weights_s"] = time.perf_counter() - t
-        return Runner(
-            model_config,
-            params,
-            num_pages=num_pages,
-            page_size=page_size,
-            buckets=buckets,
-            kv_cache_dtype=resolve_kv_cache_dtype("auto", "bfloat16"),
-        )
-
-    core = EngineCore(cfg, progress=False, loaded=loaded, warmup=False, make_runner=make_runner)
-    return core, holder["weights_s"]
+    t = time.perf_counter()
+    engine = Engine(str(path), config=str(preset), load_format="dummy", dtype="bfloat16",
+                    attention_backend=backend, kv_cache_memory=kv_memory,
+                    enable_prefix_caching=False, quantization=quant, progress=False)
+    return engine.core, time.perf_counter() - t
 
 
 def _generate(core, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
@@ -260,7 +177,7 @@ def _generate(core, prompts: list[list[int]], new_tokens: int, tag: str) -> dict
     from jengine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    built = core.runner.programs_built
+    built = core.compiles_since_ready
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, params)
@@ -286,7 +203,7 @@ def _generate(core, prompts: list[list[int]], new_tokens: int, tag: str) -> dict
         "decode_tok_per_s": round(decode_tokens / max(wall - last_first, 1e-9), 1),
         "tpot_ms": round((wall - last_first) / max(new_tokens - 1, 1) * 1e3, 2),
         "steps": steps,
-        "programs_compiled_in_run": core.runner.programs_built - built,
+        "programs_compiled_in_run": core.compiles_since_ready - built,
     }
 
 
@@ -319,9 +236,9 @@ def run_throughput(log: Log, plan: list[tuple[str, str, int, str]] | None = None
                     layout=layout,
                     quant=quant,
                     event="engine_ready",
-                    weights_s=round(weights_s, 1),
+                    engine_s=round(weights_s, 1),
                     start_s=round(time.perf_counter() - t, 1),
-                    num_pages=core.allocator.num_pages,
+                    num_pages=core.stats().kv_pages_total,
                     device=str(jax.devices()[0]),
                 )
             vocab = LLAMA3_8B["vocab_size"]

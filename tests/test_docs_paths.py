@@ -58,12 +58,10 @@ def test_paths_named_in_sources_exist():
 
 
 # The engine's internals below the contract that a maintained tool must not reach: a tool that
-# needs them is a probe (experiments/). gpu_bench.py builds an `EngineCore` at Llama-3-8B shapes
-# around a runner of random weights made on the device: the public API has no way to ask for
-# random weights (vLLM's `load_format="dummy"`) yet.
+# needs them is a probe (experiments/).
 INTERNAL = ("jengine.core", "jengine.runtime", "jengine.scheduling")
 CONTRACT = ("jengine.core.contract",)
-NOT_YET_ON_THE_API = {"gpu_bench.py"}
+NOT_YET_ON_THE_API: set[str] = set()
 MAX_SCRIPTS = 10
 
 

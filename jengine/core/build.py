@@ -9,6 +9,7 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from converters import LoadedModel, load_params_sharded, load_source
@@ -16,7 +17,7 @@ from jengine import cpu_info
 from jengine.config import EngineConfig, ModelSection
 from jengine.core.kv_budget import host_kv_budget
 from jengine.models import KVCache, ModelConfig, family_module, layer_offsets
-from jengine.models.layers import unstack_layers
+from jengine.models.layers import random_params, unstack_layers
 from jengine.models.matmul import pack_projections, resolve_matmul_backend
 from jengine.models.quant import quantize_params
 from jengine.models.smoothing import smooth_for_int8
@@ -152,7 +153,8 @@ def open_model(model: ModelSection, dtype: str, quantization: str,
     """The model's source opened lazily (each device reads its own slices when the weights are
     placed). An int8 / w8a16 engine reads a GGUF's Q8_0 projections as int8 straight away."""
     return load_source(model.model, dtype=dtype, progress=progress, lazy=True,
-                       quantization=quantization, quantize_lm_head=model.quantize_lm_head)
+                       quantization=quantization, quantize_lm_head=model.quantize_lm_head,
+                       load_format=model.load_format)
 
 
 def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | None, *,
@@ -163,7 +165,7 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
     specs = family.param_specs(cfg)
     host = {name: loaded.params.get(name) for name in specs}
     if (rules is None and quantization == "none" and layer_layout == "unstacked"
-            and loaded.kind != "checkpoint"
+            and loaded.kind not in ("checkpoint", "dummy")
             and all(w is not None and tuple(w.shape) == specs[name].shape
                     for name, w in host.items())):
         # One device, float weights on the host: split the layers there (views) and place
@@ -173,14 +175,15 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         params = jax.device_put(unstack_layers(stacked, family.layer_keys, cfg.num_layers,
                                                first_layer=layer_offsets(cfg)))
         return _packed_for_amx(params, cfg, specs)
-    # Each device's slice is read on its own (safetensors slices; Orbax onto shardings).
-    params = load_params_sharded(
-        loaded, cfg, rules.param_shardings(specs) if rules else None, dtype,
-        progress=progress,
-    )
+    shardings = rules.param_shardings(specs) if rules else None
+    if loaded.kind == "dummy":
+        params = random_params(specs, jnp.dtype(dtype), shardings)
+    else:  # each device's slice read on its own (safetensors slices; Orbax onto shardings)
+        params = load_params_sharded(loaded, cfg, shardings, dtype, progress=progress)
     # Float weights only: a source stored quantized (a converted checkpoint, compressed-tensors,
-    # a GGUF's Q8_0 read as int8) has no float weights to smooth, so none of it is smoothed.
-    if quantization == "int8" and loaded.quantization == "none":
+    # a GGUF's Q8_0 read as int8) has no float weights to smooth, so none of it is smoothed;
+    # random weights have nothing to calibrate for.
+    if quantization == "int8" and loaded.quantization == "none" and loaded.kind != "dummy":
         params = smooth_for_int8(params, cfg, family, loaded.tokenizer, smoothing_alpha,
                                  delete_float=True)
     # Quantized from the float weights, whatever their source, shard by shard in place.

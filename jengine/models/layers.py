@@ -32,6 +32,25 @@ class ParamSpec:
     contract: tuple[int, ...] = ()
 
 
+def random_params(specs: dict[str, ParamSpec], dtype, shardings: dict | None = None, *,
+                  seed: int = 0) -> dict[str, jax.Array]:
+    """Random weights of the declared shapes, made on their devices (each shard where it lives,
+    nothing on the host): `normal` weights N(0, 0.02), `ones` and `zeros` as named. What
+    `load_format="dummy"` serves, for timing a model whose weights are not at hand."""
+    out = {}
+    for i, (name, spec) in enumerate(specs.items()):
+        def make(key, spec=spec):
+            if spec.init == "ones":
+                return jnp.ones(spec.shape, dtype)
+            if spec.init == "zeros":
+                return jnp.zeros(spec.shape, dtype)
+            return (jax.random.normal(key, spec.shape, jnp.float32) * 0.02).astype(dtype)
+
+        sharding = shardings[name] if shardings is not None else None
+        out[name] = jax.jit(make, out_shardings=sharding)(jax.random.key(seed + i))
+    return out
+
+
 def row_sum(v: jax.Array, axis: int = -1) -> jax.Array:
     """The sum over `axis` (kept, as size 1), in an order that depends on that axis' length
     alone: zero-padded to a power of two, then halves added elementwise until one is left.
