@@ -13,6 +13,7 @@ chat route's checks, template, tool prompt, tool grammar and sampling apply unch
     tool_choice auto / any / tool / none auto / required / named / none;
                                          `disable_parallel_tool_use`: `parallel_tool_calls` false
     stop_sequences, top_k                stop, top_k
+    output_config.format (json_schema)   response_format (the output is constrained to it)
 
 Image, document and server-tool blocks are a 400 naming the block; `thinking` and
 `redacted_thinking` blocks of earlier assistant turns are dropped (nothing here generates them,
@@ -71,6 +72,13 @@ class MessagesInput(BaseModel):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None  # {"type": "disabled"} only
+    output_config: dict[str, Any] | None = None  # format (json_schema); effort refused
+    # accepted and ignored, as they do not change what is generated here
+    cache_control: dict[str, Any] | None = None
+    speed: StrictStr | None = None
+    inference_geo: StrictStr | None = None
+    user_profile_id: StrictStr | None = None
+    workspace_id: StrictStr | None = None
 
     def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
         """The chat request this one means (with chat's `sampling` fields); a 400 in this
@@ -84,7 +92,8 @@ class MessagesInput(BaseModel):
             {"role": "system", "content": _text(self.system, "system")}]
         for i, message in enumerate(self.messages):
             messages += _chat_messages(i, message)
-        fields: dict[str, Any] = {"model": self.model, "messages": messages, **sampling}
+        fields: dict[str, Any] = {"model": self.model, "messages": messages,
+                                  "response_format": self._response_format(), **sampling}
         if self.tools:
             fields["tools"] = [{"type": "function", "function": {
                 "name": t.name, "parameters": t.input_schema,
@@ -99,6 +108,25 @@ class MessagesInput(BaseModel):
         except ValidationError as e:
             message, param = validation_message(list(e.errors()))
             raise bad_request(message, messages_param(param)) from None
+
+    def _response_format(self) -> dict[str, Any] | None:
+        """`output_config.format` as chat's `response_format`."""
+        config = self.output_config or {}
+        unknown = set(config) - {"effort", "format"}
+        if unknown:
+            raise bad_request(f"output_config.{sorted(unknown)[0]} is not supported",
+                              "output_config")
+        if config.get("effort") is not None:
+            raise bad_request("output_config.effort is not supported: the effort of the "
+                              "answer is not adjustable here (leave it out)", "output_config")
+        fmt = config.get("format")
+        if fmt is None:
+            return None
+        if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+                and isinstance(fmt.get("schema"), dict)):
+            raise bad_request("output_config.format must be {'type': 'json_schema', "
+                              "'schema': {...}}", "output_config")
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
     def _tool_choice(self) -> dict[str, Any]:
         choice = self.tool_choice
@@ -210,7 +238,7 @@ def _string(block: dict[str, Any], key: str, at: str) -> str:
 
 # Chat's field names in errors, as this route calls them.
 _RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
-            "parallel_tool_calls": "tool_choice"}
+            "parallel_tool_calls": "tool_choice", "response_format": "output_config"}
 
 
 def messages_param(param: str | None) -> str | None:
