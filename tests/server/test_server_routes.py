@@ -2,9 +2,9 @@
 app registers exactly its rows, /openapi.json documents a 401 exactly where a row says `auth`,
 an event-stream body exactly where it says `streams` and its error shape's body, the edge
 middleware asks for the key exactly where the table does, and the errors of the middleware, the
-handlers and the admission have the body the row's shape says; and nothing in the server parses a command line (that is
-jengine/cli/'s). No engine is loaded: the app is built with a loader that
-never runs (no lifespan), which is all the routing and the document need."""
+handlers and the admission have the body the row's shape says; and nothing in the server parses
+a command line (that is jengine/cli/'s). No engine is loaded: the app is built with a loader
+that never runs (no lifespan), which is all the routing and the document need."""
 
 from __future__ import annotations
 
