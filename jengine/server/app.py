@@ -33,7 +33,7 @@ from jengine.server.connections import raise_open_file_limit, uvicorn_config
 from jengine.server.errors import install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
 from jengine.server.openapi import install_openapi
-from jengine.server.routes import ROUTES, needs_key
+from jengine.server.routes import ROUTES, error_shape, needs_key
 from jengine.server.state import ServerState, served_model_name
 from jengine.server.warmup import loopback_url
 
@@ -93,8 +93,9 @@ def create_app(
     app = FastAPI(title="jengine", version=jengine.__version__, lifespan=lifespan,
                   root_path=config.root_path)
     app.state.server = state
-    install_error_handlers(app)
+    install_error_handlers(app, error_shape)
     app.add_middleware(EdgeMiddleware, api_key=config.api_key, needs_key=needs_key,
+                       error_shape=error_shape,
                        max_body_bytes=config.max_body_bytes, log_requests=config.log_requests,
                        warmup_token=state.warmup_token,
                        on_connection_limit=state.metrics.rejected.labels(

@@ -4,9 +4,12 @@
   or made up, put in `request.state.request_id`, echoed on the response, and written in every
   log line about it.
 - `--api-key`: a route the route table (routes.py) marks `auth` (every `/v1` route, and any
-  other `/v1` path) needs `Authorization: Bearer <key>`; `/health`, `/metrics`, `/version` (and
-  the other routes outside `/v1`) stay open. Checked before the body is read, so a request
-  without the key gets 401 whatever its body.
+  other `/v1` path) needs the key, as `Authorization: Bearer <key>` (OpenAI's SDK) or
+  `x-api-key: <key>` (Anthropic's), on every such route alike: one rule, and a client of either
+  SDK reaches every route; `/health`, `/metrics`, `/version` (and the other routes outside `/v1`)
+  stay open. Checked before the body is read, so a request without the key gets 401 whatever
+  its body.
+- Errors answered here (401, 413, 503) have the body of the path's route (`error_shape`).
 - Body size: a POST body over `max_body_bytes` is a 413 before anything parses it. Clients
   that send the whole body before reading any answer (Python's `urllib`) would see the
   connection reset instead, as the server closed it with their bytes unread: so the rest of the
@@ -61,6 +64,7 @@ def clean_request_id(value: str | None) -> str | None:
 
 class EdgeMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | None, needs_key: Callable[[str], bool],
+                 error_shape: Callable[[str], str] = lambda path: "openai",
                  max_body_bytes: int = 4 * 2**20,
                  log_requests: bool = True, warmup_token: str | None = None,
                  on_connection_limit: Callable[[], None] | None = None):
@@ -68,6 +72,7 @@ class EdgeMiddleware:
         self.on_connection_limit = on_connection_limit  # counts the 503s of the bound
         self.api_key = api_key.encode() if api_key else None
         self.needs_key = needs_key  # path -> whether it needs the key (routes.needs_key)
+        self.error_shape = error_shape  # path -> its errors' body (routes.error_shape)
         self.warmup_token = warmup_token.encode() if warmup_token else None
         self.max_body_bytes = max_body_bytes
         self.log_level = logging.INFO if log_requests else logging.DEBUG
@@ -92,13 +97,14 @@ class EdgeMiddleware:
 
         start = time.perf_counter()
         try:
-            denied = self._check_key(scope["path"], headers.get("authorization"))
+            denied = self._check_key(scope["path"], headers)
             if denied is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 denied, receive = await self._read_body(headers, receive)
             if denied is None:
                 denied = self._over_connection_limit(scope["state"])
             if denied is not None:
-                await denied.response()(scope, receive, send_with_id)
+                shape = self.error_shape(scope["path"])
+                await denied.response(shape)(scope, receive, send_with_id)
             else:
                 await self.app(scope, receive, send_with_id)
         finally:
@@ -154,15 +160,20 @@ class EdgeMiddleware:
         return bool(self.warmup_token and token) and hmac.compare_digest(
             token.encode("latin-1"), self.warmup_token)
 
-    def _check_key(self, path: str, authorization: str | None) -> APIError | None:
+    def _check_key(self, path: str, headers: dict[str, str]) -> APIError | None:
         if self.api_key is None or not self.needs_key(path):
             return None
-        if not authorization:
+        authorization, api_key = headers.get("authorization"), headers.get("x-api-key")
+        if not authorization and api_key is None:
             return _auth_error("You didn't provide an API key. Pass it in the Authorization "
-                               "header as 'Bearer <key>'.")
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode("latin-1"), self.api_key):
+                               "header as 'Bearer <key>', or in the x-api-key header.")
+        tokens = [api_key or ""]
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            tokens.append(token if scheme.lower() == "bearer" else "")
+        # every token compared (no early exit): the time taken says nothing about which matched
+        matched = [hmac.compare_digest(t.strip().encode("latin-1"), self.api_key) for t in tokens]
+        if not any(matched):
             return _auth_error("Incorrect API key provided.")
         return None
 

@@ -1,11 +1,11 @@
 """The app's `/openapi.json`, made to say what the server really answers.
 
 FastAPI documents a 422 for every route with a body, which this server never sends (validation
-errors are 400s in OpenAI's shape, errors.py), and nothing of the 400/401/404/413/500/503/504 it
-does send. `install_openapi` rewrites the generated document once: the error responses each
-route can give, with its error shape's body, and server-sent events as a streaming route's
-other 200 body (all read from the route's row in the table, routes.py), and `/metrics` as
-Prometheus text. The request schemas carry the bounds the server
+errors are 400s in the route's error shape, errors.py), and nothing of the
+400/401/404/413/500/503/504 it does send. `install_openapi` rewrites the generated document
+once: the error responses each route can give, with its error shape's body, and server-sent
+events as a streaming route's other 200 body (all read from the route's row in the table,
+routes.py), and `/metrics` as Prometheus text. The request schemas carry the bounds the server
 checks (non-empty `messages` and choices, token ids in the vocabulary, value ranges): a body the
 document accepts is one the server does not refuse for those reasons.
 """
@@ -33,6 +33,15 @@ _ERROR_SCHEMA = {
         },
     }},
 }
+_ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
+    },
+}
 _REASONS = {
     400: "Invalid request (bad JSON, types, values or unsupported features)",
     401: "Missing or wrong API key (only with --api-key)",
@@ -42,7 +51,8 @@ _REASONS = {
     503: "Loading, draining, or the waiting queue is full (Retry-After)",
     504: "The request timeout passed",
 }
-_ERROR_SCHEMAS = {"openai": "ErrorResponse"}  # a route's error shape -> its component
+# a route's error shape -> its component
+_ERROR_SCHEMAS = {"openai": "ErrorResponse", "anthropic": "AnthropicErrorResponse"}
 
 
 def _error_codes(route: Route) -> list[int]:
@@ -82,6 +92,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     components["ErrorResponse"] = _ERROR_SCHEMA
+    components["AnthropicErrorResponse"] = _ANTHROPIC_ERROR_SCHEMA
     paths = schema.get("paths", {})
     for route in ROUTES:
         op = paths.get(document_path(route), {}).get(route.method.lower())

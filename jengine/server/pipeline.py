@@ -18,9 +18,10 @@ a protocol view over them (chat.py, completions.py, responses.py; grpc_service.p
 
 A new route plugs in the same way: a request model, a handler `body -> Job -> start -> view
 -> reply`, a view (`framing`, `response`, `events`) and a row in the route table (routes.py).
-Anthropic's messages are chat's `Job` with a view of their own and a `Framing` of `error`
-events without `[DONE]`, as responses.py does; a batch runs a `start` per line; embeddings
-(the engine's embed task) reuse admission, bounds and prompts with a view over their vectors.
+Anthropic's messages (messages.py) are chat's `Job` with a view of their own and a `Framing`
+of `error` events without `[DONE]`, as responses.py does; a batch runs a `start` per line;
+embeddings (the engine's embed task) reuse admission, bounds and prompts with a view over
+their vectors.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ that makes the events, so a streamed and a whole response carry the same output.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -41,7 +40,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from jengine.outputs import RequestOutput
-from jengine.server.errors import APIError, invalid_value, rename_param
+from jengine.server.errors import APIError, renamed_params
 from jengine.server.pipeline import (
     EngineStream,
     Framing,
@@ -54,26 +53,13 @@ from jengine.server.pipeline import (
 from jengine.server.responses_request import ResponsesRequest, renamed_param
 from jengine.text.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
 
-
-@contextlib.contextmanager
-def _in_responses_terms() -> Iterator[None]:
-    """Errors raised by the chat path, with this route's field names."""
-    try:
-        yield
-    except (APIError, ValueError) as e:
-        error = e if isinstance(e, APIError) else invalid_value(e)
-        if error.param is not None:
-            rename_param(error, renamed_param(error.param))
-        raise error from None
-
-
 # -- the route ------------------------------------------------------------------------------------
 
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = accept(request, body)
     chat = body.chat_request()
     request_id = request.state.request_id
-    with _in_responses_terms():
+    with renamed_params(renamed_param):
         messages = chat.template_messages()
         tools = chat.tool_setup()
         params = chat.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)

@@ -2,9 +2,11 @@
 
 `create_app` registers the routes from `ROUTES` in its order; the OpenAPI document
 (openapi.py) derives each route's error responses and its event-stream body from the same rows;
-the edge middleware asks `needs_key` whether a path needs the API key. The generating routes'
-handlers live in their protocol's module (completions.py, chat.py, responses.py: views over the
-generation pipeline, pipeline.py); the routes that do not generate are the small handlers below.
+the edge middleware asks `needs_key` whether a path needs the API key, and the middleware and
+the app's error handlers ask `error_shape` what body its errors have. The generating routes'
+handlers live in their protocol's module (completions.py, chat.py, responses.py, messages.py:
+views over the generation pipeline, pipeline.py); the routes that do not generate are the small
+handlers below.
 gRPC (grpc_service.py) serves the same engine on its own port.
 
 A new route is a row here (and its handler); docs/design.md, "Add a route", lists the rest.
@@ -25,15 +27,15 @@ import jengine
 from jengine.server.chat import create_chat_completion
 from jengine.server.completions import create_completion
 from jengine.server.errors import bad_request
+from jengine.server.messages import count_message_tokens, create_message
 from jengine.server.pipeline import accept
 from jengine.server.protocol import DetokenizeRequest, TokenizeRequest
 from jengine.server.responses import create_response
 from jengine.server.state import ServerState
 from jengine.text.chat import render_chat
 
-# The body of a route's errors. Only "openai" exists yet (errors.py); the first route of another
-# shape brings its body (an error handler that reads the route's row) and its document schema.
-ErrorShape = Literal["openai", "anthropic", "plain"]
+# The body of a route's errors (`APIError.body`, errors.py; the document's schema, openapi.py).
+ErrorShape = Literal["openai", "anthropic"]
 API_PREFIX = "/v1"  # a path under it that no route matches still needs the key (a 401, not 404)
 
 
@@ -42,7 +44,7 @@ class Route:
     path: str  # Starlette's syntax: `{model:path}` takes the rest, slashes included
     method: str
     handler: Callable[..., Any]
-    auth: bool  # needs `Authorization: Bearer <key>` when the server has an API key
+    auth: bool  # needs the key (`Authorization: Bearer` or `x-api-key`) when the server has one
     streams: bool = False  # generates: may answer server-sent events, bounded by the timeout
     errors: ErrorShape = "openai"  # the body its errors have (the document's error schema)
 
@@ -117,6 +119,9 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/completions", "POST", create_completion, auth=True, streams=True),
     Route("/v1/chat/completions", "POST", create_chat_completion, auth=True, streams=True),
     Route("/v1/responses", "POST", create_response, auth=True, streams=True),
+    Route("/v1/messages", "POST", create_message, auth=True, streams=True, errors="anthropic"),
+    Route("/v1/messages/count_tokens", "POST", count_message_tokens, auth=True,
+          errors="anthropic"),
     Route("/health", "HEAD", health, auth=False),  # load balancers' probe (undocumented)
     Route("/health", "GET", health, auth=False),
     Route("/metrics", "GET", metrics, auth=False),
@@ -127,15 +132,28 @@ ROUTES: tuple[Route, ...] = (
     Route("/detokenize", "POST", detokenize, auth=False),
 )
 
-_PATTERNS = [(compile_path(r.path)[0], r.auth) for r in ROUTES]
+_PATTERNS = [(compile_path(r.path)[0], r) for r in ROUTES]
+
+
+def _route(path: str) -> Route | None:
+    for pattern, route in _PATTERNS:
+        if pattern.match(path):
+            return route
+    return None
 
 
 def needs_key(path: str) -> bool:
     """Whether a request for `path` must carry the API key (when the server has one)."""
-    for pattern, auth in _PATTERNS:
-        if pattern.match(path):
-            return auth
+    route = _route(path)
+    if route is not None:
+        return route.auth
     return path == API_PREFIX or path.startswith(API_PREFIX + "/")
+
+
+def error_shape(path: str) -> ErrorShape:
+    """The body of the errors answered for `path` (OpenAI's where no route matches)."""
+    route = _route(path)
+    return route.errors if route is not None else "openai"
 
 
 def document_path(route: Route) -> str:

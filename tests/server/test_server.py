@@ -5,8 +5,8 @@ seeds, streaming against non-streaming).
 The session's one server (conftest's `server`: SmolLM2, `--config test`, `--api-key`; see
 tests/serve_process.py) serves this module and the other test_server_*.py modules that take
 `server`: errors (bad input, auth, request ids), gRPC, load (concurrency, disconnects, metrics,
-then SIGTERM, which stops it after all of them), the Responses API, structured outputs and
-a short `bench soak`.
+then SIGTERM, which stops it after all of them), the Responses API, Anthropic's Messages API
+(test_server_messages.py), structured outputs and a short `bench soak`.
 Engine failures, the queue limit and timeouts are in test_server_faults.py.
 """
 
