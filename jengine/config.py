@@ -124,6 +124,7 @@ class ServerConfig:
     uvicorn_log_level: str = "info"
     enable_auto_tool_choice: bool = False  # accepted for vLLM; `tool_choice: auto` always works
     tool_call_parser: str | None = None  # only "hermes" (the <tool_call> format) is known
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3 | granite | auto (jengine.text)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
