@@ -6,7 +6,8 @@ thinking before it. The constraint becomes one Lark grammar that llguidance runs
 
     start: reasoning? answer        (reasoning required when the format's block is opened by
                                      the template, deepseek_r1: the answer must follow `</think>`)
-    reasoning: START THOUGHT_END /[ \\t\\r\\n]*/
+    reasoning: START THOUGHT_END /\\n{0,2}/   (the newlines models write after the block, at
+                 most two: free whitespace there lets a sampled model pad until max_tokens)
     THOUGHT_END: text up to and with the first end marker (one lexeme, so that a thought cannot
                  stop inside a marker written as text)
     answer: the request's constraint, as a nested grammar (`%json`, `%lark`) or a regex
@@ -46,7 +47,7 @@ def after_reasoning(spec: StructuredOutputs, fmt: ReasoningFormat,
     closing = ["THOUGHT_END"] + [f"THOUGHT {t}" for t in _tokens(fmt.ends, special_tokens)]
     optional = "" if fmt.implicit_start else "?"
     lark = (f"start: reasoning{optional} answer\n"
-            f"reasoning: {opening} ({' | '.join(closing)}) /[ \\t\\r\\n]*/\n"
+            f"reasoning: {opening} ({' | '.join(closing)}) /\\n{{0,2}}/\n"
             f"THOUGHT_END: /(?s:.*)({ends})/ & ~/(?s:.*({ends}).+)/\n"
             f"THOUGHT: /(?s:.*)/ & ~/(?s:.*({ends}).*)/\n"
             f"answer: {_answer(spec)}\n")

@@ -36,6 +36,8 @@ def _accepts(backend, spec: StructuredOutputs, fmt: str, text: str) -> bool:
     (StructuredOutputs(json=SCHEMA), "qwen3", '{"a": 1}', True),
     (StructuredOutputs(json=SCHEMA), "qwen3", '<think>hmm, {"a": "x"}?</think>\n\n{"a": 1}', True),
     (StructuredOutputs(json=SCHEMA), "qwen3", '<think>hmm</think>{"a": "x"}', False),
+    # at most two newlines after the block: free whitespace lets a sampled model pad forever
+    (StructuredOutputs(json=SCHEMA), "qwen3", '<think>hmm</think>\n\n\n{"a": 1}', False),
     (StructuredOutputs(regex="ab/c+"), "qwen3", "<think>z</think>ab/cc", True),
     # deepseek_r1: the template opened the block, so the answer must follow its end
     (StructuredOutputs(choice=["yes", "no"]), "deepseek_r1", "yes", False),
