@@ -58,7 +58,8 @@ from jengine.sharding import MeshSpec
 from jengine.structured.after_reasoning import params_after_reasoning
 from jengine.text.chat import render_chat
 from jengine.text.reasoning import resolve_format, split_reasoning
-from jengine.text.tools import constrain, split_tool_calls, tool_setup
+from jengine.text.tool_parsers import check_tool_parser, split_calls
+from jengine.text.tools import constrain, tool_setup
 
 log = logging.getLogger("jengine")
 
@@ -205,6 +206,7 @@ class Engine:
         parallel_tool_calls: bool = True,
         reasoning_parser: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
         """`generate` over the model's chat template applied to each conversation.
 
@@ -216,9 +218,11 @@ class Engine:
         'granite' or 'auto', the server's `--reasoning-parser`) the thinking goes to each
         completion's `reasoning`, and the tool calls and any output constraint are read from
         and applied to the answer after it (`jengine.text.reasoning`). `chat_template_kwargs`
-        are extra template variables, e.g. `{"enable_thinking": False}`.
+        are extra template variables, e.g. `{"enable_thinking": False}`. `tool_call_parser`:
+        the format of the model's own calls (`jengine.text.tool_parsers`; None: hermes).
         """
         setup = tool_setup(tools, tool_choice, parallel_tool_calls)
+        check_tool_parser(tool_call_parser)
         fmt = resolve_format(reasoning_parser, self.tokenizer, None, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         shown = tools if setup.active else None
@@ -234,7 +238,8 @@ class Engine:
                 if fmt is not None:
                     completion.reasoning, completion.text = split_reasoning(fmt, completion.text)
                 if setup.active:
-                    split_tool_calls(completion, forced=setup.constraint() is not None)
+                    split_calls(completion, tool_call_parser,
+                                forced=setup.constraint() is not None)
         return outputs
 
     def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None,

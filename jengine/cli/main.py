@@ -15,7 +15,6 @@ import time
 
 from converters.errors import ModelLoadError
 from jengine.engine_flags import engine_parent, make_engine
-from jengine.text.reasoning import REASONING_PARSERS
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -73,8 +72,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto always works")
-    p.add_argument("--tool-call-parser", choices=["hermes"], help="<tool_call>{json}</tool_call>")
-    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, help="thinking -> reasoning")
+    p.add_argument("--tool-call-parser", help="hermes | llama3_json (the model's call format)")
+    p.add_argument("--reasoning-parser", help="deepseek_r1 | qwen3 | granite | auto")
     limits = p.add_argument_group("limits on one request")
     limits.add_argument("--max-queue", type=int,
                         help="requests waiting for a first token before 503 (default 1024)")

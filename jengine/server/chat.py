@@ -34,7 +34,8 @@ from jengine.server.pipeline import OPENAI_FRAMING, EngineStream, Job, accept, r
 from jengine.server.reply_json import StreamExtras, finite, prompt_logprobs_json, token_text, usage
 from jengine.structured.after_reasoning import params_after_reasoning
 from jengine.text.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
-from jengine.text.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
+from jengine.text.tool_parsers import Llama3JsonStream, parse_calls, tool_stream
+from jengine.text.tools import CallStart, ToolCallStream, ToolSetup
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -54,6 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
         lambda engine, p: params_after_reasoning(p, reasoning(engine), engine.tokenizer)))
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
+    view.tool_parser = state.config.tool_call_parser
     if state.config.reasoning_parser is not None:
         view.reasoning = Reasoning(reasoning(stream.engine))
     return await reply(stream, view, bool(body.stream))
@@ -86,6 +88,7 @@ class _ChatView:
                  tools: ToolSetup):
         self.body = body
         self.reasoning: Reasoning | None = None  # set when the server has a reasoning parser
+        self.tool_parser: str | None = None  # `--tool-call-parser` (None: hermes)
         self.echo = body.echo_text()
         self.as_ids = bool(body.return_tokens_as_token_ids)
         self.prompt_logprobs: list | None = None
@@ -135,7 +138,7 @@ class _ChatView:
                 message.update(_reasoning_fields(thought))
         if self.parse_tools:
             for choice in choices.values():
-                _split_calls(choice, self.forced_calls)
+                _split_calls(choice, self.forced_calls, self.tool_parser)
         if self.reasoning is not None:  # a choice that only thought has no content (vLLM's)
             for choice in choices.values():
                 message = choice["message"]
@@ -154,7 +157,7 @@ class _ChatView:
             yield self.extras.chunk([{"index": i,
                                      "delta": {"role": "assistant", "content": self.echo},
                                      "logprobs": None, "finish_reason": None}])
-        parsers = {i: ToolCallStream(incremental=self.forced_calls) for i in range(self.n)}
+        parsers = {i: tool_stream(self.tool_parser, self.forced_calls) for i in range(self.n)}
         thinking = {i: self.reasoning.stream() if self.reasoning else None for i in range(self.n)}
         async for _, delta in stream:
             self._note(delta)
@@ -197,7 +200,8 @@ def _reasoning_deltas(thinking: ReasoningStream | None,
     return deltas, "".join(text for kind, text in pieces if kind == "content")
 
 
-def _tool_deltas(parser: ToolCallStream, text: str, last: bool) -> list[dict[str, Any]]:
+def _tool_deltas(parser: ToolCallStream | Llama3JsonStream, text: str,
+                 last: bool) -> list[dict[str, Any]]:
     """The stream deltas of one output delta's text with tools: content pieces, and tool calls
     as a first delta with the id, type and name (arguments "") and then argument fragments."""
     pieces = parser.feed(text)
@@ -217,10 +221,10 @@ def _tool_deltas(parser: ToolCallStream, text: str, last: bool) -> list[dict[str
     return deltas
 
 
-def _split_calls(choice: dict[str, Any], forced: bool) -> None:
+def _split_calls(choice: dict[str, Any], forced: bool, parser: str | None) -> None:
     """Moves the tool calls out of a whole choice's content (under a forcing tool_choice a
     call cut off by max_tokens is dropped, not left in the content)."""
-    content, calls = parse_tool_calls(choice["message"]["content"] or "", forced=forced)
+    content, calls = parse_calls(parser, choice["message"]["content"] or "", forced=forced)
     if forced:
         choice["message"]["content"] = content
     if not calls:

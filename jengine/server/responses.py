@@ -60,7 +60,8 @@ from jengine.server.pipeline import (
 from jengine.server.responses_request import ResponsesRequest, renamed_param
 from jengine.structured.after_reasoning import params_after_reasoning
 from jengine.text.reasoning import ReasoningFormat, ReasoningStream
-from jengine.text.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
+from jengine.text.tool_parsers import tool_stream
+from jengine.text.tools import CallArguments, CallStart, ToolSetup
 
 
 @contextlib.contextmanager
@@ -96,7 +97,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             adapt=lambda engine, p: params_after_reasoning(p, reasoning(engine),
                                                            engine.tokenizer)))
     view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools,
-                         reasoning(stream.engine))
+                         reasoning(stream.engine), state.config.tool_call_parser)
     return await reply(stream, view, bool(body.stream))
 
 
@@ -104,13 +105,13 @@ class _ResponseView:
     """Builds the response's output items from engine deltas, as stream events on the way."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, tools: ToolSetup,
-                 reasoning: ReasoningFormat | None = None):
+                 reasoning: ReasoningFormat | None = None, tool_parser: str | None = None):
         self.body = body
         self.id = response_id
         self.model = model
         self.created_at = int(time.time())
         forced = tools.constraint() is not None  # well-formed calls: stream their arguments
-        self.parser = ToolCallStream(incremental=forced) if tools.active else None
+        self.parser = tool_stream(tool_parser, forced) if tools.active else None
         self.thinking = ReasoningStream(reasoning) if reasoning is not None else None
         self._reasoning: int | None = None  # output index of the reasoning item while open
         self.output: list[dict[str, Any]] = []  # the output items, as they stand

@@ -206,6 +206,9 @@ def test_serve_flags_reach_the_server_config():
     assert cfg.max_body_bytes == 1000 and cfg.reasoning_parser == "auto"
     with pytest.raises(ValueError, match="--reasoning-parser must be one of"):  # a preset's
         server_config(build_parser().parse_args(["serve"]), ServerConfig(reasoning_parser="r1"))
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, llama3_json"):
+        server_config(build_parser().parse_args(["serve", "--tool-call-parser", "x"]),
+                      ServerConfig())
     assert cfg.limit_concurrency is None and cfg.timeout_keep_alive == 2.5  # 0: no bound
     for flag, value in (("--limit-concurrency", "-1"), ("--timeout-keep-alive", "0")):
         with pytest.raises(ValueError, match=flag):
