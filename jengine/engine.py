@@ -55,8 +55,11 @@ from jengine.outputs import RequestOutput
 from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
 from jengine.sharding import MeshSpec
+from jengine.structured.after_reasoning import params_after_reasoning
 from jengine.text.chat import render_chat
-from jengine.text.tools import constrain, split_tool_calls, tool_setup
+from jengine.text.reasoning import resolve_format, split_reasoning
+from jengine.text.tool_parsers import check_tool_parser, split_calls
+from jengine.text.tools import constrain, tool_setup
 
 log = logging.getLogger("jengine")
 
@@ -205,6 +208,9 @@ class Engine:
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool = True,
+        reasoning_parser: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
         """`generate` over the model's chat template applied to each conversation.
 
@@ -212,26 +218,37 @@ class Engine:
         'required' or {'type': 'function', 'function': {'name': ...}}), each completion's calls
         come out parsed in `tool_calls` (its `text` keeps the rest) and a completion that made
         calls finishes with "tool_calls"; `parallel_tool_calls=False` allows one call under
-        'required'. See `jengine.tools`.
+        'required'. See `jengine.tools`. With `reasoning_parser` ('deepseek_r1', 'qwen3',
+        'granite' or 'auto', the server's `--reasoning-parser`) the thinking goes to each
+        completion's `reasoning`, and the tool calls and any output constraint are read from
+        and applied to the answer after it (`jengine.text.reasoning`). `chat_template_kwargs`
+        are extra template variables, e.g. `{"enable_thinking": False}`. `tool_call_parser`:
+        the format of the model's own calls (`jengine.text.tool_parsers`; None: hermes).
         """
         setup = tool_setup(tools, tool_choice, parallel_tool_calls)
+        check_tool_parser(tool_call_parser)
+        fmt = resolve_format(reasoning_parser, self.tokenizer, None, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         shown = tools if setup.active else None
-        prompts = [self.render_chat(c, tools=shown) for c in conversations]
-        if isinstance(sampling_params, list):
-            params = [constrain(p or SamplingParams(), setup) for p in sampling_params]
-        else:
-            params = constrain(sampling_params or SamplingParams(), setup)
-        outputs = self.generate(prompts, params)
-        if setup.active:
-            forced = setup.constraint() is not None
-            for out in outputs:
-                for completion in out.outputs:
-                    split_tool_calls(completion, forced=forced)
+        prompts = [self.render_chat(c, tools=shown, template_kwargs=chat_template_kwargs)
+                   for c in conversations]
+        listed = isinstance(sampling_params, list)
+        params = [constrain(p or SamplingParams(), setup)
+                  for p in (sampling_params if listed else [sampling_params])]
+        params = [params_after_reasoning(p, fmt, self.tokenizer) for p in params]
+        outputs = self.generate(prompts, params if listed else params[0])
+        for out in outputs:
+            for completion in out.outputs:
+                if fmt is not None:
+                    completion.reasoning, completion.text = split_reasoning(fmt, completion.text)
+                if setup.active:
+                    split_calls(completion, tool_call_parser,
+                                forced=setup.constraint() is not None)
         return outputs
 
-    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
-        return render_chat(self.tokenizer, messages, tools=tools)
+    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return render_chat(self.tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
 
     def stats(self) -> EngineStats:
         """Load and counters: requests, KV pages, preemptions, prefix-cache hits."""

@@ -64,6 +64,9 @@ class CompletionOutput:
       stop_reason: the stop string or stop token id that ended it; None for EOS or length.
       tool_calls: the function calls parsed from the text (`Engine.chat` with tools), which then
         holds only the rest of the text; None otherwise.
+      reasoning: the model's thinking, split from the text (`Engine.chat` with a
+        `reasoning_parser`), which then holds only the answer; None otherwise or when the
+        answer has none.
     """
 
     index: int
@@ -73,6 +76,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None
 
     def finished(self) -> bool:
         """Whether this completion has ended (a method, as in vLLM)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 
 def save_tokenizer(path: Path, vocab: int) -> None:
@@ -87,3 +87,53 @@ def save_words(path: Path, vocab: int) -> None:
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(
         path)
+
+
+# Qwen3's chat template, cut to what the reasoning tests read: the ChatML turns, and the
+# generation prompt's empty think block when `enable_thinking` is false (Qwen3's own lines).
+QWEN3_THINKING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def save_byte_tokenizer(path: Path, *, added: list[str], special: list[str],
+                        chat_template: str | None = None) -> int:
+    """A byte-level BPE tokenizer without merges (one token per byte, any text encodes and
+    decodes exactly) plus `added` tokens (Qwen3's `<think>`: added, not special) and `special`
+    ones (the first is EOS); returns the vocabulary size."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special[0])
+    fast.add_special_tokens({"additional_special_tokens": special[1:]})
+    fast.add_tokens(added)
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
+    return len(fast)
+
+
+def qwen3_thinking(path: Path) -> Path:
+    """A tiny random Qwen3 with a byte-level tokenizer, `<think>` / `</think>` tokens and a
+    Qwen3-style chat template: the reasoning tests' model."""
+    vocab = save_byte_tokenizer(path, added=["<think>", "</think>"],
+                                special=["<|im_end|>", "<|im_start|>"],
+                                chat_template=QWEN3_THINKING_TEMPLATE)
+    eos = transformers.AutoTokenizer.from_pretrained(path).eos_token_id
+    config = transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=eos, bos_token_id=None)
+    random_hf_model(path, config, transformers.Qwen3ForCausalLM)
+    save_byte_tokenizer(path, added=["<think>", "</think>"], special=["<|im_end|>", "<|im_start|>"],
+                        chat_template=QWEN3_THINKING_TEMPLATE)  # random_hf_model wrote words
+    return path

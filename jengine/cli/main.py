@@ -72,8 +72,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto always works")
-    p.add_argument("--tool-call-parser", choices=["hermes"],
-                   help="accepted for vLLM compatibility: calls are <tool_call>{json}</tool_call>")
+    p.add_argument("--tool-call-parser", help="hermes | llama3_json (the model's call format)")
+    p.add_argument("--reasoning-parser", help="deepseek_r1 | qwen3 | granite | auto")
     limits = p.add_argument_group("limits on one request")
     limits.add_argument("--max-queue", type=int,
                         help="requests waiting for a first token before 503 (default 1024)")
@@ -179,8 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--concurrency", type=int, default=8)
     sv.add_argument("--num-prompts", type=int, default=32)
     sv.add_argument("--output-len", type=int, default=128)
-    sv.add_argument("--temperature", type=float, default=0.0,
-                    help="sampling temperature of every request (0: greedy)")
+    sv.add_argument("--temperature", type=float, default=0.0, help="of every request (0: greedy)")
     sv.add_argument("--output-json")
     sk = bsub.add_parser("soak", help="hold a local server under mixed load; sample its RSS and "
                          "KV pages, check it returns to idle")

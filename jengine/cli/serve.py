@@ -12,6 +12,8 @@ from jengine.config import ServerConfig
 from jengine.engine import build_config, check_kv_memory
 from jengine.engine_flags import engine_kwargs
 from jengine.server.app import DEFAULT_DRAIN_TIMEOUT_S, LOG_LEVELS, serve
+from jengine.text.reasoning import REASONING_PARSERS
+from jengine.text.tool_parsers import TOOL_PARSERS
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -62,9 +64,12 @@ def check_server_config(config: ServerConfig) -> None:
     for path in (config.ssl_keyfile, config.ssl_certfile):
         if path and not Path(path).is_file():
             raise ValueError(f"TLS file {path!r} not found")
-    if config.tool_call_parser not in (None, "hermes"):
-        raise ValueError(f"--tool-call-parser {config.tool_call_parser!r} is not available: "
-                         "calls are parsed from <tool_call>{json}</tool_call> ('hermes')")
+    if config.tool_call_parser not in (None, *TOOL_PARSERS):
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got "
+                         f"{config.tool_call_parser!r}")
+    if config.reasoning_parser not in (None, *REASONING_PARSERS):
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {config.reasoning_parser!r}")
     if config.limit_concurrency is not None and config.limit_concurrency < 1:
         raise ValueError(f"--limit-concurrency must be positive (0: no bound), got "
                          f"{config.limit_concurrency}")

@@ -12,6 +12,11 @@ the rest stays `content` (null when nothing else is left); a choice that made ca
 "tool_calls". Streamed, a call goes out as `delta.tool_calls` chunks: the id, type and function
 name (arguments ""), then argument fragments: as they are generated when `tool_choice` forces the
 calls (the grammar makes them well-formed), at once when the block closes under `auto`.
+
+With `--reasoning-parser` (`jengine.text.reasoning`), the thinking goes to `message.reasoning`
+and, the same text, `message.reasoning_content` (vLLM's new and old names; both null when the
+answer has none), streamed as `delta.reasoning` / `delta.reasoning_content`; `content`, the tool
+calls and the output constraint are the answer's, after the thinking.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 from jengine.server.chat_request import ChatCompletionRequest
 from jengine.server.pipeline import OPENAI_FRAMING, EngineStream, Job, accept, reply, start
 from jengine.server.reply_json import StreamExtras, finite, prompt_logprobs_json, token_text, usage
-from jengine.text.tools import CallStart, ToolCallStream, ToolSetup, parse_tool_calls
+from jengine.structured.after_reasoning import params_after_reasoning
+from jengine.text.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
+from jengine.text.tool_parsers import Llama3JsonStream, parse_calls, tool_stream
+from jengine.text.tools import CallStart, ToolCallStream, ToolSetup
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -37,12 +45,38 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
     request_id = state.response_id(request, body.request_id)
+
+    def reasoning(engine: Any) -> ReasoningFormat | None:
+        return state.reasoning_format(engine.tokenizer, template, body.chat_template_kwargs)
+
     stream = await start(state, request, Job(
         params, lambda tokenizer: [body.render(tokenizer, messages, tools, template)], 1,
         request_id, body.max_tokens_field, body.constraint_param(),
-        lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)))
+        lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
+        lambda engine, p: params_after_reasoning(p, reasoning(engine), engine.tokenizer)))
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
+    view.tool_parser = state.config.tool_call_parser
+    if state.config.reasoning_parser is not None:
+        view.reasoning = Reasoning(reasoning(stream.engine))
     return await reply(stream, view, bool(body.stream))
+
+
+class Reasoning:
+    """A chat answer's reasoning fields (the server has a parser; `fmt` None: this request's
+    answer is not parsed, thinking off or no format found, and the fields are null)."""
+
+    def __init__(self, fmt: ReasoningFormat | None):
+        self.fmt = fmt
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return (None, text) if self.fmt is None else split_reasoning(self.fmt, text)
+
+    def stream(self) -> ReasoningStream | None:
+        return None if self.fmt is None else ReasoningStream(self.fmt)
+
+
+def _reasoning_fields(text: str | None) -> dict[str, str | None]:
+    return {"reasoning": text, "reasoning_content": text}
 
 
 class _ChatView:
@@ -53,6 +87,8 @@ class _ChatView:
     def __init__(self, body: ChatCompletionRequest, response_id: str, model: str,
                  tools: ToolSetup):
         self.body = body
+        self.reasoning: Reasoning | None = None  # set when the server has a reasoning parser
+        self.tool_parser: str | None = None  # `--tool-call-parser` (None: hermes)
         self.echo = body.echo_text()
         self.as_ids = bool(body.return_tokens_as_token_ids)
         self.prompt_logprobs: list | None = None
@@ -94,9 +130,20 @@ class _ChatView:
                 if self.want_logprobs:
                     choice["logprobs"]["content"].extend(self._logprobs(out))
                 choice["finish_reason"] = out.finish_reason
+        if self.reasoning is not None:
+            for choice in choices.values():
+                message = choice["message"]
+                thought, answer = self.reasoning.split(message["content"][len(self.echo):])
+                message["content"] = self.echo + answer
+                message.update(_reasoning_fields(thought))
         if self.parse_tools:
             for choice in choices.values():
-                _split_calls(choice, self.forced_calls)
+                _split_calls(choice, self.forced_calls, self.tool_parser)
+        if self.reasoning is not None:  # a choice that only thought has no content (vLLM's)
+            for choice in choices.values():
+                message = choice["message"]
+                if message["reasoning"] and not message["content"]:
+                    message["content"] = None
         response = {"id": self.id, "object": "chat.completion", "created": self.created,
                     "model": self.model, "choices": [choices[i] for i in range(self.n)],
                     "usage": self.usage}
@@ -110,7 +157,8 @@ class _ChatView:
             yield self.extras.chunk([{"index": i,
                                      "delta": {"role": "assistant", "content": self.echo},
                                      "logprobs": None, "finish_reason": None}])
-        parsers = {i: ToolCallStream(incremental=self.forced_calls) for i in range(self.n)}
+        parsers = {i: tool_stream(self.tool_parser, self.forced_calls) for i in range(self.n)}
+        thinking = {i: self.reasoning.stream() if self.reasoning else None for i in range(self.n)}
         async for _, delta in stream:
             self._note(delta)
             if delta.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
@@ -119,10 +167,11 @@ class _ChatView:
                 self.extras.count(out.index, len(delta.prompt_token_ids), len(out.token_ids))
                 logprobs = self._logprobs(out)
                 parser = parsers[out.index]
+                deltas, text = _reasoning_deltas(thinking[out.index], out)
                 if self.parse_tools:
-                    deltas = _tool_deltas(parser, out)
-                else:
-                    deltas = [{"content": out.text}] if out.text else []
+                    deltas += _tool_deltas(parser, text, out.finish_reason is not None)
+                elif text:
+                    deltas.append({"content": text})
                 if logprobs and not deltas:
                     deltas = [{"content": ""}]
                 for j, d in enumerate(deltas):
@@ -139,11 +188,24 @@ class _ChatView:
             yield self.extras.chunk([], self.usage)
 
 
-def _tool_deltas(parser: ToolCallStream, out: CompletionOutput) -> list[dict[str, Any]]:
-    """The stream deltas of one output delta with tools: content pieces, and tool calls as a
-    first delta with the id, type and name (arguments "") and then argument fragments."""
-    pieces = parser.feed(out.text)
+def _reasoning_deltas(thinking: ReasoningStream | None,
+                      out: CompletionOutput) -> tuple[list[dict[str, Any]], str]:
+    """The reasoning deltas of one output delta, and the answer's text in it."""
+    if thinking is None:
+        return [], out.text
+    pieces = thinking.feed(out.text)
     if out.finish_reason is not None:
+        pieces += thinking.finish()
+    deltas = [_reasoning_fields(text) for kind, text in pieces if kind == "reasoning"]
+    return deltas, "".join(text for kind, text in pieces if kind == "content")
+
+
+def _tool_deltas(parser: ToolCallStream | Llama3JsonStream, text: str,
+                 last: bool) -> list[dict[str, Any]]:
+    """The stream deltas of one output delta's text with tools: content pieces, and tool calls
+    as a first delta with the id, type and name (arguments "") and then argument fragments."""
+    pieces = parser.feed(text)
+    if last:
         pieces += parser.finish()
     deltas: list[dict[str, Any]] = []
     for piece in pieces:
@@ -159,10 +221,10 @@ def _tool_deltas(parser: ToolCallStream, out: CompletionOutput) -> list[dict[str
     return deltas
 
 
-def _split_calls(choice: dict[str, Any], forced: bool) -> None:
+def _split_calls(choice: dict[str, Any], forced: bool, parser: str | None) -> None:
     """Moves the tool calls out of a whole choice's content (under a forcing tool_choice a
     call cut off by max_tokens is dropped, not left in the content)."""
-    content, calls = parse_tool_calls(choice["message"]["content"], forced=forced)
+    content, calls = parse_calls(parser, choice["message"]["content"] or "", forced=forced)
     if forced:
         choice["message"]["content"] = content
     if not calls:

@@ -66,6 +66,9 @@ class Job:
     max_tokens_field: str = "max_tokens"  # the field the client bounded the output with
     constraint_param: str | None = None  # the field a bad output constraint came from
     check: Callable[[AsyncEngine], None] | None = None  # checks that need the engine
+    # The params once the engine is known: a constraint that reads the vocabulary (chat's
+    # structured output after the reasoning block, jengine/structured/after_reasoning.py).
+    adapt: Callable[[AsyncEngine, SamplingParams], SamplingParams] | None = None
 
 
 def accept(request: Request, body: Any) -> ServerState:
@@ -87,15 +90,18 @@ async def start(state: ServerState, request: Request | None, job: Job) -> Engine
         engine = slot.engine
         if job.check is not None:
             job.check(engine)
-        state.check_limits(job.params, job.num_prompts, engine.core.model.max_model_len,
+        params = job.params
+        state.check_limits(params, job.num_prompts, engine.core.model.max_model_len,
                            job.max_tokens_field)
         # Rendering and tokenizing a long prompt takes a while: not in the event loop's thread.
         prompts = await asyncio.to_thread(job.prompts, engine.tokenizer)
         try:
-            await engine.compile_grammar(job.params)
+            if job.adapt is not None:
+                params = job.adapt(engine, params)
+            await engine.compile_grammar(params)
         except ValueError as e:
             raise bad_request(str(e), job.constraint_param) from None
-        stream = EngineStream(state, slot, prompts, job.params,
+        stream = EngineStream(state, slot, prompts, params,
                               state.new_request_id(job.request_id),
                               request.is_disconnected if request is not None else None,
                               state.metrics_for(request))

@@ -24,6 +24,12 @@ in the order generated. A length finish is `status: "incomplete"` with
     response.output_text.done, response.content_part.done, response.output_item.done
     response.completed | response.incomplete                     (the whole response)
 
+With `--reasoning-parser`, the model's thinking is a `reasoning` item before the others (its
+text as one `reasoning_text` content part, `summary` empty: nothing summarises it), streamed as
+`response.output_item.added` (reasoning), `response.reasoning_text.delta` ...,
+`response.reasoning_text.done`, `response.output_item.done`; the message and the calls are the
+answer after it.
+
 An error after the stream began is an `error` event, then `response.failed`. There is no
 `[DONE]` line (OpenAI sends none for this route). The whole response is built by the same code
 that makes the events, so a streamed and a whole response carry the same output.
@@ -51,7 +57,10 @@ from jengine.server.pipeline import (
     start,
 )
 from jengine.server.responses_request import ResponsesRequest, renamed_param
-from jengine.text.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
+from jengine.structured.after_reasoning import params_after_reasoning
+from jengine.text.reasoning import ReasoningFormat, ReasoningStream
+from jengine.text.tool_parsers import tool_stream
+from jengine.text.tools import CallArguments, CallStart, ToolSetup
 
 # -- the route ------------------------------------------------------------------------------------
 
@@ -63,24 +72,34 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         messages = chat.template_messages()
         tools = chat.tool_setup()
         params = chat.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
+
+        def reasoning(engine: Any) -> ReasoningFormat | None:
+            return state.reasoning_format(engine.tokenizer, state.chat_template, None)
+
         stream = await start(state, request, Job(
             params, lambda tokenizer: [chat.render(tokenizer, messages, tools,
                                                    state.chat_template)],
-            1, request_id, chat.max_tokens_field, chat.constraint_param()))
-    view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools)
+            1, request_id, chat.max_tokens_field, chat.constraint_param(),
+            adapt=lambda engine, p: params_after_reasoning(p, reasoning(engine),
+                                                           engine.tokenizer)))
+    view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools,
+                         reasoning(stream.engine), state.config.tool_call_parser)
     return await reply(stream, view, bool(body.stream))
 
 
 class _ResponseView:
     """Builds the response's output items from engine deltas, as stream events on the way."""
 
-    def __init__(self, body: ResponsesRequest, response_id: str, model: str, tools: ToolSetup):
+    def __init__(self, body: ResponsesRequest, response_id: str, model: str, tools: ToolSetup,
+                 reasoning: ReasoningFormat | None = None, tool_parser: str | None = None):
         self.body = body
         self.id = response_id
         self.model = model
         self.created_at = int(time.time())
         forced = tools.constraint() is not None  # well-formed calls: stream their arguments
-        self.parser = ToolCallStream(incremental=forced) if tools.active else None
+        self.parser = tool_stream(tool_parser, forced) if tools.active else None
+        self.thinking = ReasoningStream(reasoning) if reasoning is not None else None
+        self._reasoning: int | None = None  # output index of the reasoning item while open
         self.output: list[dict[str, Any]] = []  # the output items, as they stand
         self.usage: dict[str, Any] | None = None
         self.status = "in_progress"
@@ -147,7 +166,9 @@ class _ResponseView:
                 for event in self._pieces(out.text, out.finish_reason is not None):
                     yield event
         self.status = "incomplete" if reason == "length" else "completed"
-        if not self.output:  # nothing generated: still one (empty) message
+        for event in self._close_reasoning(self.status):
+            yield event
+        if self._message is None and not self._calls:  # no answer: still one (empty) message
             for event in self._text(""):
                 yield event
         for event in self._close(self.status):
@@ -164,6 +185,16 @@ class _ResponseView:
                           "total_tokens": u.prompt_tokens + u.completion_tokens}
 
     def _pieces(self, text: str, last: bool) -> Iterator[str]:
+        if self.thinking is not None:
+            parts = self.thinking.feed(text) + (self.thinking.finish() if last else [])
+            text = ""
+            for kind, part in parts:
+                if kind == "reasoning":
+                    yield from self._thought(part)
+                else:
+                    text += part
+            if text:
+                yield from self._close_reasoning()
         if self.parser is None:
             pieces: list = [text] if text else []
         else:
@@ -203,6 +234,30 @@ class _ResponseView:
                               output_index=self._message, content_index=0, delta=piece,
                               logprobs=[])
 
+    def _thought(self, piece: str) -> Iterator[str]:
+        if self._reasoning is None:
+            self._reasoning = len(self.output)
+            item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}],
+                    "status": "in_progress"}
+            self.output.append(item)
+            yield self._event("response.output_item.added", output_index=self._reasoning,
+                              item=item)
+        item = self.output[self._reasoning]
+        item["content"][0]["text"] += piece
+        yield self._event("response.reasoning_text.delta", item_id=item["id"],
+                          output_index=self._reasoning, content_index=0, delta=piece)
+
+    def _close_reasoning(self, status: str = "completed") -> Iterator[str]:
+        if self._reasoning is None:
+            return
+        index, self._reasoning = self._reasoning, None
+        item = self.output[index]
+        item["status"] = status
+        yield self._event("response.reasoning_text.done", item_id=item["id"],
+                          output_index=index, content_index=0, text=item["content"][0]["text"])
+        yield self._event("response.output_item.done", output_index=index, item=item)
+
     def _start_call(self, start: CallStart) -> Iterator[str]:
         self._call = self._calls[start.index] = len(self.output)
         item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": start.id,
@@ -221,7 +276,9 @@ class _ResponseView:
         yield self._event("response.output_item.done", output_index=index, item=item)
 
     def _close(self, status: str) -> Iterator[str]:
-        """The done events of the items still open: the message, then the last call."""
+        """The done events of the items still open: the reasoning, the message, then the last
+        call."""
+        yield from self._close_reasoning(status)
         if self._message is not None:
             index, item = self._message, self.output[self._message]
             part = item["content"][0]

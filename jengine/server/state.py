@@ -25,6 +25,7 @@ from jengine.server.errors import APIError, bad_request, engine_failed, unavaila
 from jengine.server.metrics import ServerMetrics
 from jengine.server.middleware import clean_request_id
 from jengine.server.warmup import MAX_TOKENS, warm_up
+from jengine.text.reasoning import ReasoningFormat, resolve_format, thinking_off
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
@@ -85,6 +86,7 @@ class ServerState:
         self._ids = itertools.count()
         self.chat_template = load_chat_template(config.chat_template)
         self.request_log_level = logging.INFO if config.log_requests else logging.DEBUG
+        self._auto_reasoning: dict[str | None, ReasoningFormat | None] = {}  # template -> format
 
     # -- the engine ------------------------------------------------------------------------------
 
@@ -229,6 +231,21 @@ class ServerState:
             raise bad_request("chat_template in a request is refused: the server was not started "
                               "with --trust-request-chat-template", "chat_template")
         return requested or self.chat_template
+
+    def reasoning_format(self, tokenizer: Any, template: str | None,
+                         template_kwargs: dict[str, Any] | None) -> ReasoningFormat | None:
+        """The format a chat answer's reasoning is read with (`--reasoning-parser`); None
+        without the flag or when the request turned thinking off. `auto` decides once per
+        template (`template` None: the model's) and logs its choice."""
+        name = self.config.reasoning_parser
+        if name != "auto" or thinking_off(template_kwargs):
+            return resolve_format(name, tokenizer, template, template_kwargs)
+        if template not in self._auto_reasoning:
+            fmt = resolve_format("auto", tokenizer, template)
+            self._auto_reasoning[template] = fmt
+            log.info("--reasoning-parser auto: %s for %s", fmt.name if fmt else "none",
+                     "the model's chat template" if template is None else "a chat template")
+        return self._auto_reasoning[template]
 
     def response_id(self, request: Any, body_id: str | None) -> str:
         """The id a response carries: the body's `request_id` (vLLM's field) when it is a

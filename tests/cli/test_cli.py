@@ -194,7 +194,7 @@ def test_serve_flags_reach_the_server_config():
         "--disable-log-requests", "--max-n", "4", "--default-max-tokens", "32",
         "--request-timeout", "0", "--tool-call-parser", "hermes", "--seed", "7",
         "--root-path", "/api", "--uvicorn-log-level", "warning", "--max-body-bytes", "1000",
-        "--limit-concurrency", "0", "--timeout-keep-alive", "2.5",
+        "--limit-concurrency", "0", "--timeout-keep-alive", "2.5", "--reasoning-parser", "auto",
     ])
     _serve_aliases(args)
     assert args.model == "some/model" and args.mesh == "tp=2" and args.seed == 7
@@ -205,7 +205,12 @@ def test_serve_flags_reach_the_server_config():
     assert not cfg.log_requests and cfg.max_n == 4 and cfg.default_max_tokens == 32
     assert cfg.request_timeout is None and cfg.tool_call_parser == "hermes"
     assert cfg.root_path == "/api" and cfg.uvicorn_log_level == "warning"
-    assert cfg.max_body_bytes == 1000
+    assert cfg.max_body_bytes == 1000 and cfg.reasoning_parser == "auto"
+    with pytest.raises(ValueError, match="--reasoning-parser must be one of"):  # a preset's
+        server_config(build_parser().parse_args(["serve"]), ServerConfig(reasoning_parser="r1"))
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, llama3_json"):
+        server_config(build_parser().parse_args(["serve", "--tool-call-parser", "x"]),
+                      ServerConfig())
     assert cfg.limit_concurrency is None and cfg.timeout_keep_alive == 2.5  # 0: no bound
     for flag, value in (("--limit-concurrency", "-1"), ("--timeout-keep-alive", "0")):
         with pytest.raises(ValueError, match=flag):

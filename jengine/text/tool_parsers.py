@@ -1,0 +1,151 @@
+"""Tool-call formats per model family (`--tool-call-parser`, vLLM's names), beside the Hermes
+`<tool_call>` format of tools.py:
+
+    hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks amid text
+                 (Hermes, Qwen 2.5 / 3, and jengine's own form for templates without tools)
+    llama3_json  Llama 3.1+ with its template's JSON tool prompt: the whole output is one or
+                 more `{"name": ..., "parameters": {...}}` objects ("arguments" too), separated
+                 by `;`, optionally after `<|python_tag|>`; an output that is not wholly calls
+                 is content as generated (vLLM's reading)
+
+A parser reads the model's free choice (`tool_choice: auto`). Calls forced by `tool_choice`
+required / named are written by a grammar in the Hermes form and read as such whatever the
+parser (tools.py). `tool_stream` and `parse_calls` give the streamed and whole readings of a
+format; a llama3_json stream holds an output that opens with `{` until it ends (its arguments go
+out whole, at the end), and passes any other output on as it comes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from jengine.outputs import CompletionOutput, ToolCall
+from jengine.text.tools import CallArguments, CallStart, ToolCallStream, parse_tool_calls
+
+TOOL_PARSERS = ("hermes", "llama3_json")
+PYTHON_TAG = "<|python_tag|>"
+
+
+def check_tool_parser(name: str | None) -> None:
+    if name is not None and name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(TOOL_PARSERS)}")
+
+
+def parse_calls(name: str | None, text: str, *,
+                forced: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole output in format `name` (None: hermes)."""
+    check_tool_parser(name)
+    if forced or name in (None, "hermes"):
+        return parse_tool_calls(text, forced=forced)
+    return parse_llama3_calls(text)
+
+
+def tool_stream(name: str | None, incremental: bool = False) -> ToolCallStream | Llama3JsonStream:
+    """The streamed reader of format `name`; `incremental`: the calls are forced (Hermes)."""
+    check_tool_parser(name)
+    if incremental or name in (None, "hermes"):
+        return ToolCallStream(incremental=incremental)
+    return Llama3JsonStream()
+
+
+def split_calls(output: CompletionOutput, name: str | None, *, forced: bool = False) -> None:
+    """`tools.split_tool_calls` for format `name`: a finished output's calls into `tool_calls`."""
+    content, calls = parse_calls(name, output.text, forced=forced)
+    if forced and not calls:
+        output.text = content or ""
+    if not calls:
+        return
+    output.text, output.tool_calls = content or "", calls
+    if output.finish_reason == "stop":
+        output.finish_reason = "tool_calls"
+
+
+# -- llama3_json ---------------------------------------------------------------------------------
+
+def parse_llama3_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3's JSON calls: all of the output, or none of it (then the text is content)."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].lstrip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            data, pos = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return text, []
+        call = _llama3_call(data)
+        if call is None:
+            return text, []
+        calls.append(call)
+        pos = _after_separator(body, pos)
+        if pos < 0:
+            return text, []
+    return None, calls
+
+
+def _llama3_call(data: Any) -> ToolCall | None:
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    args = data.get("parameters", data.get("arguments", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict) or set(data) - {"name", "parameters", "arguments", "type"}:
+        return None
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=data["name"],
+                    arguments=json.dumps(args, ensure_ascii=False))
+
+
+def _after_separator(body: str, pos: int) -> int:
+    """The position after the whitespace and one `;` that may follow a call (-1: other text)."""
+    while pos < len(body) and body[pos].isspace():
+        pos += 1
+    if pos < len(body) and body[pos] == ";":
+        pos += 1
+        while pos < len(body) and body[pos].isspace():
+            pos += 1
+        return pos if pos < len(body) else -1  # a trailing `;` is not a call list
+    return pos if pos == len(body) or body[pos] == "{" else -1
+
+
+class Llama3JsonStream:
+    """Streamed llama3_json output, with `ToolCallStream`'s interface (`feed`, `finish`,
+    `num_calls`): an output that opens with `{` (or `<|python_tag|>`) is held to its end and
+    read whole; any other goes out as content as it is generated."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+        self._buf = ""
+        self._state = "start"  # start | calls | content
+
+    def feed(self, text: str) -> list[str | CallStart | CallArguments]:
+        self._buf += text
+        if self._state == "start":
+            head = self._buf.lstrip()
+            if not head or PYTHON_TAG.startswith(head):
+                return []
+            self._state = "calls" if head.startswith(("{", PYTHON_TAG)) else "content"
+        if self._state == "calls":
+            return []
+        out, self._buf = self._buf, ""
+        return [out] if out else []
+
+    def finish(self) -> list[str | CallStart | CallArguments]:
+        text, self._buf = self._buf, ""
+        if self._state != "calls":
+            return [text] if text else []
+        content, calls = parse_llama3_calls(text)
+        if not calls:
+            return [text]
+        out: list[str | CallStart | CallArguments] = []
+        for call in calls:
+            out += [CallStart(self.num_calls, call.id, call.name),
+                    CallArguments(self.num_calls, call.arguments)]
+            self.num_calls += 1
+        return out
