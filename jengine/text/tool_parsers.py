@@ -7,12 +7,17 @@
                  more `{"name": ..., "parameters": {...}}` objects ("arguments" too), separated
                  by `;`, optionally after `<|python_tag|>`; an output that is not wholly calls
                  is content as generated (vLLM's reading)
+    mistral, pythonic, qwen3_coder, deepseek_v3   in call_formats.py
+
+`auto` (`resolve_tool_parser`) reads the chat template's text by `AUTO_RULES`, hermes when no
+rule matches.
 
 A parser reads the model's free choice (`tool_choice: auto`). Calls forced by `tool_choice`
 required / named are written by a grammar in the Hermes form and read as such whatever the
 parser (tools.py). `tool_stream` and `parse_calls` give the streamed and whole readings of a
 format; a llama3_json stream holds an output that opens with `{` until it ends (its arguments go
-out whole, at the end), and passes any other output on as it comes.
+out whole, at the end), and passes any other output on as it comes; call_formats.py's formats
+stream the same way from their call syntax's first marker on.
 """
 
 from __future__ import annotations
@@ -22,10 +27,41 @@ import uuid
 from typing import Any
 
 from jengine.outputs import CompletionOutput, ToolCall
+from jengine.text.call_formats import (
+    DS_BEGIN,
+    TOOL_CALLS,
+    HeldCallStream,
+    parse_deepseek_v3,
+    parse_mistral,
+    parse_pythonic,
+    parse_qwen3_coder,
+)
 from jengine.text.tools import CallArguments, CallStart, ToolCallStream, parse_tool_calls
 
-TOOL_PARSERS = ("hermes", "llama3_json")
 PYTHON_TAG = "<|python_tag|>"
+# format -> (whole reading, streamed reading): the formats of call_formats.py
+_HELD = {
+    "mistral": (parse_mistral, lambda: HeldCallStream(parse_mistral, (TOOL_CALLS,), ("[{",))),
+    "pythonic": (parse_pythonic, lambda: HeldCallStream(
+        parse_pythonic, (), ("[", "<|python_start|>"))),
+    "qwen3_coder": (parse_qwen3_coder,
+                    lambda: HeldCallStream(parse_qwen3_coder, ("<tool_call>",))),
+    "deepseek_v3": (parse_deepseek_v3, lambda: HeldCallStream(parse_deepseek_v3, (DS_BEGIN,))),
+}
+TOOL_FORMATS = ("hermes", "llama3_json", *_HELD)
+TOOL_PARSERS = (*TOOL_FORMATS, "auto")  # what --tool-call-parser takes
+
+# `auto`: (marker in the chat template's text, format); the first match wins, else hermes.
+AUTO_RULES: tuple[tuple[str, str], ...] = (
+    ("<function=", "qwen3_coder"),  # Qwen3-Coder writes <tool_call><function=...>
+    ("<tool_call>", "hermes"),
+    ("tool▁calls▁begin", "deepseek_v3"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|python_start|>", "pythonic"),  # Llama 4
+    ("[func_name1(", "pythonic"),  # the pythonic templates' instructions (vLLM's examples)
+    ("<|python_tag|>", "llama3_json"),  # Llama 3.1
+    ('"parameters": ', "llama3_json"),  # Llama 3.2 asks for {"name": ..., "parameters": ...}
+)
 
 
 def check_tool_parser(name: str | None) -> None:
@@ -33,21 +69,47 @@ def check_tool_parser(name: str | None) -> None:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(TOOL_PARSERS)}")
 
 
+def resolve_tool_parser(name: str | None, chat_template: str | dict | None) -> str | None:
+    """The format `name` means for a model with this chat template (`auto`: by `AUTO_RULES`;
+    a tokenizer's dict of named templates is read whole); any other name as given."""
+    check_tool_parser(name)
+    if name != "auto":
+        return name
+    if isinstance(chat_template, dict):
+        chat_template = "\n".join(str(t) for t in chat_template.values())
+    for marker, fmt in AUTO_RULES:
+        if marker in (chat_template or ""):
+            return fmt
+    return "hermes"
+
+
+def _format(name: str | None) -> str:
+    check_tool_parser(name)
+    if name == "auto":
+        raise ValueError("tool call parser 'auto' is chosen from a chat template first "
+                         "(resolve_tool_parser)")
+    return name or "hermes"
+
+
 def parse_calls(name: str | None, text: str, *,
                 forced: bool = False) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole output in format `name` (None: hermes)."""
-    check_tool_parser(name)
-    if forced or name in (None, "hermes"):
+    fmt = _format(name)
+    if forced or fmt == "hermes":
         return parse_tool_calls(text, forced=forced)
-    return parse_llama3_calls(text)
+    if fmt == "llama3_json":
+        return parse_llama3_calls(text)
+    return _HELD[fmt][0](text)
 
 
-def tool_stream(name: str | None, incremental: bool = False) -> ToolCallStream | Llama3JsonStream:
+def tool_stream(name: str | None, incremental: bool = False) -> CallStream:
     """The streamed reader of format `name`; `incremental`: the calls are forced (Hermes)."""
-    check_tool_parser(name)
-    if incremental or name in (None, "hermes"):
+    fmt = _format(name)
+    if incremental or fmt == "hermes":
         return ToolCallStream(incremental=incremental)
-    return Llama3JsonStream()
+    if fmt == "llama3_json":
+        return Llama3JsonStream()
+    return _HELD[fmt][1]()
 
 
 def split_calls(output: CompletionOutput, name: str | None, *, forced: bool = False) -> None:
@@ -149,3 +211,7 @@ class Llama3JsonStream:
                     CallArguments(self.num_calls, call.arguments)]
             self.num_calls += 1
         return out
+
+
+# The streamed readers: `feed(text)` and `finish()` give content pieces and call events.
+CallStream = ToolCallStream | Llama3JsonStream | HeldCallStream

@@ -1,6 +1,7 @@
-"""The per-family tool-call formats (jengine/text/tool_parsers.py): Llama 3's JSON calls read
-whole and streamed (every cut of the text gives the same calls), Hermes unchanged behind the same
-entry points."""
+"""The per-family tool-call formats (jengine/text/tool_parsers.py, call_formats.py): Llama 3's
+JSON calls read whole and streamed (every cut of the text gives the same calls), Hermes unchanged
+behind the same entry points; mistral, pythonic, qwen3_coder and deepseek_v3 on example outputs,
+whole and streamed at every split point; `auto` on chat-template text."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import json
 import pytest
 
 from jengine.outputs import CompletionOutput
-from jengine.text.tool_parsers import parse_calls, split_calls, tool_stream
+from jengine.text.tool_parsers import (
+    parse_calls,
+    resolve_tool_parser,
+    split_calls,
+    tool_stream,
+)
 from jengine.text.tools import CallArguments, CallStart
 
 # (output, expected calls as (name, arguments), expected content when no calls)
@@ -65,5 +71,127 @@ def test_forced_calls_and_hermes_keep_the_tool_call_form():
     out = CompletionOutput(0, '{"name": "f", "parameters": {}}', [], finish_reason="stop")
     split_calls(out, "llama3_json")
     assert (out.text, out.finish_reason, out.tool_calls[0].name) == ("", "tool_calls", "f")
-    with pytest.raises(ValueError, match="unknown tool call parser 'mistral'"):
-        parse_calls("mistral", text)
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+        parse_calls("nope", text)
+
+
+# -- mistral, pythonic, qwen3_coder, deepseek_v3 (and hermes through the same checks) -----------
+
+NESTED = {"filter": {"tags": ["a", "b"], "range": {"lo": 1, "hi": 2.5}}, "q": "Zürich ☃ \"x\"; }"}
+
+# parser -> (output, expected content, expected [(name, arguments)])
+CASES = {
+    "hermes": [
+        ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', None, [("f", {"a": 1})]),
+        ('Sure.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+         '<tool_call>{"name": "g", "arguments": ' + json.dumps(NESTED, ensure_ascii=False)
+         + "}</tool_call>", "Sure.", [("f", {}), ("g", NESTED)]),
+        ('<tool_call>{"name": "f", "arguments": {"a": </tool_call>',
+         '<tool_call>{"name": "f", "arguments": {"a": </tool_call>', []),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', None, [("f", {"a": 1})]),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": '
+         + json.dumps(NESTED, ensure_ascii=False) + "}]", None, [("f", {}), ("g", NESTED)]),
+        ('Checking.[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]'
+         + json.dumps(NESTED, ensure_ascii=False), "Checking.", [("f", {"a": 1}), ("g", NESTED)]),
+        ('[{"name": "f", "arguments": {"a": 1}}]', None, [("f", {"a": 1})]),  # marker skipped
+        ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', '[TOOL_CALLS][{"name": "f", '
+         '"arguments": {"a": 1}', []),
+    ],
+    "pythonic": [
+        ('[f(a=1)]', None, [("f", {"a": 1})]),
+        ('[get_weather(city="Zürich ☃", days=[1, 2], opts={"deep": {"x": None}}), now()]', None,
+         [("get_weather", {"city": "Zürich ☃", "days": [1, 2], "opts": {"deep": {"x": None}}}),
+          ("now", {})]),
+        ("<|python_start|>[ns.f(flag=true)]<|python_end|>", None, [("ns.f", {"flag": True})]),
+        ("[f(a=1), __import__('os').system('x')]", "[f(a=1), __import__('os').system('x')]", []),
+        ("[f(a=open('x'))]", "[f(a=open('x'))]", []),
+        ("[f(a=1)", "[f(a=1)", []),
+        ("[1] is a citation.", "[1] is a citation.", []),
+    ],
+    "qwen3_coder": [
+        ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+         None, [("f", {"a": 1})]),
+        ("I will call two.\n<tool_call>\n<function=f>\n<parameter=city>\nZürich ☃\n</parameter>\n"
+         "</function>\n</tool_call>\n<tool_call>\n<function=g>\n<parameter=filter>\n"
+         + json.dumps(NESTED["filter"]) + "\n</parameter>\n</function>\n</tool_call>",
+         "I will call two.", [("f", {"city": "Zürich ☃"}), ("g", {"filter": NESTED["filter"]})]),
+        ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",
+         "<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>", []),
+    ],
+    "deepseek_v3": [
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n"
+         '{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None, [("f", {"a": 1})]),
+        ("Two calls.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+         "<｜tool▁call▁begin｜>g<｜tool▁sep｜>" + json.dumps(NESTED, ensure_ascii=False)
+         + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "Two calls.", [("f", {}), ("g", NESTED)]),
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": <｜tool▁call▁end｜>"
+         "<｜tool▁calls▁end｜>", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>"
+         "{\"a\": <｜tool▁call▁end｜><｜tool▁calls▁end｜>", []),
+    ],
+}
+ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", ALL)
+def test_whole_output(parser, text, content, calls):
+    got_content, got = parse_calls(parser, text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert all(c.id.startswith("call_") for c in got)
+    assert len({c.id for c in got}) == len(got)
+
+
+@pytest.mark.parametrize("parser,text,content,calls", ALL)
+def test_streamed_at_every_split_point(parser, text, content, calls):
+    whole = [c.arguments for c in parse_calls(parser, text)[1]]
+    splits = [(i,) for i in range(len(text) + 1)] + [tuple(range(1, len(text)))]
+    for cuts in splits:  # one cut at each point, and one character at a time
+        stream, pieces, last = tool_stream(parser), [], 0
+        for cut in (*cuts, len(text)):
+            pieces += stream.feed(text[last:cut])
+            last = cut
+        pieces += stream.finish()
+        starts = [p for p in pieces if isinstance(p, CallStart)]
+        assert [(s.index, s.name) for s in starts] == [(i, c[0]) for i, c in enumerate(calls)]
+        args: dict[int, str] = {}
+        for p in pieces:
+            if isinstance(p, CallArguments):
+                args[p.index] = args.get(p.index, "") + p.text
+        assert [args[i] for i in sorted(args)] == whole, cuts
+        streamed = "".join(p for p in pieces if isinstance(p, str))
+        if parser == "hermes":  # hermes drops the whitespace between calls as it streams
+            streamed, content = streamed.replace("\n", ""), (content or "").replace("\n", "")
+        assert streamed.strip() == (content or ""), cuts
+        assert stream.num_calls == len(calls)
+
+
+LLAMA31 = ("{%- if builtin_tools is defined %}{{- '<|python_tag|>' + tool_call.name }}{%- endif %}"
+           "<|start_header_id|>assistant<|end_header_id|>")
+LLAMA32 = ('Respond in the format {"name": function name, "parameters": dictionary of argument '
+           "name and its value}.<|eot_id|>")
+TEMPLATES = {
+    "hermes": "{%- if tools %}<tools>{{ tools }}</tools> ... <tool_call>\n{{ call }}\n</tool_call>",
+    "qwen3_coder": "<tool_call>\n<function={{ tool_call.name }}>\n<parameter={{ k }}>\n",
+    "llama3_json": LLAMA31,
+    "mistral": "{%- if message.tool_calls %}{{ '[TOOL_CALLS]' }}{{ message.tool_calls|tojson }}",
+    "pythonic": "{{- '<|python_start|>[' }}{{ tool_call.name }}(...){{ ']<|python_end|>' }}",
+    "deepseek_v3": "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + t['type']}}",
+}
+
+
+@pytest.mark.parametrize("expected,template", [*TEMPLATES.items(), ("llama3_json", LLAMA32),
+                                               ("hermes", "{{ message['content'] }}"),
+                                               ("hermes", None),
+                                               ("pythonic", {"default": "x", "tool_use":
+                                                             TEMPLATES["pythonic"]})])
+def test_auto_reads_the_chat_template(expected, template):
+    assert resolve_tool_parser("auto", template) == expected
+
+
+def test_a_named_parser_is_used_as_given():
+    assert resolve_tool_parser("mistral", TEMPLATES["hermes"]) == "mistral"
+    assert resolve_tool_parser(None, TEMPLATES["mistral"]) is None  # no flag: hermes
+    with pytest.raises(ValueError, match="chosen from a chat template first"):
+        parse_calls("auto", "x")
