@@ -127,7 +127,7 @@ class ServerConfig:
     log_requests: bool = True  # one INFO line per request; False: DEBUG
     uvicorn_log_level: str = "info"
     enable_auto_tool_choice: bool = False  # accepted for vLLM; `tool_choice: auto` always works
-    tool_call_parser: str | None = None  # hermes | llama3_json (jengine/text/tool_parsers.py)
+    tool_call_parser: str | None = None  # a call format or auto (jengine/text/tool_parsers.py)
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3 | granite | auto (jengine.text)
 
 

@@ -58,7 +58,7 @@ from jengine.sharding import MeshSpec
 from jengine.structured.after_reasoning import params_after_reasoning
 from jengine.text.chat import render_chat
 from jengine.text.reasoning import resolve_format, split_reasoning
-from jengine.text.tool_parsers import check_tool_parser, split_calls
+from jengine.text.tool_parsers import resolve_tool_parser, split_calls
 from jengine.text.tools import constrain, tool_setup
 
 log = logging.getLogger("jengine")
@@ -223,10 +223,12 @@ class Engine:
         completion's `reasoning`, and the tool calls and any output constraint are read from
         and applied to the answer after it (`jengine.text.reasoning`). `chat_template_kwargs`
         are extra template variables, e.g. `{"enable_thinking": False}`. `tool_call_parser`:
-        the format of the model's own calls (`jengine.text.tool_parsers`; None: hermes).
+        the format of the model's own calls (`jengine.text.tool_parsers`; None: hermes;
+        'auto': chosen from the model's chat template).
         """
         setup = tool_setup(tools, tool_choice, parallel_tool_calls)
-        check_tool_parser(tool_call_parser)
+        tool_call_parser = resolve_tool_parser(tool_call_parser,
+                                               getattr(self.tokenizer, "chat_template", None))
         fmt = resolve_format(reasoning_parser, self.tokenizer, None, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         shown = tools if setup.active else None

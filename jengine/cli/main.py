@@ -72,7 +72,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto always works")
-    p.add_argument("--tool-call-parser", help="hermes | llama3_json (the model's call format)")
+    p.add_argument("--tool-call-parser", help="hermes | llama3_json | mistral | pythonic | "
+                   "qwen3_coder | deepseek_v3 | auto (the model's call format)")
     p.add_argument("--reasoning-parser", help="deepseek_r1 | qwen3 | granite | auto")
     limits = p.add_argument_group("limits on one request")
     limits.add_argument("--max-queue", type=int,

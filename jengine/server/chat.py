@@ -34,8 +34,8 @@ from jengine.server.pipeline import OPENAI_FRAMING, EngineStream, Job, accept, r
 from jengine.server.reply_json import StreamExtras, finite, prompt_logprobs_json, token_text, usage
 from jengine.structured.after_reasoning import params_after_reasoning
 from jengine.text.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
-from jengine.text.tool_parsers import Llama3JsonStream, parse_calls, tool_stream
-from jengine.text.tools import CallStart, ToolCallStream, ToolSetup
+from jengine.text.tool_parsers import CallStream, parse_calls, tool_stream
+from jengine.text.tools import CallStart, ToolSetup
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -55,7 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
         lambda engine, p: params_after_reasoning(p, reasoning(engine), engine.tokenizer)))
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
-    view.tool_parser = state.config.tool_call_parser
+    view.tool_parser = state.tool_parser(template)
     if state.config.reasoning_parser is not None:
         view.reasoning = Reasoning(reasoning(stream.engine))
     return await reply(stream, view, bool(body.stream))
@@ -200,7 +200,7 @@ def _reasoning_deltas(thinking: ReasoningStream | None,
     return deltas, "".join(text for kind, text in pieces if kind == "content")
 
 
-def _tool_deltas(parser: ToolCallStream | Llama3JsonStream, text: str,
+def _tool_deltas(parser: CallStream, text: str,
                  last: bool) -> list[dict[str, Any]]:
     """The stream deltas of one output delta's text with tools: content pieces, and tool calls
     as a first delta with the id, type and name (arguments "") and then argument fragments."""

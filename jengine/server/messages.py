@@ -37,7 +37,8 @@ from fastapi.responses import Response
 from jengine.server.errors import APIError, renamed_params
 from jengine.server.messages_request import MessagesInput, MessagesRequest, messages_param
 from jengine.server.pipeline import EngineStream, Framing, Job, accept, reply, sse, start
-from jengine.text.tools import CallArguments, CallStart, ToolCallStream, ToolSetup
+from jengine.text.tool_parsers import tool_stream
+from jengine.text.tools import CallArguments, CallStart, ToolSetup
 
 
 async def create_message(body: MessagesRequest, request: Request) -> Response:
@@ -52,7 +53,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
             params, lambda tokenizer: [chat.render(tokenizer, messages, tools,
                                                    state.chat_template)],
             1, request_id, "max_tokens", chat.constraint_param()))
-    view = _MessageView(f"msg_{request_id}", state.model_name, tools)
+    view = _MessageView(f"msg_{request_id}", state.model_name, tools,
+                        state.tool_parser(state.chat_template))
     return await reply(stream, view, bool(body.stream))
 
 
@@ -76,11 +78,12 @@ def _event(kind: str, **fields: Any) -> str:
 class _MessageView:
     """Builds the message's content blocks from engine deltas, as stream events on the way."""
 
-    def __init__(self, message_id: str, model: str, tools: ToolSetup):
+    def __init__(self, message_id: str, model: str, tools: ToolSetup,
+                 tool_parser: str | None = None):
         self.id = message_id
         self.model = model
         forced = tools.constraint() is not None  # well-formed calls: stream their input
-        self.parser = ToolCallStream(incremental=forced) if tools.active else None
+        self.parser = tool_stream(tool_parser, forced) if tools.active else None
         self.content: list[dict[str, Any]] = []  # the blocks as they stand
         self.arguments: dict[int, str] = {}  # tool_use block index -> its input's JSON text
         self.open: int | None = None  # the index of the block being generated

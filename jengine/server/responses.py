@@ -83,7 +83,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             adapt=lambda engine, p: params_after_reasoning(p, reasoning(engine),
                                                            engine.tokenizer)))
     view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools,
-                         reasoning(stream.engine), state.config.tool_call_parser)
+                         reasoning(stream.engine), state.tool_parser(state.chat_template))
     return await reply(stream, view, bool(body.stream))
 
 

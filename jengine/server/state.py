@@ -26,6 +26,7 @@ from jengine.server.metrics import ServerMetrics
 from jengine.server.middleware import clean_request_id
 from jengine.server.warmup import MAX_TOKENS, warm_up
 from jengine.text.reasoning import ReasoningFormat, resolve_format, thinking_off
+from jengine.text.tool_parsers import resolve_tool_parser
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
@@ -231,6 +232,14 @@ class ServerState:
             raise bad_request("chat_template in a request is refused: the server was not started "
                               "with --trust-request-chat-template", "chat_template")
         return requested or self.chat_template
+
+    def tool_parser(self, template: str | None) -> str | None:
+        """The call format of `--tool-call-parser` for a chat rendered with `template` (None:
+        the model's own; `auto` reads that template's text)."""
+        name = self.config.tool_call_parser
+        if name == "auto" and template is None and self.engine is not None:
+            template = getattr(self.engine.tokenizer, "chat_template", None)
+        return resolve_tool_parser(name, template)
 
     def reasoning_format(self, tokenizer: Any, template: str | None,
                          template_kwargs: dict[str, Any] | None) -> ReasoningFormat | None:

@@ -211,6 +211,9 @@ def test_serve_flags_reach_the_server_config():
     with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, llama3_json"):
         server_config(build_parser().parse_args(["serve", "--tool-call-parser", "x"]),
                       ServerConfig())
+    for name in ("mistral", "pythonic", "qwen3_coder", "deepseek_v3", "auto"):
+        args = build_parser().parse_args(["serve", "--tool-call-parser", name])
+        assert server_config(args, ServerConfig()).tool_call_parser == name
     assert cfg.limit_concurrency is None and cfg.timeout_keep_alive == 2.5  # 0: no bound
     for flag, value in (("--limit-concurrency", "-1"), ("--timeout-keep-alive", "0")):
         with pytest.raises(ValueError, match=flag):

@@ -1,0 +1,81 @@
+"""`--tool-call-parser` through a real server on 127.0.0.1 (SmolLM2, the official `openai` SDK):
+a regex makes the model write a Mistral-format call, which the server reads as a call when
+`auto` finds `[TOOL_CALLS]` in the chat template (or the flag names `mistral`), and leaves as
+content under hermes (`auto` on SmolLM2's own template), whole and streamed."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from local_server import serving
+
+from jengine.async_engine import AsyncEngine
+from jengine.config import ServerConfig
+from jengine.server.app import create_app
+
+MODEL = "SmolLM2-135M-Instruct"
+# A ChatML template like SmolLM2's own, naming Mistral's call marker (as Mistral templates do).
+MISTRAL_TEMPLATE = ("{#- assistant calls are written [TOOL_CALLS][...] -#}"
+                    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALL = r'\[\{"name": "get_weather", "arguments": \{"city": "(Oslo|Zürich)"\}\}\]'
+REQUEST = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+               tools=TOOLS, temperature=0, max_tokens=40,
+               extra_body={"structured_outputs": {"regex": CALL}})
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = AsyncEngine(config="test", progress=False)
+    yield engine
+    engine.shutdown()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _streamed(client: openai.OpenAI) -> tuple[str, dict[int, list[str]], str]:
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**REQUEST, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, ["", ""])
+            entry[0] += call.function.name or ""
+            entry[1] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("config", [ServerConfig(chat_template=MISTRAL_TEMPLATE,
+                                                 tool_call_parser="auto"),
+                                    ServerConfig(tool_call_parser="mistral")],
+                         ids=["auto", "named"])
+def test_mistral_calls_are_parsed_whole_and_streamed(engine, config):
+    with serving(create_app(engine, config)) as url:
+        client = _client(url)
+        choice = client.chat.completions.create(**REQUEST).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Oslo", "Zürich")
+        content, calls, finish = _streamed(client)
+        assert content.strip() == "" and finish == "tool_calls"
+        assert calls == {0: ["get_weather", call.function.arguments]}
+
+
+def test_hermes_leaves_a_mistral_call_as_content(engine):
+    with serving(create_app(engine, ServerConfig(tool_call_parser="auto"))) as url:  # SmolLM2
+        client = _client(url)
+        choice = client.chat.completions.create(**REQUEST).choices[0]
+        assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+        assert json.loads(choice.message.content)[0]["name"] == "get_weather"
+        content, calls, _ = _streamed(client)
+        assert calls == {} and content == choice.message.content
