@@ -55,7 +55,6 @@ from jengine.outputs import RequestOutput
 from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
 from jengine.sharding import MeshSpec
-from jengine.structured.after_reasoning import params_after_reasoning
 from jengine.text.chat import render_chat
 from jengine.text.reasoning import resolve_format, split_reasoning
 from jengine.text.tool_parsers import resolve_tool_parser, split_calls
@@ -237,7 +236,10 @@ class Engine:
         listed = isinstance(sampling_params, list)
         params = [constrain(p or SamplingParams(), setup)
                   for p in (sampling_params if listed else [sampling_params])]
-        params = [params_after_reasoning(p, fmt, self.tokenizer) for p in params]
+        if fmt is not None:  # llguidance only where a constraint meets a reasoning format
+            from jengine.structured.after_reasoning import params_after_reasoning
+
+            params = [params_after_reasoning(p, fmt, self.tokenizer) for p in params]
         outputs = self.generate(prompts, params if listed else params[0])
         for out in outputs:
             for completion in out.outputs:
