@@ -264,6 +264,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "family": network.name,  # the model file that runs it
         "parameters": sum(math.prod(spec.shape) for spec in specs.values()),
         "dtype": str(next(iter(loaded.params.values())).dtype),
+        "auto_dtype": _auto_dtype(cfg),  # what `--dtype auto` (the default) runs here
         "quantization": loaded.quantization,  # of the stored weights
         "weights": loaded.weights_note,  # which stored formats read as int8, which as float
         "layers": cfg.num_layers,
@@ -290,6 +291,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     for k, v in info.items():
         print(f"{k:16} {v}")
     return 0
+
+
+def _auto_dtype(cfg) -> str:
+    """`dtype: auto` for this model on this machine, as stored by an earlier start; says so
+    where it is measured at the first start instead (info itself measures nothing)."""
+    import jax
+
+    from jengine.core import auto_dtype
+    from jengine.models.matmul import resolve_matmul_backend
+    from jengine.runtime.executables import default_store_dir
+
+    backend = resolve_matmul_backend("auto", jax.default_backend(), 1)
+    return auto_dtype.describe(cfg, backend, default_store_dir())
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

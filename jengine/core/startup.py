@@ -17,6 +17,7 @@ import jax
 
 from converters import LoadedModel, load_config
 from jengine.config import EngineConfig
+from jengine.core import auto_dtype
 from jengine.core.build import (
     Phases,
     eos_ids,
@@ -75,12 +76,12 @@ def build_parts(
     distributed = DistributedSpec(coordinator=par.coordinator, num_processes=par.num_processes,
                                   process_id=par.process_id)
     initialize(distributed)  # before anything starts JAX's backend
-    dtype = resolve_dtype(cfg.model.dtype)
-    kv_cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     mesh_spec = MeshSpec.parse(par.mesh)
     mesh = mesh_spec.replica_mesh(replica) if mesh_spec.num_devices > 1 else None
     platform, tp = jax.default_backend(), mesh_spec.tp
     backends = resolve_backends(cfg.model, platform, tp)  # before any weight is read
+    dtype = model_dtype(cfg, loaded, backends["matmul_backend"])
+    kv_cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     layer_layout = resolve_layer_layout(cfg.model.layer_layout, platform)
     quantization = resolve_quantization(cfg.model.quantization, platform)
     if mesh is not None:  # before any weight is read
@@ -117,6 +118,16 @@ def build_parts(
                      loaded=loaded, model_config=model_config, max_model_len=context,
                      eos_token_ids=eos, allocator=allocator, prefix_cache=prefix_cache,
                      scheduler=scheduler, runner=runner)
+
+
+def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str) -> str:
+    """`cfg.model.dtype` resolved; `auto` on CPU as `auto_dtype.choose` decides for this model
+    under `matmul_backend` (stored beside the step programs, measured on the first start)."""
+    def measured() -> str:
+        config = loaded.config if loaded is not None else load_config(cfg.model.model)
+        return auto_dtype.choose(config, matmul_backend, default_store_dir()).dtype
+
+    return resolve_dtype(cfg.model.dtype, measured)
 
 
 def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, mesh,
