@@ -43,6 +43,9 @@ FORMAT = 1  # bump when what is measured or stored changes
 # difference within the probe's run-to-run noise, a few percent) keeps float32.
 MARGIN = 0.95
 
+NO_FEATURE = ("this CPU has neither AVX-512-BF16 nor AMX-BF16 (bf16 dots would run widened to "
+              "f32); not measured")
+
 Timer = Callable[[ModelConfig, str, str], Timings]  # (config, dtype, matmul backend) -> Timings
 
 
@@ -82,8 +85,7 @@ def choose(config: ModelConfig, matmul_backend: str, store_dir: Path, *,
     measured with `timer` and stored. Logs one INFO line."""
     feature = bf16_feature()
     if feature is None:
-        choice = DtypeChoice("float32", "this CPU has neither AVX-512-BF16 nor AMX-BF16 "
-                             "(bf16 dots would run widened to f32); not measured")
+        choice = DtypeChoice("float32", NO_FEATURE)
     else:
         file = Path(store_dir) / f"auto-dtype-{decision_key(config, matmul_backend)}.json"
         choice = _read(file) or _measure(config, matmul_backend, feature, timer, file)
@@ -101,8 +103,7 @@ def describe(config: ModelConfig, matmul_backend: str, store_dir: Path) -> str:
     if jax.default_backend() != "cpu":
         return f"bfloat16 (on {jax.default_backend()}: not measured)"
     if bf16_feature() is None:
-        return DtypeChoice("float32", "this CPU has neither AVX-512-BF16 nor AMX-BF16; "
-                           "not measured").summary()
+        return DtypeChoice("float32", NO_FEATURE).summary()
     found = stored(config, matmul_backend, store_dir)
     if found is not None:
         return found.summary()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -120,12 +121,16 @@ def build_parts(
                      scheduler=scheduler, runner=runner)
 
 
-def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str) -> str:
+def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str, *,
+                store_dir: Path | None = None,
+                timer: auto_dtype.Timer = auto_dtype.time_projections) -> str:
     """`cfg.model.dtype` resolved; `auto` on CPU as `auto_dtype.choose` decides for this model
-    under `matmul_backend` (stored beside the step programs, measured on the first start)."""
+    under `matmul_backend`: read from `store_dir` (the step programs' store by default), or
+    measured with `timer` and stored there."""
     def measured() -> str:
         config = loaded.config if loaded is not None else load_config(cfg.model.model)
-        return auto_dtype.choose(config, matmul_backend, default_store_dir()).dtype
+        return auto_dtype.choose(config, matmul_backend, store_dir or default_store_dir(),
+                                 timer=timer).dtype
 
     return resolve_dtype(cfg.model.dtype, measured)
 
