@@ -10,6 +10,7 @@ and adds the request table, admission and the step loop.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
+
+log = logging.getLogger("jengine")
 
 
 @dataclasses.dataclass
@@ -126,8 +129,13 @@ def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: s
                 timer: auto_dtype.Timer = auto_dtype.time_projections) -> str:
     """`cfg.model.dtype` resolved; `auto` on CPU as `auto_dtype.choose` decides for this model
     under `matmul_backend`: read from `store_dir` (the step programs' store by default), or
-    measured with `timer` and stored there."""
+    measured with `timer` and stored there. Several processes keep float32 unmeasured: each
+    would measure on its own, and their programs must agree."""
     def measured() -> str:
+        if cfg.parallel.num_processes > 1:
+            log.info("dtype auto -> float32: not measured across %d processes",
+                     cfg.parallel.num_processes)
+            return "float32"
         config = loaded.config if loaded is not None else load_config(cfg.model.model)
         return auto_dtype.choose(config, matmul_backend, store_dir or default_store_dir(),
                                  timer=timer).dtype

@@ -132,7 +132,8 @@ def test_one_info_line_with_both_timings(smol_config, tmp_path, caplog):
 @needs("avx512_bf16")
 def test_start_up_resolves_auto_and_leaves_a_named_dtype(tmp_path):
     """`startup.model_dtype`, which EngineCore and ReplicaSet call before any weight is read:
-    `auto` reads the model's config and measures; a named dtype is never measured."""
+    `auto` reads the model's config and measures (once per process group: none when several
+    processes run one engine); a named dtype is never measured."""
     cfg = engine_config("test")  # dtype: float32
     assert model_dtype(cfg, None, "native", store_dir=tmp_path, timer=never) == "float32"
     bf16 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
@@ -142,6 +143,10 @@ def test_start_up_resolves_auto_and_leaves_a_named_dtype(tmp_path):
     timer = PlantedTimer(30.0, 50.0)
     assert model_dtype(auto, None, "native", store_dir=tmp_path, timer=timer) == "float32"
     assert len(timer.calls) == 2
+    # Several processes would each measure, and might disagree: float32, measured by none.
+    hosts = dataclasses.replace(auto, parallel=dataclasses.replace(
+        auto.parallel, coordinator="127.0.0.1:1", num_processes=2, process_id=1))
+    assert model_dtype(hosts, None, "native", store_dir=tmp_path / "h", timer=never) == "float32"
 
 
 def test_the_session_engine_keeps_its_named_float32(smol_engine):
