@@ -3,13 +3,14 @@ in float32 and in bfloat16, each through the kernels that dtype gets in the engi
 (`jengine.models.matmul.dot` and `swiglu` under the resolved matmul backend, the bf16 weights
 packed for the AMX kernel where the engine packs them).
 
-Why the projections, and not a few steps of the model itself: a CPU step's time is its
-projections' (the weights streamed at decode, the GEMMs of a prefill chunk: docs/engine.md's
-step profiles put attention, norms and sampling at a few percent of a SmolLM2 step), and those
-are where the two dtypes differ. Timing them needs only the model's shapes, so the probe runs
+Why the projections, and not a few steps of the model itself: they are most of a CPU step
+(projections and output head were 73% + 17% of a SmolLM2 f32 decode step at one sequence, 56% +
+16% at 64, attention most of the rest: docs/engine.md, "Where a step's time goes now"), and they
+are where the two dtypes differ most. Timing them needs only the model's shapes, so the probe runs
 before any weight is read (the weights are then loaded once, in the chosen dtype), compiles
 small programs instead of every step bucket twice, and is deterministic enough: a fixed
-pattern of weights, median of REPEATS runs.
+pattern of weights, median of REPEATS runs. What it cannot see is the rest of a bf16 step
+(norms, rope, attention and KV in bf16), which XLA:CPU runs slower than f32 without AMX.
 
 What is timed, per dtype (each program chains its layers as the model does: every projection
 reads the previous one's output, so XLA cannot overlap layers that the step runs in order):
