@@ -51,6 +51,7 @@ from jengine.core.kv_budget import host_kv_budget
 from jengine.core.replicas import make_core
 from jengine.core.request import merge_deltas
 from jengine.core.stats import EngineStats
+from jengine.models.config import ModelConfig
 from jengine.outputs import RequestOutput
 from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
@@ -64,7 +65,7 @@ log = logging.getLogger("jengine")
 
 # `from jengine.engine import AsyncEngine` keeps working: the asyncio front end has its own
 # module now (jengine/async_engine.py), which imports nothing from this one.
-__all__ = ["AsyncEngine", "Engine", "build_config", "check_kv_memory"]
+__all__ = ["AsyncEngine", "Engine", "build_config", "check_kv_memory", "describe_auto_dtype"]
 
 def build_config(model: str | None, config: str | None, **kwargs: Any) -> EngineConfig:
     """Engine kwargs (+ optional preset) -> EngineConfig. A keyword given (not None) always wins
@@ -80,6 +81,19 @@ def check_kv_memory(cfg: EngineConfig) -> None:
     start JAX's backend itself, which this would do)."""
     if cfg.parallel.num_processes == 1:
         host_kv_budget(cfg.cache.kv_cache_memory, MeshSpec.parse(cfg.parallel.mesh), 1)
+
+
+def describe_auto_dtype(config: ModelConfig) -> str:
+    """What `dtype: auto` runs for a model of `config` on this machine with the default matmul
+    backend, as an earlier start stored it (`jengine info`); measures nothing."""
+    import jax
+
+    from jengine.core import auto_dtype
+    from jengine.models.matmul import resolve_matmul_backend
+    from jengine.runtime.executables import default_store_dir
+
+    backend = resolve_matmul_backend("auto", jax.default_backend(), 1)
+    return auto_dtype.describe(config, backend, default_store_dir())
 
 
 class Engine:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from converters import LoadedModel, load_params_sharded, load_source
-from jengine import cpu_info
 from jengine.config import EngineConfig, ModelSection
 from jengine.core.kv_budget import host_kv_budget
 from jengine.models import KVCache, ModelConfig, family_module, layer_offsets
@@ -51,14 +51,15 @@ def resolve_backends(model: ModelSection, platform: str, tp: int) -> dict[str, s
                 matmul_backend=resolve_matmul_backend(model.matmul_backend, platform, tp))
 
 
-def resolve_dtype(dtype: str) -> str:
-    """auto -> bfloat16 on GPU/TPU and on a CPU with AMX-BF16, where XLA:CPU runs bf16 dots on
-    the tiles (served 1.2-1.5x f32's tok/s, docs/engine.md "session 15"); float32 on other
-    CPUs, where bf16 dots are slower than f32 ones."""
+def resolve_dtype(dtype: str, measured: Callable[[], str] | None = None) -> str:
+    """auto -> bfloat16 on GPU/TPU; on CPU what `measured()` says (`startup.model_dtype` passes
+    `jengine.core.auto_dtype.choose`: bf16 where the CPU has AVX-512-BF16 or AMX-BF16 and the
+    model's bf16 projections measured faster, else float32), float32 without one. A named dtype
+    is taken as given."""
     if dtype == "auto":
         if jax.default_backend() != "cpu":
             return "bfloat16"
-        return "bfloat16" if "amx_bf16" in cpu_info.flags() else "float32"
+        return measured() if measured is not None else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return dtype

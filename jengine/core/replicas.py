@@ -12,13 +12,17 @@ same time. Each replica is still stepped by one thread at a time, as `EngineCore
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
+
 from jengine.config import EngineConfig
-from jengine.core.build import open_model, resolve_dtype
+from jengine.core.build import open_model, resolve_backends
 from jengine.core.contract import CoreContract, ProgramReport
 from jengine.core.engine_core import EngineCore
 from jengine.core.request import RequestState
+from jengine.core.startup import model_dtype
 from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
 from jengine.sharding import MeshSpec
@@ -53,8 +57,11 @@ class ReplicaSet:
                  require_warm: bool = False):
         spec = MeshSpec.parse(cfg.parallel.mesh)
         spec.check_devices()  # before any weight is read
-        loaded = open_model(cfg.model, resolve_dtype(cfg.model.dtype), cfg.model.quantization,
-                            progress)
+        # `auto` resolved once, for the weights read here and every replica's programs alike.
+        backend = resolve_backends(cfg.model, jax.default_backend(), spec.tp)["matmul_backend"]
+        dtype = model_dtype(cfg, None, backend)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+        loaded = open_model(cfg.model, dtype, cfg.model.quantization, progress)
         self.replicas: list[EngineCore] = [
             EngineCore(cfg, progress=progress, replica=r, loaded=loaded, warmup=warmup,
                        require_warm=require_warm)

@@ -10,13 +10,16 @@ and adds the request table, admission and the step loop.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 
 from converters import LoadedModel, load_config
 from jengine.config import EngineConfig
+from jengine.core import auto_dtype
 from jengine.core.build import (
     Phases,
     eos_ids,
@@ -41,6 +44,8 @@ from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
+
+log = logging.getLogger("jengine")
 
 
 @dataclasses.dataclass
@@ -75,12 +80,12 @@ def build_parts(
     distributed = DistributedSpec(coordinator=par.coordinator, num_processes=par.num_processes,
                                   process_id=par.process_id)
     initialize(distributed)  # before anything starts JAX's backend
-    dtype = resolve_dtype(cfg.model.dtype)
-    kv_cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     mesh_spec = MeshSpec.parse(par.mesh)
     mesh = mesh_spec.replica_mesh(replica) if mesh_spec.num_devices > 1 else None
     platform, tp = jax.default_backend(), mesh_spec.tp
     backends = resolve_backends(cfg.model, platform, tp)  # before any weight is read
+    dtype = model_dtype(cfg, loaded, backends["matmul_backend"])
+    kv_cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     layer_layout = resolve_layer_layout(cfg.model.layer_layout, platform)
     quantization = resolve_quantization(cfg.model.quantization, platform)
     if mesh is not None:  # before any weight is read
@@ -117,6 +122,25 @@ def build_parts(
                      loaded=loaded, model_config=model_config, max_model_len=context,
                      eos_token_ids=eos, allocator=allocator, prefix_cache=prefix_cache,
                      scheduler=scheduler, runner=runner)
+
+
+def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str, *,
+                store_dir: Path | None = None,
+                timer: auto_dtype.Timer = auto_dtype.time_projections) -> str:
+    """`cfg.model.dtype` resolved; `auto` on CPU as `auto_dtype.choose` decides for this model
+    under `matmul_backend`: read from `store_dir` (the step programs' store by default), or
+    measured with `timer` and stored there. Several processes keep float32 unmeasured: each
+    would measure on its own, and their programs must agree."""
+    def measured() -> str:
+        if cfg.parallel.num_processes > 1:
+            log.info("dtype auto -> float32: not measured across %d processes",
+                     cfg.parallel.num_processes)
+            return "float32"
+        config = loaded.config if loaded is not None else load_config(cfg.model.model)
+        return auto_dtype.choose(config, matmul_backend, store_dir or default_store_dir(),
+                                 timer=timer).dtype
+
+    return resolve_dtype(cfg.model.dtype, measured)
 
 
 def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, mesh,

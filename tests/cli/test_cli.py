@@ -121,6 +121,34 @@ def test_info_describes_the_default_model(cli_runs):
                                  "dequantized to float: 210 x Q4_1, 61 x F32, 1 x Q8_0")
 
 
+def test_info_shows_what_auto_dtype_chose_here(tmp_path):
+    """`auto_dtype` in `jengine info` is the decision a start stored beside the step programs
+    (planted here, with timings no real run gives) for this model and CPU."""
+    import dataclasses
+
+    import jax
+
+    from converters.source import load_config
+    from jengine.core import auto_dtype
+    from jengine.models.matmul import resolve_matmul_backend
+    from jengine.runtime.dtype_probe import Timings
+
+    store = tmp_path / "jengine" / "executables"  # default_store_dir() under XDG_CACHE_HOME
+    backend = resolve_matmul_backend("auto", jax.default_backend(), 1)
+    planted = {"float32": 1.2345, "bfloat16": 6.789}  # ms: float32 faster
+    choice = auto_dtype.choose(load_config(None), backend, store,
+                               timer=lambda cfg, dt, be: Timings({1: planted[dt] / 1e3}, 0.0))
+    cmd, env = _command("info", no_torch=False)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
+                         env={**env, "XDG_CACHE_HOME": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    fields = dict(line.split(None, 1) for line in run.stdout.strip().splitlines())
+    assert fields["auto_dtype"] == dataclasses.replace(choice, stored=True).summary()
+    if auto_dtype.bf16_feature() is not None:
+        assert fields["auto_dtype"].startswith("float32: bf16 projections took 5.50x")
+        assert "float32 1.23 ms, bfloat16 6.79 ms" in fields["auto_dtype"]
+
+
 @pytest.mark.parametrize(("args", "message"), BAD_INPUT)
 def test_bad_input_is_one_line_error(cli_runs, args, message):
     run = cli_runs[tuple(args)]

@@ -159,20 +159,22 @@ def test_fp8_kv_cache_on_the_reference_backend(tiny):
     assert same >= 0.75 * sum(len(e) for e in expected), (got, expected)
 
 
-@pytest.mark.parametrize("flags, want", [({"avx512f", "amx_bf16"}, "bfloat16"),
-                                         ({"avx512f", "avx512_bf16"}, "float32"),
-                                         (set(), "float32")])
-def test_auto_dtype_on_cpu_is_bf16_only_with_amx_bf16(flags, want, monkeypatch):
-    """`dtype: auto` on CPU follows what XLA:CPU's dots run fastest: bf16 where the CPU has the
-    AMX-BF16 tiles, f32 elsewhere; a named dtype is taken as given, anything else refused."""
-    from jengine import cpu_info
+def test_auto_dtype_on_cpu_is_what_the_measurement_says():
+    """`dtype: auto` on CPU is what `measured()` decides (tests/core/test_auto_dtype.py covers
+    the decision), float32 without one; a named dtype is taken as given (never measured),
+    anything else refused."""
     from jengine.core.build import resolve_dtype
 
-    monkeypatch.setattr(cpu_info, "flags", lambda: frozenset(flags))
-    assert resolve_dtype("auto") == want
-    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+    def never() -> str:
+        raise AssertionError("a named dtype must not be measured")
+
+    assert resolve_dtype("auto", lambda: "bfloat16") == "bfloat16"
+    assert resolve_dtype("auto", lambda: "float32") == "float32"
+    assert resolve_dtype("auto") == "float32"
+    assert resolve_dtype("float32", never) == "float32"
+    assert resolve_dtype("bfloat16", never) == "bfloat16"
     with pytest.raises(ValueError, match="unsupported dtype"):
-        resolve_dtype("int4")
+        resolve_dtype("int4", never)
 
 
 def test_kv_cache_dtype_from_config_and_errors(tmp_path):
