@@ -84,10 +84,11 @@ def build_parts(
     mesh = mesh_spec.replica_mesh(replica) if mesh_spec.num_devices > 1 else None
     platform, tp = jax.default_backend(), mesh_spec.tp
     backends = resolve_backends(cfg.model, platform, tp)  # before any weight is read
+    # The settings are checked before `auto` measures anything or the model is opened.
+    quantization = resolve_quantization(cfg.model.quantization, platform)
+    layer_layout = resolve_layer_layout(cfg.model.layer_layout, platform)
     dtype = model_dtype(cfg, loaded, backends["matmul_backend"])
     kv_cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
-    layer_layout = resolve_layer_layout(cfg.model.layer_layout, platform)
-    quantization = resolve_quantization(cfg.model.quantization, platform)
     if mesh is not None:  # before any weight is read
         check_divisible(load_config(cfg.model.model), tp)
     loaded = loaded or open_model(cfg.model, dtype, quantization, progress)
