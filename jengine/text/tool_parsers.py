@@ -113,7 +113,8 @@ def tool_stream(name: str | None, incremental: bool = False) -> CallStream:
 
 
 def split_calls(output: CompletionOutput, name: str | None, *, forced: bool = False) -> None:
-    """`tools.split_tool_calls` for format `name`: a finished output's calls into `tool_calls`."""
+    """A finished output's calls in format `name` into `tool_calls`; one that ended normally with
+    calls finishes with "tool_calls". `forced`: as in `tools.parse_tool_calls`."""
     content, calls = parse_calls(name, output.text, forced=forced)
     if forced and not calls:
         output.text = content or ""

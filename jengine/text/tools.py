@@ -27,7 +27,7 @@ import re
 import uuid
 from typing import Any
 
-from jengine.outputs import CompletionOutput, ToolCall
+from jengine.outputs import ToolCall
 from jengine.sampling_params import SamplingParams, StructuredOutputs
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -375,16 +375,3 @@ def constrain(params: SamplingParams, setup: ToolSetup) -> SamplingParams:
         raise ValueError("tool_choice required or a named function constrains the output; it "
                          "cannot be combined with another structured output constraint")
     return dataclasses.replace(params, structured_outputs=constraint)
-
-
-def split_tool_calls(output: CompletionOutput, *, forced: bool = False) -> None:
-    """Moves the calls in a finished output's text into `tool_calls`; a completion that ended
-    normally with calls finishes with "tool_calls". `forced`: as in `parse_tool_calls`."""
-    content, calls = parse_tool_calls(output.text, forced=forced)
-    if forced and not calls:
-        output.text = content or ""
-    if not calls:
-        return
-    output.text, output.tool_calls = content or "", calls
-    if output.finish_reason == "stop":
-        output.finish_reason = "tool_calls"
