@@ -36,10 +36,15 @@ class Variant:
     `serve` can build all of them before it is ready. They cost a few [S, V] passes that plain
     steps skip. `prompt_logprobs` (with `features`) also returns every query token's logprob
     of its successor: logits for all T tokens, too costly to fold into the others.
+
+    `embed` (an engine of task embed or score runs only this one) samples nothing: it returns
+    every token's final hidden state, after the final norm, for the host to pool
+    (`jengine.core.pooling`).
     """
 
     features: bool = False
     prompt_logprobs: bool = False
+    embed: bool = False
 
     @property
     def num_top_logprobs(self) -> int:
@@ -47,6 +52,7 @@ class Variant:
 
 
 VARIANTS = (Variant(), Variant(features=True), Variant(features=True, prompt_logprobs=True))
+EMBED_VARIANTS = (Variant(embed=True),)
 
 
 @dataclasses.dataclass
@@ -241,6 +247,7 @@ class StepOutputs:
     sampled: SamplerOutput  # [S] rows
     prompt: PromptLogprobs | None
     next_tokens: jax.Array  # [max S] int32 the sampled tokens, padded: the next step's `feed`
+    hidden: jax.Array | None = None  # [T, E] f32 normed final hidden states (embed variant)
 
 
 @dataclasses.dataclass
@@ -255,6 +262,7 @@ class StepResult:
     prompt_logprobs: np.ndarray | None = None  # [T] f32 logprob of `targets[t]` given tokens <= t
     prompt_top_ids: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] int32
     prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] f32
+    hidden: np.ndarray | None = None  # [num_tokens, E] f32, the embed variant only
 
 
 def dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
