@@ -47,8 +47,9 @@ def _cos(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def smol():
-    """A SmolLM2 embedding server (`task embed`, mean pooling, the test buckets) and its engine."""
-    engine = AsyncEngine(config="test", task="embed", pooling="mean", progress=False)
+    """A SmolLM2 embedding server (`task embed`, mean pooling, one 16-token bucket: a long
+    input runs as several prefill chunks) and its engine."""
+    engine = AsyncEngine(config=ONE_BUCKET, task="embed", pooling="mean", progress=False)
     try:
         with serving(create_app(engine, ServerConfig(), model_name="smol")) as url:
             yield engine, url
@@ -75,7 +76,7 @@ def hf_smol(smol):
 
 def test_embeddings_equal_hf_mean_pooling(smol, smol_client, hf_smol):
     tokenizer = smol[0].tokenizer
-    texts = TEXTS + [LONG]  # LONG spans several 64-token prefill chunks
+    texts = TEXTS + [LONG]  # LONG spans nine 16-token prefill chunks
     got = smol_client.embeddings.create(model="smol", input=texts, encoding_format="float")
     assert [d.index for d in got.data] == list(range(len(texts)))
     ids = [tokenizer(t).input_ids for t in texts]
@@ -110,13 +111,10 @@ def test_same_input_same_vector_whatever_the_batch(smol, smol_client):
                 for t in TEXTS]
         results = await asyncio.gather(*many)
         return results[0].data[1].embedding
-    # Equal to float rounding: a batch of other lengths runs in a bigger token bucket, whose
-    # matmuls round a few values differently (~1e-7, measured), never more.
-    np.testing.assert_allclose(batched, alone, rtol=0, atol=2e-6)
-    np.testing.assert_allclose(asyncio.run(concurrent()), alone, rtol=0, atol=2e-6)
-    again = smol_client.embeddings.create(model="smol", input=[LONG, TEXTS[1], TEXTS[0]],
-                                          encoding_format="float").data[2].embedding
-    assert again == batched  # the same batch: the same bits
+    # Bit for bit within one step shape (this server has one bucket); across token buckets
+    # the matmuls of another shape may round a few values differently (~1e-7, measured).
+    assert batched == alone
+    assert asyncio.run(concurrent()) == alone
 
 
 def test_bad_input_is_a_400_and_the_server_keeps_serving(smol, smol_client):
