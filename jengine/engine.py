@@ -48,12 +48,12 @@ from typing import Any
 from jengine.async_engine import AsyncEngine
 from jengine.config import EngineConfig, load_config
 from jengine.core.kv_budget import host_kv_budget
-from jengine.core.pooling import PoolingParams
 from jengine.core.replicas import make_core
 from jengine.core.request import merge_deltas
 from jengine.core.stats import EngineStats
 from jengine.models.config import ModelConfig
 from jengine.outputs import RequestOutput
+from jengine.pooling_params import PoolingParams
 from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
 from jengine.sharding import MeshSpec

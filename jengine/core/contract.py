@@ -10,10 +10,11 @@ import dataclasses
 from typing import Any, Protocol
 
 from jengine.config import EngineConfig
-from jengine.core.pooling import Pooling, PoolingParams
+from jengine.core.pooling import Pooling
 from jengine.core.request import RequestState
 from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
+from jengine.pooling_params import PoolingParams
 from jengine.runtime.executables import ProgramReport
 from jengine.sampling_params import SamplingParams
 from jengine.structured import Grammar, GrammarCompiler

@@ -19,7 +19,7 @@ from jengine.core.build import Phases, warm_up
 from jengine.core.contract import ModelInfo
 from jengine.core.grammars import LazyGrammars
 from jengine.core.logprobs import prompt_targets
-from jengine.core.pooling import PooledState, PoolingParams
+from jengine.core.pooling import PooledState
 from jengine.core.postprocess import Postprocessor
 from jengine.core.request import RequestState
 from jengine.core.sampling_rows import sampling_rows
@@ -27,6 +27,7 @@ from jengine.core.startup import build_parts
 from jengine.core.stats import EngineStats
 from jengine.core.step_clock import StepClock
 from jengine.outputs import RequestOutput
+from jengine.pooling_params import PoolingParams
 from jengine.runtime.compilation import enable_persistent_cache
 from jengine.runtime.executables import ProgramReport
 from jengine.runtime.runner import Runner

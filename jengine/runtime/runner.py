@@ -5,9 +5,8 @@ All `jax.jit` objects of the serving path are built here. One step program is
 the KV cache donated so XLA updates the pages in place. Shapes come from a small set of buckets
 (tokens T, sequences S, pages per sequence P), each with three step variants (plain sampling;
 every sampling feature at once; that plus prompt logprobs: `step_io.Variant`), which
-`warmup()` builds and runs up front, or the first step of each compiles (lazily, offline). An
-embedding engine (task embed or score) builds one variant per bucket instead, the embed
-variant: no head and no sampler, every token's normed final hidden state back to the host.
+`warmup()` builds and runs up front, or the first step of each compiles (lazily, offline); an
+embedding engine builds only the embed variant (`step_tail.embed_tail`).
 
 Every program is compiled ahead of time (`lower().compile()`) and kept per input signature, so a
 step is dispatched without jit's retracing checks, and an `ExecutableStore` can hand back the
@@ -30,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jengine.models import KVCache, ModelConfig, family_module
-from jengine.models.layers import rms_norm
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import (
     ExecutableStore,
@@ -38,7 +36,7 @@ from jengine.runtime.executables import (
     compile_fresh,
     store_key,
 )
-from jengine.runtime.sampler import SamplerOutput, sample
+from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
     EMBED_VARIANTS,
     MAX_TOP_LOGPROBS,
@@ -52,7 +50,7 @@ from jengine.runtime.step_io import (
     dummy_step,
     step_inputs,
 )
-from jengine.runtime.step_tail import head_and_sample
+from jengine.runtime.step_tail import embed_tail, head_and_sample
 from jengine.scheduling.batch import ScheduledBatch
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
@@ -82,8 +80,7 @@ class Runner:
         `channel` (multi-host): the leader sends every step's inputs through it; a follower
         runs `follow()` instead of being driven by a scheduler. `store`: compiled programs
         are loaded from and saved to it (single-process runs only). `embed` (task embed or
-        score): every step runs the embed variant, which returns the tokens' final hidden
-        states and samples nothing; the sampling variants are never built."""
+        score): every step runs the embed variant, never a sampling one."""
         self.cfg = cfg
         self.params = params
         self.embed = embed
@@ -110,7 +107,6 @@ class Runner:
         )()
         family = family_module(cfg)
         forward, head = family.forward, family.logits
-        final_norm = family.final_norm or _rms_final_norm
 
         max_seqs = buckets.seqs[-1]
 
@@ -127,11 +123,8 @@ class Runner:
             return StepOutputs(sampled=out, prompt=prompt, next_tokens=tokens, hidden=hidden), kv
 
         def _forward_and_sample(params, kv, md, inputs: StepInputs, variant: Variant):
-            if variant.embed:  # nothing sampled: every token's normed hidden state instead
-                hidden, kv = forward(params, cfg, kv, md, all_logits=True, head=False)  # [T, E]
-                hidden = final_norm(params, cfg, hidden).astype(jnp.float32)
-                tokens = jnp.zeros(inputs.logits_indices.shape, jnp.int32)  # [S]
-                return (SamplerOutput.of_tokens(tokens), None), kv, hidden
+            if variant.embed:
+                return embed_tail(family, params, cfg, kv, md, inputs.logits_indices.shape[0])
             k = variant.num_top_logprobs
             if not variant.prompt_logprobs:
                 hidden, kv = forward(params, cfg, kv, md, head=False)  # [S, E]
@@ -306,23 +299,7 @@ class Runner:
     @staticmethod
     def fetch(out: StepOutputs, n: int, num_tokens: int) -> StepResult:
         """Waits for a launched step and brings its first `n` rows' results to the host."""
-        # Outputs are replicated over the mesh; reading one local copy works on every process.
-        host, prompt = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
-                                    (out.sampled, out.prompt))
-        k = host.top_ids.shape[-1] if host.top_ids is not None else 0
-        result = StepResult(
-            tokens=np.asarray(host.tokens[:n]),
-            logprobs=np.asarray(host.logprobs[:n]),
-            top_ids=np.asarray(host.top_ids[:n]) if k else None,
-            top_logprobs=np.asarray(host.top_logprobs[:n]) if k else None,
-        )
-        if out.hidden is not None:
-            result.hidden = np.asarray(out.hidden.addressable_data(0))[:num_tokens]
-        if prompt is not None:
-            result.prompt_logprobs = prompt.chosen[:num_tokens]
-            result.prompt_top_ids = prompt.top_ids[:num_tokens]
-            result.prompt_top_logprobs = prompt.top_logprobs[:num_tokens]
-        return result
+        return StepResult.of(out, n, num_tokens)
 
     def warmup(self, progress: Callable[[int, int], None] | None = None,
                threads: int | None = None, *, require_stored: bool = False) -> float:
@@ -400,11 +377,6 @@ class Runner:
     def _run_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
         out = self._launch(*self.host_inputs(*dummy_step(shape, variant)))
         jax.block_until_ready(out.sampled.tokens)
-
-
-def _rms_final_norm(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Llama's final norm [N, E] -> [N, E]: the families without a `final_norm` hook."""
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, backend=cfg.matmul_backend)
 
 
 def _aval(a: jax.Array) -> tuple:

@@ -264,6 +264,28 @@ class StepResult:
     prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] f32
     hidden: np.ndarray | None = None  # [num_tokens, E] f32, the embed variant only
 
+    @classmethod
+    def of(cls, out: StepOutputs, n: int, num_tokens: int) -> StepResult:
+        """Waits for a launched step's `out` and brings its first `n` rows' results (and
+        the first `num_tokens` tokens' per-token ones) to the host."""
+        # Outputs are replicated over the mesh; reading one local copy works on every process.
+        host, prompt = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
+                                    (out.sampled, out.prompt))
+        k = host.top_ids.shape[-1] if host.top_ids is not None else 0
+        result = cls(
+            tokens=np.asarray(host.tokens[:n]),
+            logprobs=np.asarray(host.logprobs[:n]),
+            top_ids=np.asarray(host.top_ids[:n]) if k else None,
+            top_logprobs=np.asarray(host.top_logprobs[:n]) if k else None,
+        )
+        if out.hidden is not None:
+            result.hidden = np.asarray(out.hidden.addressable_data(0))[:num_tokens]
+        if prompt is not None:
+            result.prompt_logprobs = prompt.chosen[:num_tokens]
+            result.prompt_top_ids = prompt.top_ids[:num_tokens]
+            result.prompt_top_logprobs = prompt.top_logprobs[:num_tokens]
+        return result
+
 
 def dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
     """A batch of exactly bucket shape whose tokens all write the scratch page 0."""

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from jengine.core.pooling import PoolingParams
+from jengine.pooling_params import PoolingParams
 from jengine.sampling_params import SamplingParams
 from jengine.server.embeddings_request import (
     EmbeddingRequest,

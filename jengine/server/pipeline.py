@@ -38,8 +38,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from typing_extensions import Self
 
-from jengine.core.pooling import PoolingParams
 from jengine.outputs import RequestOutput
+from jengine.pooling_params import PoolingParams
 from jengine.sampling_params import SamplingParams
 from jengine.server.errors import APIError, bad_request, engine_failed, invalid_value
 from jengine.server.protocol import check_text_fields

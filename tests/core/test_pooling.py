@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from jengine.cli.main import build_parser
-from jengine.core.pooling import PooledState, PoolingParams, resolve_pooling
+from jengine.core.pooling import PooledState, resolve_pooling
 from jengine.engine import build_config
 from jengine.engine_flags import engine_kwargs
+from jengine.pooling_params import PoolingParams
 
 
 def _st_dir(path, modes: dict, normalize: bool, config: dict | None = None):
