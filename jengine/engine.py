@@ -33,6 +33,11 @@ The data flow of one step, and the type at each boundary:
       -> IncrementalDetokenizer                    UTF-8 safe text deltas; stop strings cut
       -> RequestOutput deltas                      to Engine.generate / stream / AsyncEngine
 
+An embedding engine (task embed / score) runs the same chain with `PoolingParams`: its steps
+return every token's final hidden state instead of sampling (`StepResult.hidden`), the
+postprocessor folds them into each request's `PooledState`, and the last chunk's delta carries
+`RequestOutput.embedding`.
+
 A sequence that stops on a token (EOS, stop id or string) may already be in the step launched
 ahead; that row's result is dropped. Steps whose sampled sequences need their token on the host
 before the next step (grammars, penalties) run one at a time.

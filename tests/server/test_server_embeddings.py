@@ -28,6 +28,7 @@ from jengine import Engine, PoolingParams
 from jengine.async_engine import AsyncEngine
 from jengine.config import ServerConfig
 from jengine.server.app import create_app
+from jengine.server.warmup import warm_up
 
 ONE_BUCKET = str(Path(__file__).parents[1] / "one_bucket.yaml")
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention reads KV pages.",
@@ -149,6 +150,8 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(smol, smol_client):
     assert len(smol_client.embeddings.create(model="smol", input="still here").data) == 1
     assert smol[0].stats().kv_pages_used == 0
     assert smol[0].core.compiles_since_ready == 0  # the embed programs were all built at start
+    # `jengine serve`'s start-up request on an embedding server embeds (it cannot generate)
+    warm_up(smol[0], smol[1], token="t", model="smol", api_key=None, chat_template=None)
 
 
 @pytest.mark.parametrize("method", ["last", "cls"])
