@@ -183,7 +183,7 @@ class EngineCore:
         self.pooling.check(params)
         sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                   truncate_prompt_tokens=params.truncate_prompt_tokens)
-        state = self.admission.request(request_id, prompt, sampling, None)
+        state = self.admission.request(request_id, prompt, sampling, None, prefill_only=True)
         state.pooled = PooledState(self.pooling.method, len(state.prompt_ids), params)
         self.requests[request_id] = state
         self.scheduler.add([s.seq for s in state.samples])

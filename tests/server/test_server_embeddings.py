@@ -124,7 +124,7 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(smol, smol_client):
         ({"input": [1, "a"]}, "input"), ({"input": 5}, "input"),
         ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),
         ({"input": "hi", "dimensions": 32}, "dimensions"),  # SmolLM2 declares no Matryoshka
-        ({"input": [7] * 600}, "input"),  # over the 512-token context
+        ({"input": [7] * 513}, "input"),  # over the 512-token context
         ({"input": [10 ** 6]}, "input"),  # out of the vocabulary
         ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"input": "hi", "stream": True}, "stream"),
@@ -141,6 +141,8 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(smol, smol_client):
     cut = smol_client.embeddings.create(model="smol", input=[[7] * 600], encoding_format="float",
                                         extra_body={"truncate_prompt_tokens": 100})
     assert cut.usage.prompt_tokens == 100
+    full = smol_client.embeddings.create(model="smol", input=[[7] * 512], encoding_format="float")
+    assert full.usage.prompt_tokens == 512  # an input may fill the whole context
     # the generating routes are refused on an embedding server, in their own error shape
     with pytest.raises(openai.BadRequestError, match="task 'embed'"):
         smol_client.completions.create(model="smol", prompt="hi", max_tokens=2)
