@@ -16,6 +16,7 @@ _EXPORTS = {
     "StructuredOutputs": "jengine.sampling_params",
     "RequestOutput": "jengine.outputs",
     "CompletionOutput": "jengine.outputs",
+    "PoolingParams": "jengine.pooling_params",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -42,6 +42,13 @@ class ModelSection:
     # flat over 0.5-0.65 (docs/quantization.md).
     smoothing_alpha: float = 0.55
     seed: int | None = None  # seeds the per-request seeds of requests that give none
+    # generate | embed | score (vLLM's names): embed and score serve pooled final hidden states
+    # (/v1/embeddings, /v1/rerank, /v1/score; `Engine.embed`) and refuse to generate.
+    task: str = "generate"
+    # Embedding tasks: last | mean | cls, and whether vectors are L2-normalised; None: as the
+    # model dir's sentence-transformers files say (modules.json), else last token, normalised.
+    pooling: str | None = None
+    normalize: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,11 @@ The data flow of one step, and the type at each boundary:
       -> IncrementalDetokenizer                    UTF-8 safe text deltas; stop strings cut
       -> RequestOutput deltas                      to Engine.generate / stream / AsyncEngine
 
+An embedding engine (task embed / score) runs the same chain with `PoolingParams`: its steps
+return every token's final hidden state instead of sampling (`StepResult.hidden`), the
+postprocessor folds them into each request's `PooledState`, and the last chunk's delta carries
+`RequestOutput.embedding`.
+
 A sequence that stops on a token (EOS, stop id or string) may already be in the step launched
 ahead; that row's result is dropped. Steps whose sampled sequences need their token on the host
 before the next step (grammars, penalties) run one at a time.
@@ -53,6 +58,7 @@ from jengine.core.request import merge_deltas
 from jengine.core.stats import EngineStats
 from jengine.models.config import ModelConfig
 from jengine.outputs import RequestOutput
+from jengine.pooling_params import PoolingParams
 from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
 from jengine.sharding import MeshSpec
@@ -125,6 +131,9 @@ class Engine:
         num_processes: int | None = None,  # 1
         process_id: int | None = None,  # 0
         seed: int | None = None,
+        task: str | None = None,  # "generate" | "embed" | "score"
+        pooling: str | None = None,  # "last" | "mean" | "cls"; None: the model's files
+        normalize: bool | None = None,  # None: the model's files, else True
         warmup: bool = False,
     ):
         """`seed` makes the sampling of requests that set no seed of their own reproducible
@@ -147,7 +156,13 @@ class Engine:
 
         Multi-host (`num_processes` > 1, one process per host, the same arguments on each
         but `process_id`): process 0 is the engine; on every other process this constructor
-        runs process 0's step programs and returns only when process 0 exits."""
+        runs process 0's step programs and returns only when process 0 exits.
+
+        `task="embed"` (or `"score"`) makes an embedding engine: `embed` returns each text's
+        final hidden states pooled by `pooling` ("last", "mean" or "cls") and L2-normalised
+        unless `normalize=False`; the defaults come from a sentence-transformers model dir's
+        modules.json (jengine/core/pooling.py). It refuses `generate`, as a generating engine
+        refuses `embed`."""
         cfg = build_config(
             model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization,
@@ -157,7 +172,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,
-            seed=seed,
+            seed=seed, task=task, pooling=pooling, normalize=normalize,
         )
         self.core = make_core(cfg, progress=progress, warmup=warmup)
         if cfg.parallel.process_id != 0:
@@ -212,6 +227,43 @@ class Engine:
             if out.error is not None:
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
         return outputs
+
+    def embed(self, texts: str | list[int] | list[str | list[int]], *,
+              dimensions: int | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[list[float]]:
+        """One vector per text (a string or token ids), in order: the pooled final hidden
+        states of an engine of task embed or score. `dimensions`: a Matryoshka model's
+        shorter vectors; `truncate_prompt_tokens`: keep only each input's last this many
+        tokens (else an input over the context is a ValueError).
+
+        Raises:
+          ValueError: bad input, or an engine that generates (task="generate").
+        """
+        if isinstance(texts, str) or (isinstance(texts, list) and texts
+                                      and isinstance(texts[0], int)):
+            texts = [texts]
+        if not isinstance(texts, list) or not texts:
+            raise ValueError("texts must be a non-empty string or list")
+        params = PoolingParams(dimensions=dimensions,
+                               truncate_prompt_tokens=truncate_prompt_tokens)
+        ids = [f"embed-{next(self._ids)}" for _ in texts]
+        added = []
+        try:
+            for rid, text in zip(ids, texts):
+                self.core.add_request(rid, text, params)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.core.abort(rid)
+            raise
+        vectors: dict[str, list[float]] = {}
+        while len(vectors) < len(ids):
+            for out in self.core.step():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                if out.finished:
+                    vectors[out.request_id] = out.embedding
+        return [vectors[rid] for rid in ids]
 
     def chat(
         self,

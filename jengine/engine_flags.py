@@ -13,6 +13,7 @@ ENGINE_FLAGS = (
     "quantize_lm_head", "load_format", "speculative", "num_speculative_tokens", "draft_model",
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
     "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
+    "task", "pooling", "normalize",
 )
 
 
@@ -61,6 +62,15 @@ def engine_parent() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory", help="default 2GiB")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    help="default on")
+    g.add_argument("--task", choices=["generate", "embed", "score"],
+                   help="embed / score: serve pooled final hidden states (/v1/embeddings, "
+                   "/v1/rerank, /v1/score) and refuse generation (default generate)")
+    g.add_argument("--pooling", choices=["last", "mean", "cls"],
+                   help="with --task embed/score: how token states become one vector (default: "
+                   "the model's sentence-transformers modules.json, else last)")
+    g.add_argument("--normalize", action=argparse.BooleanOptionalAction,
+                   help="with --task embed/score: L2-normalise vectors (default: the model's "
+                   "modules.json lists Normalize; without one, on)")
     g.add_argument("--coordinator", metavar="HOST:PORT",
                    help="multi-host: process 0's address for jax.distributed")
     g.add_argument("--num-processes", type=int, help="multi-host: process count (default 1)")

@@ -122,6 +122,8 @@ class RequestOutput:
       num_cached_tokens: prompt tokens reused from the prefix cache (as in vLLM).
       error: set when the engine failed this request alone (it ended with "abort"); every
         other request went on.
+      embedding: an embedding request's vector (task embed or score), on its final output;
+        None for generation.
     """
 
     request_id: str
@@ -133,3 +135,4 @@ class RequestOutput:
     usage: Usage | None = None
     num_cached_tokens: int | None = None
     error: str | None = None
+    embedding: list[float] | None = None

@@ -48,21 +48,22 @@ class Admission:
         return text, ids
 
     def request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                grammar: Grammar | None) -> RequestState:
+                grammar: Grammar | None, *, prefill_only: bool = False) -> RequestState:
         """The request's state, its sequences not queued yet. `grammar`: the compiled
-        `params.structured_outputs`, when there is one."""
+        `params.structured_outputs`, when there is one. `prefill_only` (an embedding): the
+        prompt may fill the whole context, as the one token it "samples" is never run."""
         text, ids = self.encode_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
         self._check_token_ids(params)
         bad_words = self._bad_word_ids(params.bad_words)
         room = self.max_model_len - len(ids)
-        if room < 1:
+        if room < (0 if prefill_only else 1):
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the context length is {self.max_model_len}"
             )
-        max_tokens = params.max_tokens_for(room)
-        if max_tokens > room:
+        max_tokens = params.max_tokens_for(max(room, 1) if prefill_only else room)
+        if max_tokens > room and not prefill_only:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                 f"length {self.max_model_len}"

@@ -10,9 +10,11 @@ import dataclasses
 from typing import Any, Protocol
 
 from jengine.config import EngineConfig
+from jengine.core.pooling import Pooling
 from jengine.core.request import RequestState
 from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
+from jengine.pooling_params import PoolingParams
 from jengine.runtime.executables import ProgramReport
 from jengine.sampling_params import SamplingParams
 from jengine.structured import Grammar, GrammarCompiler
@@ -26,6 +28,8 @@ class ModelInfo:
     vocab_size: int  # token ids are in [0, vocab_size) (tensor-parallel padding included)
     max_model_len: int  # prompt + output tokens of one sequence, at most
     eos_token_ids: tuple[int, ...]  # every id that ends a sequence unless ignore_eos
+    task: str = "generate"  # generate | embed | score (jengine.core.pooling)
+    pooling: Pooling | None = None  # how an embedding task pools; None when it generates
 
 
 class CoreContract(Protocol):
@@ -74,7 +78,7 @@ class CoreContract(Protocol):
         """A prompt's text and checked token ids, for callers that count or route tokens."""
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None,
+                    params: SamplingParams | PoolingParams | None,
                     grammar: Grammar | None = None) -> RequestState:
         """Validates and queues one request (ValueError, and nothing queued, on bad input)."""
 

@@ -19,6 +19,7 @@ from jengine.core.build import Phases, warm_up
 from jengine.core.contract import ModelInfo
 from jengine.core.grammars import LazyGrammars
 from jengine.core.logprobs import prompt_targets
+from jengine.core.pooling import PooledState
 from jengine.core.postprocess import Postprocessor
 from jengine.core.request import RequestState
 from jengine.core.sampling_rows import sampling_rows
@@ -26,6 +27,7 @@ from jengine.core.startup import build_parts
 from jengine.core.stats import EngineStats
 from jengine.core.step_clock import StepClock
 from jengine.outputs import RequestOutput
+from jengine.pooling_params import PoolingParams
 from jengine.runtime.compilation import enable_persistent_cache
 from jengine.runtime.executables import ProgramReport
 from jengine.runtime.runner import Runner
@@ -86,9 +88,12 @@ class EngineCore:
             self.scheduler.speculator.step_costs = costs
         self.clock = StepClock(costs)
         self.requests: dict[str, RequestState] = {}
-        self.postprocess = Postprocessor(self.scheduler, self.requests, self.tokenizer)
+        self.postprocess = Postprocessor(self.scheduler, self.requests, self.tokenizer,
+                                         parts.pooling)
+        self.pooling = parts.pooling
         self.model = ModelInfo(parts.loaded.source, self.model_config.vocab_size,
-                               self.max_model_len, self.eos_token_ids)
+                               self.max_model_len, self.eos_token_ids, task=cfg.model.task,
+                               pooling=parts.pooling)
         self.admission = Admission(self.tokenizer, self.model_config.vocab_size,
                                    self.max_model_len, cfg.model.seed)
         self._grammars = LazyGrammars(self.tokenizer, self.model_config.vocab_size,
@@ -135,14 +140,18 @@ class EngineCore:
         return self.admission.encode_prompt(prompt)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
-        grammar: Grammar | None = None,
+        self, request_id: str, prompt: str | list[int],
+        params: SamplingParams | PoolingParams | None, grammar: Grammar | None = None,
     ) -> RequestState:
         """Validates and queues a request. Raises ValueError for bad input (nothing is queued).
 
         A constrained request compiles its grammar here unless `grammar` is given: callers that
-        must not block (AsyncEngine) compile it first with `grammars.submit`.
+        must not block (AsyncEngine) compile it first with `grammars.submit`. `PoolingParams`
+        make an embedding request, which only an engine of task embed or score runs (and
+        those run nothing else).
         """
+        if self.pooling is not None or isinstance(params, PoolingParams):
+            return self._add_pooled(request_id, prompt, params)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
@@ -154,6 +163,28 @@ class EngineCore:
             compiler = self.grammars
             grammar = grammar or compiler.compile(params.structured_outputs)
         state = self.admission.request(request_id, prompt, params, grammar)
+        self.requests[request_id] = state
+        self.scheduler.add([s.seq for s in state.samples])
+        return state
+
+    def _add_pooled(self, request_id: str, prompt: str | list[int],
+                    params: PoolingParams | None) -> RequestState:
+        """An embedding request: a one-token "generation" whose step samples nothing, so it
+        ends (and frees its pages) in the step that runs its prompt's last chunk."""
+        task = self.cfg.model.task
+        if self.pooling is None:
+            raise ValueError(f"this engine runs task {task!r}: embeddings need an engine "
+                             "started with task='embed' (--task embed)")
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"this engine runs task {task!r}: it embeds and scores, it does "
+                             "not generate (start it with task='generate')")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.pooling.check(params)
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                  truncate_prompt_tokens=params.truncate_prompt_tokens)
+        state = self.admission.request(request_id, prompt, sampling, None, prefill_only=True)
+        state.pooled = PooledState(self.pooling.method, len(state.prompt_ids), params)
         self.requests[request_id] = state
         self.scheduler.add([s.seq for s in state.samples])
         return state

@@ -13,6 +13,7 @@ import time
 
 from jengine.core.emit import emit_tokens
 from jengine.core.logprobs import record_prompt_logprobs
+from jengine.core.pooling import Pooling
 from jengine.core.request import RequestState
 from jengine.outputs import RequestOutput
 from jengine.runtime.step_io import StepResult
@@ -26,22 +27,31 @@ log = logging.getLogger("jengine")
 class Postprocessor:
     """Owns nothing: it works on the core's scheduler and request table."""
 
-    def __init__(self, scheduler: Scheduler, requests: dict[str, RequestState], tokenizer):
+    def __init__(self, scheduler: Scheduler, requests: dict[str, RequestState], tokenizer,
+                 pooling: Pooling | None = None):
         self.scheduler = scheduler
         self.requests = requests
         self.tokenizer = tokenizer
+        self.pooling = pooling  # an embedding engine's (its steps return hidden rows)
 
     def step(self, batch: ScheduledBatch, sampled: list[tuple[Sequence, int]],
              result: StepResult) -> list[RequestOutput]:
         """The deltas of the requests this step touched; finished requests leave the table."""
         if result.prompt_logprobs is not None:
             record_prompt_logprobs(batch, result, self.requests, self.piece)
+        if result.hidden is not None:
+            self._pool(batch, result.hidden)
         counts = self.scheduler.finalize(sampled, result.tokens)
         self._advance_grammars([seq for seq, _ in sampled])
         touched: dict[str, RequestState] = {}
         for (seq, row), count in zip(sampled, counts):
             state = self.requests.get(seq.request_id)
             if state is None or state.error is not None or count == 0:
+                continue
+            if state.pooled is not None:  # its prompt has run: the vector, no token
+                state.embedding = self.pooling.finish(state.pooled.vector(),
+                                                      state.pooled.params)
+                touched[seq.request_id] = state
                 continue
             try:
                 emit_tokens(state, state.samples[seq.index], result, row, count,
@@ -89,6 +99,16 @@ class Postprocessor:
                 self.scheduler.finish(seq, "abort")
             elif seq.matcher.is_stopped:
                 self.scheduler.finish(seq, "stop")
+
+    def _pool(self, batch: ScheduledBatch, hidden) -> None:
+        """Folds each embedding request's rows of this step ([num_tokens, E]) into its pool."""
+        bounds = batch.cu_q_lens
+        for i, seq in enumerate(batch.seqs):
+            state = self.requests.get(seq.request_id)
+            if state is None or state.pooled is None:
+                continue
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            state.pooled.add(batch.positions[lo:hi], hidden[lo:hi])
 
     def piece(self, token: int) -> str:
         return self.tokenizer.decode([token])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from jengine.core.pooling import PooledState
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from jengine.sampling_params import SamplingParams
 from jengine.scheduling.sequence import Sequence
@@ -50,6 +51,8 @@ class RequestState:
     prompt_logprobs: list | None = None
     sent_prompt_logprobs: bool = False
     error: str | None = None  # set when handling this request raised; it was aborted
+    pooled: PooledState | None = None  # an embedding request's running pool
+    embedding: list[float] | None = None  # its vector, once its prompt has run
 
     @property
     def finished(self) -> bool:
@@ -98,10 +101,11 @@ class RequestState:
             prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=finished,
-            usage=(Usage.of(len(self.prompt_ids), self.num_generated, self.num_cached_tokens)
-                   if finished else None),
+            usage=(Usage.of(len(self.prompt_ids), 0 if self.pooled else self.num_generated,
+                            self.num_cached_tokens) if finished else None),
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
+            embedding=self.embedding if finished else None,
         )
 
 
@@ -129,5 +133,5 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
         prompt_logprobs=prompt_logprobs,
         outputs=[by_index[i] for i in sorted(by_index)], finished=last.finished, usage=last.usage,
-        num_cached_tokens=last.num_cached_tokens, error=last.error,
+        num_cached_tokens=last.num_cached_tokens, error=last.error, embedding=last.embedding,
     )

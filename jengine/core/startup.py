@@ -33,6 +33,7 @@ from jengine.core.build import (
     step_buckets,
 )
 from jengine.core.draft import proposer_for
+from jengine.core.pooling import Pooling, resolve_pooling
 from jengine.models.config import ModelConfig
 from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
@@ -66,6 +67,7 @@ class CoreParts:
     prefix_cache: PrefixCache | None
     scheduler: Scheduler
     runner: Runner
+    pooling: Pooling | None  # task embed / score: how hidden states become a vector
 
 
 def build_parts(
@@ -80,6 +82,7 @@ def build_parts(
     distributed = DistributedSpec(coordinator=par.coordinator, num_processes=par.num_processes,
                                   process_id=par.process_id)
     initialize(distributed)  # before anything starts JAX's backend
+    resolve_pooling(cfg.model.task, cfg.model.pooling, cfg.model.normalize, None, 0)  # names
     mesh_spec = MeshSpec.parse(par.mesh)
     mesh = mesh_spec.replica_mesh(replica) if mesh_spec.num_devices > 1 else None
     platform, tp = jax.default_backend(), mesh_spec.tp
@@ -93,6 +96,10 @@ def build_parts(
         check_divisible(load_config(cfg.model.model), tp)
     loaded = loaded or open_model(cfg.model, dtype, quantization, progress)
     phases.end("open model")
+    source = Path(loaded.source)
+    pooling = resolve_pooling(cfg.model.task, cfg.model.pooling, cfg.model.normalize,
+                              str(source) if source.is_dir() else None,
+                              loaded.config.hidden_size)
     if quantization == "none":  # a source stored quantized: as stored
         quantization = loaded.quantization
     model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
@@ -102,7 +109,9 @@ def build_parts(
                          kv_cache_dtype, context)
     buckets = step_buckets(cfg, context, backends["attention_backend"])
     allocator = PageAllocator(num_pages, cfg.cache.page_size)
-    prefix_cache = PrefixCache(allocator) if cfg.cache.enable_prefix_caching else None
+    # An embedding pools every prompt token's hidden state, so none may come from the cache.
+    caching = cfg.cache.enable_prefix_caching and cfg.model.task == "generate"
+    prefix_cache = PrefixCache(allocator) if caching else None
     scheduler = Scheduler(
         allocator, max_num_seqs=cfg.scheduler.max_num_seqs,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=context,
@@ -122,7 +131,7 @@ def build_parts(
                      mesh_spec=mesh_spec, layer_layout=layer_layout, quantization=quantization,
                      loaded=loaded, model_config=model_config, max_model_len=context,
                      eos_token_ids=eos, allocator=allocator, prefix_cache=prefix_cache,
-                     scheduler=scheduler, runner=runner)
+                     scheduler=scheduler, runner=runner, pooling=pooling)
 
 
 def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str, *,
@@ -159,5 +168,5 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
         model_config, params, num_pages=num_pages, page_size=cfg.cache.page_size,
         buckets=buckets, kv_cache_dtype=kv_cache_dtype, rules=rules,
         channel=StepChannel(distributed) if distributed.num_processes > 1 else None,
-        store=ExecutableStore(default_store_dir()),
+        store=ExecutableStore(default_store_dir()), embed=cfg.model.task != "generate",
     )

@@ -150,8 +150,14 @@ def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.
     return out
 
 
+def final_norm(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Hidden states [N, E] -> the final norm's output [N, E] (what an embedding pools)."""
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, offset=1.0,
+                    backend=cfg.matmul_backend)
+
+
 NETWORK = Network(name="gemma3", param_specs=param_specs, forward=forward, logits=logits,
-                  layer_keys=LAYER_KEYS, smoothing_folds=smoothing_folds)
+                  layer_keys=LAYER_KEYS, smoothing_folds=smoothing_folds, final_norm=final_norm)
 
 _RULES: tuple[Rule, ...] = COMMON + (
     (r"lm_head\.weight", "lm_head", transposed),  # untied heads (`tie_word_embeddings: false`)

@@ -5,7 +5,8 @@ All `jax.jit` objects of the serving path are built here. One step program is
 the KV cache donated so XLA updates the pages in place. Shapes come from a small set of buckets
 (tokens T, sequences S, pages per sequence P), each with three step variants (plain sampling;
 every sampling feature at once; that plus prompt logprobs: `step_io.Variant`), which
-`warmup()` builds and runs up front, or the first step of each compiles (lazily, offline).
+`warmup()` builds and runs up front, or the first step of each compiles (lazily, offline); an
+embedding engine builds only the embed variant (`step_tail.embed_tail`).
 
 Every program is compiled ahead of time (`lower().compile()`) and kept per input signature, so a
 step is dispatched without jit's retracing checks, and an `ExecutableStore` can hand back the
@@ -37,6 +38,7 @@ from jengine.runtime.executables import (
 )
 from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
+    EMBED_VARIANTS,
     MAX_TOP_LOGPROBS,
     VARIANTS,
     PromptLogprobs,
@@ -48,7 +50,7 @@ from jengine.runtime.step_io import (
     dummy_step,
     step_inputs,
 )
-from jengine.runtime.step_tail import head_and_sample
+from jengine.runtime.step_tail import embed_tail, head_and_sample
 from jengine.scheduling.batch import ScheduledBatch
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
@@ -71,14 +73,17 @@ class Runner:
         rules: ShardingRules | None = None,
         channel: StepChannel | None = None,
         store: ExecutableStore | None = None,
+        embed: bool = False,
     ):
         """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
         is created on its kv-head sharding and each step's inputs are replicated on the mesh.
         `channel` (multi-host): the leader sends every step's inputs through it; a follower
         runs `follow()` instead of being driven by a scheduler. `store`: compiled programs
-        are loaded from and saved to it (single-process runs only)."""
+        are loaded from and saved to it (single-process runs only). `embed` (task embed or
+        score): every step runs the embed variant, never a sampling one."""
         self.cfg = cfg
         self.params = params
+        self.embed = embed
         self.page_size = page_size
         self.num_pages = num_pages
         self.buckets = buckets
@@ -112,18 +117,20 @@ class Runner:
             feed = inputs.feed
             fed = prev_tokens[jnp.maximum(feed, 0)]
             md = dataclasses.replace(md, token_ids=jnp.where(feed >= 0, fed, md.token_ids))
-            (out, prompt), kv = _forward_and_sample(params, kv, md, inputs, variant)
+            (out, prompt), kv, hidden = _forward_and_sample(params, kv, md, inputs, variant)
             # The sampled tokens, padded to one shape, stay on device for the next step's `feed`.
             tokens = jnp.zeros((max_seqs,), jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
-            return StepOutputs(sampled=out, prompt=prompt, next_tokens=tokens), kv
+            return StepOutputs(sampled=out, prompt=prompt, next_tokens=tokens, hidden=hidden), kv
 
         def _forward_and_sample(params, kv, md, inputs: StepInputs, variant: Variant):
+            if variant.embed:
+                return embed_tail(family, params, cfg, kv, md, inputs.logits_indices.shape[0])
             k = variant.num_top_logprobs
             if not variant.prompt_logprobs:
                 hidden, kv = forward(params, cfg, kv, md, head=False)  # [S, E]
                 out = head_and_sample(lambda h: head(params, cfg, h), hidden, inputs.num_rows,
                                       inputs.sampling, variant)
-                return (out, None), kv
+                return (out, None), kv, None
             all_logits, kv = forward(params, cfg, kv, md, all_logits=True)  # [T, V]
             out = sample(all_logits[md.logits_indices], inputs.sampling, num_top_logprobs=k)
             logprobs = jax.nn.log_softmax(all_logits, axis=-1)
@@ -132,7 +139,7 @@ class Runner:
             top_lp, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
             prompt = PromptLogprobs(chosen=chosen, top_ids=top_ids.astype(jnp.int32),
                                     top_logprobs=top_lp)
-            return (out, prompt), kv
+            return (out, prompt), kv, None
 
         # Under a mesh the sampled tokens come back replicated, so every process can read them.
         out_shardings = None
@@ -165,9 +172,11 @@ class Runner:
                     feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
         """`batch`'s padded inputs as NumPy (what a multi-host leader broadcasts)."""
         blocked = self.cfg.attention_backend == "reference"
-        return step_inputs(batch, rows, self.buckets, blocked_queries=blocked,
-                           vocab_size=self.cfg.vocab_size,
-                           history_width=self.buckets.pages[-1] * self.page_size, feed=feed)
+        inputs, variant = step_inputs(batch, rows, self.buckets, blocked_queries=blocked,
+                                      vocab_size=self.cfg.vocab_size,
+                                      history_width=self.buckets.pages[-1] * self.page_size,
+                                      feed=feed)
+        return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
 
     def _to_device(self, host):  # a pytree of NumPy arrays
         if self._input_sharding is None:
@@ -290,21 +299,7 @@ class Runner:
     @staticmethod
     def fetch(out: StepOutputs, n: int, num_tokens: int) -> StepResult:
         """Waits for a launched step and brings its first `n` rows' results to the host."""
-        # Outputs are replicated over the mesh; reading one local copy works on every process.
-        host, prompt = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
-                                    (out.sampled, out.prompt))
-        k = host.top_ids.shape[-1] if host.top_ids is not None else 0
-        result = StepResult(
-            tokens=np.asarray(host.tokens[:n]),
-            logprobs=np.asarray(host.logprobs[:n]),
-            top_ids=np.asarray(host.top_ids[:n]) if k else None,
-            top_logprobs=np.asarray(host.top_logprobs[:n]) if k else None,
-        )
-        if prompt is not None:
-            result.prompt_logprobs = prompt.chosen[:num_tokens]
-            result.prompt_top_ids = prompt.top_ids[:num_tokens]
-            result.prompt_top_logprobs = prompt.top_logprobs[:num_tokens]
-        return result
+        return StepResult.of(out, n, num_tokens)
 
     def warmup(self, progress: Callable[[int, int], None] | None = None,
                threads: int | None = None, *, require_stored: bool = False) -> float:
@@ -348,7 +343,8 @@ class Runner:
 
     def warmup_programs(self) -> list[tuple[tuple[int, int, int], Variant]]:
         """Every (bucket shape, variant) that `warmup` builds: all a step can need."""
-        return [(shape, variant) for shape in self.buckets.shapes() for variant in VARIANTS]
+        variants = EMBED_VARIANTS if self.embed else VARIANTS
+        return [(shape, variant) for shape in self.buckets.shapes() for variant in variants]
 
     def warmup_keys(self) -> list[str | None]:
         """The store key of each program `warmup` builds, in `warmup_programs()` order: what

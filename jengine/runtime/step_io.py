@@ -36,10 +36,15 @@ class Variant:
     `serve` can build all of them before it is ready. They cost a few [S, V] passes that plain
     steps skip. `prompt_logprobs` (with `features`) also returns every query token's logprob
     of its successor: logits for all T tokens, too costly to fold into the others.
+
+    `embed` (an engine of task embed or score runs only this one) samples nothing: it returns
+    every token's final hidden state, after the final norm, for the host to pool
+    (`jengine.core.pooling`).
     """
 
     features: bool = False
     prompt_logprobs: bool = False
+    embed: bool = False
 
     @property
     def num_top_logprobs(self) -> int:
@@ -47,6 +52,7 @@ class Variant:
 
 
 VARIANTS = (Variant(), Variant(features=True), Variant(features=True, prompt_logprobs=True))
+EMBED_VARIANTS = (Variant(embed=True),)
 
 
 @dataclasses.dataclass
@@ -241,6 +247,7 @@ class StepOutputs:
     sampled: SamplerOutput  # [S] rows
     prompt: PromptLogprobs | None
     next_tokens: jax.Array  # [max S] int32 the sampled tokens, padded: the next step's `feed`
+    hidden: jax.Array | None = None  # [T, E] f32 normed final hidden states (embed variant)
 
 
 @dataclasses.dataclass
@@ -255,6 +262,29 @@ class StepResult:
     prompt_logprobs: np.ndarray | None = None  # [T] f32 logprob of `targets[t]` given tokens <= t
     prompt_top_ids: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] int32
     prompt_top_logprobs: np.ndarray | None = None  # [T, MAX_TOP_LOGPROBS] f32
+    hidden: np.ndarray | None = None  # [num_tokens, E] f32, the embed variant only
+
+    @classmethod
+    def of(cls, out: StepOutputs, n: int, num_tokens: int) -> StepResult:
+        """Waits for a launched step's `out` and brings its first `n` rows' results (and
+        the first `num_tokens` tokens' per-token ones) to the host."""
+        # Outputs are replicated over the mesh; reading one local copy works on every process.
+        host, prompt = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)),
+                                    (out.sampled, out.prompt))
+        k = host.top_ids.shape[-1] if host.top_ids is not None else 0
+        result = cls(
+            tokens=np.asarray(host.tokens[:n]),
+            logprobs=np.asarray(host.logprobs[:n]),
+            top_ids=np.asarray(host.top_ids[:n]) if k else None,
+            top_logprobs=np.asarray(host.top_logprobs[:n]) if k else None,
+        )
+        if out.hidden is not None:
+            result.hidden = np.asarray(out.hidden.addressable_data(0))[:num_tokens]
+        if prompt is not None:
+            result.prompt_logprobs = prompt.chosen[:num_tokens]
+            result.prompt_top_ids = prompt.top_ids[:num_tokens]
+            result.prompt_top_logprobs = prompt.top_logprobs[:num_tokens]
+        return result
 
 
 def dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:

@@ -12,6 +12,10 @@ and reports no logprob, so it skips the log-normaliser, and a batch whose rows a
 S. On SmolLM2 at T = 64 with one live row that is 16 of a prefill step's ~60 ms on CPU (the pad,
 the argmax and the normaliser over [64, 49152]). The full sampler stays outside the branches: a
 copy of it per branch cost 70% more compile time for its last 8 ms.
+
+An embedding engine's steps end otherwise (`embed_tail`): no head and no sampler, every token's
+hidden state after the final norm goes back to the host, which pools each request's rows
+(`jengine.core.pooling`); [T, E] f32 is the step's whole output (1.2 MB for SmolLM2 at T = 512).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jengine.models.layers import rms_norm
 from jengine.runtime.pick import first_argmax
 from jengine.runtime.sampler import SamplerOutput, SamplingArrays, sample
 from jengine.runtime.step_io import Variant
@@ -46,6 +51,20 @@ def first_rows(fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, num_rows
         return fn(hidden)
     index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), num_rows)
     return jax.lax.switch(jnp.minimum(index, len(widths) - 1), [rows(n) for n in widths])
+
+
+def embed_tail(network, params, cfg, kv, md, num_seqs: int):
+    """The embed variant's step: ((no-op sampler rows [S], no prompt logprobs), the cache,
+    every token's normed final hidden state [T, E] f32). `network`: the model's `Network`,
+    whose `final_norm` hook (None: RMSNorm by `final_norm`, Llama's) the hidden states take."""
+    hidden, kv = network.forward(params, cfg, kv, md, all_logits=True, head=False)  # [T, E]
+    if network.final_norm is not None:
+        hidden = network.final_norm(params, cfg, hidden)
+    else:
+        hidden = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps,
+                          backend=cfg.matmul_backend)
+    tokens = jnp.zeros((num_seqs,), jnp.int32)
+    return (SamplerOutput.of_tokens(tokens), None), kv, hidden.astype(jnp.float32)
 
 
 def head_and_sample(logits_of: Callable[[jax.Array], jax.Array], hidden: jax.Array,

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from typing_extensions import Self
 
 from jengine.outputs import RequestOutput
+from jengine.pooling_params import PoolingParams
 from jengine.sampling_params import SamplingParams
 from jengine.server.errors import APIError, bad_request, engine_failed, invalid_value
 from jengine.server.protocol import check_text_fields
@@ -69,6 +70,9 @@ class Job:
     # The params once the engine is known: a constraint that reads the vocabulary (chat's
     # structured output after the reasoning block, jengine/structured/after_reasoning.py).
     adapt: Callable[[AsyncEngine, SamplingParams], SamplingParams] | None = None
+    # An embedding job (embeddings.py): what the engine requests carry instead of `params`,
+    # which then only bound the request (one "token" per prompt).
+    pooling: PoolingParams | None = None
 
 
 def accept(request: Request, body: Any) -> ServerState:
@@ -101,7 +105,7 @@ async def start(state: ServerState, request: Request | None, job: Job) -> Engine
             await engine.compile_grammar(params)
         except ValueError as e:
             raise bad_request(str(e), job.constraint_param) from None
-        stream = EngineStream(state, slot, prompts, params,
+        stream = EngineStream(state, slot, prompts, job.pooling or params,
                               state.new_request_id(job.request_id),
                               request.is_disconnected if request is not None else None,
                               state.metrics_for(request))
@@ -145,7 +149,7 @@ class EngineStream:
         state: ServerState,
         slot: QueueSlot,
         prompts: list[str | list[int]],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str,
         is_disconnected: Callable[[], Awaitable[bool]] | None = None,
         metrics: ServerMetrics | None = None,

@@ -5,7 +5,8 @@
 the edge middleware asks `needs_key` whether a path needs the API key, and the middleware and
 the app's error handlers ask `error_shape` what body its errors have. The generating routes'
 handlers live in their protocol's module (completions.py, chat.py, responses.py, messages.py:
-views over the generation pipeline, pipeline.py); the routes that do not generate are the small
+views over the generation pipeline, pipeline.py; the pooling routes of an embedding server
+in embeddings.py); the routes that do not generate are the small
 handlers below.
 gRPC (grpc_service.py) serves the same engine on its own port.
 
@@ -26,6 +27,7 @@ from starlette.routing import compile_path
 import jengine
 from jengine.server.chat import create_chat_completion
 from jengine.server.completions import create_completion
+from jengine.server.embeddings import create_embedding, create_rerank, create_score
 from jengine.server.errors import bad_request
 from jengine.server.messages import count_message_tokens, create_message
 from jengine.server.pipeline import accept
@@ -122,6 +124,9 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/messages", "POST", create_message, auth=True, streams=True, errors="anthropic"),
     Route("/v1/messages/count_tokens", "POST", count_message_tokens, auth=True,
           errors="anthropic"),
+    Route("/v1/embeddings", "POST", create_embedding, auth=True),
+    Route("/v1/rerank", "POST", create_rerank, auth=True),
+    Route("/v1/score", "POST", create_score, auth=True),
     Route("/health", "HEAD", health, auth=False),  # load balancers' probe (undocumented)
     Route("/health", "GET", health, auth=False),
     Route("/metrics", "GET", metrics, auth=False),

@@ -27,7 +27,9 @@ them as `warmup-chat` and `warmup-completion`.
 
 A start-up request that fails (no answer, a status other than 200, an error event, no `[DONE]`,
 not the tokens asked for) fails the start: the server exits with the error, as when the model
-fails to load. Not warmed: `/v1/responses` and the gRPC service (their own first passes).
+fails to load. Not warmed: `/v1/responses` and the gRPC service (their own first passes). An
+embedding server (`--task embed` / `score`) sends one `/v1/embeddings` request of two inputs
+instead (`warmup-embedding`); it caches nothing.
 """
 
 from __future__ import annotations
@@ -92,6 +94,13 @@ def warm_up(engine: AsyncEngine, url: str, *, token: str, model: str, api_key: s
         return
     start = time.perf_counter()
     send = _Sender(url, token, api_key)
+    if engine.core.model.task != "generate":  # an embedding server generates nothing
+        body = send("warmup-embedding", "/v1/embeddings", {
+            "model": model, "input": [COMPLETION_PROMPT, CHAT_PROMPT]})
+        if len(json.loads(body).get("data", ())) != 2:
+            raise WarmupError(f"the start-up embedding request failed: {body[:500]}")
+        log.info("start-up request served in %.2f s", time.perf_counter() - start)
+        return
     if chat_template or getattr(engine.tokenizer, "chat_template", None):
         body = send("warmup-chat", "/v1/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": CHAT_PROMPT}],
