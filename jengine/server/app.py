@@ -21,6 +21,7 @@ import socket
 import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -29,6 +30,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import jengine
 from jengine.config import EngineConfig, ServerConfig
+from jengine.server.batch_store import default_batch_dir
+from jengine.server.batches import BATCH_ENDPOINTS, BatchService
 from jengine.server.connections import raise_open_file_limit, uvicorn_config
 from jengine.server.errors import install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
@@ -74,11 +77,15 @@ def create_app(
     state = ServerState(config, model_name, request_timeout=request_timeout)
     if engine is not None:
         state.attach(engine, owned=False)
+    batches = BatchService(
+        Path(config.batch_dir).expanduser() if config.batch_dir else default_batch_dir(), state,
+        {r.path: r.handler for r in ROUTES if r.method == "POST" and r.path in BATCH_ENDPOINTS})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if load_engine is not None:
             state.load_in_background(load_engine)
+        batches.resume(app)
         grpc_server = None
         if config.grpc_port is not None:
             from jengine.server.grpc_service import start_grpc_server
@@ -88,11 +95,13 @@ def create_app(
         yield
         if grpc_server is not None:
             await grpc_server.stop(grace=drain_timeout)
+        await batches.stop()
         state.shutdown()
 
     app = FastAPI(title="jengine", version=jengine.__version__, lifespan=lifespan,
                   root_path=config.root_path)
     app.state.server = state
+    app.state.batches = batches
     install_error_handlers(app, error_shape)
     app.add_middleware(EdgeMiddleware, api_key=config.api_key, needs_key=needs_key,
                        error_shape=error_shape,
