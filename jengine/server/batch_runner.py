@@ -69,9 +69,12 @@ class BatchRunner:
         self.state = state
         self.store = store
         self.handlers = handlers  # endpoint -> the route's handler
+        # endpoint -> the route's request model (the handler's `body` annotation)
+        self.models = {path: get_type_hints(h)["body"] for path, h in handlers.items()}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._running: str | None = None  # the batch whose lines are in flight
+        self._lines: set[asyncio.Task] = set()  # its lines' tasks
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="jengine-batches")
@@ -86,8 +89,12 @@ class BatchRunner:
         """A batch was created or cancelled: look at the store again."""
         self._wake.set()
 
-    def is_running(self, batch_id: str) -> bool:
-        return self._running == batch_id
+    def stop_lines(self, batch_id: str) -> None:
+        """The batch was set to cancelling: its lines in flight stop now (unanswered)."""
+        if self._running == batch_id:
+            for task in self._lines:
+                task.cancel()
+        self.wake()
 
     async def _loop(self) -> None:
         while True:
@@ -148,14 +155,15 @@ class BatchRunner:
         return lines
 
     def _fail(self, batch_id: str, code: str, message: str) -> None:
-        self.store.set_status(batch_id, "failed", errors=[
-            {"code": code, "message": message, "param": "input_file_id", "line": None}])
+        self.store.set_status(batch_id, "failed", only_from=("validating", "in_progress"),
+                              errors=[{"code": code, "message": message,
+                                       "param": "input_file_id", "line": None}])
 
     async def _run_lines(self, batch_id: str, endpoint: str, lines: list[str],
                          done: set[int]) -> bool:
         """Runs the unanswered lines, `LINES_IN_FLIGHT` at a time; True if it was cancelled."""
         slots = asyncio.Semaphore(LINES_IN_FLIGHT)
-        tasks: set[asyncio.Task] = set()
+        tasks = self._lines
         seen: set[str] = set()
         try:
             for index, raw in enumerate(lines):
@@ -175,14 +183,14 @@ class BatchRunner:
                 await asyncio.wait(set(tasks), timeout=0.5)
                 if self._cancelled(batch_id):
                     return True
-            return False
+            return self._cancelled(batch_id)  # (its lines stopped by `stop_lines`)
         finally:
             for task in list(tasks):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _cancelled(self, batch_id: str) -> bool:
-        return self.store.batch(batch_id)["status"] == "cancelling"
+        return self.store.status(batch_id) == "cancelling"
 
     async def _finish(self, batch_id: str, status: str) -> None:
         """Writes the output and error files (those with lines) and ends the batch."""
@@ -226,9 +234,8 @@ class BatchRunner:
         try:
             if body.get("stream"):
                 raise bad_request("stream is not supported in a batch", "stream")
-            model = get_type_hints(handler)["body"]
             try:
-                parsed = model.model_validate(body)
+                parsed = self.models[endpoint].model_validate(body)
             except ValidationError as e:
                 raise bad_request(*validation_message(e.errors())) from None
             while True:
@@ -246,6 +253,11 @@ class BatchRunner:
             return e.status, e.body(), request_id
         except ValueError as e:
             error = invalid_value(e)
+            return error.status, error.body(), request_id
+        except Exception as e:  # noqa: BLE001 - a bug answers this line (as the app's handler
+            # answers an HTTP request), never stops the batch
+            log.exception("batch line %s failed", request_id)
+            error = APIError(500, f"internal server error: {e}", type="server_error")
             return error.status, error.body(), request_id
         return response.status_code, json.loads(response.body), request_id
 

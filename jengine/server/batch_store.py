@@ -74,7 +74,10 @@ class BatchStore:
         self._db = sqlite3.connect(self.root / "store.sqlite3", check_same_thread=False,
                                    isolation_level=None)
         self._db.row_factory = sqlite3.Row
+        # WAL + NORMAL: a commit survives the process dying at any point, without an fsync
+        # per answered line (a power loss may drop the last few answers: they run again).
         self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
         self._mutex = threading.Lock()
 
@@ -159,6 +162,10 @@ class BatchStore:
         rows = self._run("SELECT * FROM batches WHERE seq < ? ORDER BY seq DESC LIMIT ?",
                          (below, limit + 1))
         return [self._batch_object(r) for r in rows[:limit]], len(rows) > limit
+
+    def status(self, batch_id: str) -> str | None:
+        rows = self._run("SELECT status FROM batches WHERE id = ?", (batch_id,))
+        return rows[0]["status"] if rows else None
 
     def unfinished(self) -> list[str]:
         """The batches the runner still owes work, oldest first."""

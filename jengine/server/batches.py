@@ -145,7 +145,7 @@ async def cancel_batch(batch_id: str, request: Request) -> dict:
     if store.set_status(batch_id, "cancelled", only_from=("validating",)):
         return store.batch(batch_id)
     if store.set_status(batch_id, "cancelling", only_from=("in_progress",)):
-        service.runner.wake()
+        service.runner.stop_lines(batch_id)
         return store.batch(batch_id)
     batch = store.batch(batch_id)
     if batch["status"] in ("cancelling", "cancelled"):

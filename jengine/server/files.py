@@ -49,7 +49,9 @@ def _form(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]
 
 async def upload_file(request: Request) -> dict:
     store = store_of(request)
-    fields = _form(request.headers.get("content-type", ""), await request.body())
+    # the standard library's parser is pure Python: a large upload is parsed off the loop
+    fields = await asyncio.to_thread(_form, request.headers.get("content-type", ""),
+                                     await request.body())
     if "purpose" not in fields:
         raise bad_request("Missing required parameter: 'purpose'.", "purpose")
     purpose = fields["purpose"][1].decode("utf-8", "replace")

@@ -129,24 +129,30 @@ def test_completions_batch(server):
 
 def test_interactive_requests_go_ahead_of_a_running_batch_which_cancels(server):
     """At most 4 lines of a batch run at once, each admitted only while nobody waits in the
-    queue: a chat request sent while a 16-line batch runs is answered long before the batch
+    queue: a chat request sent while a 12-line batch runs is answered long before the batch
     ends. Then the batch is cancelled: the lines in flight stop, those answered stay."""
     client = server.client()
-    lines = [chat_line(f"l{i}", f"Tell a long story about the number {i}.", 48,
-                       ignore_eos=True) for i in range(16)]
+    lines = [chat_line(f"l{i}", f"Tell a long story about the number {i}.", 24,
+                       ignore_eos=True) for i in range(12)]
     batch = client.batches.create(input_file_id=upload(client, lines), endpoint=CHAT,
                                   completion_window="24h")
-    wait(client, batch.id, lambda b: b.request_counts.completed >= 1)
+    samples = []  # (in the engine, waiting for a first token) while the batch alone runs
+    while client.batches.retrieve(batch.id).request_counts.completed < 1:
+        m = server.metrics()
+        samples.append((m.get("jengine_num_requests_running", 0) +
+                        m.get("jengine_num_requests_waiting", 0),
+                        m["jengine_num_requests_queued"]))
+    assert max(n for n, _ in samples) == 4 and max(q for _, q in samples) <= 1, samples
     answer = client.chat.completions.create(**chat_line("x", "Say yes.", 4)["body"])
     assert answer.choices[0].finish_reason == "length"
     running = client.batches.retrieve(batch.id)
-    assert running.status == "in_progress" and running.request_counts.completed < 12, running
+    assert running.status == "in_progress" and running.request_counts.completed < 8, running
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
     batch = wait(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at, batch
     done = batch.request_counts.completed
-    assert 1 <= done < 16 and batch.request_counts.failed == 0
+    assert 1 <= done < 12 and batch.request_counts.failed == 0
     assert len(jsonl(client, batch.output_file_id)) == done
     assert client.batches.cancel(batch.id).status == "cancelled"  # again: no change
 
@@ -204,3 +210,15 @@ def test_errors_are_openai_shaped(server):
         client.batches.create(input_file_id=done.output_file_id, endpoint=CHAT,
                               completion_window="24h")
     assert e.value.response.json()["error"]["param"] == "input_file_id"
+
+
+@pytest.mark.parametrize(("data", "code"), [(b"\xff\xfe{}\n", "invalid_file"),
+                                            (b"\n  \n", "empty_file")])
+def test_an_unreadable_input_file_fails_the_batch(server, data, code):
+    client = server.client()
+    file_id = client.files.create(file=("bad.jsonl", data), purpose="batch").id
+    batch = wait(client, client.batches.create(input_file_id=file_id, endpoint=CHAT,
+                                               completion_window="24h").id)
+    assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
+    [error] = batch.errors.data
+    assert error.code == code and error.param == "input_file_id" and error.message
