@@ -61,7 +61,8 @@ def create_app(
 
     Args:
       engine: a running engine (the caller keeps ownership: the app does not shut it down).
-      config: `api_key` and `max_queue` are used here (host and port are the caller's).
+      config: `api_key`, `max_queue` and `batch_dir` (the Files and Batch API's store,
+        batches.py) are used here (host and port are the caller's).
       load_engine: builds the engine in a background thread when the app starts (`serve`).
       model_name: the model id clients send; default: derived from the engine's model.
       request_timeout: seconds after which a generation request is aborted (None: the
