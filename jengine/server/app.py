@@ -15,6 +15,7 @@ the generating ones are views over the one generation pipeline (pipeline.py), wh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import socket
@@ -79,7 +80,7 @@ def create_app(
     if engine is not None:
         state.attach(engine, owned=False)
     batches = BatchService(
-        Path(config.batch_dir).expanduser() if config.batch_dir else default_batch_dir(), state,
+        Path(config.batch_dir).expanduser() if config.batch_dir else None, state,
         {r.path: r.handler for r in ROUTES if r.method == "POST" and r.path in BATCH_ENDPOINTS})
 
     @asynccontextmanager
@@ -169,6 +170,8 @@ def serve(cfg: EngineConfig, config: ServerConfig, *, model: str | None, preset:
     from jengine.async_engine import AsyncEngine
 
     _configure_logging(config.uvicorn_log_level)
+    if config.batch_dir is None:  # a server's batches outlive it (create_app's need not)
+        config = dataclasses.replace(config, batch_dir=str(default_batch_dir()))
     app = create_app(
         None, config, model_name=served_model_name(cfg.model.model),
         load_engine=lambda: AsyncEngine(model, config=preset, progress=True,

@@ -3,12 +3,16 @@
 `BatchService` is the app's one batch store (batch_store.py, under `--batch-dir`) and runner
 (batch_runner.py). The store is opened when the app starts if the directory already holds one
 (so that accepted batches resume at once), else on the first Files or Batch request: a server
-nobody sends batches to creates no directory.
+nobody sends batches to creates no directory. An app made without a `batch_dir`
+(`create_app` from Python; `jengine serve` always names one) keeps its batches in a temporary
+directory removed at shutdown: they do not outlive the app, and it never touches the user's.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,8 +39,10 @@ STORE_FILE = "store.sqlite3"
 class BatchService:
     """The batch store and runner of one app, opened once."""
 
-    def __init__(self, root: Path, state: ServerState, handlers: dict[str, Callable[..., Any]]):
-        self.root = root
+    def __init__(self, root: Path | None, state: ServerState,
+                 handlers: dict[str, Callable[..., Any]]):
+        self.root = root  # None: a temporary directory, made when first needed
+        self._temporary = root is None
         self.state = state
         self.handlers = handlers  # batch endpoint -> its route's handler
         self._store: BatchStore | None = None
@@ -53,6 +59,8 @@ class BatchService:
 
     def _open(self, app: Any) -> None:
         try:
+            if self.root is None:
+                self.root = Path(tempfile.mkdtemp(prefix="jengine-batches-"))
             self._store = BatchStore(self.root)
         except (BatchDirBusy, OSError) as e:
             self._error = str(e)
@@ -64,7 +72,7 @@ class BatchService:
 
     def resume(self, app: Any) -> None:
         """At start: opens an existing store, and with it the runner resumes its batches."""
-        if (self.root / STORE_FILE).exists():
+        if self.root is not None and (self.root / STORE_FILE).exists():
             self._open(app)
 
     async def stop(self) -> None:
@@ -74,6 +82,8 @@ class BatchService:
             self._store.close()
             self._store = None
             self._error = "the server is shutting down"
+        if self._temporary and self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _service(request: Request) -> BatchService:

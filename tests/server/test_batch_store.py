@@ -35,3 +35,28 @@ def test_one_server_holds_a_directory(tmp_path):
         BatchStore(tmp_path)
     first.close()
     BatchStore(tmp_path).close()  # free again once the first let go
+
+
+def test_an_app_without_a_batch_dir_keeps_its_files_until_shutdown():
+    """`create_app` from Python (no `batch_dir`): a temporary store, made on first use and
+    removed at shutdown; `jengine serve` always names a directory (the user's cache)."""
+    from fastapi.testclient import TestClient
+
+    from jengine.config import ServerConfig
+    from jengine.server.app import create_app
+
+    def no_engine():
+        raise RuntimeError("this test needs no engine")
+
+    app = create_app(load_engine=no_engine, config=ServerConfig())
+    service = app.state.batches
+    with TestClient(app) as client:
+        assert service.root is None  # nothing made before it is needed
+        r = client.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")},
+                        data={"purpose": "batch"})
+        assert r.status_code == 200 and r.json()["bytes"] == 3
+        root = service.root
+        assert (root / "files" / r.json()["id"]).read_bytes() == b"{}\n"
+        r = client.post("/v1/files", content=b"{}", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
+    assert not root.exists()
