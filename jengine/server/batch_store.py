@@ -128,7 +128,8 @@ class BatchStore:
     def delete_file(self, file_id: str) -> bool:
         with self._mutex:
             gone = self._db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
-        self.path(file_id).unlink(missing_ok=True)
+        if gone:  # only a name the store made (never a client's path) is unlinked
+            self.path(file_id).unlink(missing_ok=True)
         return bool(gone)
 
     # -- batches ---------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query")]
     param = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
