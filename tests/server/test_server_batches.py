@@ -127,6 +127,25 @@ def test_completions_batch(server):
         server.post("/v1/completions", json=line["body"]).json())
 
 
+def test_responses_batch(server):
+    client = server.client()
+    body = {"model": MODEL, "input": "Name a planet.", "max_output_tokens": 6,
+            "temperature": 0}
+    line = {"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": body}
+    batch = wait(client, client.batches.create(input_file_id=upload(client, [line]),
+                                               endpoint="/v1/responses",
+                                               completion_window="24h").id)
+    [record] = jsonl(client, batch.output_file_id)
+    answer = record["response"]["body"]
+    assert answer["id"] == f"resp_{record['response']['request_id']}"
+
+    def text(response: dict) -> str:
+        return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                       for part in item["content"])
+
+    assert text(answer) and text(answer) == text(server.post("/v1/responses", json=body).json())
+
+
 def test_interactive_requests_go_ahead_of_a_running_batch_which_cancels(server):
     """At most 4 lines of a batch run at once, each admitted only while nobody waits in the
     queue: a chat request sent while a 12-line batch runs is answered long before the batch
