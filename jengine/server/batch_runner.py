@@ -12,8 +12,9 @@ is admitted only while no request waits in the server's queue (`ServerState.num_
 every admitted request, interactive or batch, has its first token). So an interactive request
 never queues behind more than one batch line's prefill, and the engine's other
 `max_num_seqs - LINES_IN_FLIGHT` sequence slots stay for interactive requests. A line refused
-with a 503 (the queue filled between the check and the admission, the server draining) is not
-answered: it waits and is tried again, or, when the server stops, left for the next start.
+with a 503 (the queue filled between the check and the admission, the server draining), or
+failed by a dead engine thread, is not answered: it waits and is tried again, or, when the
+server stops, left for the next start.
 
 One batch runs at a time, oldest first. Its states: validating (the input file is read and its
 lines counted) -> in_progress -> finalizing (output and error files written) -> completed; or
@@ -227,9 +228,7 @@ class BatchRunner:
         self.store.record_line(batch_id, index, 200 <= status < 300, record)
 
     async def _execute(self, endpoint: str, body: dict) -> tuple[int, dict, str]:
-        """The route's answer to `body`: (status, JSON body, request id). Waits (never
-        answers) while the server's queue is not empty or refuses with a 503."""
-        handler = self.handlers[endpoint]
+        """The route's answer to `body`: (status, JSON body, request id)."""
         request_id = uuid.uuid4().hex
         try:
             if body.get("stream"):
@@ -238,17 +237,7 @@ class BatchRunner:
                 parsed = self.models[endpoint].model_validate(body)
             except ValidationError as e:
                 raise bad_request(*validation_message(e.errors())) from None
-            while True:
-                while self.state.num_queued > 0 or self.state.engine is None:
-                    await asyncio.sleep(IDLE_POLL_S)
-                try:  # no await between the check above and the handler's admission
-                    response = await handler(parsed, _line_request(self.app, endpoint,
-                                                                   request_id))
-                    break
-                except APIError as e:
-                    if e.status != 503 or e.code not in RETRY_CODES:
-                        raise
-                await asyncio.sleep(IDLE_POLL_S)
+            response = await self._admitted(endpoint, parsed, request_id)
         except APIError as e:
             return e.status, e.body(), request_id
         except ValueError as e:
@@ -260,6 +249,27 @@ class BatchRunner:
             error = APIError(500, f"internal server error: {e}", type="server_error")
             return error.status, error.body(), request_id
         return response.status_code, json.loads(response.body), request_id
+
+
+    def _engine_alive(self) -> bool:
+        engine = self.state.engine
+        return engine is not None and engine.is_alive
+
+    async def _admitted(self, endpoint: str, parsed: Any, request_id: str) -> Any:
+        """The handler's response, admitted behind the interactive requests. What refuses a
+        line for the server's state, not the line's (a 503 `RETRY_CODES`: the queue filled
+        in between, the server draining; the engine thread dead: a restart runs the line),
+        is no answer: the line waits and is tried again (or cancelled at shutdown)."""
+        handler = self.handlers[endpoint]
+        while True:
+            while self.state.num_queued > 0 or not self._engine_alive():
+                await asyncio.sleep(IDLE_POLL_S)
+            try:  # no await between the check above and the handler's admission
+                return await handler(parsed, _line_request(self.app, endpoint, request_id))
+            except APIError as e:
+                if not (e.status == 503 and e.code in RETRY_CODES) and self._engine_alive():
+                    raise
+            await asyncio.sleep(IDLE_POLL_S)
 
 
 def _custom_id(raw: str) -> str | None:
