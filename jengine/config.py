@@ -136,6 +136,9 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # accepted for vLLM; `tool_choice: auto` always works
     tool_call_parser: str | None = None  # a call format or auto (jengine/text/tool_parsers.py)
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3 | granite | auto (jengine.text)
+    # The Files and Batch API's store. `jengine serve` default: ~/.cache/jengine/batches;
+    # None (create_app from Python): a temporary directory, removed at shutdown.
+    batch_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -71,13 +71,14 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(log: Path) -> Iterator[Server]:
-    """Starts the server (its output to `log`), waits until /health is 200, and stops it with
-    SIGTERM at the end unless a test already did."""
+def running_server(log: Path, batch_dir: Path | None = None) -> Iterator[Server]:
+    """Starts the server (its output to `log`; its batch store in `batch_dir`, default beside
+    the log, never the user's cache), waits until /health is 200, and stops it with SIGTERM at
+    the end unless a test already did."""
     port = free_port()
     grpc_port = free_port() if grpc is not None else None
     cmd = [sys.executable, "-m", "jengine.cli", "serve", "--config", "test", "--port", str(port),
-           "--api-key", KEY]
+           "--api-key", KEY, "--batch-dir", str(batch_dir or log.parent / "batches")]
     if grpc_port:
         cmd += ["--grpc-port", str(grpc_port)]
     with open(log, "w") as err:

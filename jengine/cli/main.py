@@ -75,6 +75,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", help="hermes | llama3_json | mistral | pythonic | "
                    "qwen3_coder | deepseek_v3 | auto (the model's call format)")
     p.add_argument("--reasoning-parser", help="deepseek_r1 | qwen3 | granite | auto")
+    p.add_argument("--batch-dir", help="where /v1/files and /v1/batches keep their files and "
+                   "store, across restarts (default ~/.cache/jengine/batches)")
     limits = p.add_argument_group("limits on one request")
     limits.add_argument("--max-queue", type=int,
                         help="requests waiting for a first token before 503 (default 1024)")

@@ -76,5 +76,8 @@ def check_server_config(config: ServerConfig) -> None:
     if not config.timeout_keep_alive > 0:
         raise ValueError(f"--timeout-keep-alive must be positive, got "
                          f"{config.timeout_keep_alive}")
+    if config.batch_dir and Path(config.batch_dir).expanduser().exists() and \
+            not Path(config.batch_dir).expanduser().is_dir():
+        raise ValueError(f"--batch-dir {config.batch_dir!r} is not a directory")
     if config.uvicorn_log_level not in LOG_LEVELS:
         raise ValueError(f"--uvicorn-log-level must be one of {sorted(LOG_LEVELS)}")

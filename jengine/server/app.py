@@ -15,12 +15,14 @@ the generating ones are views over the one generation pipeline (pipeline.py), wh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import socket
 import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -29,6 +31,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import jengine
 from jengine.config import EngineConfig, ServerConfig
+from jengine.server.batch_store import default_batch_dir
+from jengine.server.batches import BATCH_ENDPOINTS, BatchService
 from jengine.server.connections import raise_open_file_limit, uvicorn_config
 from jengine.server.errors import install_error_handlers
 from jengine.server.middleware import EdgeMiddleware
@@ -58,7 +62,8 @@ def create_app(
 
     Args:
       engine: a running engine (the caller keeps ownership: the app does not shut it down).
-      config: `api_key` and `max_queue` are used here (host and port are the caller's).
+      config: `api_key`, `max_queue` and `batch_dir` (the Files and Batch API's store,
+        batches.py) are used here (host and port are the caller's).
       load_engine: builds the engine in a background thread when the app starts (`serve`).
       model_name: the model id clients send; default: derived from the engine's model.
       request_timeout: seconds after which a generation request is aborted (None: the
@@ -74,11 +79,15 @@ def create_app(
     state = ServerState(config, model_name, request_timeout=request_timeout)
     if engine is not None:
         state.attach(engine, owned=False)
+    batches = BatchService(
+        Path(config.batch_dir).expanduser() if config.batch_dir else None, state,
+        {r.path: r.handler for r in ROUTES if r.method == "POST" and r.path in BATCH_ENDPOINTS})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if load_engine is not None:
             state.load_in_background(load_engine)
+        batches.resume(app)
         grpc_server = None
         if config.grpc_port is not None:
             from jengine.server.grpc_service import start_grpc_server
@@ -88,11 +97,13 @@ def create_app(
         yield
         if grpc_server is not None:
             await grpc_server.stop(grace=drain_timeout)
+        await batches.stop()
         state.shutdown()
 
     app = FastAPI(title="jengine", version=jengine.__version__, lifespan=lifespan,
                   root_path=config.root_path)
     app.state.server = state
+    app.state.batches = batches
     install_error_handlers(app, error_shape)
     app.add_middleware(EdgeMiddleware, api_key=config.api_key, needs_key=needs_key,
                        error_shape=error_shape,
@@ -159,6 +170,8 @@ def serve(cfg: EngineConfig, config: ServerConfig, *, model: str | None, preset:
     from jengine.async_engine import AsyncEngine
 
     _configure_logging(config.uvicorn_log_level)
+    if config.batch_dir is None:  # a server's batches outlive it (create_app's need not)
+        config = dataclasses.replace(config, batch_dir=str(default_batch_dir()))
     app = create_app(
         None, config, model_name=served_model_name(cfg.model.model),
         load_engine=lambda: AsyncEngine(model, config=preset, progress=True,

@@ -143,7 +143,10 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = list(err.get("loc", ()))
+    if loc[:1] == ["query"]:  # a query parameter (a body field may be named `query`: rerank)
+        loc = loc[1:]
+    loc = [str(p) for p in loc if p != "body"]
     param = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":

@@ -45,7 +45,8 @@ _ANTHROPIC_ERROR_SCHEMA = {
 _REASONS = {
     400: "Invalid request (bad JSON, types, values or unsupported features)",
     401: "Missing or wrong API key (only with --api-key)",
-    404: "Unknown model",
+    404: "Unknown model, file or batch",
+    409: "The batch cannot be cancelled in its status",
     413: "Request body over the size limit",
     500: "The engine failed",
     503: "Loading, draining, or the waiting queue is full (Retry-After)",
@@ -60,8 +61,10 @@ def _error_codes(route: Route) -> list[int]:
     codes = {400, 404, 413, 500, 503} if route.method == "POST" else set()
     if route.auth:
         codes.add(401)
-    if "{model" in route.path:  # a path that names a model: unknown is a 404
+    if "{model" in route.path or "_id}" in route.path:  # names a model, file or batch
         codes.add(404)
+    if route.path.endswith("/cancel"):
+        codes.add(409)
     if route.streams:  # generating: --request-timeout applies
         codes.add(504)
     return sorted(codes)

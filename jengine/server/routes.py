@@ -6,8 +6,9 @@ the edge middleware asks `needs_key` whether a path needs the API key, and the m
 the app's error handlers ask `error_shape` what body its errors have. The generating routes'
 handlers live in their protocol's module (completions.py, chat.py, responses.py, messages.py:
 views over the generation pipeline, pipeline.py; the pooling routes of an embedding server
-in embeddings.py); the routes that do not generate are the small
-handlers below.
+in embeddings.py); OpenAI's Files and Batch API is files.py and batches.py (a batch's lines
+run through the generating handlers, batch_runner.py); the other routes that do not generate
+are the small handlers below.
 gRPC (grpc_service.py) serves the same engine on its own port.
 
 A new route is a row here (and its handler); docs/design.md, "Add a route", lists the rest.
@@ -25,10 +26,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.routing import compile_path
 
 import jengine
+from jengine.server.batches import cancel_batch, create_batch, list_batches, retrieve_batch
 from jengine.server.chat import create_chat_completion
 from jengine.server.completions import create_completion
 from jengine.server.embeddings import create_embedding, create_rerank, create_score
 from jengine.server.errors import bad_request
+from jengine.server.files import delete_file, file_content, list_files, retrieve_file, upload_file
 from jengine.server.messages import count_message_tokens, create_message
 from jengine.server.pipeline import accept
 from jengine.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -133,6 +136,15 @@ ROUTES: tuple[Route, ...] = (
     Route("/version", "GET", version, auth=False),
     Route("/v1/models", "GET", models, auth=True),
     Route("/v1/models/{model:path}", "GET", model, auth=True),
+    Route("/v1/files", "POST", upload_file, auth=True),
+    Route("/v1/files", "GET", list_files, auth=True),
+    Route("/v1/files/{file_id}", "GET", retrieve_file, auth=True),
+    Route("/v1/files/{file_id}", "DELETE", delete_file, auth=True),
+    Route("/v1/files/{file_id}/content", "GET", file_content, auth=True),
+    Route("/v1/batches", "POST", create_batch, auth=True),
+    Route("/v1/batches", "GET", list_batches, auth=True),
+    Route("/v1/batches/{batch_id}", "GET", retrieve_batch, auth=True),
+    Route("/v1/batches/{batch_id}/cancel", "POST", cancel_batch, auth=True),
     Route("/tokenize", "POST", tokenize, auth=False),
     Route("/detokenize", "POST", detokenize, auth=False),
 )

@@ -250,3 +250,16 @@ def test_serve_flags_reach_the_server_config():
     preset = ServerConfig(max_n=9, request_timeout=5.0)
     plain = server_config(build_parser().parse_args(["serve"]), preset)
     assert plain.max_n == 9 and plain.request_timeout == 5.0
+
+
+def test_batch_dir_flag(tmp_path):
+    from jengine.cli.main import build_parser
+    from jengine.cli.serve import server_config
+    from jengine.config import ServerConfig
+
+    args = build_parser().parse_args(["serve", "--batch-dir", str(tmp_path / "b")])
+    assert server_config(args, ServerConfig()).batch_dir == str(tmp_path / "b")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="--batch-dir .* is not a directory"):
+        server_config(build_parser().parse_args(["serve", "--batch-dir", str(tmp_path / "f")]),
+                      ServerConfig())
