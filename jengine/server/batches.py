@@ -49,6 +49,14 @@ class BatchService:
         self.runner: BatchRunner | None = None
         self._error: str | None = None
 
+    def endpoints(self) -> list[str]:
+        """The batch endpoints this server runs: the generating routes, or on an embedding
+        server (task embed / score) `/v1/embeddings` alone, as its interactive routes do."""
+        engine = self.state.engine
+        pools = engine is not None and engine.core.model.pooling is not None
+        return [e for e in BATCH_ENDPOINTS
+                if e in self.handlers and (e == "/v1/embeddings") == pools]
+
     def store(self, app: Any) -> BatchStore:
         """The open store (opened now if need be), or a 503 saying why there is none."""
         if self._store is None and self._error is None:
@@ -107,8 +115,8 @@ def no_such_batch(batch_id: str) -> APIError:
 async def create_batch(body: BatchCreateRequest, request: Request) -> dict:
     service = _service(request)
     store = store_of(request)
-    if body.endpoint not in service.handlers:
-        served = ", ".join(e for e in BATCH_ENDPOINTS if e in service.handlers)
+    if body.endpoint not in service.endpoints():
+        served = ", ".join(service.endpoints())
         raise bad_request(f"endpoint {body.endpoint!r} is not served by this server; a batch "
                           f"runs one of: {served}", "endpoint")
     if body.completion_window not in COMPLETION_WINDOWS:
