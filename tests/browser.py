@@ -46,13 +46,16 @@ class Browser:
         self._profile = tempfile.TemporaryDirectory(prefix="jengine-chromium-")
         to_browser, self._out = os.pipe()  # commands: we write, the browser reads its fd 3
         self._in, from_browser = os.pipe()  # answers: the browser writes its fd 4, we read
-        # above 4 first, so that the child's dup2 onto 3 and 4 cannot overwrite either end
+        # bash moves the two ends onto 3 and 4 (a preexec_fn would fork a threaded JAX process;
+        # dash reads only one-digit fds), from numbers above 4, so neither move hits the other.
         to_browser, from_browser = (_above_4(fd) for fd in (to_browser, from_browser))
+        redirect = (f'exec "$0" "$@" 3<&{to_browser} 4>&{from_browser} '
+                    f'{to_browser}<&- {from_browser}>&-')
         self.proc = subprocess.Popen(
-            [executable, *FLAGS, f"--user-data-dir={self._profile.name}", "about:blank"],
-            pass_fds=(3, 4), preexec_fn=lambda: (os.dup2(to_browser, 3),
-                                                 os.dup2(from_browser, 4)),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ["bash", "-c", redirect, executable, *FLAGS,
+             f"--user-data-dir={self._profile.name}", "about:blank"],
+            pass_fds=(to_browser, from_browser), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_browser)
         os.close(from_browser)
         self._buffer = b""
