@@ -22,7 +22,9 @@ function showError(message) {
 // A failed response's message, from the OpenAI error body when there is one.
 async function failure(response) {
   if (response.status === 401) {
-    return "401 Unauthorized: this server needs an API key. Enter it under API key.";
+    return $("api-key").value.trim()
+      ? "401 Unauthorized: the server refused this API key."
+      : "401 Unauthorized: this server needs an API key. Enter it under API key.";
   }
   let detail = response.statusText;
   try {
