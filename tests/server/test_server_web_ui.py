@@ -2,7 +2,8 @@
 session's `jengine serve` (SmolLM2, `--api-key`): the page loads without the key and says the
 `/v1` calls need it, fills the model picker once the key is typed, streams answers equal to
 what /v1/chat/completions returns, keeps the conversation, and its stop button aborts the
-request on the server. `--no-web-ui` answers 404.
+request on the server. Reasoning and `--no-web-ui` (404) run over the fake model
+(tests/fake_runner.py).
 
 Skipped when no Chromium is found (`--chromium PATH`, else `chromium` on PATH).
 """
@@ -13,6 +14,7 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 from browser import Browser, find_chromium  # tests/browser.py
 from fake_runner import fake_async_engine
@@ -159,16 +161,50 @@ def test_markdown_is_rendered_escaped_and_reasoning_collapsed(page):
     assert state == [False, False, "ReasoningThinking.", "<p>Done.</p>"]
 
 
-def test_no_web_ui_answers_404():
-    engine = fake_async_engine()  # the routes under test never reach it
+@pytest.fixture(scope="module")
+def fake_engine():
+    """The real engine thread over the fake model (tests/fake_runner.py): these tests are about
+    the page and its routes, and need no compile."""
+    engine = fake_async_engine()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.browser
+def test_streamed_reasoning_fills_a_closed_details(browser):
+    """deepseek_r1 reads an output that never closes a think block as all reasoning. Two fresh
+    engines seeded alike draw the same seed for their first request (the page sends none), so
+    the API's answer on one is what the page must show from the other."""
+    config = ServerConfig(reasoning_parser="deepseek_r1")
+    engines = [fake_async_engine(seed=0), fake_async_engine(seed=0)]
     try:
-        with serving(create_app(engine, ServerConfig(web_ui=False))) as url:
-            for path in ("/", "/static/chat.js"):
-                r = httpx.get(url + path, timeout=30)
-                assert r.status_code == 404 and r.json()["error"]["message"] == (
-                    f"Not found: GET {path}")
-        with serving(create_app(engine, ServerConfig())) as url:
-            assert httpx.get(url + "/static/chat.js", timeout=30).status_code == 200
-            assert httpx.get(url + "/static/app.py", timeout=30).status_code == 404  # the page's
+        with serving(create_app(engines[0], config)) as url, \
+                serving(create_app(engines[1], config)) as api:
+            page = browser.open(url + "/")
+            model = page.wait("document.getElementById('model').value")
+            set_field(page, "temperature", 0)
+            set_field(page, "max-tokens", 8)
+            assert ask(page, "hi") == ""  # no content
+            shown = page.eval("(d => [d.hidden, d.open, d.lastChild.textContent])("
+                              "document.querySelector('.message.assistant details'))")
+            browser.call("Target.closeTarget", targetId=page.target)
+            client = openai.OpenAI(base_url=api + "/v1", api_key="x", max_retries=0)
+            full = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], temperature=0,
+                max_tokens=8).choices[0].message
+        assert full.reasoning and full.content is None
+        assert shown == [False, False, full.reasoning]
     finally:
-        engine.shutdown()
+        for engine in engines:
+            engine.shutdown()
+
+
+def test_no_web_ui_answers_404(fake_engine):
+    with serving(create_app(fake_engine, ServerConfig(web_ui=False))) as url:
+        for path in ("/", "/static/chat.js"):
+            r = httpx.get(url + path, timeout=30)
+            assert r.status_code == 404 and r.json()["error"]["message"] == (
+                f"Not found: GET {path}")
+    with serving(create_app(fake_engine, ServerConfig())) as url:
+        assert httpx.get(url + "/static/chat.js", timeout=30).status_code == 200
+        assert httpx.get(url + "/static/app.py", timeout=30).status_code == 404  # the page's only
