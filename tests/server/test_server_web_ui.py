@@ -120,7 +120,7 @@ def test_stop_aborts_the_request_on_the_server(server, page):
     page.click("#send")
     page.wait("(document.querySelector('.message.assistant .content').dataset.raw || '')"
               ".length > 20", timeout=60)
-    assert server.metrics()[RUNNING] == 1  # still generating
+    assert server.metrics()[RUNNING] >= 1  # still generating
     page.click("#stop")
     page.wait("document.getElementById('send').disabled === false")
     assert "(stopped)" in page.eval("document.querySelector('.message.assistant').textContent")
