@@ -139,6 +139,7 @@ class ServerConfig:
     # The Files and Batch API's store. `jengine serve` default: ~/.cache/jengine/batches;
     # None (create_app from Python): a temporary directory, removed at shutdown.
     batch_dir: str | None = None
+    web_ui: bool = True  # the chat page at `/` (jengine/server/web_ui.py); False: `/` is a 404
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

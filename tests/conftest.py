@@ -72,6 +72,10 @@ def pytest_addoption(parser):
         help="run tests/accelerator on this CPU (Pallas in interpret mode, the smallest cases): "
              "a dry run of the GPU suite before a device lease",
     )
+    parser.addoption(
+        "--chromium", metavar="PATH",
+        help="the Chromium the `browser` tests drive (default: chromium on PATH; none: skipped)",
+    )
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -93,9 +93,11 @@ class ArithmeticRunner:
         raise RuntimeError("the fake runner has no followers")
 
 
-def fake_async_engine() -> AsyncEngine:
-    """The real `EngineCore` (`--config test`) and engine thread over `ArithmeticRunner`."""
-    core = EngineCore(build_config(None, "test"), progress=False, make_runner=ArithmeticRunner)
+def fake_async_engine(**overrides) -> AsyncEngine:
+    """The real `EngineCore` (`--config test`, plus `build_config` keyword overrides such as
+    `seed`) and engine thread over `ArithmeticRunner`."""
+    core = EngineCore(build_config(None, "test", **overrides), progress=False,
+                      make_runner=ArithmeticRunner)
     engine = AsyncEngine.__new__(AsyncEngine)
     engine._start(core)  # the real engine thread, over the fake model
     return engine

@@ -77,6 +77,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", help="deepseek_r1 | qwen3 | granite | auto")
     p.add_argument("--batch-dir", help="where /v1/files and /v1/batches keep their files and "
                    "store, across restarts (default ~/.cache/jengine/batches)")
+    p.add_argument("--web-ui", action=argparse.BooleanOptionalAction,
+                   help="the chat page at / (default on; --no-web-ui: / is a 404)")
     limits = p.add_argument_group("limits on one request")
     limits.add_argument("--max-queue", type=int,
                         help="requests waiting for a first token before 503 (default 1024)")

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.routing import compile_path
 
 import jengine
+from jengine.server import web_ui
 from jengine.server.batches import cancel_batch, create_batch, list_batches, retrieve_batch
 from jengine.server.chat import create_chat_completion
 from jengine.server.completions import create_completion
@@ -52,6 +53,7 @@ class Route:
     auth: bool  # needs the key (`Authorization: Bearer` or `x-api-key`) when the server has one
     streams: bool = False  # generates: may answer server-sent events, bounded by the timeout
     errors: ErrorShape = "openai"  # the body its errors have (the document's error schema)
+    documented: bool = True  # in /openapi.json (not the HEAD probe, not the chat page)
 
 
 # -- the routes that do not generate ------------------------------------------------------------
@@ -130,7 +132,7 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/embeddings", "POST", create_embedding, auth=True),
     Route("/v1/rerank", "POST", create_rerank, auth=True),
     Route("/v1/score", "POST", create_score, auth=True),
-    Route("/health", "HEAD", health, auth=False),  # load balancers' probe (undocumented)
+    Route("/health", "HEAD", health, auth=False, documented=False),  # load balancers' probe
     Route("/health", "GET", health, auth=False),
     Route("/metrics", "GET", metrics, auth=False),
     Route("/version", "GET", version, auth=False),
@@ -147,6 +149,8 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/batches/{batch_id}/cancel", "POST", cancel_batch, auth=True),
     Route("/tokenize", "POST", tokenize, auth=False),
     Route("/detokenize", "POST", detokenize, auth=False),
+    Route("/", "GET", web_ui.page, auth=False, documented=False),  # the chat page (web_ui.py)
+    Route("/static/{name}", "GET", web_ui.asset, auth=False, documented=False),
 )
 
 _PATTERNS = [(compile_path(r.path)[0], r) for r in ROUTES]

@@ -263,3 +263,15 @@ def test_batch_dir_flag(tmp_path):
     with pytest.raises(ValueError, match="--batch-dir .* is not a directory"):
         server_config(build_parser().parse_args(["serve", "--batch-dir", str(tmp_path / "f")]),
                       ServerConfig())
+
+
+def test_no_web_ui_turns_the_page_off_and_a_preset_can_too():
+    from jengine.cli.main import build_parser
+    from jengine.cli.serve import server_config
+    from jengine.config import ServerConfig
+
+    parse = build_parser().parse_args
+    assert server_config(parse(["serve"]), ServerConfig()).web_ui  # on by default
+    assert not server_config(parse(["serve", "--no-web-ui"]), ServerConfig()).web_ui
+    assert not server_config(parse(["serve"]), ServerConfig(web_ui=False)).web_ui  # the preset's
+    assert server_config(parse(["serve", "--web-ui"]), ServerConfig(web_ui=False)).web_ui
