@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 from local_server import serving
@@ -79,3 +80,47 @@ def test_hermes_leaves_a_mistral_call_as_content(engine):
         assert json.loads(choice.message.content)[0]["name"] == "get_weather"
         content, calls, _ = _streamed(client)
         assert calls == {} and content == choice.message.content
+
+
+# -- tool_choice required / named: the grammar writes the parser's own format -------------------
+
+FORCED_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city for some days",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"]}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+
+
+@pytest.mark.parametrize("parser", ["mistral", "llama3_json"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_calls_in_the_parsers_format(engine, parser, choice):
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                   tools=FORCED_TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                   temperature=0, max_tokens=80)
+    with serving(create_app(engine, ServerConfig(tool_call_parser=parser))) as url:
+        client = _client(url)
+        choice_ = client.chat.completions.create(**request).choices[0]
+        assert choice_.finish_reason == "tool_calls" and not choice_.message.content
+        [call] = choice_.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        if isinstance(choice, dict):
+            assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(**request, stream=True):
+            delta = chunk.choices[0].delta
+            assert not delta.content
+            for c in delta.tool_calls or []:
+                entry = calls.setdefault(c.index, ["", ""])
+                entry[0] += c.function.name or ""
+                entry[1] += c.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert calls == {0: [call.function.name, call.function.arguments]}
