@@ -18,8 +18,9 @@ back by the same parser; forced output is nothing but calls, so text that does n
 cut off by max_tokens) is dropped. `tool_stream` and `parse_calls` give the streamed and whole
 readings of a format; a llama3_json stream holds an output that opens with `{` until it ends (its
 arguments go out whole, at the end), and passes any other output on as it comes; call_formats.py's
-formats stream the same way from their call syntax's first marker on. Forced hermes calls stream
-their arguments as generated; forced calls of the other formats go out whole at the end.
+formats stream the same way from their call syntax's first marker on. Forced calls of hermes and
+the JSON-argument formats (llama3_json, mistral, deepseek_v3: forced_stream.py) stream their
+arguments as generated; forced pythonic and qwen3_coder calls go out whole at the end.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from jengine.text.call_formats import (
     parse_pythonic,
     parse_qwen3_coder,
 )
+from jengine.text.forced_stream import FORCED_HEADS, ForcedJsonStream, read_forced_json
 from jengine.text.tools import CallArguments, CallStart, ToolCallStream, parse_tool_calls
 
 PYTHON_TAG = "<|python_tag|>"
@@ -100,6 +102,8 @@ def parse_calls(name: str | None, text: str, *,
     fmt = _format(name)
     if fmt == "hermes":
         return parse_tool_calls(text, forced=forced)
+    if forced and fmt in FORCED_HEADS:
+        return None, read_forced_json(FORCED_HEADS[fmt], text)
     content, calls = _whole_reader(fmt)(text)
     return (None, calls) if forced else (content, calls)
 
@@ -114,6 +118,8 @@ def tool_stream(name: str | None, incremental: bool = False) -> CallStream:
     fmt = _format(name)
     if fmt == "hermes":
         return ToolCallStream(incremental=incremental)
+    if incremental and fmt in FORCED_HEADS:
+        return ForcedJsonStream(FORCED_HEADS[fmt])
     if incremental:
         return ForcedCallStream(_whole_reader(fmt))
     if fmt == "llama3_json":
@@ -246,4 +252,5 @@ class ForcedCallStream:
 
 
 # The streamed readers: `feed(text)` and `finish()` give content pieces and call events.
-CallStream = ToolCallStream | Llama3JsonStream | HeldCallStream | ForcedCallStream
+CallStream = (ToolCallStream | Llama3JsonStream | HeldCallStream | ForcedCallStream
+              | ForcedJsonStream)

@@ -116,3 +116,13 @@ def test_pythonic_refuses_a_parameter_it_cannot_write():
     setup = tool_setup([bad], "required")
     with pytest.raises(ValueError, match="pythonic call format cannot write parameter"):
         dataclasses.replace(setup, fmt="pythonic").constraint()
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "deepseek_v3"])
+def test_forced_json_arguments_go_out_as_they_are_generated(fmt):
+    text = WRITTEN[fmt][0]
+    head = text[: text.index('"days"')]  # mid-way through the first call's arguments
+    stream = tool_stream(fmt, incremental=True)
+    pieces = stream.feed(head)
+    assert [type(p) for p in pieces] == [CallStart, CallArguments]
+    assert pieces[1].text.startswith('{"city": "Paris ☃"')
