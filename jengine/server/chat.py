@@ -11,7 +11,8 @@ With tools (`jengine.text.tools`), `<tool_call>` blocks in the output become
 the rest stays `content` (null when nothing else is left); a choice that made calls finishes with
 "tool_calls". Streamed, a call goes out as `delta.tool_calls` chunks: the id, type and function
 name (arguments ""), then argument fragments: as they are generated when `tool_choice` forces the
-calls (the grammar makes them well-formed), at once when the block closes under `auto`.
+calls (the grammar, in the `--tool-call-parser`'s format, makes them well-formed; pythonic and
+qwen3_coder calls whole at the end), at once when the block closes under `auto`.
 
 With `--reasoning-parser` (`jengine.text.reasoning`), the thinking goes to `message.reasoning`
 and, the same text, `message.reasoning_content` (vLLM's new and old names; both null when the

@@ -6,8 +6,9 @@ does:
 
     none       tools are left out of the prompt and nothing is parsed
     auto       tools go into the prompt; calls are parsed from the output, the rest is content
-    required   the output is constrained (a grammar) to one or more calls, each call's JSON
-               validating against one of the tools (an anyOf); one call unless parallel calls.
+    required   the output is constrained (a grammar, in the `fmt` call format: forced_calls.py)
+               to one or more calls, each call's arguments validating against one of the
+               tools; one call unless parallel calls.
                Parallel calls follow each other with nothing between them, so after every
                `</tool_call>` the model chooses between EOS and another call: a separator the
                grammar forced ("\n") left it no way to end, and SmolLM2 repeated the same call

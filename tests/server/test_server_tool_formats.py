@@ -1,7 +1,8 @@
 """`--tool-call-parser` through a real server on 127.0.0.1 (SmolLM2, the official `openai` SDK):
 a regex makes the model write a Mistral-format call, which the server reads as a call when
 `auto` finds `[TOOL_CALLS]` in the chat template (or the flag names `mistral`), and leaves as
-content under hermes (`auto` on SmolLM2's own template), whole and streamed."""
+content under hermes (`auto` on SmolLM2's own template), whole and streamed; and `tool_choice`
+named / required under mistral and llama3_json, written by the grammar in that format."""
 
 from __future__ import annotations
 
