@@ -2,7 +2,8 @@
 a regex makes the model write a Mistral-format call, which the server reads as a call when
 `auto` finds `[TOOL_CALLS]` in the chat template (or the flag names `mistral`), and leaves as
 content under hermes (`auto` on SmolLM2's own template), whole and streamed; and `tool_choice`
-named / required under mistral and llama3_json, written by the grammar in that format."""
+named / required under mistral and llama3_json (named under the other formats too), written by
+the grammar in that format."""
 
 from __future__ import annotations
 
@@ -97,14 +98,18 @@ FORCED_TOOLS = [{"type": "function", "function": {
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
 
 
-@pytest.mark.parametrize("parser", ["mistral", "llama3_json"])
-@pytest.mark.parametrize("choice", ["required", {"type": "function",
-                                                 "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(("parser", "choice"), [
+    ("mistral", "required"), ("mistral", NAMED), ("llama3_json", "required"),
+    ("llama3_json", NAMED), ("deepseek_v3", NAMED), ("pythonic", NAMED), ("qwen3_coder", NAMED)],
+    ids=["mistral-required", "mistral-named", "llama3_json-required", "llama3_json-named",
+         "deepseek_v3-named", "pythonic-named", "qwen3_coder-named"])
 def test_forced_calls_in_the_parsers_format(engine, parser, choice):
     request = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
                    tools=FORCED_TOOLS, tool_choice=choice, parallel_tool_calls=False,
-                   temperature=0, max_tokens=80)
+                   temperature=0, max_tokens=200)  # DeepSeek markers: ~70 SmolLM2 tokens
     with serving(create_app(engine, ServerConfig(tool_call_parser=parser))) as url:
         client = _client(url)
         choice_ = client.chat.completions.create(**request).choices[0]
