@@ -45,6 +45,7 @@ before the next step (grammars, penalties) run one at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator
@@ -294,6 +295,7 @@ class Engine:
         setup = tool_setup(tools, tool_choice, parallel_tool_calls)
         tool_call_parser = resolve_tool_parser(tool_call_parser,
                                                getattr(self.tokenizer, "chat_template", None))
+        setup = dataclasses.replace(setup, fmt=tool_call_parser)  # forced calls: its format
         fmt = resolve_format(reasoning_parser, self.tokenizer, None, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         shown = tools if setup.active else None

@@ -11,7 +11,8 @@ With tools (`jengine.text.tools`), `<tool_call>` blocks in the output become
 the rest stays `content` (null when nothing else is left); a choice that made calls finishes with
 "tool_calls". Streamed, a call goes out as `delta.tool_calls` chunks: the id, type and function
 name (arguments ""), then argument fragments: as they are generated when `tool_choice` forces the
-calls (the grammar makes them well-formed), at once when the block closes under `auto`.
+calls (the grammar, in the `--tool-call-parser`'s format, makes them well-formed; pythonic and
+qwen3_coder calls whole at the end), at once when the block closes under `auto`.
 
 With `--reasoning-parser` (`jengine.text.reasoning`), the thinking goes to `message.reasoning`
 and, the same text, `message.reasoning_content` (vLLM's new and old names; both null when the
@@ -21,6 +22,7 @@ calls and the output constraint are the answer's, after the thinking.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -41,9 +43,10 @@ from jengine.text.tools import CallStart, ToolSetup
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = accept(request, body)
     messages = body.template_messages()
-    tools = body.tool_setup()
-    params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     template = state.chat_template_for(body.chat_template)
+    tool_parser = state.tool_parser(template)
+    tools = dataclasses.replace(body.tool_setup(), fmt=tool_parser)  # forced calls: its format
+    params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     request_id = state.response_id(request, body.request_id)
 
     def reasoning(engine: Any) -> ReasoningFormat | None:
@@ -55,7 +58,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
         lambda engine, p: params_after_reasoning(p, reasoning(engine), engine.tokenizer)))
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
-    view.tool_parser = state.tool_parser(template)
+    view.tool_parser = tool_parser
     if state.config.reasoning_parser is not None:
         view.reasoning = Reasoning(reasoning(stream.engine))
     return await reply(stream, view, bool(body.stream))

@@ -27,6 +27,7 @@ tool call cut off by max_tokens (its input not JSON) is left out of the whole me
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -47,7 +48,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     with renamed_params(messages_param):
         chat = body.chat()
         messages = chat.template_messages()
-        tools = chat.tool_setup()
+        tools = dataclasses.replace(chat.tool_setup(),
+                                    fmt=state.tool_parser(state.chat_template))
         params = chat.sampling_params(tools)
         stream = await start(state, request, Job(
             params, lambda tokenizer: [chat.render(tokenizer, messages, tools,

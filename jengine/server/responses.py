@@ -37,6 +37,7 @@ that makes the events, so a streamed and a whole response carry the same output.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -70,7 +71,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     request_id = request.state.request_id
     with renamed_params(renamed_param):
         messages = chat.template_messages()
-        tools = chat.tool_setup()
+        tools = dataclasses.replace(chat.tool_setup(),
+                                    fmt=state.tool_parser(state.chat_template))
         params = chat.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
 
         def reasoning(engine: Any) -> ReasoningFormat | None:

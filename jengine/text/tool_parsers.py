@@ -13,17 +13,21 @@
 rule matches.
 
 A parser reads the model's free choice (`tool_choice: auto`). Calls forced by `tool_choice`
-required / named are written by a grammar in the Hermes form and read as such whatever the
-parser (tools.py). `tool_stream` and `parse_calls` give the streamed and whole readings of a
-format; a llama3_json stream holds an output that opens with `{` until it ends (its arguments go
-out whole, at the end), and passes any other output on as it comes; call_formats.py's formats
-stream the same way from their call syntax's first marker on.
+required / named are written by a grammar in the parser's own format (forced_calls.py) and read
+back by the same parser; forced output is nothing but calls, so text that does not parse (a call
+cut off by max_tokens) is dropped. `tool_stream` and `parse_calls` give the streamed and whole
+readings of a format; a llama3_json stream holds an output that opens with `{` until it ends (its
+arguments go out whole, at the end), and passes any other output on as it comes; call_formats.py's
+formats stream the same way from their call syntax's first marker on. Forced calls of hermes and
+the JSON-argument formats (llama3_json, mistral, deepseek_v3: forced_stream.py) stream their
+arguments as generated; forced pythonic and qwen3_coder calls go out whole at the end.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from jengine.outputs import CompletionOutput, ToolCall
@@ -36,6 +40,7 @@ from jengine.text.call_formats import (
     parse_pythonic,
     parse_qwen3_coder,
 )
+from jengine.text.forced_stream import FORCED_HEADS, ForcedJsonStream, read_forced_json
 from jengine.text.tools import CallArguments, CallStart, ToolCallStream, parse_tool_calls
 
 PYTHON_TAG = "<|python_tag|>"
@@ -95,18 +100,28 @@ def parse_calls(name: str | None, text: str, *,
                 forced: bool = False) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole output in format `name` (None: hermes)."""
     fmt = _format(name)
-    if forced or fmt == "hermes":
+    if fmt == "hermes":
         return parse_tool_calls(text, forced=forced)
-    if fmt == "llama3_json":
-        return parse_llama3_calls(text)
-    return _HELD[fmt][0](text)
+    if forced and fmt in FORCED_HEADS:
+        return None, read_forced_json(FORCED_HEADS[fmt], text)
+    content, calls = _whole_reader(fmt)(text)
+    return (None, calls) if forced else (content, calls)
+
+
+def _whole_reader(fmt: str) -> Callable[[str], tuple[str | None, list[ToolCall]]]:
+    return parse_llama3_calls if fmt == "llama3_json" else _HELD[fmt][0]
 
 
 def tool_stream(name: str | None, incremental: bool = False) -> CallStream:
-    """The streamed reader of format `name`; `incremental`: the calls are forced (Hermes)."""
+    """The streamed reader of format `name`; `incremental`: the calls are forced (hermes streams
+    their arguments as generated, the other formats send them whole at the end)."""
     fmt = _format(name)
-    if incremental or fmt == "hermes":
+    if fmt == "hermes":
         return ToolCallStream(incremental=incremental)
+    if incremental and fmt in FORCED_HEADS:
+        return ForcedJsonStream(FORCED_HEADS[fmt])
+    if incremental:
+        return ForcedCallStream(_whole_reader(fmt))
     if fmt == "llama3_json":
         return Llama3JsonStream()
     return _HELD[fmt][1]()
@@ -214,5 +229,28 @@ class Llama3JsonStream:
         return out
 
 
+class ForcedCallStream:
+    """Forced calls of a format without incremental streaming: the output (only calls) is held
+    and read whole at its end; what does not parse (cut off by max_tokens) is dropped."""
+
+    def __init__(self, parse: Callable[[str], tuple[str | None, list[ToolCall]]]) -> None:
+        self.parse, self.num_calls, self._buf = parse, 0, ""
+
+    def feed(self, text: str) -> list[str | CallStart | CallArguments]:
+        self._buf += text
+        return []
+
+    def finish(self) -> list[str | CallStart | CallArguments]:
+        _, calls = self.parse(self._buf)
+        self._buf = ""
+        out: list[str | CallStart | CallArguments] = []
+        for call in calls:
+            out += [CallStart(self.num_calls, call.id, call.name),
+                    CallArguments(self.num_calls, call.arguments)]
+            self.num_calls += 1
+        return out
+
+
 # The streamed readers: `feed(text)` and `finish()` give content pieces and call events.
-CallStream = ToolCallStream | Llama3JsonStream | HeldCallStream
+CallStream = (ToolCallStream | Llama3JsonStream | HeldCallStream | ForcedCallStream
+              | ForcedJsonStream)

@@ -6,8 +6,9 @@ does:
 
     none       tools are left out of the prompt and nothing is parsed
     auto       tools go into the prompt; calls are parsed from the output, the rest is content
-    required   the output is constrained (a grammar) to one or more calls, each call's JSON
-               validating against one of the tools (an anyOf); one call unless parallel calls.
+    required   the output is constrained (a grammar, in the `fmt` call format: forced_calls.py)
+               to one or more calls, each call's arguments validating against one of the
+               tools; one call unless parallel calls.
                Parallel calls follow each other with nothing between them, so after every
                `</tool_call>` the model chooses between EOS and another call: a separator the
                grammar forced ("\n") left it no way to end, and SmolLM2 repeated the same call
@@ -29,12 +30,11 @@ from typing import Any
 
 from jengine.outputs import ToolCall
 from jengine.sampling_params import SamplingParams, StructuredOutputs
+from jengine.text.forced_calls import forced_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
-# Constrained calls are written as models usually write JSON: `{"a": 1, "b": [2]}`.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,7 @@ class ToolSetup:
     choice: str  # none | auto | required | named
     name: str | None = None  # the named function
     parallel: bool = True
+    fmt: str | None = None  # the call format forced calls are written in (None: hermes)
 
     @property
     def active(self) -> bool:
@@ -55,20 +56,9 @@ class ToolSetup:
         if self.choice not in ("required", "named"):
             return None
         chosen = [f for f in self.functions if self.choice == "required" or f["name"] == self.name]
-        schemas = [_call_schema(f) for f in chosen]
-        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        schema = {**schema, "x-guidance": _JSON_STYLE}
-        repeat = "+" if self.parallel and self.choice == "required" else ""
-        lark = (f'start: call{repeat}\ncall: "{OPEN}" body "{CLOSE}"\n'
-                f"body: %json {json.dumps(schema)}\n")
+        repeat = self.parallel and self.choice == "required"
+        lark = forced_grammar(self.fmt, chosen, repeat)
         return StructuredOutputs(grammar=lark)
-
-
-def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object",
-            "properties": {"name": {"const": function["name"]},
-                           "arguments": function.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False}
 
 
 def tool_setup(tools: list[dict] | None, tool_choice: Any = None,

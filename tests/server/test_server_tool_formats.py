@@ -1,12 +1,15 @@
 """`--tool-call-parser` through a real server on 127.0.0.1 (SmolLM2, the official `openai` SDK):
 a regex makes the model write a Mistral-format call, which the server reads as a call when
 `auto` finds `[TOOL_CALLS]` in the chat template (or the flag names `mistral`), and leaves as
-content under hermes (`auto` on SmolLM2's own template), whole and streamed."""
+content under hermes (`auto` on SmolLM2's own template), whole and streamed; and `tool_choice`
+named / required under mistral and llama3_json (named under the other formats too), written by
+the grammar in that format."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 from local_server import serving
@@ -79,3 +82,51 @@ def test_hermes_leaves_a_mistral_call_as_content(engine):
         assert json.loads(choice.message.content)[0]["name"] == "get_weather"
         content, calls, _ = _streamed(client)
         assert calls == {} and content == choice.message.content
+
+
+# -- tool_choice required / named: the grammar writes the parser's own format -------------------
+
+FORCED_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city for some days",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"]}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(("parser", "choice"), [
+    ("mistral", "required"), ("mistral", NAMED), ("llama3_json", "required"),
+    ("llama3_json", NAMED), ("deepseek_v3", NAMED), ("pythonic", NAMED), ("qwen3_coder", NAMED)],
+    ids=["mistral-required", "mistral-named", "llama3_json-required", "llama3_json-named",
+         "deepseek_v3-named", "pythonic-named", "qwen3_coder-named"])
+def test_forced_calls_in_the_parsers_format(engine, parser, choice):
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                   tools=FORCED_TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                   temperature=0, max_tokens=200)  # DeepSeek markers: ~70 SmolLM2 tokens
+    with serving(create_app(engine, ServerConfig(tool_call_parser=parser))) as url:
+        client = _client(url)
+        choice_ = client.chat.completions.create(**request).choices[0]
+        assert choice_.finish_reason == "tool_calls" and not choice_.message.content
+        [call] = choice_.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        if isinstance(choice, dict):
+            assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(**request, stream=True):
+            delta = chunk.choices[0].delta
+            assert not delta.content
+            for c in delta.tool_calls or []:
+                entry = calls.setdefault(c.index, ["", ""])
+                entry[0] += c.function.name or ""
+                entry[1] += c.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert calls == {0: [call.function.name, call.function.arguments]}

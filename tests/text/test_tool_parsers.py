@@ -61,12 +61,13 @@ def test_llama3_json_content_is_not_held():
     assert stream.feed(" there") == [" there"]
 
 
-def test_forced_calls_and_hermes_keep_the_tool_call_form():
-    """Calls forced by tool_choice are written by the Hermes grammar, whatever the parser."""
+def test_forced_calls_are_read_in_the_parsers_format():
+    """Calls forced by tool_choice are written in the parser's format (forced_calls.py) and read
+    by that parser; hermes' form means nothing to llama3_json, forced or not."""
     text = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
     for name in ("hermes", None):
         assert [c.name for c in parse_calls(name, text)[1]] == ["f"]
-    assert [c.name for c in parse_calls("llama3_json", text, forced=True)[1]] == ["f"]
+    assert parse_calls("llama3_json", text, forced=True) == (None, [])
     assert parse_calls("llama3_json", text)[1] == []
     out = CompletionOutput(0, '{"name": "f", "parameters": {}}', [], finish_reason="stop")
     split_calls(out, "llama3_json")

@@ -1,0 +1,113 @@
+"""Streaming forced calls of the JSON-argument formats (llama3_json, mistral, deepseek_v3) as
+they are generated: the grammar of forced_calls.py writes every call well-formed, name first,
+so a call goes out as a `CallStart` once its head (the text up to the arguments) is complete,
+and its arguments as fragments of the raw text while a small JSON scanner (strings and escapes
+aware) tracks where the arguments' object closes. The whole reading of a forced output is this
+stream run over the whole text, so streamed fragments always join into the whole `arguments`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from jengine.outputs import ToolCall
+from jengine.text.tools import CallArguments, CallStart
+
+_N = r"([A-Za-z0-9_.\-]{1,64})"
+# format -> the head of one call as its forced grammar writes it, up to the arguments' `{`
+FORCED_HEADS = {
+    "llama3_json": re.compile(r'\{"name": "' + _N + r'", "parameters": '),
+    "mistral": re.compile(r'\{"name": "' + _N + r'", "arguments": '),
+    "deepseek_v3": re.compile("<｜tool▁call▁begin｜>function<｜tool▁sep｜>" + _N + "\n```json\n"),
+}
+
+
+class ForcedJsonStream:
+    """`feed` / `finish` as the other call streams; calls only (forced output has no content).
+    `complete` lists the calls whose arguments closed (a call cut off by max_tokens did not)."""
+
+    def __init__(self, head: re.Pattern[str]) -> None:
+        self.head = head
+        self.num_calls = 0
+        self.complete: list[int] = []
+        self._buf = ""
+        self._pos = 0  # where the next head is searched for, or the unsent arguments start
+        self._in_args = False
+        self._scan = 0  # how far the arguments were scanned
+        self._depth, self._string, self._escape = 0, False, False
+
+    def feed(self, text: str) -> list[CallStart | CallArguments]:
+        self._buf += text
+        out: list[CallStart | CallArguments] = []
+        while True:
+            if not self._in_args:
+                m = self.head.search(self._buf, self._pos)
+                if m is None:
+                    return out
+                out.append(CallStart(self.num_calls, f"call_{uuid.uuid4().hex[:24]}",
+                                     m.group(1)))
+                self.num_calls += 1
+                self._pos = self._scan = m.end()
+                self._in_args, self._depth, self._string, self._escape = True, 0, False, False
+            end = self._scan_arguments()
+            stop = len(self._buf) if end < 0 else end
+            if stop > self._pos:
+                out.append(CallArguments(self.num_calls - 1, self._buf[self._pos:stop]))
+            self._pos = stop
+            if end < 0:
+                return out
+            self._in_args = False
+            self.complete.append(self.num_calls - 1)
+
+    def finish(self) -> list[CallStart | CallArguments]:
+        self._buf, self._pos, self._scan, self._in_args = "", 0, 0, False
+        return []
+
+    def _scan_arguments(self) -> int:
+        """Scans on from `_scan`; the position just after the arguments' closing `}` (-1: not
+        closed yet)."""
+        buf = self._buf
+        for i in range(self._scan, len(buf)):
+            ch = buf[i]
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._string = False
+            elif ch == '"':
+                self._string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._scan = i + 1
+                    return i + 1
+        self._scan = len(buf)
+        return -1
+
+
+def read_forced_json(head: re.Pattern[str], text: str) -> list[ToolCall]:
+    """The calls of a whole forced output, as `ForcedJsonStream` streams them (arguments the very
+    text generated); a call cut off, or whose arguments are not a JSON object, is dropped."""
+    stream = ForcedJsonStream(head)
+    names: dict[int, tuple[str, str]] = {}
+    args: dict[int, str] = {}
+    for piece in stream.feed(text) + stream.finish():
+        if isinstance(piece, CallStart):
+            names[piece.index] = (piece.id, piece.name)
+        else:
+            args[piece.index] = args.get(piece.index, "") + piece.text
+    calls = []
+    for i in stream.complete:
+        try:
+            ok = isinstance(json.loads(args[i]), dict)
+        except (json.JSONDecodeError, KeyError):
+            ok = False
+        if ok:
+            calls.append(ToolCall(id=names[i][0], name=names[i][1], arguments=args[i]))
+    return calls
