@@ -170,11 +170,12 @@ def _load_gguf(path: Path, dtype: str, progress: bool, quantization: str = "none
     folds, int8 = (gg.int8_tensors(cfg, quantize_lm_head or quantization == "w4a16")
                    if quantization in ("int8", "w8a16", "w4a16") else (set(), set()))
     mode = ("w8a16" if quantization == "w4a16" else quantization) if int8 else "none"
+    fours, w4 = gg.w4_tensors(cfg) if quantization == "w4a16" else (set(), set())
     # The tokenizer (~2 s, most of it importing transformers) is built while NumPy dequantizes.
     with ThreadPoolExecutor(1, thread_name_prefix="jengine-tokenizer") as pool:
         tokenizer = pool.submit(gg.tokenizer)
-        params = assemble_params(cfg, gg.tensors(int8=folds), dtype, total=count,
-                                 progress=progress, int8=int8, mode=mode)
+        params = assemble_params(cfg, gg.tensors(int8=folds, w4=fours), dtype, total=count,
+                                 progress=progress, int8=int8, mode=mode, w4=w4)
         return LoadedModel(cfg, params, tokenizer.result(), str(path), "gguf",
                            quantization=mode, weights_note=gg.formats_note(cfg))
 
@@ -272,6 +273,7 @@ def assemble_params(
     progress: bool = True,
     int8: set[str] = frozenset(),
     mode: str = "none",
+    w4: set[str] = frozenset(),
 ) -> dict[str, np.ndarray | QArray]:
     """Places HF-named tensors into jengine's stacked param arrays, asserting every shape.
 
@@ -279,15 +281,19 @@ def assemble_params(
     themselves (page faults), and NumPy's copy releases the GIL. The arrays (and their layer
     slices) start on XLA:CPU's buffer alignment, so that placing them on a CPU device shares
     their memory instead of copying it all again. The params named in `int8` are host
-    `QArray`s of `mode`, filled from `Int8Tensor`s (`converters.prequant`)."""
+    `QArray`s of `mode`, filled from `Int8Tensor`s (`converters.prequant`); those in `w4` host
+    `W4Groups`, filled from `W4Tensor`s."""
     specs = family_module(cfg).param_specs(cfg)
     np_dtype = numpy_dtype(dtype)
     params = {name: prequant.empty_int8(spec, mode, _aligned_empty) if name in int8
+              else prequant.empty_w4(spec, _aligned_empty) if name in w4
               else _aligned_empty(spec.shape, np_dtype) for name, spec in specs.items()}
     filled: set[tuple[str, tuple[int, ...]]] = set()
 
-    def put(target, w: np.ndarray | Int8Tensor) -> None:
-        if isinstance(w, Int8Tensor):
+    def put(target, w: np.ndarray | Int8Tensor | prequant.W4Tensor) -> None:
+        if isinstance(w, prequant.W4Tensor):
+            prequant.put_w4(params[target.name], target, w, cfg)
+        elif isinstance(w, Int8Tensor):
             param = params[target.name]
             param.q[target.index] = target.convert(w.q, cfg)
             param.scale[target.index] = prequant.layer_scale(target, w.scale, specs[target.name])
@@ -299,9 +305,10 @@ def assemble_params(
         for key, w in progress_bar(tensors, total=total, desc="loading weights",
                                    enabled=progress, unit="tensor", leave=False):
             for target in tables.place(cfg, specs, key, w.shape):
-                if isinstance(w, Int8Tensor) != (target.name in int8):
+                if (isinstance(w, Int8Tensor) != (target.name in int8)
+                        or isinstance(w, prequant.W4Tensor) != (target.name in w4)):
                     raise ModelLoadError(f"{key} is not stored as the other tensors of "
-                                         f"{target.name} are (int8 or float)")
+                                         f"{target.name} are (int8, 4-bit or float)")
                 copies.append(pool.submit(put, target, w))
                 filled.update((target.name, i) for i in tables.covered(specs[target.name],
                                                                        target.index))

@@ -207,19 +207,23 @@ def quantize_params_w4(params: dict[str, jax.Array | QArray], specs: dict, *,
     """Stacked params (as loaded, on one device) -> `w4a16`: the layer projections of
     W4_PROJECTIONS as `W4Array`s (quantized on the host, each float weight freed once done);
     every other projection and the output head as `w8a16` int8 (the head's bytes are a third of
-    a 135M model's: left float, they would set the step's pace); weights read as int8 from the
-    source (a GGUF's Q8_0) stay int8, as stored."""
-    w4 = {name for name in W4_PROJECTIONS
-          if name in specs and isinstance(params.get(name), jax.Array)
-          and specs[name].contract == tuple(range(1, 1 + len(specs[name].contract)))}
+    a 135M model's: left float, they would set the step's pace); weights read as int8 or 4-bit
+    groups from the source (a GGUF's Q8_0, Q4_x: `W4Groups`) keep the source's values."""
+    read = {name for name, w in params.items() if isinstance(w, quant4.W4Groups)}
+    w4 = read | {name for name in W4_PROJECTIONS
+                 if name in specs and isinstance(params.get(name), jax.Array)
+                 and specs[name].contract == tuple(range(1, 1 + len(specs[name].contract)))}
     rest = {name: spec for name, spec in specs.items() if name not in w4}
     out = quantize_params(params, rest, "w8a16", tied_embeddings=tied_embeddings, lm_head=True,
                           delete_float=True)
-    for name in (n for n in specs if n in w4):
+    device = jax.devices()[0]
+    for name in (n for n in specs if n in read):  # a source's own 4-bit blocks
+        out[name] = jax.device_put(params[name].packed(), device)
+    for name in (n for n in specs if n in w4 - read):
         w = params[name]
         packed = quant4.from_float(np.asarray(w.astype(jnp.float32)),
                                    len(specs[name].contract), n_lead=1)
-        out[name] = jax.device_put(packed, next(iter(w.devices())))
+        out[name] = jax.device_put(packed, device)
         w.delete()
     return out
 

@@ -93,18 +93,51 @@ def from_float(w: np.ndarray, n_in: int, n_lead: int = 0) -> W4Array:
     Raises:
       ValueError: the contracted size is not a multiple of 32.
     """
-    lead, in_shape = w.shape[:n_lead], w.shape[n_lead:n_lead + n_in]
-    out_shape = w.shape[n_lead + n_in:]
-    k, n = math.prod(in_shape), math.prod(out_shape)
+    k, n = _kn(w.shape, n_in, n_lead)
+    lead = w.shape[:n_lead]
+    parts = [quantize(np.asarray(w[i]).reshape(k, n)) for i in np.ndindex(*lead)]
+    return _packed(parts, w.shape, n_in, n_lead)
+
+
+@dataclasses.dataclass
+class W4Groups:
+    """A host 4-bit weight read from a source's own blocks (a GGUF's Q4_0 / Q4_1 / Q4_K,
+    `converters.gguf_reader.four_bit_groups`), filled tensor by tensor, then `packed`."""
+
+    q: np.ndarray  # uint8 [*lead, *in, *out], values 0..15
+    scale: np.ndarray  # f32 [*lead, K / 32, N]: in and out axes merged
+    min: np.ndarray  # f32, as scale
+    n_in: int  # the contracted axes (after the leading ones)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    def packed(self) -> W4Array:
+        n_lead = self.scale.ndim - 2
+        k, n = _kn(self.q.shape, self.n_in, n_lead)
+        parts = [(self.q[i].reshape(k, n), self.scale[i], self.min[i])
+                 for i in np.ndindex(*self.q.shape[:n_lead])]
+        return _packed(parts, self.q.shape, self.n_in, n_lead)
+
+
+def _kn(shape: tuple[int, ...], n_in: int, n_lead: int) -> tuple[int, int]:
+    k = math.prod(shape[n_lead:n_lead + n_in])
     if k % GROUP:
         raise ValueError(f"quantization w4a16 needs the contracted size to be a multiple of "
                          f"{GROUP} (groups of {GROUP} along it), got {k} for a weight of shape "
-                         f"{w.shape}; use w8a16 or int8 for this model")
-    packs = [cpu_w4.pack(*quantize(np.asarray(w[i]).reshape(k, n)))
-             for i in np.ndindex(*lead)] if lead else [cpu_w4.pack(*quantize(w.reshape(k, n)))]
+                         f"{shape}; use w8a16 or int8 for this model")
+    return k, math.prod(shape[n_lead + n_in:])
+
+
+def _packed(parts: list, shape: tuple[int, ...], n_in: int, n_lead: int) -> W4Array:
+    """(q [K, N], s, m [K / 32, N]) per leading index -> a host W4Array of float `shape`."""
+    lead = shape[:n_lead]
+    packs = [cpu_w4.pack(*p) for p in parts]
     q, s, m = (np.stack([p[j] for p in packs]).reshape(*lead, *packs[0][j].shape)
                for j in range(3))
-    return W4Array(q=q, scale=s, min=m, in_shape=tuple(in_shape), out_shape=tuple(out_shape))
+    return W4Array(q=q, scale=s, min=m, in_shape=tuple(shape[n_lead:n_lead + n_in]),
+                   out_shape=tuple(shape[n_lead + n_in:]))
 
 
 def dot(eq: str, x: jax.Array, w: W4Array, native: bool) -> jax.Array:

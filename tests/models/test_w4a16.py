@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import yaml
 
+from converters import load_source
 from jengine import Engine, SamplingParams
 from jengine.cpu_kernels import w4_matmul as cpu_w4
 from jengine.models import quant, quant4
 from jengine.models.quant import QArray
-from jengine.models.quant4 import W4Array
+from jengine.models.quant4 import W4Array, W4Groups
 
 ONE_BUCKET = yaml.safe_load((Path(__file__).parents[1] / "one_bucket.yaml").read_text())
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -69,3 +70,17 @@ def test_from_float_round_trips_within_half_a_step():
     step = (w.reshape(2, 2, 32, 120).max(2) - w.reshape(2, 2, 32, 120).min(2)) / 15
     err = np.abs(back - w).reshape(2, 2, 32, 120).max(2)
     assert np.all(err <= step / 2 + 1e-6)
+
+
+def test_bundled_q4_1_projections_load_as_the_files_blocks():
+    """The GGUF's Q4_1 blocks become the 4-bit groups as stored (no float copy): dequantized,
+    every layer projection equals the float loader's weight bit for bit (q/k rows un-permuted
+    alike); the Q8_0 tied head is read as int8."""
+    four = load_source(None, quantization="w4a16", progress=False)
+    floats = load_source(None, quantization="none", progress=False)
+    for name in quant.W4_PROJECTIONS:
+        groups = four.params[name]
+        assert isinstance(groups, W4Groups), name
+        got = np.asarray(jax.jit(lambda p: p.dequantize())(groups.packed()))
+        np.testing.assert_array_equal(got, np.asarray(floats.params[name]), err_msg=name)
+    assert isinstance(four.params["embed"], QArray)
