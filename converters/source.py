@@ -111,8 +111,10 @@ _PROJECTION_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", 
 
 def auto_quantization(model: str | None, tp: int = 1) -> str:
     """`quantization: auto` for a source: a GGUF whose layer projections are 4-bit blocks
-    (Q4_0 / Q4_1 / Q4_K) runs `w4a16` (on one device; `none` under tp), one
-    whose projections are all Q8_0 runs `w8a16`; any other source `none`. Logged in one line."""
+    (Q4_0 / Q4_1 / Q4_K) or Q8_0 runs `w4a16` (on one device; `none` under tp), one whose
+    projections are all Q8_0 runs `w8a16`; any other source `none`: a file with 5- or 6-bit
+    projections (a Q4_K_M's Q5_0 / Q6_K) is dequantized rather than rounded to 4 bits. Logged
+    in one line."""
     path = resolve(model)
     ggufs = [path] if path.is_file() else sorted(path.glob("*.gguf")) if path.is_dir() else []
     counts: Counter = Counter()
@@ -124,7 +126,7 @@ def auto_quantization(model: str | None, tp: int = 1) -> str:
             if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PROJECTION_TENSORS:
                 counts[t.tensor_type.name] += 1
     four = sum(counts[k] for k in _W4_FORMATS)
-    if four and tp == 1:
+    if four and tp == 1 and four + counts["Q8_0"] == sum(counts.values()):
         mode = "w4a16"
     elif counts and counts["Q8_0"] == sum(counts.values()):
         mode = "w8a16"
