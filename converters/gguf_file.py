@@ -233,17 +233,20 @@ class GGUFModel:
         return names, params
 
     def formats_note(self, cfg: ModelConfig) -> str:
-        """One line: the tensor formats an int8 / w8a16 engine reads as int8, and the rest."""
+        """One line: the tensor formats an int8 / w8a16 engine reads as int8, those a w4a16 one
+        reads as 4-bit groups, and the rest."""
         folds, _ = self.int8_tensors(cfg, lm_head=False)
-        int8, floats = Counter(), Counter()
+        fours, _ = self.w4_tensors(cfg)
+        int8, four, floats = Counter(), Counter(), Counter()
         for t in self._weight_tensors():
-            (int8 if t.name in folds else floats)[t.tensor_type.name] += 1
+            kind = t.tensor_type.name
+            (int8 if t.name in folds else four if t.name in fours else floats)[kind] += 1
 
         def counts(c: Counter) -> str:
             return ", ".join(f"{n} x {kind}" for kind, n in c.most_common()) or "none"
 
-        return (f"read as int8 with --quantization int8|w8a16: {counts(int8)}; dequantized to "
-                f"float: {counts(floats)}")
+        return (f"read as int8 with --quantization int8|w8a16: {counts(int8)}; as 4-bit groups "
+                f"with w4a16: {counts(four)}; dequantized to float: {counts(floats)}")
 
     def _dequantize(self, t: TensorInfo) -> np.ndarray:
         try:
