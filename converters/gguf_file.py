@@ -26,11 +26,18 @@ import numpy as np
 
 from converters import prequant, tables
 from converters.errors import ModelLoadError
-from converters.gguf_reader import GGUFFormatError, GGUFReader, TensorInfo, dequantize
+from converters.gguf_reader import (
+    FOUR_BIT,
+    GGUFFormatError,
+    GGUFReader,
+    TensorInfo,
+    dequantize,
+    four_bit_groups,
+)
 from converters.quiet_transformers import import_transformers
 from converters.tokenizer_cache import cached_tokenizer
 from jengine.models import ModelConfig, family_module
-from jengine.models.quant import quantized_names
+from jengine.models.quant import W4_PROJECTIONS, quantized_names
 from jengine.models.registry import BY_GGUF_ARCH, gguf_family
 
 _TENSOR_NAMES = {
@@ -160,11 +167,13 @@ class GGUFModel:
     def _tensor(self, name: str) -> TensorInfo | None:
         return self._by_name.get(name)
 
-    def tensors(self, threads: int | None = None, int8: set[str] = frozenset()
-                ) -> Iterator[tuple[str, np.ndarray | prequant.Int8Tensor]]:
+    def tensors(self, threads: int | None = None, int8: set[str] = frozenset(),
+                w4: set[str] = frozenset()
+                ) -> Iterator[tuple[str, np.ndarray | prequant.Int8Tensor | prequant.W4Tensor]]:
         """Yields (HF key, float32 array in HF's [out, in] layout) in file order, dequantized
         `threads` tensors at a time (one per core by default); the Q8_0 tensors named in `int8`
-        come as `Int8Tensor`s instead (`int8_tensors`), never dequantized."""
+        come as `Int8Tensor`s instead (`int8_tensors`), the 4-bit ones named in `w4` as
+        `W4Tensor`s (`w4_tensors`), never dequantized."""
         cfg = self.hf_config()
         infos = self._weight_tensors()
         for t in infos:
@@ -173,7 +182,7 @@ class GGUFModel:
         window = 2 * threads  # tensors dequantized ahead of the consumer, at most
         with ThreadPoolExecutor(threads, thread_name_prefix="jengine-gguf") as pool:
             def submit(t: TensorInfo):
-                return pool.submit(self._hf_tensor, t, cfg, t.name in int8)
+                return pool.submit(self._hf_tensor, t, cfg, t.name in int8, t.name in w4)
 
             pending = [submit(t) for t in infos[:window]]
             for i in range(len(infos)):
@@ -203,18 +212,41 @@ class GGUFModel:
                  if foldable and any(target.name in params for target in targets)}
         return names, params
 
-    def formats_note(self, cfg: ModelConfig) -> str:
-        """One line: the tensor formats an int8 / w8a16 engine reads as int8, and the rest."""
-        folds, _ = self.int8_tensors(cfg, lm_head=False)
-        int8, floats = Counter(), Counter()
+    def w4_tensors(self, cfg: ModelConfig) -> tuple[set[str], set[str]]:
+        """(names of the 4-bit tensors to read as groups, the params they fill): the layer
+        projections `w4a16` stores 4-bit (`quant.W4_PROJECTIONS`) every tensor of which is
+        Q4_0 / Q4_1 / Q4_K; a param mixing formats (a Q4_K_M file's Q6_K layers) is read as
+        float and quantized at load."""
+        specs = family_module(cfg).param_specs(cfg)
+        placed = []
         for t in self._weight_tensors():
-            (int8 if t.name in folds else floats)[t.tensor_type.name] += 1
+            targets = tables.place(cfg, specs, self._hf_name(t.name), t.shape)
+            placed.append((t.name, targets, t.tensor_type.name in FOUR_BIT and len(t.shape) == 2))
+        kinds: dict[str, set[bool]] = {}
+        for _, targets, four in placed:
+            for target in targets:
+                kinds.setdefault(target.name, set()).add(four)
+        params = {name for name, k in kinds.items() if k == {True} and name in W4_PROJECTIONS
+                  and specs[name].contract == tuple(range(1, 1 + len(specs[name].contract)))}
+        names = {name for name, targets, four in placed
+                 if four and any(target.name in params for target in targets)}
+        return names, params
+
+    def formats_note(self, cfg: ModelConfig) -> str:
+        """One line: the tensor formats an int8 / w8a16 engine reads as int8, those a w4a16 one
+        reads as 4-bit groups, and the rest."""
+        folds, _ = self.int8_tensors(cfg, lm_head=False)
+        fours, _ = self.w4_tensors(cfg)
+        int8, four, floats = Counter(), Counter(), Counter()
+        for t in self._weight_tensors():
+            kind = t.tensor_type.name
+            (int8 if t.name in folds else four if t.name in fours else floats)[kind] += 1
 
         def counts(c: Counter) -> str:
             return ", ".join(f"{n} x {kind}" for kind, n in c.most_common()) or "none"
 
-        return (f"read as int8 with --quantization int8|w8a16: {counts(int8)}; dequantized to "
-                f"float: {counts(floats)}")
+        return (f"read as int8 with --quantization int8|w8a16: {counts(int8)}; as 4-bit groups "
+                f"with w4a16: {counts(four)}; dequantized to float: {counts(floats)}")
 
     def _dequantize(self, t: TensorInfo) -> np.ndarray:
         try:
@@ -233,8 +265,13 @@ class GGUFModel:
         return (name.endswith(".attn_k_b.weight")
                 and name.replace("attn_k_b", "attn_kv_b") in self._by_name)
 
-    def _hf_tensor(self, t: TensorInfo, cfg: dict[str, Any], int8: bool = False
-                   ) -> tuple[str, np.ndarray | prequant.Int8Tensor]:
+    def _hf_tensor(self, t: TensorInfo, cfg: dict[str, Any], int8: bool = False,
+                   w4: bool = False
+                   ) -> tuple[str, np.ndarray | prequant.Int8Tensor | prequant.W4Tensor]:
+        if w4:  # the 4-bit groups, in the rows' HF order
+            q, s, m = four_bit_groups(t, self.reader.data(t))
+            return self._hf_name(t.name), prequant.W4Tensor(
+                *(self._hf_rows(t.name, a, cfg) for a in (q, s, m)))
         if int8:  # the int8 rows with their scales, in the rows' HF order
             w = prequant.fold_q8_0(np.asarray(self.reader.data(t)).reshape(-1, 34), t.shape)
             return self._hf_name(t.name), prequant.Int8Tensor(self._hf_rows(t.name, w.q, cfg),

@@ -219,3 +219,52 @@ def _q4_1(blocks: np.ndarray) -> np.ndarray:  # f16 d, f16 m, 16 bytes of nibble
 
 
 _BLOCKS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1}
+
+
+# The 4-bit block formats `four_bit_groups` converts: (elements a block, bytes a block).
+FOUR_BIT = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+
+
+def four_bit_groups(info: TensorInfo, raw: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 / Q4_1 / Q4_K tensor's blocks as 4-bit groups of 32 along its innermost axis,
+    without a float copy of the tensor: (q uint8 [*shape] in 0..15, s and m float32
+    [*shape[:-1], shape[-1] / 32]), `s * q + m` (float32) equal to `gguf.quants.dequantize`'s
+    values bit for bit. Q4_0: s = d, m = -8 d; Q4_1: s = d, m as stored; Q4_K: per sub-block
+    of 32, s = d * scale, m = -(dmin * min) (its 6-bit scales and mins unpacked).
+
+    Raises:
+      ValueError: another format.
+    """
+    kind = info.tensor_type.name
+    if kind not in FOUR_BIT:
+        raise ValueError(f"{info.name} is {kind}, not one of the 4-bit formats {sorted(FOUR_BIT)}")
+    block_bytes = FOUR_BIT[kind][1]
+    blocks = np.asarray(raw).reshape(-1, block_bytes)
+    groups = blocks.shape[0] * FOUR_BIT[kind][0] // 32
+    if kind == "Q4_K":
+        q, s, m = _q4_k_groups(blocks)
+    else:
+        at = 4 if kind == "Q4_1" else 2
+        q = _nibbles(blocks[:, at:])
+        s = _scale(blocks, 0)
+        m = _scale(blocks, 2) if kind == "Q4_1" else s * np.float32(-8)
+    lead = info.shape[:-1]
+    return (q.reshape(info.shape), s.reshape(*lead, -1).astype(np.float32),
+            m.reshape(*lead, -1).astype(np.float32)) if groups else (q, s, m)
+
+
+def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [n, 144] (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128
+    bytes of nibbles) -> q [n * 8, 32], s and m [n * 8, 1]: sub-block j of 32 takes the low
+    nibbles of bytes 32 (j // 2).. for even j, the high ones for odd j."""
+    import gguf
+
+    n = blocks.shape[0]
+    d = _scale(blocks, 0)  # [n, 1]
+    dmin = _scale(blocks, 2)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n, 8] each
+    s = (d * sc.astype(np.float32)).reshape(-1, 1)
+    m = -(dmin * mn.astype(np.float32)).reshape(-1, 1)
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (qs & np.uint8(15)).reshape(n * 8, 32), s, m

@@ -29,6 +29,7 @@ from converters.loaded import LoadedModel
 from jengine.models import ModelConfig, family_module
 from jengine.models.layers import ParamSpec
 from jengine.models.quant import QArray, scale_shape, scale_sharding
+from jengine.models.quant4 import W4Groups
 from jengine.progress import progress_bar
 
 
@@ -83,6 +84,8 @@ def load_params_sharded(
         source = loaded.params[name]
         if isinstance(source, QArray):
             out[name] = _place_int8(source, spec, sharding)
+        elif isinstance(source, W4Groups):  # packed on the host by quantize_params_w4
+            out[name] = source
         else:
             out[name] = _place_padded(source, spec.shape, sharding)
     return out

@@ -27,6 +27,7 @@ from converters.errors import ModelLoadError
 from converters.tables import Placement
 from jengine.models.layers import ParamSpec
 from jengine.models.quant import QArray, scale_shape
+from jengine.models.quant4 import W4Groups
 
 SCALE_SUFFIX = "_scale"  # `x.weight` -> `x.weight_scale`
 _INT_FORMATS = ("int-quantized", "naive-quantized")
@@ -42,6 +43,43 @@ class Int8Tensor:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.q.shape
+
+
+@dataclasses.dataclass(frozen=True)
+class W4Tensor:
+    """One 4-bit tensor in HF's layout, from a GGUF's Q4_0 / Q4_1 / Q4_K blocks: `s * q + m`
+    (per group of 32 along `in`) is the file's dequantized weight."""
+
+    q: np.ndarray  # uint8 [..., out, in], values 0..15
+    scale: np.ndarray  # float32 [..., out, in / 32]
+    min: np.ndarray  # float32 [..., out, in / 32]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+
+def empty_w4(spec: ParamSpec, alloc) -> W4Groups:
+    """A host `W4Groups` to fill tensor by tensor: uint8 values of the param's shape, and its
+    scales and mins [*lead, K / 32, N] (a layer weight: lead = the layer axis)."""
+    lead = spec.contract[0]
+    k = int(np.prod(spec.shape[lead:lead + len(spec.contract)]))
+    n = int(np.prod(spec.shape[lead + len(spec.contract):]))
+    groups = (*spec.shape[:lead], k // 32, n)
+    return W4Groups(q=alloc(spec.shape, np.uint8), scale=alloc(groups, np.float32),
+                    min=alloc(groups, np.float32), n_in=len(spec.contract))
+
+
+def put_w4(param: W4Groups, target: Placement, w: W4Tensor, cfg) -> None:
+    """One HF tensor's groups into the param at `target.index`: the values through the
+    tensor's transform as a float weight's, the scales and mins repeated over their 32 `in`
+    each, transformed alike, and read back at every 32nd of the contracted axes."""
+    q = target.convert(w.q, cfg)
+    k = int(np.prod(q.shape[:param.n_in]))
+    param.q[target.index] = q
+    for src, dst in ((w.scale, param.scale), (w.min, param.min)):
+        wide = target.convert(np.repeat(src, 32, axis=-1), cfg)
+        dst[target.index] = wide.reshape(k, -1)[::32]
 
 
 def hf_quantization(hf: dict[str, Any]) -> str:

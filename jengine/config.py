@@ -30,7 +30,9 @@ class ModelSection:
     # (`xla`) elsewhere; see jengine.models.matmul.resolve_matmul_backend.
     matmul_backend: str = "auto"
     # none | int8 (W8A8: int8 weights per output channel, int8 activations per token) | w8a16
-    # (int8 weights, float activations) | fp8 (e4m3 weights; GPU/TPU); see models/quant.py.
+    # (int8 weights, float activations) | fp8 (e4m3 weights; GPU/TPU) | w4a16 (4-bit weights,
+    # a scale and min per 32; the output head int8) | auto (a GGUF's precision kept: Q4_x ->
+    # w4a16, Q8_0 -> w8a16, else none); see models/quant.py, models/quant4.py.
     quantization: str = "none"
     quantize_lm_head: bool = False  # also the output head (off: it stays in the model dtype)
     # auto: the source's weights | dummy: random weights of the source's shapes (vLLM's

@@ -142,8 +142,9 @@ class Engine:
         step program up front (what a benchmark wants); by default each is built by the first
         step that needs it, so a few prompts load or compile only the buckets they use.
 
-        `quantization` ("none" | "int8" | "w8a16" | "fp8") quantizes the projections at load
-        time (jengine/models/quant.py); an unknown mode, or fp8 on CPU, is a ValueError.
+        `quantization` ("none" | "int8" | "w8a16" | "fp8" | "w4a16" | "auto") quantizes the
+        projections at load time (jengine/models/quant.py, quant4.py; `auto` keeps a GGUF's
+        4-bit or Q8_0 precision); an unknown mode, fp8 on CPU or w4a16 under tp is a ValueError.
         `quantize_lm_head=True` quantizes the output head (a tied embedding table) too.
         `load_format="dummy"` reads only the model's config and tokenizer and serves random
         weights of its shapes, made on the devices (vLLM's name): for timing a model whose

@@ -37,9 +37,11 @@ def engine_parent() -> argparse.ArgumentParser:
                    "int8 / fp8 (e4m3): one f32 scale per token and kv head, 1.88x bf16's "
                    "tokens at head dim 64; int8 on every attention backend, fp8 on reference, "
                    "pallas_gpu and pallas_tpu")
-    g.add_argument("--quantization", choices=["none", "int8", "w8a16", "fp8"],
+    g.add_argument("--quantization", choices=["none", "int8", "w8a16", "fp8", "w4a16", "auto"],
                    help="int8: int8 weights and activations (W8A8); w8a16: int8 weights only; "
-                   "fp8: e4m3 weights (GPU/TPU). Quantized at load time from any source "
+                   "fp8: e4m3 weights (GPU/TPU); w4a16: 4-bit weights with a scale and min "
+                   "per 32 (the output head int8); auto: a GGUF's own precision (Q4_x -> "
+                   "w4a16, Q8_0 -> w8a16, else none). Quantized at load time from any source "
                    "(default none)")
     g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction,
                    help="with --quantization: the output head (a tied embedding too) as well; "

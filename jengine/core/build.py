@@ -19,7 +19,7 @@ from jengine.core.kv_budget import host_kv_budget
 from jengine.models import KVCache, ModelConfig, family_module, layer_offsets
 from jengine.models.layers import random_params, unstack_layers
 from jengine.models.matmul import pack_projections, resolve_matmul_backend
-from jengine.models.quant import quantize_params
+from jengine.models.quant import quantize_params, quantize_params_w4
 from jengine.models.smoothing import smooth_for_int8
 from jengine.pallas_kernels import resolve_backend
 from jengine.pallas_kernels.kv_quant import check_reader
@@ -188,10 +188,13 @@ def place_weights(loaded: LoadedModel, cfg: ModelConfig, rules: ShardingRules | 
         params = smooth_for_int8(params, cfg, family, loaded.tokenizer, smoothing_alpha,
                                  delete_float=True)
     # Quantized from the float weights, whatever their source, shard by shard in place.
-    params = quantize_params(
-        params, specs, quantization, tied_embeddings=cfg.tie_word_embeddings,
-        lm_head=quantize_lm_head, delete_float=True,
-    )
+    if quantization == "w4a16":
+        params = quantize_params_w4(params, specs, tied_embeddings=cfg.tie_word_embeddings)
+    else:
+        params = quantize_params(
+            params, specs, quantization, tied_embeddings=cfg.tie_word_embeddings,
+            lm_head=quantize_lm_head, delete_float=True,
+        )
     if layer_layout == "unstacked":
         params = unstack_layers(params, family.layer_keys, cfg.num_layers,
                                 delete_stacked=True, first_layer=layer_offsets(cfg))

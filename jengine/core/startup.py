@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from converters import LoadedModel, load_config
+from converters.source import auto_quantization
 from jengine.config import EngineConfig
 from jengine.core import auto_dtype
 from jengine.core.build import (
@@ -88,8 +89,10 @@ def build_parts(
     platform, tp = jax.default_backend(), mesh_spec.tp
     backends = resolve_backends(cfg.model, platform, tp)  # before any weight is read
     # The settings are checked before `auto` measures anything or the model is opened.
-    quantization = resolve_quantization(cfg.model.quantization, platform)
+    quantization = resolve_quantization(cfg.model.quantization, platform, tp)
     layer_layout = resolve_layer_layout(cfg.model.layer_layout, platform)
+    if quantization == "auto":  # the source's own precision, where a kernel reads it in place
+        quantization = auto_quantization(loaded.source if loaded else cfg.model.model, tp)
     dtype = model_dtype(cfg, loaded, backends["matmul_backend"])
     kv_cache_dtype = resolve_kv_cache_dtype(cfg.cache.kv_cache_dtype, dtype)
     if mesh is not None:  # before any weight is read

@@ -15,8 +15,10 @@ import numpy as np
 from jengine import cpu_info
 from jengine.cpu_kernels import int8_matmul as cpu_int8
 from jengine.cpu_kernels import matmul as cpu_matmul
-from jengine.models import quant
+from jengine.cpu_kernels import w4_matmul as cpu_w4
+from jengine.models import quant, quant4
 from jengine.models.quant import QArray
+from jengine.models.quant4 import W4Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,7 @@ class AmxPacked:
         return self.tiles.dtype
 
 
-Weight = jax.Array | QArray | AmxPacked  # a float weight, quantized, or packed for AMX
+Weight = jax.Array | QArray | W4Array | AmxPacked  # float, quantized, or packed for AMX
 
 # The layer weights `pack_projections` packs: every one reaches `dot` as a `kn` projection
 # (its leading axes contracted) in the families that declare it.
@@ -292,6 +294,9 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla", *,
             y = cpu_matmul.amx_matmul(x, w.tiles, n, out_dtype=out)
         return y.reshape(x.shape[0], *w.out_shape)
     form = _native_form(eq) if backend in ("native", "amx") else None
+    if isinstance(w, W4Array):  # the native kernel on CPU, else its dequantized reference
+        native = form == "kn" and x.ndim == 2 and cpu_w4.available()
+        return quant4.dot(eq, x, w, native)
     if form is not None and _native_int8(x, w, form):
         return _int8_dot(x, w)
     native = _native_operand(x, w, form) if form is not None else None

@@ -26,21 +26,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES = ("none", "int8", "w8a16", "fp8")
+from jengine.models import quant4
+from jengine.models.quant4 import W4Array
+
+MODES = ("none", "int8", "w8a16", "fp8", "w4a16", "auto")
 # The float oracle of `int8`: the same quantized operands, dequantized and multiplied in float32.
 INT8_REFERENCE = "int8_ref"
 _INT8_MAX = 127.0
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def resolve_quantization(mode: str, platform: str) -> str:
-    """Checks a `quantization` setting against the platform (before any weight loads).
+def resolve_quantization(mode: str, platform: str, tp: int = 1) -> str:
+    """Checks a `quantization` setting against the platform and tensor parallelism (before any
+    weight loads); `auto` is resolved later, from the source (`converters.auto_quantization`).
 
     Raises:
-      ValueError: an unknown mode, or fp8 on a platform without fp8 dots (CPU).
+      ValueError: an unknown mode, fp8 on a platform without fp8 dots (CPU), or w4a16 under
+        tensor parallelism (its 32-wide groups along the contracted axis are not split over
+        shards).
     """
     if mode not in MODES:
         raise ValueError(f"unsupported quantization {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "w4a16" and tp > 1:
+        raise ValueError(f"quantization w4a16 runs on one device (tp=1), not tp={tp}: its "
+                         "4-bit weights are not sharded; use w8a16 or int8 under tensor "
+                         "parallelism")
     if mode == "fp8" and platform == "cpu":
         raise ValueError("quantization fp8 needs a GPU or TPU (XLA:CPU has no fp8 dots); "
                          "use int8 or w8a16 on CPU")
@@ -133,8 +143,10 @@ def _rescale(y: jax.Array, row_scale: jax.Array | None, channel_scale: jax.Array
     return y * out
 
 
-def merge_input_axes(w: jax.Array | QArray, n: int) -> jax.Array | QArray:
+def merge_input_axes(w: jax.Array | QArray | W4Array, n: int) -> jax.Array | QArray | W4Array:
     """Merges the first `n` (contracted) axes of a weight into one: [H, D, E] -> [H*D, E]."""
+    if isinstance(w, W4Array):
+        return w.merged(n)
     if not isinstance(w, QArray):
         return w.reshape((-1,) + w.shape[n:])
     return QArray(q=w.q.reshape((-1,) + w.q.shape[n:]),
@@ -182,6 +194,37 @@ def quantize_params(params: dict[str, jax.Array | QArray], specs: dict, mode: st
         out[name] = quantize(w)
         if delete_float:
             w.delete()
+    return out
+
+
+# The layer weights `w4a16` stores as 4-bit groups: each reaches `dot` as a projection whose
+# leading axes (after the layer axis) are contracted, in every family that declares it.
+W4_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def quantize_params_w4(params: dict[str, jax.Array | QArray], specs: dict, *,
+                       tied_embeddings: bool) -> dict[str, jax.Array | QArray | W4Array]:
+    """Stacked params (as loaded, on one device) -> `w4a16`: the layer projections of
+    W4_PROJECTIONS as `W4Array`s (quantized on the host, each float weight freed once done);
+    every other projection and the output head as `w8a16` int8 (the head's bytes are a third of
+    a 135M model's: left float, they would set the step's pace); weights read as int8 or 4-bit
+    groups from the source (a GGUF's Q8_0, Q4_x: `W4Groups`) keep the source's values."""
+    read = {name for name, w in params.items() if isinstance(w, quant4.W4Groups)}
+    w4 = read | {name for name in W4_PROJECTIONS
+                 if name in specs and isinstance(params.get(name), jax.Array)
+                 and specs[name].contract == tuple(range(1, 1 + len(specs[name].contract)))}
+    rest = {name: spec for name, spec in specs.items() if name not in w4}
+    out = quantize_params(params, rest, "w8a16", tied_embeddings=tied_embeddings, lm_head=True,
+                          delete_float=True)
+    device = jax.devices()[0]
+    for name in (n for n in specs if n in read):  # a source's own 4-bit blocks
+        out[name] = jax.device_put(params[name].packed(), device)
+    for name in (n for n in specs if n in w4 - read):
+        w = params[name]
+        packed = quant4.from_float(np.asarray(w.astype(jnp.float32)),
+                                   len(specs[name].contract), n_lead=1)
+        out[name] = jax.device_put(packed, device)
+        w.delete()
     return out
 
 

@@ -116,9 +116,11 @@ def test_info_describes_the_default_model(cli_runs):
     assert fields["parameters"] == "134515008"
     assert fields["context_length"] == "8192"
     assert fields["chat_template"] == "True"
-    # Q4_1 and F32 dequantize; its one Q8_0 tensor is the (tied) embedding, kept in float.
+    # Q4_1 read as 4-bit groups with w4a16 (else dequantized), F32 dequantize; its one Q8_0
+    # tensor is the (tied) embedding, kept in float (int8 under w4a16).
     assert fields["weights"] == ("read as int8 with --quantization int8|w8a16: none; "
-                                 "dequantized to float: 210 x Q4_1, 61 x F32, 1 x Q8_0")
+                                 "as 4-bit groups with w4a16: 210 x Q4_1; "
+                                 "dequantized to float: 61 x F32, 1 x Q8_0")
 
 
 def test_info_shows_what_auto_dtype_chose_here(tmp_path):

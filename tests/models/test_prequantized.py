@@ -200,6 +200,7 @@ def test_info_says_which_formats_read_as_int8(q8_gguf, compressed_dir, capsys):
     assert main(["info", str(q8_gguf)]) == 0
     fields = dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines())
     assert fields["weights"] == ("read as int8 with --quantization int8|w8a16: 14 x Q8_0; "
+                                 "as 4-bit groups with w4a16: none; "
                                  "dequantized to float: 5 x F32, 2 x Q8_0")
     assert main(["info", str(compressed_dir[0])]) == 0
     fields = dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines())

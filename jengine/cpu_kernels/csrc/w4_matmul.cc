@@ -1,0 +1,112 @@
+// W4A16 matmul for XLA:CPU, through the XLA FFI: y[R, N] = x[R, K] @ w[K, N] for a 4-bit weight
+// with a float32 scale and min per group of 32 k and column, w[k, n] = s[k / 32, n] * q[k, n] +
+// m[k / 32, n], q in 0..15 (GGUF Q4_0 / Q4_1 / Q4_K and AWQ / GPTQ int4 all take this form).
+//
+// Why: a decode step streams every weight once, so its time is the weight bytes; 4-bit values
+// plus two f32 per 32 are 0.75 bytes a weight against 4 (f32) or 2 (bf16). The weight stays in
+// its packed form in memory and is widened to f32 in registers only.
+//
+// Layout (jengine/cpu_kernels/w4_matmul.py packs it once at load time): columns in tiles of
+// kW4Cols; q uint8 [N / kW4Cols, K / 32, 16, kW4Cols], the byte (t, g, j, c) holding
+// q[32 g + 2 j, n] in its low nibble and q[32 g + 2 j + 1, n] in its high one for n = kW4Cols t +
+// c; s and m f32 [N / kW4Cols, K / 32, kW4Cols]. N is padded to whole tiles (zero q, s, m); a
+// thread's tiles are one contiguous run of memory. The instruction set (AVX-512F, AVX2+FMA,
+// portable C++) is chosen at run time or forced by the `isa` attribute.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "parallel_for.h"
+#include "registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jengine {
+namespace {
+
+constexpr int64_t kW4Cols = 64;  // columns per tile: 64-byte rows of packed nibbles
+
+#define JE_IMPL_HEADER "w4_matmul_impl.h"
+#include "per_isa.h"
+#undef JE_IMPL_HEADER
+
+using TilesFn = void (*)(const float*, const float*, const uint8_t*, const float*, const float*,
+                         float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+int W4Isa(int isa) { return isa == kAuto ? BestIsa() : Supports(isa) ? 1 : 0; }
+
+ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+                    ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> m, int64_t n, int32_t isa,
+                    int32_t max_threads, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto qd = q.dimensions();
+  const auto sd = s.dimensions();
+  if (xd.size() != 2 || qd.size() != 4 || sd.size() != 3 || xd[1] % 32 != 0 ||
+      qd[1] != xd[1] / 32 || qd[2] != 16 || qd[3] != kW4Cols || qd[0] * kW4Cols < n ||
+      (qd[0] - 1) * kW4Cols >= std::max<int64_t>(n, 1) || sd[0] != qd[0] || sd[1] != qd[1] ||
+      sd[2] != kW4Cols || m.element_count() != s.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "w4 matmul: expected x [R, K] (K a multiple of 32), q [ceil(N / 64), K / 32, 16, 64] "
+        "uint8 and s, m [ceil(N / 64), K / 32, 64] float32");
+  }
+  if (isa == kAuto) isa = BestIsa();
+  if (isa < kPortable || isa > kAvx512 || !Supports(isa)) {
+    return ffi::Error::InvalidArgument("w4 matmul: the forced instruction set is unsupported");
+  }
+  const int64_t R = xd[0], K = xd[1], G = K / 32, N = n;
+  float* out = y->typed_data();
+  if (R == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::memset(out, 0, R * N * sizeof(float));
+    return ffi::Error::Success();
+  }
+  const float* xp = x.typed_data();
+  std::vector<float> xs(R * G);  // each row's sum over each group, for the min term
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < 32; ++k) sum += xp[r * K + g * 32 + k];
+      xs[r * G + g] = sum;
+    }
+  }
+  TilesFn tiles_fn = portable::Tiles;
+#if JE_X86
+  if (isa == kAvx512) tiles_fn = avx512::Tiles;
+  if (isa == kAvx2) tiles_fn = avx2::Tiles;
+#endif
+  const int64_t tiles = qd[0];
+  const int64_t parts = std::min(KernelThreads(pool, max_threads), tiles);
+  const uint8_t* qp = q.typed_data();
+  const float *sp = s.typed_data(), *mp = m.typed_data();
+  ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
+    tiles_fn(xp, xs.data(), qp, sp, mp, out, R, K, N, i * tiles / parts,
+             (i + 1) * tiles / parts);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jengine
+
+JE_EXPORT XLA_FFI_Error* JengineW4Matmul(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineW4Matmul, jengine::W4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [R, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()  // q [Nt, K / 32, 16, 64]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // s [Nt, K / 32, 64]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m [Nt, K / 32, 64]
+                                  .Attr<int64_t>("n")
+                                  .Attr<int32_t>("isa")  // 0 auto, 1 portable, 2 AVX2, 3 AVX-512
+                                  .Attr<int32_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
+
+JE_FFI_TARGET("jengine_w4_matmul", JengineW4Matmul);
+JE_ISAS("w4_matmul", jengine::W4Isa,
+        {{"auto", jengine::kAuto}, {"portable", jengine::kPortable}, {"avx2", jengine::kAvx2},
+         {"avx512", jengine::kAvx512}});
