@@ -64,6 +64,19 @@ inline __m512 RoundedBf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(
       static_cast<int32_t>(0xffff0000u))));
 }
+
+// 16 f32 rounded to bf16 and stored (the first `cols`, at most 16).
+inline void StoreBf16(__m512 v, int64_t cols, uint16_t* out) {
+  const __m256i h = _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_castps_si512(RoundedBf16(v)), 16));
+  if (cols == 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+  } else {
+    alignas(32) uint16_t tmp[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), h);
+    std::memcpy(out, tmp, cols * 2);
+  }
+}
 inline Acc ZeroAcc() { return _mm512_setzero_ps(); }
 constexpr int kAccCols = 16;
 #elif JE_SIMD == 1
@@ -154,7 +167,6 @@ inline void BlockSumsAny(int64_t rows, const uint16_t* xs, int64_t Kp, const uin
 inline void Activation(const float* gate, const float* up, int64_t cols, uint16_t* out) {
   int64_t c = 0;
 #if JE_SIMD >= 2
-  alignas(64) float act[16];
   for (; c + 16 <= cols; c += 16) {
     const __m512 g = RoundedBf16(_mm512_loadu_ps(gate + c));
     // e^-g = 2^t, t = n + f: 2^f = e^(f ln 2) by its degree-7 Taylor polynomial, n by vscalefps
@@ -169,8 +181,7 @@ inline void Activation(const float* gate, const float* up, int64_t cols, uint16_
     const __m512 e = _mm512_scalef_ps(p, n);
     const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     const __m512 u = RoundedBf16(_mm512_loadu_ps(up + c));
-    _mm512_store_ps(act, _mm512_mul_ps(RoundedBf16(s), u));
-    for (int i = 0; i < 16; ++i) out[c + i] = F32ToBf16(act[i]);
+    StoreBf16(_mm512_mul_ps(RoundedBf16(s), u), 16, out + c);
   }
 #endif
   for (; c < cols; ++c) {
@@ -206,7 +217,13 @@ inline void Strips(const uint16_t* xs, int64_t R, int64_t Kp, const uint16_t* st
             Activation(g, up + r * 32, cols, static_cast<uint16_t*>(y) + (r0 + r) * N + c0);
           } else if (y_bf16) {
             uint16_t* out = static_cast<uint16_t*>(y) + (r0 + r) * N + c0;
-            for (int64_t c = 0; c < cols; ++c) out[c] = F32ToBf16(g[c]);
+            int64_t c = 0;
+#if JE_SIMD >= 2
+            for (; c < cols; c += 16) {
+              StoreBf16(_mm512_loadu_ps(g + c), std::min<int64_t>(16, cols - c), out + c);
+            }
+#endif
+            for (; c < cols; ++c) out[c] = F32ToBf16(g[c]);
           } else {
             std::memcpy(static_cast<float*>(y) + (r0 + r) * N + c0, g, cols * 4);
           }
