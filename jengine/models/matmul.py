@@ -127,13 +127,14 @@ PACKED_BF16_ISAS = ("avx512_bf16", "avx512", "avx2")
 
 def packs_bf16(backend: str) -> bool:
     """Whether a bf16 model's projections and head are packed at load (`pack_projections`)
-    under the resolved `backend`: `amx`, or `native` on a CPU whose packed-bf16 kernel runs a
-    vector path (AVX-512-BF16 without AMX: VDPBF16PS; AVX-512F or AVX2: f32 FMA). Off AMX the
-    kernel took 0.4-0.9x XLA's f32 dot's time, not the far slower bf16 dot's
-    (docs/kernels.md, "bf16 projections without AMX")."""
+    under the resolved `backend`: `amx`, or `native` on a CPU without AMX (a `native` chosen
+    on an AMX CPU keeps the small-row kernel and XLA's dots) whose packed-bf16 kernel runs a
+    vector path (AVX-512-BF16 without AMX: VDPBF16PS; AVX-512F or AVX2: f32 FMA). Off AMX,
+    XLA:CPU's bf16 dot runs at a fraction of its f32 rate, and decode rows stream half the
+    bytes of f32 (docs/kernels.md, "bf16 projections without AMX")."""
     if backend == "amx":
         return True
-    return (backend == "native" and cpu_matmul.available()
+    return (backend == "native" and cpu_matmul.available() and not cpu_matmul.amx_available()
             and packed_bf16.available() and packed_bf16.best_isa() in PACKED_BF16_ISAS)
 
 
