@@ -18,7 +18,7 @@ from jengine.config import EngineConfig, ModelSection
 from jengine.core.kv_budget import host_kv_budget
 from jengine.models import KVCache, ModelConfig, family_module, layer_offsets
 from jengine.models.layers import random_params, unstack_layers
-from jengine.models.matmul import pack_projections, resolve_matmul_backend
+from jengine.models.matmul import pack_projections, packs_bf16, resolve_matmul_backend
 from jengine.models.quant import quantize_params, quantize_params_w4
 from jengine.models.smoothing import smooth_for_int8
 from jengine.pallas_kernels import resolve_backend
@@ -207,10 +207,11 @@ def _packed_for_amx(params: dict, cfg: ModelConfig, specs: dict) -> dict:
     AMX kernel, and its `int8` (W8A8) projections for the AMX-INT8 one where the CPU has it
     (jengine.models.matmul.pack_projections); other weights stay as they are. A quantized
     model's bf16 head is packed too (XLA's bf16 dot took 1.6x the kernel's time for SmolLM2's
-    tied head at 32 rows)."""
-    if cfg.matmul_backend != "amx":
+    tied head at 32 rows). Under `native` on a CPU without AMX the bf16 ones are packed the same
+    way for the packed-bf16 kernel (AVX-512-BF16 / AVX-512F / AVX2: `packs_bf16`)."""
+    if not packs_bf16(cfg.matmul_backend):
         return params
-    return pack_projections(params, specs)
+    return pack_projections(params, specs, amx=cfg.matmul_backend == "amx")
 
 
 def warm_up(runner: Runner, progress: bool, require_stored: bool) -> float:

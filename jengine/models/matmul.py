@@ -1,7 +1,8 @@
 """Which kernel runs a projection's dot: XLA's einsum, the native small-row kernel, the
-native W8A8 kernel, or the AMX kernel over weights packed for the tiles at load time
-(jengine.cpu_kernels.matmul), chosen per shape, weight dtype and CPU at trace time;
-`dot` is the one entry point the model code calls."""
+native W8A8 kernel, or over bf16 weights packed for the AMX tiles at load time the AMX kernel
+(jengine.cpu_kernels.matmul) or, on a CPU without AMX, the packed-bf16 one
+(jengine.cpu_kernels.packed_bf16: AVX-512-BF16, AVX-512F or AVX2), chosen per shape, weight
+dtype and CPU at trace time; `dot` is the one entry point the model code calls."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 from jengine import cpu_info
 from jengine.cpu_kernels import int8_matmul as cpu_int8
 from jengine.cpu_kernels import matmul as cpu_matmul
+from jengine.cpu_kernels import packed_bf16
 from jengine.cpu_kernels import w4_matmul as cpu_w4
 from jengine.models import quant, quant4
 from jengine.models.quant import QArray
@@ -44,7 +46,8 @@ class Observed:
 class AmxPacked:
     """A bf16 projection weight in the AMX tiles' layout (`cpu_matmul.amx_tiles` of its
     [K, out...] form, the contracted axes merged into K; of a tied embedding's transpose),
-    which only `cpu_matmul.amx_matmul` reads (and `packed_rows`, the embedding's gather); or
+    which only `cpu_matmul.amx_matmul` reads, or off AMX `packed_bf16.packed_matmul` (and
+    `packed_rows`, the embedding's gather); or
     an `int8` (W8A8) one's int8 values and scales, which `cpu_int8.amx_int8_matmul` reads.
     Packed once at load time (`pack_projections`), so that a call reads the tiles straight from
     memory instead of repacking the weight (docs/kernels.md, "AMX bf16 projections")."""
@@ -119,14 +122,33 @@ def resolve_matmul_backend(backend: str, platform: str, tp: int) -> str:
     return "amx" if cpu_matmul.amx_available() else "native"
 
 
-def pack_projections(params: dict, specs: dict) -> dict:
+# The packed-bf16 kernel's paths that pay off AMX: its portable C++ path is far slower than
+# XLA's dot, so a CPU with none of these keeps the bf16 weights as they are.
+PACKED_BF16_ISAS = ("avx512_bf16", "avx512", "avx2")
+
+
+def packs_bf16(backend: str) -> bool:
+    """Whether a bf16 model's projections and head are packed at load (`pack_projections`)
+    under the resolved `backend`: `amx`, or `native` on a CPU without AMX (a `native` chosen
+    on an AMX CPU keeps the small-row kernel and XLA's dots) whose packed-bf16 kernel runs a
+    vector path (AVX-512-BF16 without AMX: VDPBF16PS; AVX-512F or AVX2: f32 FMA). Off AMX,
+    XLA:CPU's bf16 dot runs at a fraction of its f32 rate, and decode rows stream half the
+    bytes of f32 (docs/kernels.md, "bf16 projections without AMX")."""
+    if backend == "amx":
+        return True
+    return (backend == "native" and cpu_matmul.available() and not cpu_matmul.amx_available()
+            and packed_bf16.available() and packed_bf16.best_isa() in PACKED_BF16_ISAS)
+
+
+def pack_projections(params: dict, specs: dict, *, amx: bool = True) -> dict:
     """`params` (unstacked: `params["layers"]` a tuple of per-layer dicts) with every bf16
     layer projection of AMX_PROJECTIONS (and every `int8` one, where the CPU has AMX-INT8),
     and the output head (`lm_head` [E, V], or a tied
     `embed` [V, E] as the tiles of its transpose), as an `AmxPacked` (packed on the host, each
     float weight freed once packed). `specs` are the stacked declarations: a layer weight's
-    contracted axes follow the layer axis."""
-    int8 = cpu_int8.amx_int8_available()
+    contracted axes follow the layer axis. `amx=False` (the `native` backend off AMX) packs
+    only the bf16 weights, for the packed-bf16 kernel."""
+    int8 = amx and cpu_int8.amx_int8_available()
     layers = []
     for layer in params["layers"]:
         out = dict(layer)
@@ -255,7 +277,10 @@ def swiglu(x: jax.Array, w_gate: Weight, w_up: Weight, backend: str = "xla") -> 
     if (isinstance(w_gate, AmxPacked) and isinstance(w_up, AmxPacked) and x.ndim == 2
             and x.dtype == jnp.bfloat16 and w_gate.shape == w_up.shape and not w_gate.transposed
             and not w_up.transposed and w_gate.scale is None and w_up.scale is None):
-        return cpu_matmul.amx_swiglu(x, w_gate.tiles, w_up.tiles, int(np.prod(w_gate.out_shape)))
+        n = int(np.prod(w_gate.out_shape))
+        if not cpu_matmul.amx_available():
+            return packed_bf16.packed_swiglu(x, w_gate.tiles, w_up.tiles, n)
+        return cpu_matmul.amx_swiglu(x, w_gate.tiles, w_up.tiles, n)
     if (isinstance(w_gate, AmxPacked) and isinstance(w_up, AmxPacked) and x.ndim == 2
             and x.dtype == jnp.bfloat16 and w_gate.scale is not None and w_up.scale is not None
             and w_gate.tiles.shape == w_up.tiles.shape):
@@ -290,8 +315,10 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla", *,
         if w.scale is not None:  # int8 (W8A8): the rows quantized as quant.einsum's
             xq, sx = quant.quantize_rows(x)
             y = cpu_int8.amx_int8_matmul(xq, sx, w.tiles, w.scale, n, out_dtype=out)
-        else:
+        elif cpu_matmul.amx_available():
             y = cpu_matmul.amx_matmul(x, w.tiles, n, out_dtype=out)
+        else:  # packed off AMX (`packs_bf16`): VDPBF16PS, or FMA over the widened pairs
+            y = packed_bf16.packed_matmul(x, w.tiles, n, out_dtype=out)
         return y.reshape(x.shape[0], *w.out_shape)
     form = _native_form(eq) if backend in ("native", "amx") else None
     if isinstance(w, W4Array):  # the native kernel on CPU, else its dequantized reference

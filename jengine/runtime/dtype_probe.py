@@ -37,7 +37,7 @@ import numpy as np
 from jengine.cpu_kernels.matmul import AMX_TILE
 from jengine.models import family_module
 from jengine.models.config import ModelConfig
-from jengine.models.matmul import AMX_PROJECTIONS, AmxPacked, dot, swiglu
+from jengine.models.matmul import AMX_PROJECTIONS, AmxPacked, dot, packs_bf16, swiglu
 
 DECODE_ROWS = (1, 8)
 PREFILL_ROWS = 128
@@ -98,11 +98,11 @@ def _weights(shapes: dict[str, tuple[int, int]], head: str, e: int, cols: int, n
              dt, backend: str) -> dict:
     """Distinct weights of the layer shapes and the head (a fixed pattern of a trained model's
     scale: no zeros or denormals for a kernel to take a shortcut on), laid out as the engine
-    lays out a model of this dtype: under matmul backend `amx` a bf16 model's projections and
+    lays out a model of this dtype: where `packs_bf16(backend)` a bf16 model's projections and
     head are `AmxPacked` (`pack_projections`), made here straight in the tiles' shape (the
     values do not matter to the time, and packing on the host would double the probe's)."""
     base = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)
-    packed = backend == "amx" and dt == jnp.bfloat16
+    packed = packs_bf16(backend) and dt == jnp.bfloat16
 
     def weight(k: int, n: int, seed: int, transposed: bool = False):
         pattern = (np.roll(base, seed) / np.float32(math.sqrt(k))).astype(dt)

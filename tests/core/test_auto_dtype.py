@@ -18,7 +18,7 @@ from jengine import cpu_info
 from jengine.config import load_config as engine_config
 from jengine.core import auto_dtype
 from jengine.core.startup import model_dtype
-from jengine.models.matmul import AmxPacked, resolve_matmul_backend
+from jengine.models.matmul import AmxPacked, packs_bf16, resolve_matmul_backend
 from jengine.runtime import dtype_probe
 from jengine.runtime.dtype_probe import Timings
 
@@ -157,18 +157,20 @@ def test_the_session_engine_keeps_its_named_float32(smol_engine):
 @pytest.mark.parametrize("hidden", [(), EPYC, AVX2_ONLY], ids=["host", "no-amx", "avx2"])
 def test_the_probe_runs_each_kernel_path(smol_config, hidden):
     """The real timer on two layers of SmolLM2's shapes and a cut vocabulary: positive, finite
-    timings for both dtypes, with the bf16 weights packed for AMX exactly where the engine
-    packs them."""
+    timings for both dtypes, with the bf16 weights packed (for the AMX or, off AMX, the
+    packed-bf16 kernel) exactly where the engine packs them."""
     cfg = dataclasses.replace(smol_config, num_layers=2, vocab_size=1024)
     with cpu_info.hiding(*hidden):
         backend = resolve_matmul_backend("auto", "cpu", 1)
         shapes, head, e, _ = dtype_probe.projection_shapes(cfg)
         weights = dtype_probe._weights(shapes, head, e, 64, 1, jax.numpy.bfloat16, backend)
         packed = isinstance(weights["layers"][0]["wq"], AmxPacked)
+        packs = packs_bf16(backend)
         timings = [dtype_probe.time_projections(cfg, dt, backend)
                    for dt in ("float32", "bfloat16")]
     assert set(shapes) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
-    assert packed == (backend == "amx")
+    # packed wherever the engine packs: AMX, and off it for the packed-bf16 kernel's vector paths
+    assert packed == packs == (backend == "amx" or "avx2" in cpu_info.flags())
     for t in timings:
         assert sorted(t.decode) == list(dtype_probe.DECODE_ROWS)
         assert np.isfinite(t.per_token) and t.per_token > 0

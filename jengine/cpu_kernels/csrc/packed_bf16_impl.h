@@ -1,0 +1,234 @@
+// The body of the packed-bf16 GEMM without AMX (packed_bf16.cc), compiled once per instruction
+// set: JE_SIMD 3 AVX-512-BF16 (VDPBF16PS on the weight's k pairs), 2 AVX-512F and 1 AVX2+FMA
+// (each pair widened to two f32 vectors, f32 FMA), 0 portable C++. No include guard: included
+// once per namespace.
+//
+// The weight is the AMX tiles' layout (amx_bf16.h; cpu_matmul.amx_tiles): strip s of 32 columns,
+// k step ks of 32, half h of 16 columns, row p = 16 (k pair, column) word pairs, i.e. 64 bytes
+// holding w[32 ks + 2p, c] and w[32 ks + 2p + 1, c] side by side for 16 columns c. That row is
+// exactly VDPBF16PS's second operand for one k pair, so the AMX and the AVX-512-BF16 paths read
+// one packed form. x is staged as bf16 [R, Kp] (zeros past K), so its k pair is one 32-bit word
+// to broadcast. A block is kRows rows x one strip (two or four vectors of sums per row).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+constexpr int64_t kRows = JE_SIMD >= 2 ? 8 : (JE_SIMD == 1 ? 3 : 4);  // rows a block holds
+
+inline int32_t PairWord(const uint16_t* x) {  // x[0], x[1] as one 32-bit word
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return v;
+}
+
+#if JE_SIMD >= 2
+using Acc = __m512;  // 16 columns of sums
+constexpr int kAccs = 2;  // vectors of sums a row holds for a strip (32 columns)
+
+// acc[r][h] += x[r, pair kp] . w[pair kp, 16 h + (0..15)] for the kp'th pair of the k step at b.
+template <int64_t R>
+inline void PairStep(const uint16_t* xs, int64_t Kp, int64_t kp, const uint16_t* b,
+                     Acc (&acc)[kRows][kAccs]) {
+  const __m512i w0 = _mm512_loadu_si512(b);
+  const __m512i w1 = _mm512_loadu_si512(b + 512);
+#if JE_SIMD == 3
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512i a = _mm512_set1_epi32(PairWord(xs + r * Kp + 2 * kp));
+    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)w0);
+    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)w1);
+  }
+#else
+  const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+  const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
+  const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+  const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512 xe = _mm512_set1_ps(Bf16ToF32(xs[r * Kp + 2 * kp]));
+    const __m512 xo = _mm512_set1_ps(Bf16ToF32(xs[r * Kp + 2 * kp + 1]));
+    acc[r][0] = _mm512_fmadd_ps(xo, o0, _mm512_fmadd_ps(xe, e0, acc[r][0]));
+    acc[r][1] = _mm512_fmadd_ps(xo, o1, _mm512_fmadd_ps(xe, e1, acc[r][1]));
+  }
+#endif
+}
+
+inline void StoreAcc(const Acc& a, float* out) { _mm512_storeu_ps(out, a); }
+
+// v rounded to bf16 (nearest even; no NaN here: sums of finite bf16 products), back in f32.
+inline __m512 RoundedBf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(
+      static_cast<int32_t>(0xffff0000u))));
+}
+
+// 16 f32 rounded to bf16 and stored (the first `cols`, at most 16).
+inline void StoreBf16(__m512 v, int64_t cols, uint16_t* out) {
+  const __m256i h = _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_castps_si512(RoundedBf16(v)), 16));
+  if (cols == 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+  } else {
+    alignas(32) uint16_t tmp[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), h);
+    std::memcpy(out, tmp, cols * 2);
+  }
+}
+inline Acc ZeroAcc() { return _mm512_setzero_ps(); }
+constexpr int kAccCols = 16;
+#elif JE_SIMD == 1
+using Acc = __m256;  // 8 columns of sums
+constexpr int kAccs = 4;
+
+template <int64_t R>
+inline void PairStep(const uint16_t* xs, int64_t Kp, int64_t kp, const uint16_t* b,
+                     Acc (&acc)[kRows][kAccs]) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  __m256 e[kAccs], o[kAccs];
+  for (int v = 0; v < kAccs; ++v) {  // 8 pairs a vector; halves 512 words apart
+    const __m256i w = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(b + (v / 2) * 512 + (v % 2) * 16));
+    e[v] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    o[v] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const __m256 xe = _mm256_set1_ps(Bf16ToF32(xs[r * Kp + 2 * kp]));
+    const __m256 xo = _mm256_set1_ps(Bf16ToF32(xs[r * Kp + 2 * kp + 1]));
+    for (int v = 0; v < kAccs; ++v) {
+      acc[r][v] = _mm256_fmadd_ps(xo, o[v], _mm256_fmadd_ps(xe, e[v], acc[r][v]));
+    }
+  }
+}
+
+inline void StoreAcc(const Acc& a, float* out) { _mm256_storeu_ps(out, a); }
+inline Acc ZeroAcc() { return _mm256_setzero_ps(); }
+constexpr int kAccCols = 8;
+#else
+struct Acc {
+  float v[32];
+};
+constexpr int kAccs = 1;
+
+template <int64_t R>
+inline void PairStep(const uint16_t* xs, int64_t Kp, int64_t kp, const uint16_t* b,
+                     Acc (&acc)[kRows][kAccs]) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float xe = Bf16ToF32(xs[r * Kp + 2 * kp]), xo = Bf16ToF32(xs[r * Kp + 2 * kp + 1]);
+    for (int c = 0; c < 32; ++c) {
+      const uint16_t* pair = b + (c / 16) * 512 + (c % 16) * 2;
+      acc[r][0].v[c] += xe * Bf16ToF32(pair[0]) + xo * Bf16ToF32(pair[1]);
+    }
+  }
+}
+
+inline void StoreAcc(const Acc& a, float* out) { std::memcpy(out, a.v, sizeof(a.v)); }
+inline Acc ZeroAcc() { return Acc{}; }
+constexpr int kAccCols = 32;
+#endif
+
+// The f32 sums [R, 32] of rows xs[0..R) (bf16 [R, Kp]) against one strip (Kp / 32 k steps of
+// 1024 words), into `sums` (row stride 32).
+template <int64_t R>
+inline void BlockSums(const uint16_t* xs, int64_t Kp, const uint16_t* strip, float* sums) {
+  Acc acc[kRows][kAccs];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int v = 0; v < kAccs; ++v) acc[r][v] = ZeroAcc();
+  }
+  for (int64_t ks = 0; ks < Kp / 32; ++ks) {
+    const uint16_t* step = strip + ks * 1024;
+    for (int64_t p = 0; p < 16; ++p) PairStep<R>(xs, Kp, ks * 16 + p, step + p * 32, acc);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int v = 0; v < kAccs; ++v) StoreAcc(acc[r][v], sums + r * 32 + v * kAccCols);
+  }
+}
+
+inline void BlockSumsAny(int64_t rows, const uint16_t* xs, int64_t Kp, const uint16_t* strip,
+                         float* sums) {
+  switch (rows) {
+#define JE_ROWS_CASE(n) \
+  case n:               \
+    if constexpr (n <= kRows) BlockSums<n>(xs, Kp, strip, sums); \
+    break;
+    JE_ROWS_CASE(1) JE_ROWS_CASE(2) JE_ROWS_CASE(3) JE_ROWS_CASE(4)
+    JE_ROWS_CASE(5) JE_ROWS_CASE(6) JE_ROWS_CASE(7) JE_ROWS_CASE(8)
+#undef JE_ROWS_CASE
+    default:
+      break;
+  }
+}
+
+// act[c] = round(round(silu(round(gate[c]))) * round(up[c])) for c < cols, each round to bf16
+// (nearest even), as amx_swiglu.h rounds; the sigmoid vectorized where AVX-512F runs (a scalar
+// std::exp per element cost a 1,500-token prompt ~69 M calls).
+inline void Activation(const float* gate, const float* up, int64_t cols, uint16_t* out) {
+  int64_t c = 0;
+#if JE_SIMD >= 2
+  for (; c + 16 <= cols; c += 16) {
+    const __m512 g = RoundedBf16(_mm512_loadu_ps(gate + c));
+    // e^-g = 2^t, t = n + f: 2^f = e^(f ln 2) by its degree-7 Taylor polynomial, n by vscalefps
+    // (inf past the range: the sigmoid 0)
+    const __m512 t = _mm512_mul_ps(g, _mm512_set1_ps(-1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    for (float k : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+      p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(k));
+    }
+    const __m512 e = _mm512_scalef_ps(p, n);
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    const __m512 u = RoundedBf16(_mm512_loadu_ps(up + c));
+    StoreBf16(_mm512_mul_ps(RoundedBf16(s), u), 16, out + c);
+  }
+#endif
+  for (; c < cols; ++c) {
+    const float g = Bf16ToF32(F32ToBf16(gate[c]));
+    const float a = Bf16ToF32(F32ToBf16(g / (1.0f + std::exp(-g))));
+    out[c] = F32ToBf16(a * Bf16ToF32(F32ToBf16(up[c])));
+  }
+}
+
+// y [R, N] (f32, or bf16 when y_bf16) for the strips [s0, s1): each block of kRows rows of a
+// panel of kPanelRows rows runs against each strip while the panel's x is in cache. With
+// `up_strips` (SwiGLU), silu(x @ gate) * (x @ up) rounded as amx_swiglu.h rounds, into bf16 y.
+inline void Strips(const uint16_t* xs, int64_t R, int64_t Kp, const uint16_t* strips,
+                   const uint16_t* up_strips, int64_t s0, int64_t s1, int64_t N, void* y,
+                   bool y_bf16) {
+  constexpr int64_t kPanelRows = 64;
+  const int64_t strip_words = Kp / 32 * 1024;
+  alignas(64) float sums[kRows * 32];
+  alignas(64) float up[kRows * 32];
+  for (int64_t p0 = 0; p0 < R; p0 += kPanelRows) {
+    const int64_t p1 = std::min(R, p0 + kPanelRows);
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t c0 = s * 32, cols = std::min<int64_t>(32, N - c0);
+      for (int64_t r0 = p0; r0 < p1; r0 += kRows) {
+        const int64_t rows = std::min(kRows, p1 - r0);
+        BlockSumsAny(rows, xs + r0 * Kp, Kp, strips + s * strip_words, sums);
+        if (up_strips != nullptr) {
+          BlockSumsAny(rows, xs + r0 * Kp, Kp, up_strips + s * strip_words, up);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* g = sums + r * 32;
+          if (up_strips != nullptr) {
+            Activation(g, up + r * 32, cols, static_cast<uint16_t*>(y) + (r0 + r) * N + c0);
+          } else if (y_bf16) {
+            uint16_t* out = static_cast<uint16_t*>(y) + (r0 + r) * N + c0;
+            int64_t c = 0;
+#if JE_SIMD >= 2
+            for (; c < cols; c += 16) {
+              StoreBf16(_mm512_loadu_ps(g + c), std::min<int64_t>(16, cols - c), out + c);
+            }
+#endif
+            for (; c < cols; ++c) out[c] = F32ToBf16(g[c]);
+          } else {
+            std::memcpy(static_cast<float*>(y) + (r0 + r) * N + c0, g, cols * 4);
+          }
+        }
+      }
+    }
+  }
+}
