@@ -41,18 +41,17 @@ def best_isa() -> str:
     return next(isa for isa in ISAS if cpu_info.allows(isa) and supports(isa))
 
 
-def _call(target: str, x: jax.Array, tiles: tuple[jax.Array, ...], n: int, out_dtype, isa: str,
-          max_threads: int) -> jax.Array:
+def _checked(name: str, x: jax.Array, tiles: tuple[jax.Array, ...], n: int, isa: str,
+             max_threads: int) -> dict:
+    """Checks the operands of kernel `name`; returns its FFI attributes (the isa resolved)."""
     cpu_matmul.require()
     for t in tiles:
-        cpu_matmul.amx_matmul_check(x, t, n, target)
+        cpu_matmul.amx_matmul_check(x, t, n, name)
     isa = best_isa() if isa == "auto" else isa
     if isa not in ISAS:
-        raise ValueError(f"{target}: unknown isa {isa!r}; expected auto or one of {ISAS}")
-    call = jax.ffi.ffi_call(library.target(f"jengine_{target}"),
-                            jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
-    return call(x, *tiles, n=np.int64(n), isa=np.int32(library.isa_code("packed_bf16", isa)),
-                max_threads=np.int32(max_threads))
+        raise ValueError(f"{name}: unknown isa {isa!r}; expected auto or one of {ISAS}")
+    return {"n": np.int64(n), "isa": np.int32(library.isa_code("packed_bf16", isa)),
+            "max_threads": np.int32(max_threads)}
 
 
 def packed_matmul(
@@ -67,7 +66,10 @@ def packed_matmul(
     """`x @ w` from the packed weight, f32 sums; the columns split over the threads."""
     if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"packed_bf16_matmul returns float32 or bfloat16, not {out_dtype}")
-    return _call("packed_bf16_matmul", x, (tiles,), n, out_dtype, isa, max_threads)
+    attrs = _checked("packed_bf16_matmul", x, (tiles,), n, isa, max_threads)
+    call = jax.ffi.ffi_call(library.target("jengine_packed_bf16_matmul"),
+                            jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    return call(x, tiles, **attrs)
 
 
 def packed_swiglu(
@@ -84,5 +86,7 @@ def packed_swiglu(
     if gate_tiles.shape != up_tiles.shape:
         raise ValueError(f"packed_bf16_swiglu takes two weights of one shape, got "
                          f"{gate_tiles.shape} and {up_tiles.shape}")
-    return _call("packed_bf16_swiglu", x, (gate_tiles, up_tiles), n, jnp.bfloat16, isa,
-                 max_threads)
+    attrs = _checked("packed_bf16_swiglu", x, (gate_tiles, up_tiles), n, isa, max_threads)
+    call = jax.ffi.ffi_call(library.target("jengine_packed_bf16_swiglu"),
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.bfloat16))
+    return call(x, gate_tiles, up_tiles, **attrs)
