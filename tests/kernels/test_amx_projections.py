@@ -219,7 +219,7 @@ def test_store_key_tells_packed_from_unpacked_weights(tiny_llama, tmp_path, monk
 
     packed = key()
     assert key() == packed  # a restart finds its programs
-    monkeypatch.setattr(build, "pack_projections", lambda params, specs: params)
+    monkeypatch.setattr(build, "pack_projections", lambda params, specs, **_: params)
     assert key() != packed
 
 
