@@ -220,6 +220,8 @@ class GGUFModel:
         specs = family_module(cfg).param_specs(cfg)
         placed = []
         for t in self._weight_tensors():
+            if t.name.endswith(".attn_k_b.weight"):  # DeepSeek's split kv_b: read as float
+                continue
             targets = tables.place(cfg, specs, self._hf_name(t.name), t.shape)
             placed.append((t.name, targets, t.tensor_type.name in FOUR_BIT and len(t.shape) == 2))
         kinds: dict[str, set[bool]] = {}

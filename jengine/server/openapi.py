@@ -12,6 +12,8 @@ document accepts is one the server does not refuse for those reasons.
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Any
 
 from fastapi import FastAPI
@@ -56,9 +58,19 @@ _REASONS = {
 _ERROR_SCHEMAS = {"openai": "ErrorResponse", "anthropic": "AnthropicErrorResponse"}
 
 
+def _query_parameters(route: Route) -> list[str]:
+    """The handler's parameters that are neither the request, a body nor in the path."""
+    return [name for name, p in inspect.signature(route.handler).parameters.items()
+            if name not in ("request", "body") and name not in re.findall(r"{(\w+)", route.path)]
+
+
 def _error_codes(route: Route) -> list[int]:
     """The errors a route can answer with, from its row in the route table."""
     codes = {400, 404, 413, 500, 503} if route.method == "POST" else set()
+    if _query_parameters(route):  # a GET's query values are checked: a bad one is a 400
+        codes.add(400)
+    if route.path.startswith(("/v1/files", "/v1/batches")):  # another server holds the store
+        codes.add(503)
     if route.auth:
         codes.add(401)
     if "{model" in route.path or "_id}" in route.path:  # names a model, file or batch
