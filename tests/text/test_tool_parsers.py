@@ -5,6 +5,7 @@ whole and streamed at every split point; `auto` on chat-template text."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -252,3 +253,26 @@ def test_free_json_calls_stream_as_generated(parser):
     assert args[-1][0] == text.index("]}") + 1  # the last fragment: the arguments' own `}`
     assert "".join(t for _, t in args) == '{"city": "Zürich", "days": [1, 2]}'
     assert parse_calls(parser, text)[1][0].arguments == '{"city": "Zürich", "days": [1, 2]}'
+
+
+def test_tools_keep_the_formats_special_markers():
+    """With tools on under mistral / deepseek_v3, the request's params keep the format's
+    special-token markers in the text (the parser needs them); not for hermes, not with tools
+    off, and not where the client already keeps every special token."""
+    from jengine.sampling_params import SamplingParams
+    from jengine.text.tools import SPECIAL_MARKERS, constrain, tool_setup
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for fmt in ("mistral", "deepseek_v3"):
+        for choice in ("auto", "required"):
+            setup = dataclasses.replace(tool_setup(tools, choice), fmt=fmt)
+            params = constrain(SamplingParams(), setup)
+            assert params.keep_special_tokens == SPECIAL_MARKERS[fmt]
+        off = dataclasses.replace(tool_setup(tools, "none"), fmt=fmt)
+        assert constrain(SamplingParams(), off).keep_special_tokens == ()
+        raw = constrain(SamplingParams(skip_special_tokens=False),
+                        dataclasses.replace(tool_setup(tools), fmt=fmt))
+        assert raw.keep_special_tokens == ()
+    assert constrain(SamplingParams(), tool_setup(tools)).keep_special_tokens == ()
+    with pytest.raises(ValueError, match="keep_special_tokens"):
+        SamplingParams(keep_special_tokens=[""])
