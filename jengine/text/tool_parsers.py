@@ -16,11 +16,12 @@ A parser reads the model's free choice (`tool_choice: auto`). Calls forced by `t
 required / named are written by a grammar in the parser's own format (forced_calls.py) and read
 back by the same parser; forced output is nothing but calls, so text that does not parse (a call
 cut off by max_tokens) is dropped. `tool_stream` and `parse_calls` give the streamed and whole
-readings of a format; a llama3_json stream holds an output that opens with `{` until it ends (its
-arguments go out whole, at the end), and passes any other output on as it comes; call_formats.py's
-formats stream the same way from their call syntax's first marker on. Forced calls of hermes and
-the JSON-argument formats (llama3_json, mistral, deepseek_v3: forced_stream.py) stream their
-arguments as generated; forced pythonic and qwen3_coder calls go out whole at the end.
+readings of a format. Free calls of the JSON-argument formats (llama3_json, mistral,
+deepseek_v3) stream their arguments as generated (free_stream.py, whose stream is also their
+whole reading, so the two agree); pythonic and qwen3_coder hold their output from the call
+syntax's first marker on and send the calls whole at the end (call_formats.HeldCallStream).
+Forced calls of hermes and the JSON-argument formats (forced_stream.py) stream their arguments
+as generated; forced pythonic and qwen3_coder calls go out whole at the end.
 """
 
 from __future__ import annotations
