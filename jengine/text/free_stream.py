@@ -168,8 +168,8 @@ class FreeJsonStream(HeldCallStream):
                 at = self._buf.find(marker, self._pos, stop)
                 if at >= 0:
                     end = stop = at
-                elif end < 0:
-                    stop -= _partial_prefix(self._buf, marker)
+                elif end < 0 and not final:  # it may be the marker's beginning
+                    stop = max(self._pos, stop - _partial_prefix(self._buf, marker))
             if stop > self._pos:
                 out.append(CallArguments(self.num_calls - 1, self._buf[self._pos:stop]))
             self._pos = stop

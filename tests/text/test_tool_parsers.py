@@ -157,6 +157,9 @@ CASES = {
          "<｜tool▁calls▁end｜>", None, [("f", '{"a": ')]),
         ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜>"
          "<｜tool▁calls▁end｜> Then text.", "Then text.", [("f", {"a": 1})]),
+        # cut off inside what might have become the end marker: all of it is arguments
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": \"<｜too", None,
+         [("f", '{"a": "<｜too')]),
         ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>",
          "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>", []),
     ],
