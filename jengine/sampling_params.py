@@ -212,6 +212,9 @@ class SamplingParams:
       ignore_eos: keep generating past EOS.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
       skip_special_tokens: leave special tokens out of the text.
+      keep_special_tokens: special tokens (by their text) kept in the text even under
+        skip_special_tokens: a tool-call format's markers that are special tokens (Mistral's
+        `[TOOL_CALLS]`), which its parser must see; set by `tools.constrain`.
       logprobs: how many top log-probabilities to return per generated token, besides the sampled
         token's own; None returns none.
       prompt_logprobs: the same, per prompt token.
@@ -239,6 +242,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    keep_special_tokens: Sequence[str] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -270,6 +274,7 @@ class SamplingParams:
             "seed": _optional_int("seed", self.seed),
             "stop": _strings("stop", self.stop),
             "stop_token_ids": _token_ids("stop_token_ids", self.stop_token_ids),
+            "keep_special_tokens": _strings("keep_special_tokens", self.keep_special_tokens),
             "logprobs": _optional_int("logprobs", self.logprobs, 0, MAX_LOGPROBS),
             "prompt_logprobs": _optional_int(
                 "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS

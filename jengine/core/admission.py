@@ -80,6 +80,7 @@ class Admission:
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                keep_special_tokens=params.keep_special_tokens or (),
                 stop=params.stop or (),
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,

@@ -8,8 +8,10 @@ two), each read whole into (content, calls), and `HeldCallStream`, their streame
                  ```json {...} ```<｜tool▁call▁end｜>...   (V3.1: N<｜tool▁sep｜>{...})
 
 A malformed call is never half-taken: the output (for qwen3_coder, the block) stays content.
-A stream holds the text from the start of the call syntax to the end of the output and then
-sends the content and whole calls: a call list is only known complete once the output is.
+A `HeldCallStream` holds the text from the start of the call syntax to the end of the output and
+then sends the content and whole calls: a call list is only known complete once the output is.
+mistral and deepseek_v3 stream through free_stream.py instead, which falls back to the whole
+readings here for an output whose first call does not open name first.
 """
 
 from __future__ import annotations

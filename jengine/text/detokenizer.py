@@ -34,6 +34,15 @@ PROMPT_CONTEXT_TOKENS = 5
 MAX_UNEMITTED_TOKENS = 16
 
 
+def _special_ids_except(backend: Tokenizer, keep: Sequence[str]) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens, less those written as one of `keep`; empty
+    when none of `keep` is a special token (then plain skipping does the same)."""
+    special = {i: t.content for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    if not set(keep) & set(special.values()):
+        return frozenset()
+    return frozenset(i for i, text in special.items() if text not in keep)
+
+
 @dataclasses.dataclass(frozen=True)
 class DetokenizerDelta:
     """Text produced by one `IncrementalDetokenizer` call.
@@ -59,9 +68,14 @@ class _DecodeWindow:
     a valid-looking start of a run can still change.
     """
 
-    def __init__(self, backend: Tokenizer, context_ids: list[int], skip_special_tokens: bool):
+    def __init__(self, backend: Tokenizer, context_ids: list[int], skip_special_tokens: bool,
+                 keep: Sequence[str] = ()):
         self._backend = backend
         self._skip_special_tokens = skip_special_tokens
+        self._drop: frozenset[int] = frozenset()
+        if skip_special_tokens and keep:
+            self._drop = _special_ids_except(backend, keep)
+            self._skip_special_tokens = not self._drop  # the kept ones are no special tokens
         context = self._decode(context_ids)
         # A prompt cut inside a character would corrupt the first output character; start clean.
         self._ids = [] if context.endswith(REPLACEMENT_CHAR) else list(context_ids)
@@ -70,6 +84,8 @@ class _DecodeWindow:
         self._in_byte_run = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self._drop:
+            ids = [i for i in ids if i not in self._drop]
         return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def push(self, token_id: int) -> str:
@@ -199,6 +215,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,
+        keep_special_tokens: Sequence[str] = (),
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
@@ -209,13 +226,16 @@ class IncrementalDetokenizer:
           tokenizer: the model's tokenizer; only its `backend_tokenizer` is used.
           prompt_token_ids: the prompt; its last tokens give the first generated one context.
           skip_special_tokens: leave special tokens out of the text.
+          keep_special_tokens: special tokens (by text) left in all the same: the markers a
+            tool-call parser reads.
           stop: strings that end the sequence; the text is cut before them.
           include_stop_str_in_output: cut after the stop string instead.
           min_tokens: stop strings are looked for only in the text of the tokens after the first
             `min_tokens` ones (SamplingParams.min_tokens).
         """
         context = [int(t) for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]
-        self._window = _DecodeWindow(tokenizer.backend_tokenizer, context, skip_special_tokens)
+        self._window = _DecodeWindow(tokenizer.backend_tokenizer, context, skip_special_tokens,
+                                     keep_special_tokens)
         self._matcher = _StopMatcher(stop, include_stop_str_in_output)
         self._min_tokens = min_tokens
         self._num_tokens = 0

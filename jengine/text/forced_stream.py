@@ -35,8 +35,7 @@ class ForcedJsonStream:
         self._buf = ""
         self._pos = 0  # where the next head is searched for, or the unsent arguments start
         self._in_args = False
-        self._scan = 0  # how far the arguments were scanned
-        self._depth, self._string, self._escape = 0, False, False
+        self._scanner = JsonScanner()
 
     def feed(self, text: str) -> list[CallStart | CallArguments]:
         self._buf += text
@@ -49,9 +48,9 @@ class ForcedJsonStream:
                 out.append(CallStart(self.num_calls, f"call_{uuid.uuid4().hex[:24]}",
                                      m.group(1)))
                 self.num_calls += 1
-                self._pos = self._scan = m.end()
-                self._in_args, self._depth, self._string, self._escape = True, 0, False, False
-            end = self._scan_arguments()
+                self._pos = m.end()
+                self._in_args, self._scanner = True, JsonScanner(self._pos)
+            end = self._scanner.scan(self._buf)
             stop = len(self._buf) if end < 0 else end
             if stop > self._pos:
                 out.append(CallArguments(self.num_calls - 1, self._buf[self._pos:stop]))
@@ -62,13 +61,20 @@ class ForcedJsonStream:
             self.complete.append(self.num_calls - 1)
 
     def finish(self) -> list[CallStart | CallArguments]:
-        self._buf, self._pos, self._scan, self._in_args = "", 0, 0, False
+        self._buf, self._pos, self._in_args = "", 0, False
         return []
 
-    def _scan_arguments(self) -> int:
-        """Scans on from `_scan`; the position just after the arguments' closing `}` (-1: not
-        closed yet)."""
-        buf = self._buf
+
+class JsonScanner:
+    """Finds where a JSON value that starts at `start` (an object or array) closes, fed a
+    growing buffer: strings and escapes aware, so a `}` inside a string does not close it. It
+    does not validate; the caller reads the closed text as JSON if it needs to."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._scan, self._depth, self._string, self._escape = start, 0, False, False
+
+    def scan(self, buf: str) -> int:
+        """Scans on; the position just after the value's closing bracket (-1: not closed yet)."""
         for i in range(self._scan, len(buf)):
             ch = buf[i]
             if self._string:

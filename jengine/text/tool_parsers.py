@@ -16,11 +16,12 @@ A parser reads the model's free choice (`tool_choice: auto`). Calls forced by `t
 required / named are written by a grammar in the parser's own format (forced_calls.py) and read
 back by the same parser; forced output is nothing but calls, so text that does not parse (a call
 cut off by max_tokens) is dropped. `tool_stream` and `parse_calls` give the streamed and whole
-readings of a format; a llama3_json stream holds an output that opens with `{` until it ends (its
-arguments go out whole, at the end), and passes any other output on as it comes; call_formats.py's
-formats stream the same way from their call syntax's first marker on. Forced calls of hermes and
-the JSON-argument formats (llama3_json, mistral, deepseek_v3: forced_stream.py) stream their
-arguments as generated; forced pythonic and qwen3_coder calls go out whole at the end.
+readings of a format. Free calls of the JSON-argument formats (llama3_json, mistral,
+deepseek_v3) stream their arguments as generated (free_stream.py, whose stream is also their
+whole reading, so the two agree); pythonic and qwen3_coder hold their output from the call
+syntax's first marker on and send the calls whole at the end (call_formats.HeldCallStream).
+Forced calls of hermes and the JSON-argument formats (forced_stream.py) stream their arguments
+as generated; forced pythonic and qwen3_coder calls go out whole at the end.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from jengine.text.call_formats import (
     parse_qwen3_coder,
 )
 from jengine.text.forced_stream import FORCED_HEADS, ForcedJsonStream, read_forced_json
+from jengine.text.free_stream import FORMATS as FREE_JSON
+from jengine.text.free_stream import FreeJsonStream, read_stream
 from jengine.text.tools import CallArguments, CallStart, ToolCallStream, parse_tool_calls
 
 PYTHON_TAG = "<|python_tag|>"
@@ -104,6 +107,8 @@ def parse_calls(name: str | None, text: str, *,
         return parse_tool_calls(text, forced=forced)
     if forced and fmt in FORCED_HEADS:
         return None, read_forced_json(FORCED_HEADS[fmt], text)
+    if not forced and fmt in FREE_JSON:  # the streamed reading, so the two agree
+        return read_stream(FreeJsonStream(fmt, _whole_reader(fmt)), text)
     content, calls = _whole_reader(fmt)(text)
     return (None, calls) if forced else (content, calls)
 
@@ -113,8 +118,10 @@ def _whole_reader(fmt: str) -> Callable[[str], tuple[str | None, list[ToolCall]]
 
 
 def tool_stream(name: str | None, incremental: bool = False) -> CallStream:
-    """The streamed reader of format `name`; `incremental`: the calls are forced (hermes streams
-    their arguments as generated, the other formats send them whole at the end)."""
+    """The streamed reader of format `name`; `incremental`: the calls are forced. Hermes' free
+    calls go out whole once their block closes; the JSON-argument formats' free and forced calls
+    and hermes' forced ones stream their arguments as generated; pythonic and qwen3_coder send
+    theirs whole at the end."""
     fmt = _format(name)
     if fmt == "hermes":
         return ToolCallStream(incremental=incremental)
@@ -122,8 +129,8 @@ def tool_stream(name: str | None, incremental: bool = False) -> CallStream:
         return ForcedJsonStream(FORCED_HEADS[fmt])
     if incremental:
         return ForcedCallStream(_whole_reader(fmt))
-    if fmt == "llama3_json":
-        return Llama3JsonStream()
+    if fmt in FREE_JSON:
+        return FreeJsonStream(fmt, _whole_reader(fmt))
     return _HELD[fmt][1]()
 
 
@@ -192,43 +199,6 @@ def _after_separator(body: str, pos: int) -> int:
     return pos if pos == len(body) or body[pos] == "{" else -1
 
 
-class Llama3JsonStream:
-    """Streamed llama3_json output, with `ToolCallStream`'s interface (`feed`, `finish`,
-    `num_calls`): an output that opens with `{` (or `<|python_tag|>`) is held to its end and
-    read whole; any other goes out as content as it is generated."""
-
-    def __init__(self) -> None:
-        self.num_calls = 0
-        self._buf = ""
-        self._state = "start"  # start | calls | content
-
-    def feed(self, text: str) -> list[str | CallStart | CallArguments]:
-        self._buf += text
-        if self._state == "start":
-            head = self._buf.lstrip()
-            if not head or PYTHON_TAG.startswith(head):
-                return []
-            self._state = "calls" if head.startswith(("{", PYTHON_TAG)) else "content"
-        if self._state == "calls":
-            return []
-        out, self._buf = self._buf, ""
-        return [out] if out else []
-
-    def finish(self) -> list[str | CallStart | CallArguments]:
-        text, self._buf = self._buf, ""
-        if self._state != "calls":
-            return [text] if text else []
-        content, calls = parse_llama3_calls(text)
-        if not calls:
-            return [text]
-        out: list[str | CallStart | CallArguments] = []
-        for call in calls:
-            out += [CallStart(self.num_calls, call.id, call.name),
-                    CallArguments(self.num_calls, call.arguments)]
-            self.num_calls += 1
-        return out
-
-
 class ForcedCallStream:
     """Forced calls of a format without incremental streaming: the output (only calls) is held
     and read whole at its end; what does not parse (cut off by max_tokens) is dropped."""
@@ -252,5 +222,5 @@ class ForcedCallStream:
 
 
 # The streamed readers: `feed(text)` and `finish()` give content pieces and call events.
-CallStream = (ToolCallStream | Llama3JsonStream | HeldCallStream | ForcedCallStream
+CallStream = (ToolCallStream | HeldCallStream | FreeJsonStream | ForcedCallStream
               | ForcedJsonStream)

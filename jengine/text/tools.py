@@ -356,8 +356,24 @@ def _partial_prefix(text: str, marker: str) -> int:
 
 # -- glue for Engine.chat and the server ----------------------------------------------------------
 
+# format -> its call markers that tokenizers make special tokens, which skip_special_tokens would
+# strip before the parser sees them (vLLM's Mistral parser turns skip_special_tokens off for the
+# request instead, which lets every other special token into the content too). Hermes'
+# `<tool_call>` and the markers that llama3_json / pythonic may do without are not listed.
+SPECIAL_MARKERS = {
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                    "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"),
+}
+
+
 def constrain(params: SamplingParams, setup: ToolSetup) -> SamplingParams:
-    """`params` with the tool-call grammar of `required` / named (unchanged otherwise)."""
+    """`params` with the tool-call grammar of `required` / named, and the format's special-token
+    markers kept in the text whenever tools are on (unchanged otherwise)."""
+    markers = SPECIAL_MARKERS.get(setup.fmt or "", ()) if setup.active else ()
+    if markers and params.skip_special_tokens:
+        params = dataclasses.replace(params, keep_special_tokens=(
+            *(params.keep_special_tokens or ()), *markers))
     constraint = setup.constraint()
     if constraint is None:
         return params

@@ -1,7 +1,8 @@
 """`--tool-call-parser` through a real server on 127.0.0.1 (SmolLM2, the official `openai` SDK):
 a regex makes the model write a Mistral-format call, which the server reads as a call when
 `auto` finds `[TOOL_CALLS]` in the chat template (or the flag names `mistral`), and leaves as
-content under hermes (`auto` on SmolLM2's own template), whole and streamed; and `tool_choice`
+content under hermes (`auto` on SmolLM2's own template), whole and streamed (free calls of the
+JSON formats stream their arguments in fragments); and `tool_choice`
 named / required under mistral and llama3_json (named under the other formats too), written by
 the grammar in that format."""
 
@@ -43,15 +44,20 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
-def _streamed(client: openai.OpenAI) -> tuple[str, dict[int, list[str]], str]:
+def _streamed(client: openai.OpenAI, request: dict | None = None,
+              fragments: list[str] | None = None) -> tuple[str, dict[int, list[str]], str]:
+    """Content, {index: [name, arguments]} and finish_reason of a streamed request; each
+    non-empty arguments fragment is appended to `fragments`."""
     content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(**REQUEST, stream=True):
+    for chunk in client.chat.completions.create(**(request or REQUEST), stream=True):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for call in delta.tool_calls or []:
             entry = calls.setdefault(call.index, ["", ""])
             entry[0] += call.function.name or ""
             entry[1] += call.function.arguments or ""
+            if call.function.arguments and fragments is not None:
+                fragments.append(call.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     return content, calls, finish
 
@@ -69,9 +75,30 @@ def test_mistral_calls_are_parsed_whole_and_streamed(engine, config):
         assert call.type == "function" and call.id.startswith("call_")
         assert call.function.name == "get_weather"
         assert json.loads(call.function.arguments)["city"] in ("Oslo", "Zürich")
-        content, calls, finish = _streamed(client)
+        fragments: list[str] = []
+        content, calls, finish = _streamed(client, fragments=fragments)
         assert content.strip() == "" and finish == "tool_calls"
         assert calls == {0: ["get_weather", call.function.arguments]}
+        assert len(fragments) > 2  # the free call's arguments streamed as generated
+
+
+def test_free_llama3_json_call_streams_its_arguments(engine):
+    """A free llama3_json call (a regex makes SmolLM2 write one): whole, and streamed in
+    fragments that join into the whole response's arguments, the text as generated."""
+    request = {**REQUEST, "extra_body": {"structured_outputs": {"regex": (
+        r'\{"name": "get_weather", "parameters": \{"city": "(Oslo|Zürich)"\}\}')}}}
+    with serving(create_app(engine, ServerConfig(tool_call_parser="llama3_json"))) as url:
+        client = _client(url)
+        choice = client.chat.completions.create(**request).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert call.function.arguments in ('{"city": "Oslo"}', '{"city": "Zürich"}')
+        fragments: list[str] = []
+        content, calls, finish = _streamed(client, request, fragments)
+        assert content == "" and finish == "tool_calls"
+        assert calls == {0: ["get_weather", call.function.arguments]}
+        assert len(fragments) > 2
 
 
 def test_hermes_leaves_a_mistral_call_as_content(engine):

@@ -143,6 +143,34 @@ def test_special_tokens_skipped_or_kept(smollm2):
     assert kept == "<|im_start|>assistant\nHi there<|im_end|>"
 
 
+def _with_markers(base: PreTrainedTokenizerFast, markers: list[str]) -> PreTrainedTokenizerFast:
+    """A copy of `base` in which `markers` are special tokens, as Mistral's `[TOOL_CALLS]` is."""
+    backend = Tokenizer.from_str(base.backend_tokenizer.to_str())
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tok.add_special_tokens({"additional_special_tokens": markers})
+    return tok
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_kept_special_tokens_reach_the_text_and_the_others_do_not(smollm2, chunk):
+    """A tool-call format's special-token markers survive skip_special_tokens when kept (the
+    parser reads them), while EOS and the like are still skipped; a kept marker that is no
+    special token of this tokenizer changes nothing."""
+    tok = _with_markers(smollm2, ["[TOOL_CALLS]", "[ARGS]"])
+    body = 'Let me check.[TOOL_CALLS][{"name": "f", "arguments": {"a": "Zürich"}}]'
+    ids = tok.encode(body + "<|im_end|>")
+    assert tok.convert_tokens_to_ids("[TOOL_CALLS]") in ids
+    prompt = tok.encode("<|im_start|>assistant\n")
+    skipped = _text(_run(IncrementalDetokenizer(tok, prompt), ids, chunk))
+    kept = _text(_run(IncrementalDetokenizer(tok, prompt, keep_special_tokens=(
+        "[TOOL_CALLS]", "[ARGS]", "<｜tool▁sep｜>")), ids, chunk))
+    assert skipped == body.replace("[TOOL_CALLS]", "")
+    assert kept == body
+    plain = _text(_run(IncrementalDetokenizer(smollm2, prompt, keep_special_tokens=(
+        "[TOOL_CALLS]",)), smollm2.encode(body + "<|im_end|>"), chunk))
+    assert plain == body  # here "[TOOL_CALLS]" is plain text, and <|im_end|> still skipped
+
+
 def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
     """A tiny SentencePiece-style tokenizer whose decoder drops the first token's leading "▁"."""
     vocab = {t: i for i, t in enumerate(["<unk>", "▁Hello", "▁world", "!"])}

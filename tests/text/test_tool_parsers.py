@@ -5,6 +5,7 @@ whole and streamed at every split point; `auto` on chat-template text."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -18,39 +19,58 @@ from jengine.text.tool_parsers import (
 )
 from jengine.text.tools import CallArguments, CallStart
 
-# (output, expected calls as (name, arguments), expected content when no calls)
+# (output, expected calls as (name, arguments: a dict, or the raw text when it is not JSON),
+# expected content). A call is taken once its head (`{"name": N, "parameters": `) is complete and
+# its arguments begin; what follows cannot take it back (free_stream.py's rule).
 LLAMA3 = [
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}',
      [("get_weather", {"city": "Paris"})], None),
     ('<|python_tag|>{"name": "f", "arguments": {"x": [1, 2]}}', [("f", {"x": [1, 2]})], None),
     ('\n{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"y": "};{"}}\n',
      [("a", {}), ("b", {"y": "};{"})], None),
+    ('{ "name" : "a" ,\n "parameters":{"k": "\\"}"}}', [("a", {"k": '"}'})], None),
+    # arguments as a JSON string: no head to stream, read whole at the end as before
     ('{"name": "a", "parameters": "{\\"k\\": 1}"}', [("a", {"k": 1})], None),
     ("The weather is fine.", [], "The weather is fine."),
     ('{"answer": 42}', [], '{"answer": 42}'),  # JSON, but not a call
-    ('{"name": "a", "parameters": {}} and more', [], '{"name": "a", "parameters": {}} and more'),
-    ('{"name": "a", "parameters": {', [], '{"name": "a", "parameters": {'),  # cut off
-    ('{"name": "a", "parameters": {}};', [], '{"name": "a", "parameters": {}};'),
+    ('{"name": "a", "parameters": {}} and more', [("a", {})], "and more"),
+    ('{"name": "a", "parameters": {"b": ', [("a", '{"b": ')], None),  # cut off
+    ('{"name": "a", "parameters": {}};', [("a", {})], None),
+    ('{"name": "a", "parameters": {}}; {"name": "b", "par', [("a", {})],
+     '{"name": "b", "par'),  # the second call cut off before its head was complete
+    ('{"name": "a", "para', [], '{"name": "a", "para'),
 ]
+
+
+def _args(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 @pytest.mark.parametrize(("text", "calls", "content"), LLAMA3)
 def test_llama3_json_whole(text, calls, content):
     got_content, got = parse_calls("llama3_json", text)
-    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-    assert got_content == (None if calls else content)
+    assert [(c.name, _args(c.arguments)) for c in got] == calls
+    assert got_content == content
 
 
 @pytest.mark.parametrize(("text", "calls", "content"), LLAMA3)
 def test_llama3_json_streamed_at_every_cut(text, calls, content):
+    whole = [c.arguments for c in parse_calls("llama3_json", text)[1]]
     for cut in range(len(text) + 1):
         stream = tool_stream("llama3_json")
         pieces = stream.feed(text[:cut]) + stream.feed(text[cut:]) + stream.finish()
         starts = [p for p in pieces if isinstance(p, CallStart)]
-        args = [p for p in pieces if isinstance(p, CallArguments)]
-        assert [(s.name, json.loads(a.text)) for s, a in zip(starts, args)] == calls
-        assert [s.index for s in starts] == list(range(len(calls))) == [a.index for a in args]
-        assert "".join(p for p in pieces if isinstance(p, str)) == ("" if calls else content)
+        args: dict[int, str] = {}
+        for p in pieces:
+            if isinstance(p, CallArguments):
+                args[p.index] = args.get(p.index, "") + p.text
+        assert [(s.name, _args(args[s.index])) for s in starts] == calls
+        assert [args[i] for i in sorted(args)] == whole
+        assert [s.index for s in starts] == list(range(len(calls)))
+        assert "".join(p for p in pieces if isinstance(p, str)) == (content or "")
         assert stream.num_calls == len(calls)
 
 
@@ -97,8 +117,13 @@ CASES = {
         ('Checking.[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]'
          + json.dumps(NESTED, ensure_ascii=False), "Checking.", [("f", {"a": 1}), ("g", NESTED)]),
         ('[{"name": "f", "arguments": {"a": 1}}]', None, [("f", {"a": 1})]),  # marker skipped
-        ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', '[TOOL_CALLS][{"name": "f", '
-         '"arguments": {"a": 1}', []),
+        # cut off after the arguments: the call was taken (free_stream.py's rule)
+        ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}', None, [("f", {"a": 1})]),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g"', '{"name": "g"',
+         [("f", {"a": 1})]),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}] Done.', "Done.", [("f", {"a": 1})]),
+        ('[TOOL_CALLS][{"arguments": {}, "name": "f"}]', None, [("f", {})]),  # read whole
+        ('[TOOL_CALLS][{"name": 3}]', '[TOOL_CALLS][{"name": 3}]', []),
     ],
     "pythonic": [
         ('[f(a=1)]', None, [("f", {"a": 1})]),
@@ -127,9 +152,16 @@ CASES = {
         ("Two calls.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
          "<｜tool▁call▁begin｜>g<｜tool▁sep｜>" + json.dumps(NESTED, ensure_ascii=False)
          + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "Two calls.", [("f", {}), ("g", NESTED)]),
+        # malformed arguments after the head: the call stays, its arguments end at the marker
         ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": <｜tool▁call▁end｜>"
-         "<｜tool▁calls▁end｜>", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>"
-         "{\"a\": <｜tool▁call▁end｜><｜tool▁calls▁end｜>", []),
+         "<｜tool▁calls▁end｜>", None, [("f", '{"a": ')]),
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": 1}<｜tool▁call▁end｜>"
+         "<｜tool▁calls▁end｜> Then text.", "Then text.", [("f", {"a": 1})]),
+        # cut off inside what might have become the end marker: all of it is arguments
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": \"<｜too", None,
+         [("f", '{"a": "<｜too')]),
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>",
+         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>", []),
     ],
 }
 ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
@@ -139,7 +171,7 @@ ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
 def test_whole_output(parser, text, content, calls):
     got_content, got = parse_calls(parser, text)
     assert got_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert [(c.name, _args(c.arguments)) for c in got] == calls
     assert all(c.id.startswith("call_") for c in got)
     assert len({c.id for c in got}) == len(got)
 
@@ -196,3 +228,54 @@ def test_a_named_parser_is_used_as_given():
     assert resolve_tool_parser(None, TEMPLATES["mistral"]) is None  # no flag: hermes
     with pytest.raises(ValueError, match="chosen from a chat template first"):
         parse_calls("auto", "x")
+
+
+FREE_STREAMED = {
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Zürich", "days": [1, 2]}}',
+    "mistral": 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": '
+               '{"city": "Zürich", "days": [1, 2]}}]',
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                   '```json\n{"city": "Zürich", "days": [1, 2]}\n```<｜tool▁call▁end｜>'
+                   "<｜tool▁calls▁end｜>",
+}
+
+
+@pytest.mark.parametrize("parser", FREE_STREAMED)
+def test_free_json_calls_stream_as_generated(parser):
+    """Fed a character at a time, a free call's name goes out as soon as its head is complete
+    and its arguments while they are still being generated, not whole at the end."""
+    text = FREE_STREAMED[parser]
+    stream, seen = tool_stream(parser), []
+    for i, ch in enumerate(text):
+        seen += [(i, p) for p in stream.feed(ch)]
+    seen += [(len(text), p) for p in stream.finish()]
+    start = next(i for i, p in seen if isinstance(p, CallStart))
+    args = [(i, p.text) for i, p in seen if isinstance(p, CallArguments)]
+    assert start == text.index("{", text.index("get_weather"))  # the `{` that opens the args
+    assert len(args) > 10 and args[0][0] == start
+    assert args[-1][0] == text.index("]}") + 1  # the last fragment: the arguments' own `}`
+    assert "".join(t for _, t in args) == '{"city": "Zürich", "days": [1, 2]}'
+    assert parse_calls(parser, text)[1][0].arguments == '{"city": "Zürich", "days": [1, 2]}'
+
+
+def test_tools_keep_the_formats_special_markers():
+    """With tools on under mistral / deepseek_v3, the request's params keep the format's
+    special-token markers in the text (the parser needs them); not for hermes, not with tools
+    off, and not where the client already keeps every special token."""
+    from jengine.sampling_params import SamplingParams
+    from jengine.text.tools import SPECIAL_MARKERS, constrain, tool_setup
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for fmt in ("mistral", "deepseek_v3"):
+        for choice in ("auto", "required"):
+            setup = dataclasses.replace(tool_setup(tools, choice), fmt=fmt)
+            params = constrain(SamplingParams(), setup)
+            assert params.keep_special_tokens == SPECIAL_MARKERS[fmt]
+        off = dataclasses.replace(tool_setup(tools, "none"), fmt=fmt)
+        assert constrain(SamplingParams(), off).keep_special_tokens == ()
+        raw = constrain(SamplingParams(skip_special_tokens=False),
+                        dataclasses.replace(tool_setup(tools), fmt=fmt))
+        assert raw.keep_special_tokens == ()
+    assert constrain(SamplingParams(), tool_setup(tools)).keep_special_tokens == ()
+    with pytest.raises(ValueError, match="keep_special_tokens"):
+        SamplingParams(keep_special_tokens=[""])
