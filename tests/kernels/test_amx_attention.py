@@ -123,6 +123,7 @@ def test_auto_takes_the_tiles_for_bf16_queries_only():
                                   run(case, kernel("avx512"), cache_dtype=jnp.float32))
 
 
+@pytest.mark.slow  # the tiles against the reference kernel by kernel in CI; whole engine ~40 s
 def test_bf16_engine_greedy_tokens_equal_the_reference_backend():
     """SmolLM2 in bf16: prompts long enough for tile blocks (one over several 64-key chunks
     and prefill chunks), greedy tokens equal to the reference backend's up to the first near

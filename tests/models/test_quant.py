@@ -234,7 +234,7 @@ def _first_wq(params) -> QArray:
     return wq
 
 
-@pytest.mark.parametrize("lm_head", [False, True])
+@pytest.mark.parametrize("lm_head", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_int8_engine_greedy_on_tp2_equals_tp1(tiny_padded, tmp_path, lm_head):
     preset = _preset(tmp_path, quantization="int8", quantize_lm_head=lm_head)
     outputs = {}

@@ -19,10 +19,12 @@ AMX = ("amx_tile", "amx_bf16", "amx_int8")
 # no AMX) and an AVX2-only CPU, taken by hiding the features they lack (cpu_info.hiding). A
 # variant that would run what this CPU runs anyway is skipped.
 PATHS = [pytest.param((), id="this-cpu"),
-         pytest.param(AMX, id="avx512-no-amx", marks=pytest.mark.skipif(
-             not set(AMX) & cpu_info.flags(), reason="this CPU has no AMX: the same path")),
-         pytest.param(AMX + ("avx512f",), id="avx2", marks=pytest.mark.skipif(
-             "avx512f" not in cpu_info.flags(), reason="this CPU has no AVX-512: the same path"))]
+         pytest.param(AMX, id="avx512-no-amx", marks=[pytest.mark.slow, pytest.mark.skipif(
+             not set(AMX) & cpu_info.flags(), reason="this CPU has no AMX: the same path")]),
+         pytest.param(AMX + ("avx512f",), id="avx2", marks=[pytest.mark.slow, pytest.mark.skipif(
+             "avx512f" not in cpu_info.flags(), reason="this CPU has no AVX-512: the same path")])]
+# The hidden paths (~25 s each) are in the slow tier: CI runs this CPU's, and the no-AMX and
+# AVX2 kernels' engine tokens in tests/kernels/test_packed_bf16.py and test_cpu_matmul.py.
 
 
 @pytest.mark.parametrize("hide", PATHS)

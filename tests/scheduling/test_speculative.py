@@ -333,6 +333,7 @@ def test_engine_seeded_sampling_is_unchanged_by_speculation(smol_engine, spec_en
     assert _fields(got[0]) == _fields(want[0])
 
 
+@pytest.mark.slow  # a statistical check, ~20 s; greedy speculation stays in CI
 def test_engine_sampled_distribution_matches_the_model(smol_engine, spec_engine):
     """Two-sample chi-square test (significance 0.001) of the first three sampled tokens, with
     and without speculation, over disjoint seeds: equal distributions pass."""

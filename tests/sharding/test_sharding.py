@@ -87,6 +87,7 @@ def _per_device_table(engine: Engine, tp: int) -> None:
         assert set(per_device.values()) == {expected}, name
 
 
+@pytest.mark.slow  # tp in CI on the tiny Llama / OLMo 2 and multi-host; SmolLM2 at tp ~27 s
 def test_smollm2_tensor_parallel_matches_one_device(smol_engine):
     """tp=8 (other tp sizes: test_quant.py, test_kernel_backends.py, test_multihost.py): SmolLM2's
     9 q heads pad to 16, its 3 kv heads replicate; greedy tokens, with and without speculation,
@@ -176,6 +177,7 @@ def test_cli_cpu_devices_flag_makes_fake_devices():
     assert "model path not found: /nonexistent/model" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # dp in CI: test_draft's replicas; SmolLM2 x 2 replicas ~30 s
 def test_data_parallel_replicas_match_one_device_and_share_the_load(smol_engine):
     """dp=2 x tp=4 on the real model: replicas on disjoint devices give the one-device tokens,
     split a burst evenly and route a cached prefix to its holder. Its cost is two replicas'
