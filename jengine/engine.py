@@ -205,15 +205,7 @@ class Engine:
         for p in params:  # distinct grammars compile in parallel on the grammar pool
             if isinstance(p, SamplingParams) and p.structured_outputs is not None:
                 self.core.grammars.submit(p.structured_outputs)
-        added = []
-        try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.core.add_request(rid, prompt, p)
-                added.append(rid)
-        except ValueError:
-            for rid in added:
-                self.core.abort(rid)
-            raise
+        self._add_all(ids, prompts, params)
         deltas: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
         bar = progress_bar(total=len(ids), desc="generating", enabled=self.progress, unit="req")
         pending = set(ids)
@@ -229,6 +221,18 @@ class Engine:
             if out.error is not None:
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
         return outputs
+
+    def _add_all(self, ids: list[str], prompts: list, params: list) -> None:
+        """Queues every request, or none: a bad one's ValueError aborts those already added."""
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.core.add_request(rid, prompt, p)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.core.abort(rid)
+            raise
 
     def embed(self, texts: str | list[int] | list[str | list[int]], *,
               dimensions: int | None = None,
@@ -249,15 +253,7 @@ class Engine:
         params = PoolingParams(dimensions=dimensions,
                                truncate_prompt_tokens=truncate_prompt_tokens)
         ids = [f"embed-{next(self._ids)}" for _ in texts]
-        added = []
-        try:
-            for rid, text in zip(ids, texts):
-                self.core.add_request(rid, text, params)
-                added.append(rid)
-        except ValueError:
-            for rid in added:
-                self.core.abort(rid)
-            raise
+        self._add_all(ids, texts, [params] * len(ids))
         vectors: dict[str, list[float]] = {}
         while len(vectors) < len(ids):
             for out in self.core.step():
