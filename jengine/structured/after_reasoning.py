@@ -17,7 +17,7 @@ its text. A constraint that writes the block itself (its text holds a start or e
 is left as it is: it constrains the whole output.
 
 A thinking budget (`thinking_token_budget`) caps the thought at N tokens with llguidance's
-`max_tokens` on the rule that reads it: `reasoning: START thought END /\n{0,2}/` where
+`max_tokens` on the rule that reads it: `reasoning: START thought END /\\n{0,2}/` where
 `thought[max_tokens=N]` is text without the end marker; once N tokens are written the rule ends
 and only the end marker may follow, so the answer comes after at most N tokens of thinking.
 Without a request constraint the answer is free text (not another opened block). The budget

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import transformers
 from local_server import serving  # tests/local_server.py
 from tiny_models import qwen3_thinking  # tests/tiny_models.py
 
@@ -39,10 +40,15 @@ def _flags(*argv: str) -> ServerConfig:
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory):
+def model_path(tmp_path_factory):
+    return qwen3_thinking(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def clients(model_path):
     """OpenAI clients of four servers over one engine: `--reasoning-parser` qwen3, none,
     deepseek_r1 and auto."""
-    path = qwen3_thinking(tmp_path_factory.mktemp("qwen3"))
+    path = model_path
     engine = AsyncEngine(str(path), config=ONE_BUCKET, progress=False)
     configs = {"qwen3": _flags("--reasoning-parser", "qwen3"), None: _flags(),
                "deepseek_r1": _flags("--reasoning-parser", "deepseek_r1"),
@@ -146,3 +152,53 @@ def test_responses_reasoning_item_before_the_message(clients):
     added = [e.item.type for e in events if e.type == "response.output_item.added"]
     assert added == ["reasoning", "message"]
     assert events[-1].response.output[0].content[0].text == raw.strip()
+
+
+def test_a_thinking_budget_closes_the_thought_after_n_tokens(clients, model_path):
+    """deepseek_r1 (the block open from the first token): unbudgeted, the random model does not
+    close its thought within 8 tokens; with a budget of 4, the grammar forces `</think>` after
+    4 and an answer follows. Greedy, the thought is the unbudgeted one's first 4 tokens."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    raw = clients[None].chat.completions.create(model=MODEL, messages=HI, max_tokens=8,
+                                                temperature=0).choices[0].message.content
+    assert "</think>" not in raw
+    ask = {"model": MODEL, "messages": HI, "max_tokens": 24, "temperature": 0,
+           "extra_body": {"thinking_token_budget": 4}}
+    choice = clients["deepseek_r1"].chat.completions.create(**ask).choices[0]
+    thought = choice.message.reasoning
+    assert len(tokenizer(thought, add_special_tokens=False).input_ids) <= 4
+    assert thought == tokenizer.decode(tokenizer(raw).input_ids[:4]).strip()
+    assert choice.message.content  # the answer came after the forced end marker
+    reasoning, content = [], []
+    for chunk in clients["deepseek_r1"].chat.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            reasoning.append(getattr(c.delta, "reasoning", None) or "")
+            content.append(c.delta.content or "")
+    assert ("".join(reasoning), "".join(content)) == (thought, choice.message.content)
+
+
+def test_reasoning_effort_maps_to_a_budget(clients):
+    """`low` is a 1024-token budget: over these 8 tokens it changes nothing."""
+    plain = _chat(clients["deepseek_r1"], max_tokens=8).choices[0].message
+    low = _chat(clients["deepseek_r1"], max_tokens=8, reasoning_effort="low").choices[0].message
+    assert (low.reasoning, low.content) == (plain.reasoning, plain.content)
+
+
+@pytest.mark.parametrize(("server", "fields", "param"), [
+    ("qwen3", {"thinking_token_budget": -1}, "thinking_token_budget"),
+    ("qwen3", {"thinking_token_budget": "8"}, "thinking_token_budget"),
+    ("qwen3", {"thinking_token_budget": 2.5}, "thinking_token_budget"),
+    ("qwen3", {"reasoning_effort": "extreme"}, "reasoning_effort"),
+    (None, {"thinking_token_budget": 8}, "thinking_token_budget"),  # no reasoning parser
+    (None, {"reasoning_effort": "low"}, "reasoning_effort"),
+])
+def test_a_bad_or_unusable_budget_is_a_400_naming_the_field(clients, server, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        clients[server].chat.completions.create(model=MODEL, messages=HI, max_tokens=4,
+                                                extra_body=fields)
+    assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:  # completions read no reasoning
+        clients["qwen3"].completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                            extra_body={"thinking_token_budget": 4})
+    assert e.value.body["param"] == "thinking_token_budget"
+    assert _chat(clients["qwen3"]).choices[0].message.reasoning  # still serving
