@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -58,6 +58,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     request_id = state.response_id(request, body.request_id)
 
+    reasoning, adapt = reasoning_adapt(state, body, template)
+    stream = await start(state, request, Job(
+        params, lambda tokenizer: [body.render(tokenizer, messages, tools, template)], 1,
+        request_id, body.max_tokens_field, body.constraint_param(),
+        lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
+        adapt))
+    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
+    view.tool_parser = tool_parser
+    if state.config.reasoning_parser is not None:
+        view.reasoning = Reasoning(reasoning(stream.engine))
+    return await reply(stream, view, bool(body.stream))
+
+
+def reasoning_adapt(state: Any, body: ChatCompletionRequest, template: str | None) -> tuple[
+        Callable[[Any], ReasoningFormat | None], Callable[[Any, SamplingParams], SamplingParams]]:
+    """The request's reasoning format (per engine) and its params once the engine is known:
+    the output constraint after the thinking, the thought capped at the request's budget
+    (`thinking_token_budget` / `reasoning_effort`; a budget that cannot apply is a 400)."""
     budget, budget_field = body.thinking_budget(state.config.reasoning_parser)
 
     def reasoning(engine: Any) -> ReasoningFormat | None:
@@ -79,16 +97,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                   budget_field) from None
             raise
 
-    stream = await start(state, request, Job(
-        params, lambda tokenizer: [body.render(tokenizer, messages, tools, template)], 1,
-        request_id, body.max_tokens_field, body.constraint_param(),
-        lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
-        adapt))
-    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
-    view.tool_parser = tool_parser
-    if state.config.reasoning_parser is not None:
-        view.reasoning = Reasoning(reasoning(stream.engine))
-    return await reply(stream, view, bool(body.stream))
+    return reasoning, adapt
 
 
 class Reasoning:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 import transformers
@@ -202,3 +203,30 @@ def test_a_bad_or_unusable_budget_is_a_400_naming_the_field(clients, server, fie
                                             extra_body={"thinking_token_budget": 4})
     assert e.value.body["param"] == "thinking_token_budget"
     assert _chat(clients["qwen3"]).choices[0].message.reasoning  # still serving
+
+
+def test_anthropic_thinking_is_the_same_budget_as_thinking_blocks(clients):
+    """`/v1/messages` with `thinking` enabled: chat's budgeted split, as a `thinking` block
+    before the text, whole and streamed alike; `disabled` renders Qwen3's empty block."""
+    url = str(clients["deepseek_r1"].base_url).rstrip("/").removesuffix("/v1")
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
+    chat = clients["deepseek_r1"].chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=24, temperature=0,
+        extra_body={"thinking_token_budget": 4}).choices[0].message
+    ask = {"model": MODEL, "messages": HI, "max_tokens": 24, "temperature": 0,
+           "thinking": {"type": "enabled", "budget_tokens": 4}}
+    message = client.messages.create(**ask)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in message.content] == [("thinking", chat.reasoning), ("text", chat.content)]
+    with client.messages.stream(**ask) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == \
+        [b.model_dump() for b in message.content]
+
+    plain = client.messages.create(model=MODEL, messages=HI, max_tokens=2)
+    off = client.messages.create(model=MODEL, messages=HI, max_tokens=2,
+                                 thinking={"type": "disabled"})
+    assert off.usage.input_tokens == plain.usage.input_tokens + 6  # `<think>\n\n</think>\n\n`
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL, messages=HI, max_tokens=4,
+                               thinking={"type": "enabled", "budget_tokens": -1})
