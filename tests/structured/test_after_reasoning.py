@@ -77,6 +77,8 @@ def test_a_budget_forces_the_end_marker_after_n_thought_tokens(backend, fmt):
     # at the budget only the end marker (as its token, or its text's first byte) may follow
     assert sorted(_allowed_after(backend, None, fmt, opened + "abcde", 5)) == ["<", "</think>"]
     assert "x" in _allowed_after(backend, None, fmt, opened + "abcde</think>\n\n", 5)
+    # a budget of 0: no thought at all
+    assert sorted(_allowed_after(backend, None, fmt, "<think>", 0)) == ["<", "</think>"]
 
 
 @pytest.mark.parametrize(("spec", "text", "accepted"), [
