@@ -156,33 +156,46 @@ def test_responses_reasoning_item_before_the_message(clients):
 
 
 def test_a_thinking_budget_closes_the_thought_after_n_tokens(clients, model_path):
-    """deepseek_r1 (the block open from the first token): unbudgeted, the random model does not
-    close its thought within 8 tokens; with a budget of 4, the grammar forces `</think>` after
-    4 and an answer follows. Greedy, the thought is the unbudgeted one's first 4 tokens."""
+    """deepseek_r1 (the block open from the first token): under a budget larger than the
+    output the random model does not close its thought within 8 tokens; under a budget of 4
+    the grammar forces `</think>` after the same first 4 tokens, and an answer follows.
+    (Tokens are compared as generated, by id, not by re-tokenizing text.)"""
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    raw = clients[None].chat.completions.create(model=MODEL, messages=HI, max_tokens=8,
-                                                temperature=0).choices[0].message.content
-    assert "</think>" not in raw
-    ask = {"model": MODEL, "messages": HI, "max_tokens": 24, "temperature": 0,
-           "extra_body": {"thinking_token_budget": 4}}
-    choice = clients["deepseek_r1"].chat.completions.create(**ask).choices[0]
-    thought = choice.message.reasoning
-    assert len(tokenizer(thought, add_special_tokens=False).input_ids) <= 4
-    assert thought == tokenizer.decode(tokenizer(raw).input_ids[:4]).strip()
-    assert choice.message.content  # the answer came after the forced end marker
+
+    def run(budget: int, max_tokens: int, **kw):
+        return clients["deepseek_r1"].chat.completions.create(
+            model=MODEL, messages=HI, temperature=0, logprobs=True, max_tokens=max_tokens,
+            extra_body={"thinking_token_budget": budget, "return_tokens_as_token_ids": True},
+            **kw)
+
+    def ids(choice) -> list[int]:
+        return [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+
+    long = run(1000, 8).choices[0]
+    assert "</think>" not in tokenizer.decode(ids(long)) and long.message.content is None
+    choice = run(4, 24).choices[0]
+    assert ids(choice)[:4] == ids(long)[:4]  # the thought as it would have gone on
+    assert tokenizer.decode(ids(choice)[4:]).startswith("</think>")  # then the forced end
+    assert choice.message.reasoning == tokenizer.decode(ids(choice)[:4]).strip()
+    assert choice.message.content  # and the answer after it
     reasoning, content = [], []
-    for chunk in clients["deepseek_r1"].chat.completions.create(**ask, stream=True):
+    for chunk in run(4, 24, stream=True):
         for c in chunk.choices:
             reasoning.append(getattr(c.delta, "reasoning", None) or "")
             content.append(c.delta.content or "")
-    assert ("".join(reasoning), "".join(content)) == (thought, choice.message.content)
+    assert ("".join(reasoning), "".join(content)) == \
+        (choice.message.reasoning, choice.message.content)
 
 
 def test_reasoning_effort_maps_to_a_budget(clients):
-    """`low` is a 1024-token budget: over these 8 tokens it changes nothing."""
-    plain = _chat(clients["deepseek_r1"], max_tokens=8).choices[0].message
-    low = _chat(clients["deepseek_r1"], max_tokens=8, reasoning_effort="low").choices[0].message
-    assert (low.reasoning, low.content) == (plain.reasoning, plain.content)
+    """`low` is a budget of 1024 tokens, `high` none."""
+    def chat(**fields):
+        message = clients["deepseek_r1"].chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=8, temperature=0, **fields).choices[0].message
+        return message.reasoning, message.content
+
+    assert chat(reasoning_effort="low") == chat(extra_body={"thinking_token_budget": 1024})
+    assert chat(reasoning_effort="high") == chat()
 
 
 @pytest.mark.parametrize(("server", "fields", "param"), [
@@ -213,7 +226,7 @@ def test_anthropic_thinking_is_the_same_budget_as_thinking_blocks(clients):
     chat = clients["deepseek_r1"].chat.completions.create(
         model=MODEL, messages=HI, max_tokens=24, temperature=0,
         extra_body={"thinking_token_budget": 4}).choices[0].message
-    ask = {"model": MODEL, "messages": HI, "max_tokens": 24, "temperature": 0,
+    ask = {"model": MODEL, "messages": HI, "max_tokens": 24, "extra_body": {"temperature": 0},
            "thinking": {"type": "enabled", "budget_tokens": 4}}
     message = client.messages.create(**ask)
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
