@@ -64,7 +64,7 @@ from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
 from jengine.sharding import MeshSpec
 from jengine.text.chat import render_chat
-from jengine.text.reasoning import resolve_format, split_reasoning
+from jengine.text.reasoning import resolve_format, split_reasoning, thinking_off
 from jengine.text.tool_parsers import resolve_tool_parser, split_calls
 from jengine.text.tools import constrain, tool_setup
 
@@ -274,6 +274,7 @@ class Engine:
         reasoning_parser: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tool_call_parser: str | None = None,
+        thinking_token_budget: int | None = None,
     ) -> list[RequestOutput]:
         """`generate` over the model's chat template applied to each conversation.
 
@@ -287,13 +288,19 @@ class Engine:
         and applied to the answer after it (`jengine.text.reasoning`). `chat_template_kwargs`
         are extra template variables, e.g. `{"enable_thinking": False}`. `tool_call_parser`:
         the format of the model's own calls (`jengine.text.tool_parsers`; None: hermes;
-        'auto': chosen from the model's chat template).
+        'auto': chosen from the model's chat template). `thinking_token_budget`: the most tokens
+        the thinking may take before the end marker is forced (needs `reasoning_parser`;
+        ignored when `chat_template_kwargs` turn thinking off; `after_reasoning.py`).
         """
         setup = tool_setup(tools, tool_choice, parallel_tool_calls)
         tool_call_parser = resolve_tool_parser(tool_call_parser,
                                                getattr(self.tokenizer, "chat_template", None))
         setup = dataclasses.replace(setup, fmt=tool_call_parser)  # forced calls: its format
         fmt = resolve_format(reasoning_parser, self.tokenizer, None, chat_template_kwargs)
+        if thinking_token_budget is not None and fmt is None \
+                and not thinking_off(chat_template_kwargs):
+            raise ValueError("thinking_token_budget needs a reasoning_parser that finds a "
+                             "reasoning format")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         shown = tools if setup.active else None
         prompts = [self.render_chat(c, tools=shown, template_kwargs=chat_template_kwargs)
@@ -304,7 +311,8 @@ class Engine:
         if fmt is not None:  # llguidance only where a constraint meets a reasoning format
             from jengine.structured.after_reasoning import params_after_reasoning
 
-            params = [params_after_reasoning(p, fmt, self.tokenizer) for p in params]
+            params = [params_after_reasoning(p, fmt, self.tokenizer, thinking_token_budget)
+                      for p in params]
         outputs = self.generate(prompts, params if listed else params[0])
         for out in outputs:
             for completion in out.outputs:

@@ -17,25 +17,34 @@ qwen3_coder calls whole at the end), at once when the block closes under `auto`.
 With `--reasoning-parser` (`jengine.text.reasoning`), the thinking goes to `message.reasoning`
 and, the same text, `message.reasoning_content` (vLLM's new and old names; both null when the
 answer has none), streamed as `delta.reasoning` / `delta.reasoning_content`; `content`, the tool
-calls and the output constraint are the answer's, after the thinking.
+calls and the output constraint are the answer's, after the thinking. `thinking_token_budget`
+(or `reasoning_effort`, `EFFORT_BUDGETS`) caps the thought: the constraint grammar then forces
+the end marker after that many tokens (after_reasoning.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.sampling_params import SamplingParams
 from jengine.server.chat_request import ChatCompletionRequest
+from jengine.server.errors import bad_request
 from jengine.server.pipeline import OPENAI_FRAMING, EngineStream, Job, accept, reply, start
 from jengine.server.reply_json import StreamExtras, finite, prompt_logprobs_json, token_text, usage
 from jengine.structured.after_reasoning import params_after_reasoning
-from jengine.text.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
+from jengine.text.reasoning import (
+    ReasoningFormat,
+    ReasoningStream,
+    split_reasoning,
+    thinking_off,
+)
 from jengine.text.tool_parsers import CallStream, parse_calls, tool_stream
 from jengine.text.tools import CallStart, ToolSetup
 
@@ -49,19 +58,46 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = body.sampling_params(tools, default_max_tokens=state.config.default_max_tokens)
     request_id = state.response_id(request, body.request_id)
 
-    def reasoning(engine: Any) -> ReasoningFormat | None:
-        return state.reasoning_format(engine.tokenizer, template, body.chat_template_kwargs)
-
+    reasoning, adapt = reasoning_adapt(state, body, template)
     stream = await start(state, request, Job(
         params, lambda tokenizer: [body.render(tokenizer, messages, tools, template)], 1,
         request_id, body.max_tokens_field, body.constraint_param(),
         lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
-        lambda engine, p: params_after_reasoning(p, reasoning(engine), engine.tokenizer)))
+        adapt))
     view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
     view.tool_parser = tool_parser
     if state.config.reasoning_parser is not None:
         view.reasoning = Reasoning(reasoning(stream.engine))
     return await reply(stream, view, bool(body.stream))
+
+
+def reasoning_adapt(state: Any, body: ChatCompletionRequest, template: str | None) -> tuple[
+        Callable[[Any], ReasoningFormat | None], Callable[[Any, SamplingParams], SamplingParams]]:
+    """The request's reasoning format (per engine) and its params once the engine is known:
+    the output constraint after the thinking, the thought capped at the request's budget
+    (`thinking_token_budget` / `reasoning_effort`; a budget that cannot apply is a 400)."""
+    budget, budget_field = body.thinking_budget(state.config.reasoning_parser)
+
+    def reasoning(engine: Any) -> ReasoningFormat | None:
+        return state.reasoning_format(engine.tokenizer, template, body.chat_template_kwargs)
+
+    def adapt(engine: Any, p: SamplingParams) -> SamplingParams:
+        fmt = reasoning(engine)
+        if budget is None:
+            return params_after_reasoning(p, fmt, engine.tokenizer)
+        if fmt is None and not thinking_off(body.chat_template_kwargs):
+            raise bad_request(f"{budget_field}: --reasoning-parser auto found no reasoning "
+                              "format in this chat template, so there is no thinking to cap",
+                              budget_field)
+        try:  # thinking turned off: nothing to cap, the params stay as they are
+            return params_after_reasoning(p, fmt, engine.tokenizer, budget)
+        except ValueError as e:
+            if str(e).startswith("thinking_token_budget"):
+                raise bad_request(str(e).replace("thinking_token_budget", budget_field, 1),
+                                  budget_field) from None
+            raise
+
+    return reasoning, adapt
 
 
 class Reasoning:

@@ -3,7 +3,7 @@ tools and `tool_choice`, and the sampling fields it shares with completions (`Sa
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
@@ -21,11 +21,16 @@ from jengine.text.tools import ToolSetup, constrain, tool_setup
 
 # Fields of OpenAI's chat API this server does not implement yet: set, they give a clear 400.
 _CHAT_UNSUPPORTED = ("functions", "function_call", "audio", "prediction",
-                     "web_search_options", "reasoning_effort")
+                     "web_search_options")
+# OpenAI's reasoning_effort as a thinking budget (tokens of thought; None: no cap). The values
+# are this server's choice: a short, a moderate and an uncapped think.
+EFFORT_BUDGETS = {"low": 1024, "medium": 8192, "high": None}
 
 
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
+
+    has_reasoning: ClassVar[bool] = True
 
     messages: list[ChatMessage] = Field(..., json_schema_extra=NON_EMPTY)
     max_tokens: StrictInt | None = documented(minimum=1)
@@ -41,7 +46,7 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: StrictStr | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     # vLLM's chat extras
     chat_template: StrictStr | None = None
@@ -71,6 +76,28 @@ class ChatCompletionRequest(SamplingFields):
             chat_template=template, add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             template_kwargs=self.chat_template_kwargs, add_special_tokens=self.add_special_tokens)
+
+    def thinking_budget(self, reasoning_parser: str | None) -> tuple[int | None, str]:
+        """The most tokens the thought may take (None: no cap) and the field that set it:
+        `thinking_token_budget` (vLLM's), else `reasoning_effort` mapped by `EFFORT_BUDGETS`.
+        Either needs the server's `reasoning_parser`; a bad value is a 400 naming its field."""
+        if self.thinking_token_budget is not None:
+            budget, field = self.thinking_token_budget, "thinking_token_budget"
+            if budget < 0:
+                raise bad_request(f"thinking_token_budget must be >= 0, got {budget}", field)
+        elif self.reasoning_effort is not None:
+            field = "reasoning_effort"
+            if self.reasoning_effort not in EFFORT_BUDGETS:
+                raise bad_request(f"reasoning_effort must be one of "
+                                  f"{', '.join(EFFORT_BUDGETS)}, got {self.reasoning_effort!r}",
+                                  field)
+            budget = EFFORT_BUDGETS[self.reasoning_effort]
+        else:
+            return None, "thinking_token_budget"
+        if reasoning_parser is None:
+            raise bad_request(f"{field} needs a server started with --reasoning-parser (this one "
+                              "does not read reasoning); leave it out", field)
+        return budget, field
 
     def tool_setup(self) -> ToolSetup:
         try:

@@ -10,7 +10,10 @@ The answer is a `message` object: `id` `msg_<request id>`, `content` blocks in t
 generated (`text`, and a `tool_use` block per tool call with its `input` parsed; at least one
 block: an empty text block when nothing was generated), `stop_reason` (`end_turn`,
 `max_tokens`, `stop_sequence` with the matched `stop_sequence`, `tool_use` when calls were
-made) and `usage` (`input_tokens`: the whole rendered prompt, `output_tokens`). Streamed, the
+made) and `usage` (`input_tokens`: the whole rendered prompt, `output_tokens`). With
+`thinking: {"type": "enabled", "budget_tokens": N}` on a server with `--reasoning-parser`, the
+thought comes first as a `thinking` block (streamed as `thinking_delta`s; `signature` empty),
+capped at N tokens (chat's `thinking_token_budget`). Streamed, the
 events are Anthropic's, each sent as `event: <type>` + `data: {"type": <type>, ...}`:
 
     message_start (the message, no content), ping
@@ -35,9 +38,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from jengine.server.chat import reasoning_adapt
 from jengine.server.errors import APIError, renamed_params
 from jengine.server.messages_request import MessagesInput, MessagesRequest, messages_param
 from jengine.server.pipeline import EngineStream, Framing, Job, accept, reply, sse, start
+from jengine.text.reasoning import ReasoningStream
 from jengine.text.tool_parsers import tool_stream
 from jengine.text.tools import CallArguments, CallStart, ToolSetup
 
@@ -51,12 +56,17 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         tools = dataclasses.replace(chat.tool_setup(),
                                     fmt=state.tool_parser(state.chat_template))
         params = chat.sampling_params(tools)
+        # Thinking blocks only when asked for (`thinking` enabled): otherwise as before.
+        reasoning, adapt = reasoning_adapt(state, chat, state.chat_template)
         stream = await start(state, request, Job(
             params, lambda tokenizer: [chat.render(tokenizer, messages, tools,
                                                    state.chat_template)],
-            1, request_id, "max_tokens", chat.constraint_param()))
+            1, request_id, "max_tokens", chat.constraint_param(),
+            adapt=adapt if body.thinking_enabled else None))
     view = _MessageView(f"msg_{request_id}", state.model_name, tools,
                         state.tool_parser(state.chat_template))
+    fmt = reasoning(stream.engine) if body.thinking_enabled else None
+    view.thinking = ReasoningStream(fmt) if fmt is not None else None
     return await reply(stream, view, bool(body.stream))
 
 
@@ -93,6 +103,7 @@ class _MessageView:
         self.stop_sequence: str | None = None
         self.usage = {"input_tokens": 0, "output_tokens": 0}
         self.framing = Framing(self._failed, None)  # Anthropic sends no [DONE]
+        self.thinking: ReasoningStream | None = None  # `thinking` enabled: the split
 
     def message(self) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -153,6 +164,27 @@ class _MessageView:
             self.stop_reason = "end_turn"
 
     def _pieces(self, text: str, last: bool) -> Iterator[str]:
+        if self.thinking is None:
+            yield from self._answer(text, last)
+            return
+        for kind, piece in self.thinking.feed(text) + (self.thinking.finish() if last else []):
+            if kind == "reasoning":
+                yield from self._thought(piece)
+            else:
+                yield from self._answer(piece, False)
+        if last:
+            yield from self._answer("", True)
+
+    def _thought(self, piece: str) -> Iterator[str]:
+        """Thinking as Anthropic's `thinking` block (its `signature` empty: nothing signs it
+        here, and a client sends the block back only to be dropped, as templates do)."""
+        if self.open is None or self.content[self.open]["type"] != "thinking":
+            yield from self._open({"type": "thinking", "thinking": "", "signature": ""})
+        self.content[self.open]["thinking"] += piece
+        yield _event("content_block_delta", index=self.open,
+                     delta={"type": "thinking_delta", "thinking": piece})
+
+    def _answer(self, text: str, last: bool) -> Iterator[str]:
         if self.parser is None:
             pieces: list = [text] if text else []
         else:

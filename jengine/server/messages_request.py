@@ -14,10 +14,13 @@ chat route's checks, template, tool prompt, tool grammar and sampling apply unch
                                          `disable_parallel_tool_use`: `parallel_tool_calls` false
     stop_sequences, top_k                stop, top_k
     output_config.format (json_schema)   response_format (the output is constrained to it)
+    thinking enabled, budget_tokens N    thinking_token_budget N (needs --reasoning-parser;
+                                         the reply's thinking goes to `thinking` blocks)
+    thinking disabled                    chat_template_kwargs.enable_thinking false
 
 Image, document and server-tool blocks are a 400 naming the block; `thinking` and
-`redacted_thinking` blocks of earlier assistant turns are dropped (nothing here generates them,
-and chat templates leave out earlier turns' reasoning); `cache_control` is accepted anywhere and
+`redacted_thinking` blocks of earlier assistant turns are dropped (chat templates leave out
+earlier turns' reasoning); `cache_control` is accepted anywhere and
 ignored (the prefix cache is automatic). Errors from the chat path name this API's fields.
 """
 
@@ -71,7 +74,7 @@ class MessagesInput(BaseModel):
     system: StrictStr | list[dict[str, Any]] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None  # {"type": "disabled"} only
+    thinking: dict[str, Any] | None = None  # enabled (+ budget_tokens) or disabled
     output_config: dict[str, Any] | None = None  # format (json_schema); effort refused
     # accepted and ignored, as they do not change what is generated here
     cache_control: dict[str, Any] | None = None
@@ -83,9 +86,6 @@ class MessagesInput(BaseModel):
     def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
         """The chat request this one means (with chat's `sampling` fields); a 400 in this
         route's field names."""
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise bad_request("thinking is not supported yet: the server does not split "
-                              "reasoning from the answer (leave thinking out)", "thinking")
         if not self.messages:
             raise bad_request("messages must be a non-empty list", "messages")
         messages = [] if self.system is None else [
@@ -93,7 +93,8 @@ class MessagesInput(BaseModel):
         for i, message in enumerate(self.messages):
             messages += _chat_messages(i, message)
         fields: dict[str, Any] = {"model": self.model, "messages": messages,
-                                  "response_format": self._response_format(), **sampling}
+                                  "response_format": self._response_format(), **sampling,
+                                  **self._thinking()}
         if self.tools:
             fields["tools"] = [{"type": "function", "function": {
                 "name": t.name, "parameters": t.input_schema,
@@ -108,6 +109,27 @@ class MessagesInput(BaseModel):
         except ValidationError as e:
             message, param = validation_message(list(e.errors()))
             raise bad_request(message, messages_param(param)) from None
+
+    def _thinking(self) -> dict[str, Any]:
+        """`thinking` as chat's fields: `enabled` with `budget_tokens` is a thinking budget
+        (the server needs `--reasoning-parser`; the reply then has `thinking` blocks),
+        `disabled` is `chat_template_kwargs.enable_thinking: false` (Qwen3's, SmolLM3's switch;
+        a template without it renders as before)."""
+        if self.thinking is None:
+            return {}
+        kind, budget = self.thinking.get("type"), self.thinking.get("budget_tokens")
+        if kind == "disabled":
+            return {"chat_template_kwargs": {"enable_thinking": False}}
+        if kind != "enabled":
+            raise bad_request("thinking.type must be 'enabled' or 'disabled'", "thinking")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise bad_request(f"thinking.budget_tokens must be an integer >= 0, got {budget!r}",
+                              "thinking")
+        return {"thinking_token_budget": budget}
+
+    @property
+    def thinking_enabled(self) -> bool:
+        return self.thinking is not None and self.thinking.get("type") == "enabled"
 
     def _response_format(self) -> dict[str, Any] | None:
         """`output_config.format` as chat's `response_format`."""
@@ -238,6 +260,7 @@ def _string(block: dict[str, Any], key: str, at: str) -> str:
 
 # Chat's field names in errors, as this route calls them.
 _RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
+            "thinking_token_budget": "thinking", "chat_template_kwargs": "thinking",
             "parallel_tool_calls": "tool_choice", "response_format": "output_config"}
 
 

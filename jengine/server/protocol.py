@@ -18,7 +18,7 @@ whose ValueError becomes a 400 with the same message.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -128,6 +128,9 @@ class SamplingFields(BaseModel):
     use_beam_search: StrictBool | None = None
     length_penalty: Float | None = None
 
+    # Whether the route reads reasoning (chat): elsewhere a thinking budget is a 400.
+    has_reasoning: ClassVar[bool] = False
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -170,9 +173,9 @@ class SamplingFields(BaseModel):
         if self.length_penalty is not None and self.length_penalty != 1.0:
             raise bad_request("length_penalty only applies to beam search, which is not "
                               "supported; leave it at 1.0", "length_penalty")
-        if self.thinking_token_budget is not None:
-            raise bad_request("thinking_token_budget is not supported (no budget is enforced "
-                              "on reasoning); leave it out", "thinking_token_budget")
+        if self.thinking_token_budget is not None and not self.has_reasoning:
+            raise bad_request("thinking_token_budget applies to chat completions on a server "
+                              "with --reasoning-parser; leave it out", "thinking_token_budget")
         if self.vllm_xargs:
             raise bad_request("vllm_xargs is not supported: this server has no custom logits "
                               "processors to pass arguments to", "vllm_xargs")

@@ -13,8 +13,17 @@ thinking before it. The constraint becomes one Lark grammar that llguidance runs
     answer: the request's constraint, as a nested grammar (`%json`, `%lark`) or a regex
 
 A marker that is one token of the vocabulary (Qwen3's `<think>`) is matched as that token or as
-its text. A constraint that writes the block itself (its text holds a start or end marker) is
-left as it is: it constrains the whole output.
+its text. A constraint that writes the block itself (its text holds a start or end marker)
+is left as it is: it constrains the whole output.
+
+A thinking budget (`thinking_token_budget`) caps the thought at N tokens with llguidance's
+`max_tokens` on the rule that reads it: `reasoning: START thought END /\\n{0,2}/` where
+`thought[max_tokens=N]` is text without the end marker; once N tokens are written the rule ends
+and only the end marker may follow, so the answer comes after at most N tokens of thinking.
+Without a request constraint the answer is free text (not another opened block). The budget
+needs an end marker that is one token (`</think>` of the `<think>` families): a text marker
+(granite's) would end the budgeted lexeme inside itself, which is why the unbudgeted grammar
+reads thought and marker as one lexeme.
 """
 
 from __future__ import annotations
@@ -33,10 +42,15 @@ from jengine.text.reasoning import ReasoningFormat
 _RUST_META = re.compile(r"([\\.+*?()|\[\]{}^$#&\-~/])")
 
 
-def after_reasoning(spec: StructuredOutputs, fmt: ReasoningFormat,
-                    special_tokens: set[str]) -> StructuredOutputs:
+def after_reasoning(spec: StructuredOutputs | None, fmt: ReasoningFormat,
+                    special_tokens: set[str], budget: int | None = None) -> StructuredOutputs:
     """`spec` with an optional (or, for a template-opened block, required) reasoning block
-    allowed before it. `special_tokens`: the vocabulary's added tokens, matched as tokens."""
+    allowed before it. `special_tokens`: the vocabulary's added tokens, matched as tokens.
+    `budget`: the most tokens the thought may take (None: no cap; `spec` None: a free answer)."""
+    if budget is not None:
+        return _budgeted(spec, fmt, special_tokens, budget)
+    if spec is None:
+        raise ValueError("structured_outputs: no constraint set")
     if any(marker in _spec_text(spec) for marker in fmt.starts + fmt.ends):
         return spec
     start = " | ".join([json.dumps(m) for m in fmt.starts] + _tokens(fmt.starts, special_tokens))
@@ -52,6 +66,32 @@ def after_reasoning(spec: StructuredOutputs, fmt: ReasoningFormat,
             f"THOUGHT: /(?s:.*)/ & ~/(?s:.*({ends}).*)/\n"
             f"answer: {_answer(spec)}\n")
     return StructuredOutputs(grammar=lark)
+
+
+def _budgeted(spec: StructuredOutputs | None, fmt: ReasoningFormat, special_tokens: set[str],
+              budget: int) -> StructuredOutputs:
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"thinking_token_budget must be a non-negative integer, got {budget!r}")
+    end_tokens = _tokens(fmt.ends, special_tokens)
+    if not end_tokens:
+        raise ValueError(f"thinking_token_budget needs a reasoning end marker that is one token "
+                         f"of the vocabulary; {fmt.name}'s {fmt.ends[0]!r} is not")
+    if spec is not None and any(m in _spec_text(spec) for m in fmt.starts + fmt.ends):
+        raise ValueError("thinking_token_budget: the output constraint writes the reasoning "
+                         "block itself, so the budget cannot apply")
+    start = " | ".join([json.dumps(m) for m in fmt.starts] + _tokens(fmt.starts, special_tokens))
+    opening = f"({start})?" if fmt.implicit_start else f"({start})"
+    close = " | ".join(end_tokens + [json.dumps(m) for m in fmt.ends])
+    ends = "|".join(_rust_escape(m) for m in fmt.ends)
+    starts = "|".join(_rust_escape(m) for m in fmt.starts)
+    optional = "" if fmt.implicit_start else "?"
+    answer = _answer(spec) if spec is not None else "ANSWER"
+    return StructuredOutputs(grammar=(
+        f"start: reasoning{optional} answer\n"
+        f"reasoning: {opening} thought ({close}) /\\n{{0,2}}/\n"
+        f"thought[max_tokens={budget}]: /(?s:.*)/ & ~/(?s:.*({ends}).*)/\n"
+        f"answer: {answer}\n"
+        f"ANSWER: /(?s:.*)/ & ~/(?s:\\s*({starts}).*)/\n"))
 
 
 def _tokens(markers: tuple[str, ...], special_tokens: set[str]) -> list[str]:
@@ -92,11 +132,13 @@ def _rust_escape(text: str) -> str:
 
 
 def params_after_reasoning(params: SamplingParams, fmt: ReasoningFormat | None,
-                           tokenizer: Any) -> SamplingParams:
-    """`params` whose output constraint, if any, applies after `fmt`'s reasoning block
-    (unchanged without a format or a constraint)."""
+                           tokenizer: Any, budget: int | None = None) -> SamplingParams:
+    """`params` whose output constraint, if any, applies after `fmt`'s reasoning block, and
+    whose thought is capped at `budget` tokens (unchanged without a format, or without a
+    constraint and a budget: thinking turned off leaves nothing to cap)."""
     spec = params.structured_outputs
-    if fmt is None or spec is None:
+    if fmt is None or (spec is None and budget is None):
         return params
     special = set(tokenizer.get_added_vocab()) if hasattr(tokenizer, "get_added_vocab") else set()
-    return dataclasses.replace(params, structured_outputs=after_reasoning(spec, fmt, special))
+    return dataclasses.replace(params,
+                               structured_outputs=after_reasoning(spec, fmt, special, budget))

@@ -31,3 +31,13 @@ def test_chat_splits_reasoning_from_the_answer(tmp_path):
     assert off.reasoning is None and off.text.startswith("<think>")
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         engine.chat(HI, params, reasoning_parser="r1")
+
+    # a thinking budget: `</think>` forced after 3 tokens of thought, then the answer
+    free = SamplingParams(max_tokens=16, temperature=0)
+    [[capped]] = [o.outputs for o in engine.chat(HI, free, reasoning_parser="deepseek_r1",
+                                                 thinking_token_budget=3)]
+    tokenizer = engine.tokenizer
+    assert tokenizer.decode(capped.token_ids[3:]).startswith("</think>")
+    assert capped.reasoning == tokenizer.decode(capped.token_ids[:3]).strip()
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        engine.chat(HI, free, thinking_token_budget=3)  # no reasoning parser

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
+import transformers
 from local_server import serving  # tests/local_server.py
 from tiny_models import qwen3_thinking  # tests/tiny_models.py
 
@@ -39,10 +41,15 @@ def _flags(*argv: str) -> ServerConfig:
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory):
+def model_path(tmp_path_factory):
+    return qwen3_thinking(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def clients(model_path):
     """OpenAI clients of four servers over one engine: `--reasoning-parser` qwen3, none,
     deepseek_r1 and auto."""
-    path = qwen3_thinking(tmp_path_factory.mktemp("qwen3"))
+    path = model_path
     engine = AsyncEngine(str(path), config=ONE_BUCKET, progress=False)
     configs = {"qwen3": _flags("--reasoning-parser", "qwen3"), None: _flags(),
                "deepseek_r1": _flags("--reasoning-parser", "deepseek_r1"),
@@ -146,3 +153,93 @@ def test_responses_reasoning_item_before_the_message(clients):
     added = [e.item.type for e in events if e.type == "response.output_item.added"]
     assert added == ["reasoning", "message"]
     assert events[-1].response.output[0].content[0].text == raw.strip()
+
+
+def test_a_thinking_budget_closes_the_thought_after_n_tokens(clients, model_path):
+    """deepseek_r1 (the block open from the first token): under a budget larger than the
+    output the random model does not close its thought within 8 tokens; under a budget of 4
+    the grammar forces `</think>` after the same first 4 tokens, and an answer follows.
+    (Tokens are compared as generated, by id, not by re-tokenizing text.)"""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+
+    def run(budget: int, max_tokens: int, **kw):
+        return clients["deepseek_r1"].chat.completions.create(
+            model=MODEL, messages=HI, temperature=0, logprobs=True, max_tokens=max_tokens,
+            extra_body={"thinking_token_budget": budget, "return_tokens_as_token_ids": True},
+            **kw)
+
+    def ids(choice) -> list[int]:
+        return [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+
+    long = run(1000, 8).choices[0]
+    assert "</think>" not in tokenizer.decode(ids(long)) and long.message.content is None
+    choice = run(4, 24).choices[0]
+    assert ids(choice)[:4] == ids(long)[:4]  # the thought as it would have gone on
+    assert tokenizer.decode(ids(choice)[4:]).startswith("</think>")  # then the forced end
+    assert choice.message.reasoning == tokenizer.decode(ids(choice)[:4]).strip()
+    assert choice.message.content  # and the answer after it
+    reasoning, content = [], []
+    for chunk in run(4, 24, stream=True):
+        for c in chunk.choices:
+            reasoning.append(getattr(c.delta, "reasoning", None) or "")
+            content.append(c.delta.content or "")
+    assert ("".join(reasoning), "".join(content)) == \
+        (choice.message.reasoning, choice.message.content)
+
+
+def test_reasoning_effort_maps_to_a_budget(clients):
+    """`low` is a budget of 1024 tokens, `high` none."""
+    def chat(**fields):
+        message = clients["deepseek_r1"].chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=8, temperature=0, **fields).choices[0].message
+        return message.reasoning, message.content
+
+    assert chat(reasoning_effort="low") == chat(extra_body={"thinking_token_budget": 1024})
+    assert chat(reasoning_effort="high") == chat()
+
+
+@pytest.mark.parametrize(("server", "fields", "param"), [
+    ("qwen3", {"thinking_token_budget": -1}, "thinking_token_budget"),
+    ("qwen3", {"thinking_token_budget": "8"}, "thinking_token_budget"),
+    ("qwen3", {"thinking_token_budget": 2.5}, "thinking_token_budget"),
+    ("qwen3", {"reasoning_effort": "extreme"}, "reasoning_effort"),
+    (None, {"thinking_token_budget": 8}, "thinking_token_budget"),  # no reasoning parser
+    (None, {"reasoning_effort": "low"}, "reasoning_effort"),
+])
+def test_a_bad_or_unusable_budget_is_a_400_naming_the_field(clients, server, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        clients[server].chat.completions.create(model=MODEL, messages=HI, max_tokens=4,
+                                                extra_body=fields)
+    assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:  # completions read no reasoning
+        clients["qwen3"].completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                            extra_body={"thinking_token_budget": 4})
+    assert e.value.body["param"] == "thinking_token_budget"
+    assert _chat(clients["qwen3"]).choices[0].message.reasoning  # still serving
+
+
+def test_anthropic_thinking_is_the_same_budget_as_thinking_blocks(clients):
+    """`/v1/messages` with `thinking` enabled: chat's budgeted split, as a `thinking` block
+    before the text, whole and streamed alike; `disabled` renders Qwen3's empty block."""
+    url = str(clients["deepseek_r1"].base_url).rstrip("/").removesuffix("/v1")
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
+    chat = clients["deepseek_r1"].chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=24, temperature=0,
+        extra_body={"thinking_token_budget": 4}).choices[0].message
+    ask = {"model": MODEL, "messages": HI, "max_tokens": 24, "extra_body": {"temperature": 0},
+           "thinking": {"type": "enabled", "budget_tokens": 4}}
+    message = client.messages.create(**ask)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in message.content] == [("thinking", chat.reasoning), ("text", chat.content)]
+    with client.messages.stream(**ask) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == \
+        [b.model_dump() for b in message.content]
+
+    plain = client.messages.create(model=MODEL, messages=HI, max_tokens=2)
+    off = client.messages.create(model=MODEL, messages=HI, max_tokens=2,
+                                 thinking={"type": "disabled"})
+    assert off.usage.input_tokens == plain.usage.input_tokens + 6  # `<think>\n\n</think>\n\n`
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL, messages=HI, max_tokens=4,
+                               thinking={"type": "enabled", "budget_tokens": -1})
