@@ -14,17 +14,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema
 
 from jengine.server.errors import bad_request
-from jengine.server.protocol import TOKEN_ID_SCHEMA
+from jengine.server.protocol import PROMPT_SCHEMA
 
 Prompt = str | list[int]
 
-_INPUT_SCHEMA = {"anyOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
-    {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
-    {"type": "array", "items": {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
-     "minItems": 1},
-]}
 _TEXTS_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "items": {"type": "string", "minLength": 1},
                             "minItems": 1}]}
@@ -48,7 +41,7 @@ class PoolingFields(BaseModel):
 class EmbeddingRequest(PoolingFields):
     """`POST /v1/embeddings`."""
 
-    input: Annotated[Any, WithJsonSchema(_INPUT_SCHEMA)] = Field(...)
+    input: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)] = Field(...)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, json_schema_extra={"minimum": 1})
 

@@ -41,8 +41,8 @@ from jengine.server.errors import bad_request
 TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "x-token-id": True}
 TokenId = Annotated[StrictInt, WithJsonSchema(TOKEN_ID_SCHEMA)]
 NON_EMPTY = {"minItems": 1}
-# `prompt` (the handler checks it: `CompletionRequest.prompts`).
-_PROMPT_SCHEMA = {"anyOf": [
+# `prompt` (the handler checks it: `CompletionRequest.prompts`); embeddings' `input` too.
+PROMPT_SCHEMA = {"anyOf": [
     {"type": "string", "minLength": 1},
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
     {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
@@ -235,7 +235,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
-    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = Field(...)
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)] = Field(...)
     max_tokens: StrictInt | None = Field(16, json_schema_extra={"minimum": 0})  # 0: echo only
     echo: StrictBool | None = False
     logprobs: StrictInt | None = documented(**MAX_LOGPROBS)
