@@ -9,6 +9,7 @@ returns one whole `RequestOutput` per prompt instead.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
@@ -49,6 +50,11 @@ class ToolCall:
     id: str
     name: str
     arguments: str
+
+
+def new_call_id() -> str:
+    """A fresh `ToolCall.id` in OpenAI's form (`call_` and 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclasses.dataclass

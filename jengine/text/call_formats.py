@@ -19,11 +19,10 @@ from __future__ import annotations
 import ast
 import json
 import re
-import uuid
 from collections.abc import Callable
 from typing import Any
 
-from jengine.outputs import ToolCall
+from jengine.outputs import ToolCall, new_call_id
 from jengine.text.tools import CallArguments, CallStart, _partial_prefix
 
 Piece = str | CallStart | CallArguments
@@ -42,7 +41,7 @@ def _call(name: Any, args: Any) -> ToolCall | None:
     args = {} if args is None else args
     if not isinstance(args, dict):
         return None
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name.strip(),
+    return ToolCall(id=new_call_id(), name=name.strip(),
                     arguments=json.dumps(args, ensure_ascii=False))
 
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 
-from jengine.outputs import ToolCall
+from jengine.outputs import ToolCall, new_call_id
 from jengine.text.tools import CallArguments, CallStart
 
 _N = r"([A-Za-z0-9_.\-]{1,64})"
@@ -45,7 +44,7 @@ class ForcedJsonStream:
                 m = self.head.search(self._buf, self._pos)
                 if m is None:
                     return out
-                out.append(CallStart(self.num_calls, f"call_{uuid.uuid4().hex[:24]}",
+                out.append(CallStart(self.num_calls, new_call_id(),
                                      m.group(1)))
                 self.num_calls += 1
                 self._pos = m.end()

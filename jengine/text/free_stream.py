@@ -18,10 +18,9 @@ fragments always join into the whole response's `arguments`.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 
-from jengine.outputs import ToolCall
+from jengine.outputs import ToolCall, new_call_id
 from jengine.text.call_formats import ARGS, DS_BEGIN, TOOL_CALLS, HeldCallStream, Piece
 from jengine.text.forced_stream import JsonScanner
 from jengine.text.tools import CallArguments, CallStart, _partial_prefix
@@ -156,7 +155,7 @@ class FreeJsonStream(HeldCallStream):
                     if state == "fail" and self._phase == "first":
                         self._phase = "fallback"
                     return  # partial: wait; fail after a call: the rest is read at finish
-                out.append(CallStart(self.num_calls, _new_id(), name or ""))
+                out.append(CallStart(self.num_calls, new_call_id(), name or ""))
                 self.num_calls += 1
                 self._phase, self._pos, self._scanner = "args", end, JsonScanner(end)
             if self._phase != "args":
@@ -177,9 +176,6 @@ class FreeJsonStream(HeldCallStream):
                 return
             self._phase = "after"
 
-
-def _new_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def read_stream(stream: FreeJsonStream, text: str) -> tuple[str | None, list[ToolCall]]:

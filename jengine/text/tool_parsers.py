@@ -27,11 +27,10 @@ as generated; forced pythonic and qwen3_coder calls go out whole at the end.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from typing import Any
 
-from jengine.outputs import CompletionOutput, ToolCall
+from jengine.outputs import CompletionOutput, ToolCall, new_call_id
 from jengine.text.call_formats import (
     DS_BEGIN,
     TOOL_CALLS,
@@ -183,7 +182,7 @@ def _llama3_call(data: Any) -> ToolCall | None:
             return None
     if not isinstance(args, dict) or set(data) - {"name", "parameters", "arguments", "type"}:
         return None
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=data["name"],
+    return ToolCall(id=new_call_id(), name=data["name"],
                     arguments=json.dumps(args, ensure_ascii=False))
 
 

@@ -25,10 +25,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 from typing import Any
 
-from jengine.outputs import ToolCall
+from jengine.outputs import ToolCall, new_call_id
 from jengine.sampling_params import SamplingParams, StructuredOutputs
 from jengine.text.forced_calls import forced_grammar
 
@@ -188,7 +187,7 @@ def parse_call(body: str) -> ToolCall | None:
     args = data.get("arguments", data.get("parameters", {}))
     if not isinstance(args, dict):
         return None
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=data["name"],
+    return ToolCall(id=new_call_id(), name=data["name"],
                     arguments=json.dumps(args, ensure_ascii=False))
 
 
@@ -298,7 +297,7 @@ class ToolCallStream:
             head = _HEAD.match(self._buf, len(OPEN))
             if head is None:
                 return
-            out.append(CallStart(self.num_calls, f"call_{uuid.uuid4().hex[:24]}", head.group(1)))
+            out.append(CallStart(self.num_calls, new_call_id(), head.group(1)))
             self.num_calls += 1
             self._space, self._sent = "", head.end()
             self._args_begun = False
