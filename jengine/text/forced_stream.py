@@ -96,17 +96,27 @@ class JsonScanner:
         return -1
 
 
+def collect(pieces: list) -> tuple[list[str], dict[int, tuple[str, str]], dict[int, str]]:
+    """A call stream's pieces gathered: (content texts, call index -> (id, name), call index ->
+    its argument text joined), so a whole output is read as its stream sends it."""
+    content: list[str] = []
+    names: dict[int, tuple[str, str]] = {}
+    args: dict[int, str] = {}
+    for piece in pieces:
+        if isinstance(piece, str):
+            content.append(piece)
+        elif isinstance(piece, CallStart):
+            names[piece.index] = (piece.id, piece.name)
+        else:
+            args[piece.index] = args.get(piece.index, "") + piece.text
+    return content, names, args
+
+
 def read_forced_json(head: re.Pattern[str], text: str) -> list[ToolCall]:
     """The calls of a whole forced output, as `ForcedJsonStream` streams them (arguments the very
     text generated); a call cut off, or whose arguments are not a JSON object, is dropped."""
     stream = ForcedJsonStream(head)
-    names: dict[int, tuple[str, str]] = {}
-    args: dict[int, str] = {}
-    for piece in stream.feed(text) + stream.finish():
-        if isinstance(piece, CallStart):
-            names[piece.index] = (piece.id, piece.name)
-        else:
-            args[piece.index] = args.get(piece.index, "") + piece.text
+    _, names, args = collect(stream.feed(text) + stream.finish())
     calls = []
     for i in stream.complete:
         try:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from jengine.outputs import ToolCall, new_call_id
 from jengine.text.call_formats import ARGS, DS_BEGIN, TOOL_CALLS, HeldCallStream, Piece
-from jengine.text.forced_stream import JsonScanner
+from jengine.text.forced_stream import JsonScanner, collect
 from jengine.text.tools import CallArguments, CallStart, _partial_prefix
 
 # The syntax is a token sequence: a literal string, WS (any whitespace), NAME (a function
@@ -180,16 +180,7 @@ class FreeJsonStream(HeldCallStream):
 
 def read_stream(stream: FreeJsonStream, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole output as `stream` streams it, so the two readings agree."""
-    content: list[str] = []
-    names: dict[int, tuple[str, str]] = {}
-    args: dict[int, str] = {}
-    for piece in stream.feed(text) + stream.finish():
-        if isinstance(piece, str):
-            content.append(piece)
-        elif isinstance(piece, CallStart):
-            names[piece.index] = (piece.id, piece.name)
-        else:
-            args[piece.index] = args.get(piece.index, "") + piece.text
+    content, names, args = collect(stream.feed(text) + stream.finish())
     calls = [ToolCall(id=cid, name=name, arguments=args.get(i, ""))
              for i, (cid, name) in sorted(names.items())]
     text_out = "".join(content).strip()
