@@ -181,6 +181,13 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     expert_groups: int = 0
     topk_groups: int = 0
+    # DeepSeek-V3's router ("sigmoid", its `noaux_tc`): sigmoid scores; the experts and groups
+    # are chosen by score + a per-expert bias (`router_bias`), a group ranked by its two best,
+    # and the chosen experts weighted by their unbiased scores (renormalised with
+    # `norm_topk_prob`). "softmax": DeepSeek-V2's.
+    router_scoring: str = "softmax"
+    # DeepSeek-V3's multi-token-prediction layers after the last layer: their weights skipped.
+    mtp_layers: int = 0
     # Granite's scalars: embeddings x embedding_multiplier, each residual branch x
     # residual_multiplier, softmax scale = attention_multiplier, logits / logits_scaling.
     embedding_multiplier: float = 1.0
