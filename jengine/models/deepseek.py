@@ -54,6 +54,7 @@ from jengine.models.weight_rules import (
     Rule,
     experts_t,
     heads_of,
+    mtp_layers_skipped,
     o_heads_of,
     same,
     transposed,
@@ -110,13 +111,8 @@ LAYER_KEYS = (
 
 
 def layer_offsets(cfg: ModelConfig) -> dict[str, int]:
-    """The first layer of each weight that stacks only some layers: the dense MLP from 0, the
-    MoE from `first_dense_layers` (see `layers.unstack_layers`, `converters.tables.lookup`)."""
-    if cfg.first_dense_layers in (0, cfg.num_layers):
-        return {}
-    offsets = dict.fromkeys(DENSE_KEYS, 0)
-    offsets.update(dict.fromkeys(moe.LAYER_KEYS, cfg.first_dense_layers))
-    return offsets
+    """The dense MLP's weights stack from layer 0, the MoE's from `first_dense_layers`."""
+    return moe.layer_offsets(cfg, DENSE_KEYS)
 
 
 def smoothing_folds(cfg: ModelConfig) -> tuple:
@@ -297,12 +293,8 @@ def _weight_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
     qk = heads_of(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     attn = LAYER + r"self_attn\."
     mlp = LAYER + r"mlp\."
-    # V3's multi-token-prediction layers follow the last one (`num_nextn_predict_layers`); not
-    # run (a speculative draft they could be), so their weights are skipped.
-    mtp = tuple((rf"model\.layers\.{cfg.num_layers + i}\..*", (), same)
-                for i in range(cfg.mtp_layers))
     return (
-        *mtp,
+        *mtp_layers_skipped(cfg),
         (r"model\.embed_tokens\.weight", "embed", same),
         (r"model\.norm\.weight", "final_norm", same),
         (r"lm_head\.weight", "lm_head", transposed),

@@ -81,6 +81,24 @@ LAYER_KEYS = ("router", "router_bias", "we_gate", "we_up", "we_down", "ws_router
               "ws_up", "ws_down")
 
 
+def layer_offsets(cfg: ModelConfig, dense_keys: tuple[str, ...]) -> dict[str, int]:
+    """The first layer of each weight that stacks only some layers when the first
+    `first_dense_layers` layers are dense (DeepSeek, GLM-4.5): the dense MLP's `dense_keys` from
+    0, the MoE's from `first_dense_layers`; {} when every layer is of one kind (see
+    `layers.unstack_layers`, `converters.tables.lookup`)."""
+    if cfg.first_dense_layers in (0, cfg.num_layers):
+        return {}
+    offsets = dict.fromkeys(dense_keys, 0)
+    offsets.update(dict.fromkeys(LAYER_KEYS, cfg.first_dense_layers))
+    return offsets
+
+
+def router_of(cfg: ModelConfig):
+    """The routing function `moe_mlp` takes for `cfg`: DeepSeek's (and GLM-4.5's, which is
+    DeepSeek-V3's) where the scores are sigmoid, HF's softmax top-k otherwise."""
+    return route_deepseek if cfg.router_scoring == "sigmoid" else route
+
+
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """[T, E] -> (chosen experts [T, k] int32, their weights [T, k] float32), as HF routes."""
     logits = dot("te,ex->tx", h, router).astype(h.dtype)  # HF's router runs in the model dtype
