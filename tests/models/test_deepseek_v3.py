@@ -98,19 +98,27 @@ def test_deepseek_v3_skips_its_mtp_layer(tmp_path):
     assert loaded.config.mtp_layers == 1 and loaded.config.num_layers == 2
 
 
-def test_deepseek_v3_engine_greedy_matches_hf(tmp_path):
+def engine_greedy_matches_hf(tmp_path, config, model_cls, runs) -> None:
+    """A tiny random model (with a random correction bias) served by the engine under each of
+    `runs` (Engine kwargs) gives HF's 16 greedy tokens for three prompts decoded together."""
     models: list = []
-    _build(tmp_path, _config(), transformers.DeepseekV3ForCausalLM,
-           edit=lambda m: (_random_bias(m), models.append(m)), greedy=False)
+    _build(tmp_path, config, model_cls, edit=lambda m: (_random_bias(m), models.append(m)),
+           greedy=False)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 19, 11)]
     expected = _greedy_hf(models[0], prompts, 16)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    for kwargs in ({"attention_backend": "cpu"}, {"attention_backend": "cpu", "mesh": "tp=2"}):
+    for kwargs in runs:
         engine = Engine(str(tmp_path), config=ONE_BUCKET, dtype="float32",
                         kv_cache_memory="4MiB", max_model_len=64, **kwargs)
         outs = engine.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
+
+
+def test_deepseek_v3_engine_greedy_matches_hf(tmp_path):
+    engine_greedy_matches_hf(tmp_path, _config(), transformers.DeepseekV3ForCausalLM,
+                             ({"attention_backend": "cpu"},
+                              {"attention_backend": "cpu", "mesh": "tp=2"}))
 
 
 def test_deepseek_v3_gguf(tmp_path):

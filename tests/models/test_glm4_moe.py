@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import transformers
-from test_deepseek import ONE_BUCKET, _greedy_hf, _num_params
-from test_deepseek_v3 import _random_bias
+from test_deepseek import _num_params
+from test_deepseek_v3 import _random_bias, engine_greedy_matches_hf
 from test_models_parity import TOL, VOCAB, _build, _max_diff
-
-from jengine import Engine, SamplingParams
 
 
 def _config(**kw):
@@ -57,15 +54,5 @@ def test_glm4_moe(tmp_path):
 
 
 def test_glm4_moe_engine_greedy_matches_hf(tmp_path):
-    models: list = []
-    _build(tmp_path, _config(), transformers.Glm4MoeForCausalLM,
-           edit=lambda m: (_random_bias(m), models.append(m)), greedy=False)
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 19, 11)]
-    expected = _greedy_hf(models[0], prompts, 16)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    for kwargs in ({}, {"mesh": "tp=2"}):
-        engine = Engine(str(tmp_path), config=ONE_BUCKET, dtype="float32",
-                        kv_cache_memory="4MiB", max_model_len=64, **kwargs)
-        outs = engine.generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in outs] == expected, kwargs
+    engine_greedy_matches_hf(tmp_path, _config(), transformers.Glm4MoeForCausalLM,
+                             ({}, {"mesh": "tp=2"}))
