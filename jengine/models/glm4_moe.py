@@ -6,7 +6,8 @@ Llama's) and, with `use_qk_norm`, a per-head q/k RMSNorm as Qwen3's. The MLP is 
 first `first_k_dense_replace` layers, then DeepSeek-V3's MoE: sigmoid router scores with a
 per-expert correction bias choosing groups and experts (`moe._route_sigmoid`), renormalised
 top-k weights (`norm_topk_prob`) x `routed_scaling_factor`, plus un-gated shared experts. Its
-checkpoints carry multi-token-prediction layers after the last one (skipped).
+checkpoints carry multi-token-prediction layers after the last one (skipped), and so do
+llama.cpp's `glm4moe` files (counted in their block count, their own tensors under `nextn.`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from jengine.models.config import ModelConfig
-from jengine.models.family import Family, ModelType
+from jengine.models.family import Family, GGUFHeader, ModelType
 from jengine.models.llama import NETWORK
 from jengine.models.llama_variants import LLAMA_RULES
 from jengine.models.weight_rules import LAYER, Rule, mtp_layers_skipped, same, transposed
 
 _GLM_RULES: tuple[Rule, ...] = (
-    (LAYER + r"mlp\.gate\.e_score_correction_bias", "router_bias", same),
+    (LAYER + r"mlp\.gate\.e_score_correction[._]bias", "router_bias", same),  # HF's, GGUF's
     (LAYER + r"mlp\.shared_experts\.gate_proj\.weight", "ws_gate", transposed),
     (LAYER + r"mlp\.shared_experts\.up_proj\.weight", "ws_up", transposed),
     (LAYER + r"mlp\.shared_experts\.down_proj\.weight", "ws_down", transposed),
@@ -52,6 +53,29 @@ def _fields(hf: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gguf_config(gguf: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """llama.cpp's `glm4moe` keys as HF's. Its block count includes the multi-token-prediction
+    layers (`nextn_predict_layers`), whose tensors it writes after the last layer."""
+    nextn = int(gguf.get("nextn_predict_layers", 0))
+    rope = gguf.get("rope.dimension_count")
+    cfg.update(
+        num_hidden_layers=cfg["num_hidden_layers"] - nextn,
+        num_nextn_predict_layers=nextn,
+        n_routed_experts=int(gguf.get("expert_count")),
+        num_experts_per_tok=int(gguf.get("expert_used_count")),
+        n_shared_experts=int(gguf.get("expert_shared_count", 0)),
+        moe_intermediate_size=int(gguf.get("expert_feed_forward_length")),
+        first_k_dense_replace=int(gguf.get("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(gguf.get("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(gguf.get("expert_weights_norm", True)),
+        n_group=int(gguf.get("expert_group_count", 1)),
+        topk_group=int(gguf.get("expert_group_used_count", 1)),
+        attention_bias=gguf.has_tensor("blk.0.attn_q.bias"),
+        use_qk_norm=gguf.has_tensor("blk.0.attn_q_norm.weight"),
+        partial_rotary_factor=1.0 if rope is None else int(rope) / cfg["head_dim"],
+    )
+
+
 def _weight_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
     return (*mtp_layers_skipped(cfg), *_GLM_RULES, *LLAMA_RULES)
 
@@ -67,4 +91,12 @@ GLM4_MOE = Family(
         parity_test="test_glm4_moe"),),
     hf_fields=_fields,
     hf_weights_for=_weight_rules,
+    gguf_archs=(("glm4moe", "glm4_moe"),),
+    gguf_config=_gguf_config,
+    gguf_tensor_names={
+        "exp_probs_b": "mlp.gate.e_score_correction",  # `.bias`: the correction bias
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    },
 )

@@ -4,16 +4,23 @@ logits within `TOL`; then the engine's greedy tokens, alone and under tp=2).
 
 Negative controls, each pushing the logits past `TOL`: the correction bias zeroed, the rotary
 over the whole head instead of its first half, the q/k norm dropped, the shared experts dropped.
+A GGUF file as llama.cpp's `glm4moe` converter writes it (its MTP layer counted in the block
+count, with tensors of its own) loads with the same logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import gguf
+import numpy as np
 import transformers
 from test_deepseek import _num_params
 from test_deepseek_v3 import _random_bias, engine_greedy_matches_hf
+from test_gguf_families import _base_meta, _convert
 from test_models_parity import TOL, VOCAB, _build, _max_diff
+
+from converters import load_source
 
 
 def _config(**kw):
@@ -56,3 +63,44 @@ def test_glm4_moe(tmp_path):
 def test_glm4_moe_engine_greedy_matches_hf(tmp_path):
     engine_greedy_matches_hf(tmp_path, _config(), transformers.Glm4MoeForCausalLM,
                              ({}, {"mesh": "tp=2"}))
+
+
+def _glm4moe_meta(w, hf):
+    """Glm4MoeModel.set_gguf_parameters: the base keys with the MTP layer in the block count,
+    the head and rotary widths, the MoE keys and sigmoid gating."""
+    _base_meta(w, {**hf, "num_hidden_layers": hf["num_hidden_layers"] + 1})
+    w.add_nextn_predict_layers(1)
+    w.add_key_length(hf["head_dim"])
+    w.add_value_length(hf["head_dim"])
+    w.add_rope_dimension_count(int(hf["head_dim"] * 0.5))
+    w.add_expert_count(hf["n_routed_experts"])
+    w.add_expert_used_count(hf["num_experts_per_tok"])
+    w.add_expert_shared_count(hf["n_shared_experts"])
+    w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    w.add_leading_dense_block_count(hf["first_k_dense_replace"])
+    w.add_expert_weights_scale(hf["routed_scaling_factor"])
+    w.add_expert_weights_norm(hf["norm_topk_prob"])
+    w.add_expert_group_count(hf["n_group"])
+    w.add_expert_group_used_count(hf["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _with_mtp_layer(tensors, hf):
+    """The MTP layer llama.cpp writes after the last one: a block of its own tensors."""
+    last, rng = hf["num_hidden_layers"], np.random.default_rng(0)
+    e = hf["hidden_size"]
+    return {**tensors, f"blk.{last}.nextn.eh_proj.weight": rng.standard_normal((e, 2 * e)),
+            f"blk.{last}.nextn.enorm.weight": np.ones(e),
+            f"blk.{last}.attn_norm.weight": np.ones(e)}
+
+
+def test_glm4_moe_gguf(tmp_path):
+    _, ids, expected = _build(tmp_path, _config(), transformers.Glm4MoeForCausalLM,
+                              edit=_random_bias, greedy=False)
+    path = _convert(tmp_path, gguf.MODEL_ARCH.GLM4_MOE, _glm4moe_meta, base=False,
+                    edit=_with_mtp_layer)
+    loaded = load_source(str(path), dtype="float32", progress=False)
+    cfg = loaded.config
+    assert loaded.kind == "gguf" and cfg.model_type == "glm4_moe"
+    assert (cfg.num_layers, cfg.mtp_layers, cfg.rotary_dim, cfg.qk_norm) == (3, 1, 8, True)
+    assert _max_diff(loaded, ids, expected) < TOL
