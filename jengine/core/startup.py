@@ -23,6 +23,7 @@ from jengine.config import EngineConfig
 from jengine.core import auto_dtype
 from jengine.core.build import (
     Phases,
+    chunk_for_context,
     eos_ids,
     kv_pages,
     max_model_len,
@@ -107,6 +108,7 @@ def build_parts(
         quantization = loaded.quantization
     model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
     context = max_model_len(loaded, cfg.model.max_model_len)
+    model_config = chunk_for_context(model_config, context)
     eos = eos_ids(loaded)
     num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
                          kv_cache_dtype, context)

@@ -115,8 +115,13 @@ def attend(
     soft_cap: float | None,
     kv_head_map: tuple[int, ...] | None = None,
     backend: str = "reference",  # reference | cpu | pallas_tpu | pallas_gpu (resolved)
+    chunk: jax.Array | int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Writes this layer's new K/V into the pages, then attends over the cache.
+
+    `chunk` (Llama 4's chunked attention: a query sees the keys of its own `chunk`-token
+    chunk only) runs on the reference backend; the engine drops it where the context fits in
+    one chunk and refuses other backends at start otherwise (`core.build.chunk_for_context`).
 
     The kernel backends group query tokens into blocks themselves (they ignore
     `md.block_tokens`); on CPU the Pallas ones run in interpret mode. Traced under
@@ -130,7 +135,8 @@ def attend(
         kv = _write(kv, layer, md.slot_mapping, k, v, backend=backend, kv_head_map=kv_head_map)
     with jax.named_scope("attention"):
         return _attention(q, kv, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                          soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend), kv
+                          soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend,
+                          chunk=chunk), kv
 
 
 def attend_latent(
@@ -194,11 +200,17 @@ def _write(kv: KVCache, layer, slot_mapping, k, v, *, backend: str, kv_head_map)
     return KVCache(k=k_cache, v=v_cache, k_scale=k_scale, v_scale=v_scale)
 
 
-def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend):
+def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend,
+               chunk=None):
     args = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 kv_head_map=kv_head_map)
     if kv.quantized:
         args.update(k_scale=kv.k_scale, v_scale=kv.v_scale)
+    if chunk is not None:
+        if backend != "reference":
+            raise ValueError(f"chunked attention runs on the 'reference' attention backend, "
+                             f"not {backend!r}")
+        args["attention_chunk"] = chunk
     if backend != "reference":
         return shard_for_context_mesh(attention_fn(backend))(
             q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table, **args)

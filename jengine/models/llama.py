@@ -150,12 +150,26 @@ def forward(
         per_layer = per_layer + (jnp.asarray(_layer_uses_global_rope(cfg)),)
     else:  # [U, T, R/2] each, for the U distinct rows of frequencies
         cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
+    # Llama 4: chunked attention on the rope layers, q/k norm there, q's temperature elsewhere.
+    chunked = cfg.attention_chunk_size is not None
+    if chunked:
+        per_layer = per_layer + (jnp.asarray(
+            [cfg.attention_chunk_size if r else jnp.iinfo(jnp.int32).max
+             for r in cfg.rope_layers or (True,) * cfg.num_layers], jnp.int32),)
+    l4_flags = cfg.qk_l2_norm or cfg.attn_temperature is not None
+    if l4_flags:
+        per_layer = per_layer + (jnp.asarray(cfg.rope_layers or (True,) * cfg.num_layers),)
+        temperature = _nope_temperature(cfg, md.positions)  # [T, 1, 1] or None
 
     mm = cfg.matmul_backend
 
     def layer(carry, xs):
         x, kv = carry
         p, index, (layer_window, inv_freq, table, *rest) = xs
+        if l4_flags:
+            *rest, turns = rest  # [] bool: this layer has rope
+        if chunked:
+            *rest, layer_chunk = rest
         if by_position:
             *rest, global_rope = rest
             inv_freq = inv_freq[None, :] + global_rope * token_freq  # [T, R/2]
@@ -177,10 +191,13 @@ def forward(
             q = _rms_norm_heads(q, p["q_norm"], cfg.rms_norm_eps, cfg.num_heads - cfg.padded_heads)
             k = _rms_norm_heads(k, p["k_norm"], cfg.rms_norm_eps, cfg.num_kv_heads)
         q, k = turn(q), turn(k)
+        if l4_flags:
+            q, k = _llama4_qk(q, k, turns, temperature, cfg)
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
+            chunk=layer_chunk if chunked else None,
         )
         attn = layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm)
         if cfg.post_norms:
@@ -236,6 +253,30 @@ def _layer_rope_scale(cfg: ModelConfig) -> np.ndarray:
     sliding = cfg.sliding_layers or (False,) * cfg.num_layers
     return np.asarray([(local if s else cfg.rope).attention_factor for s in sliding],
                       np.float32)
+
+
+def _nope_temperature(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
+    """Llama 4's q scale on its NoPE layers, [T, 1, 1]: log1p(floor((pos + 1) / floor_scale)) *
+    attn_scale + 1, growing with the position past `floor_scale`."""
+    if cfg.attn_temperature is None:
+        return None
+    floor_scale, attn_scale = cfg.attn_temperature
+    pos = positions.astype(jnp.float32)
+    return (jnp.log1p(jnp.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0)[:, None, None]
+
+
+def _llama4_qk(q, k, turns, temperature, cfg: ModelConfig):
+    """After the rope: on Llama 4's rope layers q and k by a weightless RMSNorm (with
+    `qk_l2_norm`), on its NoPE layers q by the position's temperature."""
+    if cfg.qk_l2_norm:
+        def norm(x):
+            xf = x.astype(jnp.float32)
+            normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + cfg.rms_norm_eps)
+            return jnp.where(turns, normed.astype(x.dtype), x)
+        q, k = norm(q), norm(k)
+    if temperature is not None:
+        q = jnp.where(turns, q, (q * temperature.astype(q.dtype)).astype(q.dtype))
+    return q, k
 
 
 def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str) -> jax.Array:
