@@ -145,6 +145,16 @@ class ServerConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Multi-LoRA serving (vLLM's names; docs/lora.md)."""
+
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters in one step: the device slots
+    max_lora_rank: int = 64  # every slot's rank; a smaller adapter is zero-padded
+    max_cpu_loras: int | None = None  # adapters kept read on the host; None: max_loras
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: ModelSection = ModelSection()
     cache: CacheConfig = CacheConfig()
@@ -152,11 +162,13 @@ class EngineConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 _SECTION_TYPES = {
     "model": ModelSection, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig, "parallel": ParallelConfig, "server": ServerConfig,
+    "lora": LoraConfig,
 }
 # Keyword (Engine / CLI flag) names that differ from their config key: name -> (section, key).
 _ALIASES = {
