@@ -21,6 +21,7 @@ import numpy as np
 
 from jengine.models import ModelConfig, family_module
 from jengine.models.lora import slot_axes, target_shapes
+from jengine.scheduling.batch import ScheduledBatch
 from jengine.sharding import ShardingRules
 
 NO_SLOT = -1  # a token without an adapter
@@ -126,3 +127,25 @@ class LoraSlots:
                 layer[t] = {"a": a, "b": b}
             out.append(layer)
         return out
+
+
+def with_slots(params: dict, tree: Tree) -> dict:
+    """`params` with layer i's adapter slots `tree[i]` under its "lora" key (traced in the
+    step): in each per-layer dict (unstacked layers), else stacked over layers for the scan."""
+    if "layers" in params:
+        return {**params, "layers": tuple({**p, "lora": slots}
+                                          for p, slots in zip(params["layers"], tree))}
+    return {**params, "lora": jax.tree.map(lambda *xs: jnp.stack(xs), *tree)}
+
+
+def batch_slots(loras: LoraSlots | None, batch: ScheduledBatch) -> np.ndarray | None:
+    """[num_tokens] each token's slot for a batch with adapters (theirs resident), else None.
+
+    Raises:
+      ValueError: the batch has adapters and the engine no slots (`enable_lora` off).
+    """
+    if batch.lora_ids is None:
+        return None
+    if loras is None:
+        raise ValueError("a batch with LoRA adapters on an engine without enable_lora")
+    return loras.token_slots(batch.lora_ids, batch.q_lens)

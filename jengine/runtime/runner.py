@@ -36,7 +36,7 @@ from jengine.runtime.executables import (
     compile_fresh,
     store_key,
 )
-from jengine.runtime.lora_slots import LoraSlots
+from jengine.runtime.lora_slots import LoraSlots, batch_slots, with_slots
 from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
     EMBED_VARIANTS,
@@ -116,8 +116,7 @@ class Runner:
         max_seqs = buckets.seqs[-1]
 
         def step(params, kv, inputs: StepInputs, prev_tokens, lora, variant: Variant):
-            if variant.lora:  # each layer's dict gets its adapter slots as "lora"
-                params = _with_lora(params, lora)
+            params = with_slots(params, lora) if variant.lora else params
             md = inputs.attention_metadata()
             # Token rows the host could not fill yet (async scheduling) take the token that the
             # previous step sampled for their sequence: feed[t] is its row there, else -1.
@@ -180,11 +179,7 @@ class Runner:
                     feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
         """`batch`'s padded inputs as NumPy (what a multi-host leader broadcasts)."""
         blocked = self.cfg.attention_backend == "reference"
-        slots = None
-        if batch.lora_ids is not None:
-            if self.loras is None:
-                raise ValueError("a batch with LoRA adapters on an engine without enable_lora")
-            slots = self.loras.token_slots(batch.lora_ids, batch.q_lens)
+        slots = batch_slots(self.loras, batch)
         inputs, variant = step_inputs(batch, rows, self.buckets, blocked_queries=blocked,
                                       vocab_size=self.cfg.vocab_size,
                                       history_width=self.buckets.pages[-1] * self.page_size,
@@ -233,8 +228,9 @@ class Runner:
 
     def _run(self, host: StepInputs, variant: Variant,
              prev_tokens: jax.Array | None = None) -> StepOutputs:
+        lora = self.loras.tree if variant.lora else None
         args = (self._to_device(host), self._no_tokens if prev_tokens is None else prev_tokens,
-                self._lora_args(variant))
+                lora)
         out, self.kv = self._program(host, variant, args)(self.params, self.kv, *args)
         return out
 
@@ -385,12 +381,8 @@ class Runner:
         """The compiled step program that `batch` runs (built if need be): what warm-up
         builds, and what profiles read the HLO of."""
         host, variant = self.host_inputs(batch, rows)
-        return self._program(host, variant, (self._to_device(host), self._no_tokens,
-                                             self._lora_args(variant)))
-
-    def _lora_args(self, variant: Variant):
-        """The adapter slots a step of `variant` reads (None: it reads none)."""
-        return self.loras.tree if variant.lora else None
+        lora = self.loras.tree if variant.lora else None
+        return self._program(host, variant, (self._to_device(host), self._no_tokens, lora))
 
     def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
         self.program(*dummy_step(shape, variant))
@@ -400,27 +392,6 @@ class Runner:
         jax.block_until_ready(out.sampled.tokens)
 
 
-def _with_lora(params: dict, lora: list[dict]) -> dict:
-    """`params` with layer i's adapter slots `lora[i]` under its "lora" key: in each
-    per-layer dict (unstacked layers), else stacked over layers for the scan."""
-    if "layers" in params:
-        return {**params, "layers": tuple({**p, "lora": slots}
-                                          for p, slots in zip(params["layers"], lora))}
-    return {**params, "lora": jax.tree.map(lambda *xs: jnp.stack(xs), *lora)}
-
-
 def _aval(a: jax.Array) -> tuple:
     return (a.shape, a.dtype.str, repr(a.sharding))
 
-
-def to_device_params(
-    params: dict[str, np.ndarray], shardings: dict[str, jax.sharding.Sharding] | None = None
-) -> dict[str, jax.Array]:
-    """Host params -> device arrays. With shardings, each device receives only its own slice
-    (`make_array_from_callback`), so no device ever holds a whole tensor it does not own."""
-    if shardings is None:
-        return {k: jnp.asarray(v) for k, v in params.items()}
-    return {
-        k: jax.make_array_from_callback(v.shape, shardings[k], lambda index, v=v: v[index])
-        for k, v in params.items()
-    }
