@@ -8,8 +8,7 @@ from pathlib import Path
 import peft
 import torch
 import transformers
-
-from tests.tiny_models import random_hf_model
+from tiny_models import random_hf_model  # tests/tiny_models.py
 
 VOCAB = 96
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

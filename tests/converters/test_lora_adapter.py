@@ -9,10 +9,10 @@ import shutil
 
 import numpy as np
 import pytest
+from lora_adapters import ATTENTION, base_model, random_adapter
 
 from converters import load_config
 from converters.lora_adapter import load_adapter
-from tests.lora_adapters import ATTENTION, base_model, random_adapter
 
 
 @pytest.fixture(scope="module")

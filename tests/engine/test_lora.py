@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lora_adapters import ATTENTION, base_model, hf_greedy, random_adapter
 
 from jengine import Engine, LoRARequest, SamplingParams
-from tests.lora_adapters import ATTENTION, base_model, hf_greedy, random_adapter
 
 ONE_BUCKET = str(Path(__file__).parents[1] / "one_bucket.yaml")
 STEPS = 10
