@@ -200,6 +200,11 @@ class ServerState:
         """Every name the model answers to (`--served-model-name`); the first is reported."""
         return self.config.served_model_name or (self.model_name,)
 
+    def reported_model(self, model: str | None) -> str:
+        """The `model` an answer carries: the adapter's name for a LoRA adapter's request
+        (as vLLM answers), else the base model's reported name."""
+        return model if model is not None and model in self.loras else self.model_name
+
     def check_model(self, model: str | None) -> None:
         """A 404 for a model this server does not serve; a 400 naming `model` for a name that
         is not text (a lone surrogate: checked first, as the 404's message would repeat it)."""
