@@ -112,7 +112,7 @@ def build_parts(
     if quantization == "none":  # a source stored quantized: as stored
         quantization = loaded.quantization
     model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
-    loras = host_loras(cfg, model_config)
+    loras = host_loras(cfg, model_config, quantization)
     context = max_model_len(loaded, cfg.model.max_model_len)
     eos = eos_ids(loaded)
     num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
@@ -145,9 +145,11 @@ def build_parts(
                      scheduler=scheduler, runner=runner, pooling=pooling, loras=loras)
 
 
-def host_loras(cfg: EngineConfig, model_config: ModelConfig) -> HostLoras | None:
+def host_loras(cfg: EngineConfig, model_config: ModelConfig,
+               quantization: str) -> HostLoras | None:
     """The host side of `enable_lora` (None when off), after checking the settings: adapters
-    change the generating projections of the Llama and Gemma networks only."""
+    change the generating projections of the Llama and Gemma networks only, and `int8`'s
+    smoothing folds factors into the inputs the adapters read, so it must be off there."""
     lo = cfg.lora
     if not lo.enable_lora:
         return None
@@ -157,6 +159,9 @@ def host_loras(cfg: EngineConfig, model_config: ModelConfig) -> HostLoras | None
     if name not in LORA_NETWORKS:
         raise ValueError(f"LoRA adapters on the {name} network are not built (built: "
                          f"{', '.join(LORA_NETWORKS)})")
+    if quantization == "int8" and cfg.model.smoothing_alpha:
+        raise ValueError("LoRA adapters read the projections' inputs, which int8 smoothing "
+                         "rescales: use smoothing_alpha 0 with int8, or w8a16")
     if lo.max_loras < 1 or lo.max_lora_rank < 1:
         raise ValueError("max_loras and max_lora_rank must be at least 1")
     return HostLoras(model_config, max_rank=lo.max_lora_rank,
