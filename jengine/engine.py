@@ -357,11 +357,12 @@ class Engine:
         return self.core.stats()
 
     def stream(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields deltas of one request as they are generated; the last has finished=True."""
         rid = f"stream-{next(self._ids)}"
-        self.core.add_request(rid, prompt, sampling_params)
+        self._add_all([rid], [prompt], [sampling_params], [lora_request])
         try:
             while True:
                 for out in self.core.step():
