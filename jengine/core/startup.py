@@ -159,6 +159,8 @@ def host_loras(cfg: EngineConfig, model_config: ModelConfig,
     if name not in LORA_NETWORKS:
         raise ValueError(f"LoRA adapters on the {name} network are not built (built: "
                          f"{', '.join(LORA_NETWORKS)})")
+    if cfg.parallel.num_processes > 1:  # followers would never see a slot filled
+        raise ValueError("LoRA adapters across several hosts are not built (num_processes 1)")
     if quantization == "int8" and cfg.model.smoothing_alpha:
         raise ValueError("LoRA adapters read the projections' inputs, which int8 smoothing "
                          "rescales: use smoothing_alpha 0 with int8, or w8a16")
