@@ -155,6 +155,8 @@ class EngineCore:
         here on its first use (a bad one is a ValueError).
         """
         if self.pooling is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("LoRA adapters apply to generation, not to embeddings")
             return self._add_pooled(request_id, prompt, params)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -185,8 +187,8 @@ class EngineCore:
         return lora_request
 
     def remove_lora(self, lora_id: int) -> None:
-        """Forgets an adapter's host copy and id. Its running requests keep their slot; one
-        that must refill it reads the directory again."""
+        """Drops an adapter's host copy. Its running requests keep their slot; one that must
+        refill it reads the directory again."""
         if self.loras is not None:
             self.loras.remove(lora_id)
 
