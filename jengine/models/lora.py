@@ -1,12 +1,14 @@
 """LoRA adapters inside the step: which projections take one, and the batched low-rank update.
 
-Adapters sit in fixed device slots: per layer and projection, `a` [N, *in, R] and `b`
-[N, R, *out] (N = max_loras slots, R = max_lora_rank; a smaller rank is zero-padded, and b
-holds the adapter's scale, alpha / r or rsLoRA's alpha / sqrt(r), folded in on the host). Each
-token carries its slot (`AttentionMetadata.lora_slots`, -1: no adapter). The update is two
-einsums over all slots with a one-hot of the token's slot between them, as tpu-inference and
-sglang-jax do it: fixed shapes, no gather of per-token weights, no custom kernel. The base
-projection keeps its own kernel; the delta is its own small dot beside it.
+Adapters sit in fixed device slots: per layer and projection, `a` [I, N, R] and `b` [N, R, O]
+(I, O: the projection's input and output, flattened; N = max_loras slots, R = max_lora_rank; a
+smaller rank is zero-padded, and b holds the adapter's scale, alpha / r or rsLoRA's
+alpha / sqrt(r), folded in on the host). Each token carries its slot
+(`AttentionMetadata.lora_slots`, -1: no adapter). The update is two plain 2-D dots over all
+slots, [T, I] x [I, N*R] and [T, N*R] x [N*R, O], with a one-hot of the token's slot between
+them, as tpu-inference and sglang-jax do it: fixed shapes, no gather of per-token weights, no
+custom kernel. Every reshape is free (row-major), so XLA runs two GEMMs, no transposes. The
+base projection keeps its own kernel; the delta is its own small dot beside it.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ def target_shapes(specs: dict[str, ParamSpec]) -> dict[str, tuple[tuple[int, ...
     return shapes
 
 
-def slot_axes(specs: dict[str, ParamSpec], name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Logical axes of a target's `a` [N, *in, R] and `b` [N, R, *out] (for tp sharding: `a`
-    splits like the base weight's input, `b` like its output)."""
+def slot_axes(specs: dict[str, ParamSpec], name: str) -> tuple[tuple, tuple]:
+    """Logical axes of a target's `a` [I, N, R] and `b` [N, R, O] (for tp sharding: `a`
+    splits like the base weight's input, `b` like its output; a flattened heads x head_dim
+    axis splits by heads, its leading part)."""
     spec = specs[name]
-    ins = tuple(spec.axes[i] for i in spec.contract)
-    outs = tuple(ax for i, ax in enumerate(spec.axes) if i and i not in spec.contract)
-    return (None, *ins, None), (None, None, *outs)
+    ins = [spec.axes[i] for i in spec.contract]
+    outs = [ax for i, ax in enumerate(spec.axes) if i and i not in spec.contract]
+    return (ins[0], None, None), (None, None, outs[0])
 
 
 def add_delta(y: jax.Array, x: jax.Array, lora: dict | None, name: str,
@@ -52,18 +55,19 @@ def add_delta(y: jax.Array, x: jax.Array, lora: dict | None, name: str,
     Args:
       y: [T, *out] the base projection's output.
       x: [T, *in] its input.
-      lora: this layer's slots, {target: {"a": [N, *in, R], "b": [N, R, *out]}}, or None
-        in a step without adapters (then `y` is returned as it is).
+      lora: this layer's slots, {target: {"a": [I, N, R], "b": [N, R, O]}}, or None in a
+        step without adapters (then `y` is returned as it is).
       name: the target (`TARGETS`).
       slots: [T] int32 each token's slot, -1 for none (its one-hot row is all zeros).
     """
     if lora is None or name not in lora or slots is None:
         return y
     a, b = lora[name]["a"], lora[name]["b"]
-    ins = "ijk"[: x.ndim - 1]
-    outs = "xyz"[: y.ndim - 1]
+    (i, n, r), t = a.shape, x.shape[0]
     with jax.named_scope("lora"):
-        pick = jax.nn.one_hot(slots, a.shape[0], dtype=a.dtype)  # [T, N]
-        xa = jnp.einsum(f"t{ins},n{ins}r->tnr", x.astype(a.dtype), a)  # [T, N, R]
-        delta = jnp.einsum(f"tnr,nr{outs}->t{outs}", xa * pick[:, :, None], b)  # [T, *out]
-    return y + delta.astype(y.dtype)
+        pick = jax.nn.one_hot(slots, n, dtype=a.dtype)  # [T, N]
+        xa = jnp.dot(x.reshape(t, i).astype(a.dtype), a.reshape(i, n * r),
+                     preferred_element_type=jnp.float32).astype(a.dtype)  # [T, N*R]
+        xa = (xa.reshape(t, n, r) * pick[:, :, None]).reshape(t, n * r)
+        delta = jnp.dot(xa, b.reshape(n * r, -1), preferred_element_type=jnp.float32)
+    return y + delta.reshape(y.shape).astype(y.dtype)

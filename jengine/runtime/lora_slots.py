@@ -1,8 +1,9 @@
 """`LoraSlots`: the device slots that hold the adapters a step may use, and which is where.
 
-Per layer and target projection the slots are `a` [N, *in, R] and `b` [N, R, *out]
-(`jengine.models.lora`), N = `max_loras`, zero where a slot is empty or an adapter does not
-target that projection, so every step program has one fixed shape whatever the adapters. An
+Per layer and target projection the slots are `a` [I, N, R] and `b` [N, R, O]
+(`jengine.models.lora`; I and O the projection's flattened input and output), N =
+`max_loras`, zero where a slot is empty or an adapter does not target that projection, so
+every step program has one fixed shape whatever the adapters. An
 adapter is copied into a slot between steps (`ensure`) by one program compiled when the slots
 are made, with the slot index as data: filling or swapping a slot never compiles. A step
 already in flight keeps reading the arrays it was launched with (JAX arrays are immutable; a
@@ -13,6 +14,7 @@ launched needs.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 
 import jax
@@ -47,19 +49,24 @@ class LoraSlots:
                           for t in self.shapes} for _ in range(cfg.num_layers)]
 
         def zeros() -> Tree:
-            return [{t: {"a": jnp.zeros((n, *ins, r), self.dtype),
-                         "b": jnp.zeros((n, r, *outs), self.dtype)}
+            return [{t: {"a": jnp.zeros((math.prod(ins), n, r), self.dtype),
+                         "b": jnp.zeros((n, r, math.prod(outs)), self.dtype)}
                      for t, (ins, outs) in self.shapes.items()} for _ in range(self.num_layers)]
 
         self.tree: Tree = jax.jit(zeros, out_shardings=shardings)()
 
         def fill(tree: Tree, slot: jax.Array, weights: Tree) -> Tree:
-            return jax.tree.map(lambda s, w: s.at[slot].set(w.astype(s.dtype)), tree, weights)
+            return [{t: {"a": s["a"].at[:, slot].set(w[t]["a"].astype(s["a"].dtype)),
+                         "b": s["b"].at[slot].set(w[t]["b"].astype(s["b"].dtype))}
+                     for t, s in layer.items()} for layer, w in zip(tree, weights)]
 
         # Host weights go in replicated under a mesh; the fill leaves each shard its slice.
         self._in_sharding = rules.replicated() if rules is not None else None
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], np.float32,
-                                                          sharding=self._in_sharding), self.tree)
+        one = [{t: {"a": jax.ShapeDtypeStruct((math.prod(ins), r), np.float32,
+                                              sharding=self._in_sharding),
+                    "b": jax.ShapeDtypeStruct((r, math.prod(outs)), np.float32,
+                                              sharding=self._in_sharding)}
+                for t, (ins, outs) in self.shapes.items()} for _ in range(self.num_layers)]
         index = jax.ShapeDtypeStruct((), np.int32, sharding=self._in_sharding)
         # Compiled now, before any step: a fill while serving runs it with new data only.
         self._fill = jax.jit(fill, out_shardings=shardings).lower(self.tree, index,
@@ -118,12 +125,12 @@ class LoraSlots:
             given = layers[i] if i < len(layers) else {}
             layer = {}
             for t, (ins, outs) in self.shapes.items():
-                a = np.zeros((*ins, r), np.float32)
-                b = np.zeros((r, *outs), np.float32)
+                a = np.zeros((math.prod(ins), r), np.float32)
+                b = np.zeros((r, math.prod(outs)), np.float32)
                 if t in given:
-                    ga, gb = given[t]
-                    a[..., : ga.shape[-1]] = ga
-                    b[: gb.shape[0]] = gb
+                    ga, gb = given[t]  # [*in, rank], [rank, *out]
+                    a[:, : ga.shape[-1]] = ga.reshape(a.shape[0], -1)
+                    b[: gb.shape[0]] = gb.reshape(gb.shape[0], -1)
                 layer[t] = {"a": a, "b": b}
             out.append(layer)
         return out

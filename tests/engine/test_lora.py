@@ -151,6 +151,6 @@ def test_tensor_parallel_equals_one_device(tmp_path):
         assert _tokens(engine.generate(prompts, GREEDY, lora_request=lora)) == expected, mesh
         if mesh == "tp=2":
             slots = engine.core.runner.loras.tree[0]
-            assert tuple(slots["wq"]["b"].sharding.spec)[2] == "tp"  # [N, R, H, D]: heads
-            assert tuple(slots["w_down"]["a"].sharding.spec)[1] == "tp"  # [N, F, R]: mlp
+            assert tuple(slots["wq"]["b"].sharding.spec)[2] == "tp"  # [N, R, H*D]: by heads
+            assert tuple(slots["w_down"]["a"].sharding.spec)[0] == "tp"  # [F, N, R]: mlp
         del engine
