@@ -22,6 +22,7 @@ from jengine.server.app import create_app
 
 ONE_BUCKET = str(Path(__file__).parents[1] / "one_bucket.yaml")
 STEPS = 10
+EXTRAS = {"ignore_eos": True, "skip_special_tokens": False}  # every token, as words
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the words, as given
 
 
@@ -63,7 +64,7 @@ def _expected(served, name: str, prompt: list[int] = PROMPT) -> list[str]:
 
 def _complete(client, model: str, **kw):
     return client.completions.create(model=model, prompt=PROMPT, max_tokens=STEPS,
-                                     temperature=0, extra_body={"ignore_eos": True, "skip_special_tokens": False}, **kw)
+                                     temperature=0, extra_body=EXTRAS, **kw)
 
 
 def test_adapters_are_models_with_a_parent(served, client):
