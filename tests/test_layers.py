@@ -38,7 +38,8 @@ LAYERS = (
     ("kernels", ("jengine.pallas_kernels", "jengine.cpu_kernels")),
     # Values and helpers with no project import above them.
     ("base", ("jengine.config", "jengine.cpu_info", "jengine.sampling_params",
-              "jengine.pooling_params", "jengine.outputs", "jengine.progress")),
+              "jengine.pooling_params", "jengine.outputs", "jengine.progress",
+              "jengine.lora_request")),
 )
 # The engine's inside: above the engine layer nothing imports these. The server, the CLI and
 # the benchmarks talk to `Engine` / `AsyncEngine`, and to the core only through `CoreContract`.

@@ -53,6 +53,10 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int)
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="names the model answers to; the first is the one reported")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="with --enable-lora: PEFT LoRA adapters served as models NAME")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--chat-template", help="a Jinja chat template (its text, or a file)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests send their own chat_template")

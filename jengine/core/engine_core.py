@@ -26,6 +26,7 @@ from jengine.core.sampling_rows import sampling_rows
 from jengine.core.startup import build_parts
 from jengine.core.stats import EngineStats
 from jengine.core.step_clock import StepClock
+from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.pooling_params import PoolingParams
 from jengine.runtime.compilation import enable_persistent_cache
@@ -81,6 +82,7 @@ class EngineCore:
         self.max_model_len, self.eos_token_ids = parts.max_model_len, parts.eos_token_ids
         self.allocator, self.prefix_cache = parts.allocator, parts.prefix_cache
         self.scheduler, self.runner = parts.scheduler, parts.runner
+        self.loras = parts.loras  # enable_lora: adapters on the host (runner.loras: on device)
         # Verification is weighed against measured step times (no costs: speculation off).
         costs = None
         if self.scheduler.speculator is not None:
@@ -141,16 +143,20 @@ class EngineCore:
 
     def add_request(
         self, request_id: str, prompt: str | list[int],
-        params: SamplingParams | PoolingParams | None, grammar: Grammar | None = None,
+        params: SamplingParams | PoolingParams | None, grammar: Grammar | None = None, *,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:
         """Validates and queues a request. Raises ValueError for bad input (nothing is queued).
 
         A constrained request compiles its grammar here unless `grammar` is given: callers that
         must not block (AsyncEngine) compile it first with `grammars.submit`. `PoolingParams`
         make an embedding request, which only an engine of task embed or score runs (and
-        those run nothing else).
+        those run nothing else). `lora_request`: the adapter the request runs under, read
+        here on its first use (a bad one is a ValueError).
         """
         if self.pooling is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("LoRA adapters apply to generation, not to embeddings")
             return self._add_pooled(request_id, prompt, params)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -162,10 +168,29 @@ class EngineCore:
             # elsewhere (another data-parallel replica's compiler) does not.
             compiler = self.grammars
             grammar = grammar or compiler.compile(params.structured_outputs)
+        lora_id = self.add_lora(lora_request).lora_int_id if lora_request is not None else 0
         state = self.admission.request(request_id, prompt, params, grammar)
+        for sample in state.samples:
+            sample.seq.lora_id = lora_id
         self.requests[request_id] = state
         self.scheduler.add([s.seq for s in state.samples])
         return state
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Reads and checks an adapter (thread-safe: the server's load route calls it on its
+        own thread). Raises ValueError for a bad adapter or an engine without LoRA."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError("lora_request must be a LoRARequest")
+        if self.loras is None:
+            raise ValueError("this engine was started without enable_lora (--enable-lora)")
+        self.loras.add(lora_request)
+        return lora_request
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Drops an adapter's host copy. Its running requests keep their slot; one that must
+        refill it reads the directory again."""
+        if self.loras is not None:
+            self.loras.remove(lora_id)
 
     def _add_pooled(self, request_id: str, prompt: str | list[int],
                     params: PoolingParams | None) -> RequestState:
@@ -274,6 +299,8 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
+        if batch.lora_ids is not None:  # its adapters into device slots, before it runs
+            self.runner.loras.ensure(set(batch.lora_ids.tolist()), self.loras.layers)
         rows = sampling_rows(batch, self.model_config.vocab_size, self.eos_token_ids)
         rows.prompt_targets = prompt_targets(batch, self.requests)
         masks = self._grammars.masks

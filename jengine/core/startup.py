@@ -35,12 +35,15 @@ from jengine.core.build import (
     step_buckets,
 )
 from jengine.core.draft import proposer_for
+from jengine.core.lora_cache import HostLoras
 from jengine.core.pooling import Pooling, resolve_pooling
+from jengine.models import family_module
 from jengine.models.config import ModelConfig
 from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import ExecutableStore, default_store_dir
+from jengine.runtime.lora_slots import LoraSlots
 from jengine.runtime.runner import Runner
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
@@ -49,6 +52,8 @@ from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_co
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
 
 log = logging.getLogger("jengine")
+
+LORA_NETWORKS = ("llama", "gemma3")  # the networks whose projections add adapter updates
 
 
 @dataclasses.dataclass
@@ -70,6 +75,7 @@ class CoreParts:
     scheduler: Scheduler
     runner: Runner
     pooling: Pooling | None  # task embed / score: how hidden states become a vector
+    loras: HostLoras | None = None  # enable_lora: the adapters read on the host
 
 
 def build_parts(
@@ -107,6 +113,7 @@ def build_parts(
     if quantization == "none":  # a source stored quantized: as stored
         quantization = loaded.quantization
     model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
+    loras = host_loras(cfg, model_config, quantization)
     context = max_model_len(loaded, cfg.model.max_model_len)
     model_config = chunk_for_context(model_config, context)
     eos = eos_ids(loaded)
@@ -122,6 +129,7 @@ def build_parts(
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=context,
         eos_token_ids=eos, prefix_cache=prefix_cache,
         proposer=proposer_for(cfg, loaded, draft_core),
+        max_loras=cfg.lora.max_loras if loras is not None else None,
     )
     phases.end("set up")
     if make_runner is not None:
@@ -136,7 +144,34 @@ def build_parts(
                      mesh_spec=mesh_spec, layer_layout=layer_layout, quantization=quantization,
                      loaded=loaded, model_config=model_config, max_model_len=context,
                      eos_token_ids=eos, allocator=allocator, prefix_cache=prefix_cache,
-                     scheduler=scheduler, runner=runner, pooling=pooling)
+                     scheduler=scheduler, runner=runner, pooling=pooling, loras=loras)
+
+
+def host_loras(cfg: EngineConfig, model_config: ModelConfig,
+               quantization: str) -> HostLoras | None:
+    """The host side of `enable_lora` (None when off), after checking the settings: adapters
+    change the generating projections of the Llama and Gemma networks only, and `int8`'s
+    smoothing folds factors into the inputs the adapters read, so it must be off there."""
+    lo = cfg.lora
+    if not lo.enable_lora:
+        return None
+    if cfg.model.task != "generate":
+        raise ValueError("enable_lora needs task 'generate'")
+    name = family_module(model_config).name
+    if name not in LORA_NETWORKS:
+        raise ValueError(f"LoRA adapters on the {name} network are not built (built: "
+                         f"{', '.join(LORA_NETWORKS)})")
+    if model_config.model_type == "llama4_text":  # its q/k dims are reordered at load
+        raise ValueError("LoRA adapters on llama4_text are not built")
+    if cfg.parallel.num_processes > 1:  # followers would never see a slot filled
+        raise ValueError("LoRA adapters across several hosts are not built (num_processes 1)")
+    if quantization == "int8" and cfg.model.smoothing_alpha:
+        raise ValueError("LoRA adapters read the projections' inputs, which int8 smoothing "
+                         "rescales: use smoothing_alpha 0 with int8, or w8a16")
+    if lo.max_loras < 1 or lo.max_lora_rank < 1:
+        raise ValueError("max_loras and max_lora_rank must be at least 1")
+    return HostLoras(model_config, max_rank=lo.max_lora_rank,
+                     max_cpu_loras=lo.max_cpu_loras or lo.max_loras)
 
 
 def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str, *,
@@ -169,8 +204,12 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
         layer_layout=layer_layout, quantize_lm_head=cfg.model.quantize_lm_head,
         smoothing_alpha=cfg.model.smoothing_alpha, progress=progress)
     phases.end("weights")
+    loras = None
+    if cfg.lora.enable_lora:
+        loras = LoraSlots(model_config, dtype, max_loras=cfg.lora.max_loras,
+                          max_rank=cfg.lora.max_lora_rank, rules=rules)
     return Runner(
-        model_config, params, num_pages=num_pages, page_size=cfg.cache.page_size,
+        model_config, params, num_pages=num_pages, page_size=cfg.cache.page_size, loras=loras,
         buckets=buckets, kv_cache_dtype=kv_cache_dtype, rules=rules,
         channel=StepChannel(distributed) if distributed.num_processes > 1 else None,
         store=ExecutableStore(default_store_dir()), embed=cfg.model.task != "generate",

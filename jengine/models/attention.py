@@ -100,6 +100,8 @@ class AttentionMetadata:
     # blocks of B, the real blocks first (NB is the bucket's bound; the rest are empty).
     block_tokens: jax.Array | None = None  # [NB, B] int32 flat token per row; T = padding
     block_seq: jax.Array | None = None  # [NB] int32
+    # Steps with LoRA adapters only (else None): each token's adapter slot, -1 for none.
+    lora_slots: jax.Array | None = None  # [T] int32
 
 
 def attend(

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import layers, matmul, moe
+from jengine.models import layers, lora, matmul, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.family import Network
@@ -86,6 +86,7 @@ LAYER_KEYS = (
     "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
     "bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "q_norm", "k_norm",
     "post_attn_norm", "post_mlp_norm", *moe.LAYER_KEYS,
+    "lora",  # the step's adapter slots, when it has any (jengine.models.lora)
 )
 
 
@@ -181,9 +182,14 @@ def forward(
             return layers.rotate(x, cos_tables[table], sin_tables[table], rope_scale)
 
         h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, backend=mm)
+        adapters, slots = p.get("lora"), md.lora_slots  # LoRA slots (a step without: None)
         q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
         k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
         v = project(h, p["wv"], "te,ehd->thd", p.get("bv"), backend=mm)
+        if adapters is not None:
+            q = lora.add_delta(q, h, adapters, "wq", slots)
+            k = lora.add_delta(k, h, adapters, "wk", slots)
+            v = lora.add_delta(v, h, adapters, "wv", slots)
         if cfg.qk_norm:  # per head, before rope
             q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, backend=mm)
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, backend=mm)
@@ -199,12 +205,13 @@ def forward(
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
             chunk=layer_chunk if chunked else None,
         )
-        attn = layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm)
+        attn = lora.add_delta(layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm),
+                              attn, adapters, "wo", slots)
         if cfg.post_norms:
             attn = rms_norm(attn, p["post_attn_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(attn)
         h = x if cfg.post_norms else rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, backend=mm)
-        out = moe.moe_mlp(h, p, cfg, router=router) if "router" in p else _mlp(h, p, mm)
+        out = moe.moe_mlp(h, p, cfg, router=router) if "router" in p else _mlp(h, p, mm, slots)
         if cfg.post_norms:
             out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(out)
@@ -279,16 +286,23 @@ def _llama4_qk(q, k, turns, temperature, cfg: ModelConfig):
     return q, k
 
 
-def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str) -> jax.Array:
-    """The dense SwiGLU MLP [T, E] -> [T, E] (`mm`: the matmul backend)."""
-    if "b_gate" in p or "b_up" in p:
+def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str,
+         slots: jax.Array | None = None) -> jax.Array:
+    """The dense SwiGLU MLP [T, E] -> [T, E] (`mm`: the matmul backend). With LoRA slots in
+    `p["lora"]` (`slots` [T]) each projection adds its adapter update, so the gate and up
+    products are made apart (`matmul.swiglu`'s own order where it is not fused)."""
+    adapters = p.get("lora")
+    if "b_gate" in p or "b_up" in p or adapters is not None:
         gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"), backend=mm)
         up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"), backend=mm)
+        gate = lora.add_delta(gate, h, adapters, "w_gate", slots)
+        up = lora.add_delta(up, h, adapters, "w_up", slots)
         act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
     else:  # the activation in f32 and rounded once, as torch does for a bf16 tensor
         with jax.named_scope("proj"):
             act = matmul.swiglu(h, p["w_gate"], p["w_up"], mm)
-    return project(act, p["w_down"], "tf,fe->te", p.get("b_down"), backend=mm)
+    down = project(act, p["w_down"], "tf,fe->te", p.get("b_down"), backend=mm)
+    return lora.add_delta(down, act, adapters, "w_down", slots)
 
 
 def _rms_norm_heads(x: jax.Array, weight: jax.Array, eps: float, real_heads: int) -> jax.Array:

@@ -40,11 +40,16 @@ class Variant:
     `embed` (an engine of task embed or score runs only this one) samples nothing: it returns
     every token's final hidden state, after the final norm, for the host to pool
     (`jengine.core.pooling`).
+
+    `lora` (an engine with `enable_lora`) adds every projection's low-rank update from the
+    adapter slots (`jengine.models.lora`); a step whose sequences use no adapter runs the
+    program without it, so the base model pays nothing for the slots.
     """
 
     features: bool = False
     prompt_logprobs: bool = False
     embed: bool = False
+    lora: bool = False
 
     @property
     def num_top_logprobs(self) -> int:
@@ -52,6 +57,7 @@ class Variant:
 
 
 VARIANTS = (Variant(), Variant(features=True), Variant(features=True, prompt_logprobs=True))
+LORA_VARIANTS = tuple(dataclasses.replace(v, lora=True) for v in VARIANTS)
 EMBED_VARIANTS = (Variant(embed=True),)
 
 
@@ -158,6 +164,7 @@ class StepInputs:
     # Reference backend, prefill-heavy buckets only: (block_tokens [NB, B], block_seq [NB]).
     blocks: tuple[np.ndarray, np.ndarray] | None = None
     targets: np.ndarray | None = None  # [T] int32 prompt_logprobs' next prompt token, or -1
+    lora_slots: np.ndarray | None = None  # [T] int32 LoRA slot per token, -1: none (lora only)
 
     @property
     def feed(self):  # [T] the previous step's row whose sampled token this token is, or -1
@@ -169,16 +176,19 @@ class StepInputs:
             token_ids=rows[0], positions=rows[1], slot_mapping=rows[2], token_seq=rows[3],
             page_table=self.page_table, logits_indices=self.logits_indices,
             block_tokens=self.blocks[0] if self.blocks else None,
-            block_seq=self.blocks[1] if self.blocks else None,
+            block_seq=self.blocks[1] if self.blocks else None, lora_slots=self.lora_slots,
         )
 
 
 def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                 blocked_queries: bool, vocab_size: int, history_width: int,
-                feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
+                feed: np.ndarray | None = None,
+                lora_slots: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
     """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
-    whose sampled token it takes (-1: its own id). `blocked_queries`: build the query blocks
-    that the reference attention reads in prefill-heavy buckets. `vocab_size` and
+    whose sampled token it takes (-1: its own id). `lora_slots` [num_tokens]: each token's
+    adapter slot (-1: none), given for a batch with adapters (the lora variant's input).
+    `blocked_queries`: build the query blocks that the reference attention reads in
+    prefill-heavy buckets. `vocab_size` and
     `history_width` size the features program's inputs (`SamplingRows.padded`).
 
     Raises:
@@ -208,10 +218,15 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
     if rows.prompt_targets is not None:
         targets = np.full((t,), -1, np.int32)
         targets[:n_tok] = rows.prompt_targets
-    variant = Variant(features=features, prompt_logprobs=targets is not None)
+    slots = None
+    if lora_slots is not None:
+        slots = np.full((t,), -1, np.int32)
+        slots[:n_tok] = lora_slots
+    variant = Variant(features=features, prompt_logprobs=targets is not None,
+                      lora=slots is not None)
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
-                        sampling=sampling, blocks=blocks, targets=targets)
+                        sampling=sampling, blocks=blocks, targets=targets, lora_slots=slots)
     return inputs, variant
 
 
@@ -307,4 +322,7 @@ def dummy_step(shape: tuple[int, int, int], variant: Variant) -> tuple[Scheduled
                                                                        SamplingRows]:
     """A batch of bucket `shape` (T, S, P) whose rows run `variant`'s program (warm-up)."""
     t, s, p = shape
-    return dummy_batch(t, s, p), SamplingRows.for_variant(s, t, variant)
+    batch = dummy_batch(t, s, p)
+    if variant.lora:  # adapter id 0 on every row: the lora program, no adapter applied
+        batch.lora_ids = np.zeros((s,), np.int64)
+    return batch, SamplingRows.for_variant(s, t, variant)

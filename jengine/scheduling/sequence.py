@@ -55,6 +55,8 @@ class Sequence:
     # Speculative decoding (`jengine.scheduling.speculative.SpecState`); None while it never
     # speculated.
     spec: Any = None
+    # The LoRA adapter it runs under (`LoRARequest.lora_int_id`); 0: the base model.
+    lora_id: int = 0
 
     @property
     def num_tokens(self) -> int:

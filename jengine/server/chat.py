@@ -64,7 +64,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         request_id, body.max_tokens_field, body.constraint_param(),
         lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
         adapt))
-    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
+    view = _ChatView(body, f"chatcmpl-{request_id}", state.reported_model(body.model),
+                      tools)
     view.tool_parser = tool_parser
     if state.config.reasoning_parser is not None:
         view.reasoning = Reasoning(reasoning(stream.engine))

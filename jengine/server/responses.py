@@ -84,7 +84,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             1, request_id, chat.max_tokens_field, chat.constraint_param(),
             adapt=lambda engine, p: params_after_reasoning(p, reasoning(engine),
                                                            engine.tokenizer)))
-    view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools,
+    view = _ResponseView(body, f"resp_{request_id}", state.reported_model(body.model), tools,
                          reasoning(stream.engine), state.tool_parser(state.chat_template))
     return await reply(stream, view, bool(body.stream))
 
