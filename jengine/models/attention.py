@@ -100,6 +100,10 @@ class AttentionMetadata:
     # blocks of B, the real blocks first (NB is the bucket's bound; the rest are empty).
     block_tokens: jax.Array | None = None  # [NB, B] int32 flat token per row; T = padding
     block_seq: jax.Array | None = None  # [NB] int32
+    # Image rows (vision families only, else None): `embeds` [M, E] replace the token embeddings
+    # of the query tokens whose `embeds_at` [T] int32 names a row (-1: keep the token's own).
+    embeds: jax.Array | None = None
+    embeds_at: jax.Array | None = None
 
 
 def attend(

@@ -67,7 +67,7 @@ class ModelType:
 
     name: str
     features: str
-    # in tests/models/test_models_parity.py or tests/models/test_deepseek.py
+    # in tests/models/test_models_parity.py, test_deepseek.py or test_idefics3.py
     parity_test: str | None = None
     # How GGUF files reach this type when no architecture maps to it by name (Mixtral is
     # llama.cpp's `llama` with experts).

@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import test_deepseek
+import test_idefics3
 import test_models_parity
 
 from jengine.models.registry import BY_MODEL_TYPE, FAMILIES
@@ -33,5 +34,6 @@ def test_table_is_generated_and_complete():
     tested = [t.parity_test for f in FAMILIES for t in f.model_types if t.parity_test]
     for name in tested:
         assert callable(getattr(test_models_parity, name, None)
-                        or getattr(test_deepseek, name, None)), name
+                        or getattr(test_deepseek, name, None)
+                        or getattr(test_idefics3, name, None)), name
     assert len(tested) >= 15

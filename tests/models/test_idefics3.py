@@ -1,0 +1,129 @@
+"""Idefics3 / SmolVLM against HF transformers: the vision tower, the connector and the text
+model with image rows spliced in, on a tiny random model saved as transformers writes it.
+
+The pixels are random normalized tiles (what the image processor hands the model), so the test
+pins the network, not the resizing: preprocessing parity needs Pillow, which this environment
+lacks. Tolerance as tests/models/test_models_parity.py: float32 on both sides, `TOL = 1e-4`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from paged import run_paged  # tests/paged.py: pytest puts tests/ on sys.path
+from safetensors.numpy import load_file
+from tiny_models import randomize
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from converters import load_source
+from jengine.models import idefics3
+
+TOL = 1e-4
+WORDS = 64
+SPECIAL = (["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+           + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
+VOCAB = {**{f"t{i}": i for i in range(WORDS)}, **{t: WORDS + i for i, t in enumerate(SPECIAL)}}
+IMAGE = VOCAB["<image>"]
+TILE = 32  # pixels; patches of 4 -> 64 patches -> 16 rows per tile after the 2x2 shuffle
+
+
+def _tokenizer() -> transformers.PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+        additional_special_tokens=SPECIAL)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, HF model) of a random Idefics3 with a 2-layer tower and a 2-layer Llama."""
+    path = tmp_path_factory.mktemp("idefics3")
+    config = transformers.Idefics3Config(
+        image_token_id=IMAGE, scale_factor=2, tie_word_embeddings=False,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=TILE, patch_size=4),
+        text_config=dict(model_type="llama", vocab_size=len(VOCAB), hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0),
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(config).eval()
+    randomize(model, norm_offset=1.0)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path, model
+
+
+def _prompt(grids: list[tuple[int, int]], seq_len: int) -> list[int]:
+    """Token ids of `t5 t6 <image> t7 ... ` with one image per grid, expanded as the processor
+    expands it, then a few words after each."""
+    text = "t5 t6 " + " ".join(
+        idefics3.image_prompt(r, c, seq_len) + f" t{7 + i} t9" for i, (r, c) in enumerate(grids))
+    spaced = text.replace("<", " <").replace(">", "> ").replace("\n", " t3 ")
+    return _tokenizer()(spaced.split(), is_split_into_words=True)["input_ids"]
+
+
+def _tiles(grids: list[tuple[int, int]]) -> np.ndarray:
+    count = sum(r * c + 1 for r, c in grids)
+    return np.random.default_rng(3).standard_normal((count, 3, TILE, TILE)).astype(np.float32)
+
+
+def _vision(path):
+    hf = transformers.AutoConfig.from_pretrained(path).to_dict()
+    vc = idefics3.vision_config_from_hf(hf)
+    params = idefics3.params_from_hf(vc, load_file(path / "model.safetensors").items())
+    return vc, params
+
+
+@pytest.mark.parametrize("grids", [[(0, 0)], [(1, 2)], [(0, 0), (2, 1)]],
+                         ids=["one_tile", "grid_1x2", "two_images"])
+def test_idefics3_image_logits(tiny, grids):
+    """Every position's logits, the prompt prefilled in chunks of 7 that cut through the
+    images' placeholders, then 4 decode steps, equal HF's over the same ids and pixels."""
+    path, model = tiny
+    vc, vparams = _vision(path)
+    ids = _prompt(grids, vc.tokens_per_tile) + [11, 12, 13, 14]
+    tiles = _tiles(grids)
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids]),
+                         pixel_values=torch.from_numpy(tiles)[None]).logits[0].numpy()
+        hf_rows = model.model.get_image_features(torch.from_numpy(tiles)[None]).pooler_output
+    rows = np.asarray(idefics3.encode(vparams, vc, tiles))
+    assert rows.shape == (len(tiles) * vc.tokens_per_tile, 64)
+    np.testing.assert_allclose(rows, torch.cat(list(hf_rows)).numpy(), atol=TOL, rtol=0)
+    loaded = load_source(str(path), dtype="float32", progress=False)
+    assert loaded.config.model_type == "idefics3"
+    at = idefics3.splice_positions(np.asarray(ids), IMAGE)
+    got = run_paged(loaded, ids, decode_steps=4, images=(rows, at))
+    assert np.abs(got - expected).max() < TOL
+    # Negative control: the text tokens alone (placeholders embedded as tokens) differ.
+    plain = run_paged(loaded, ids, decode_steps=4)
+    assert np.abs(plain - expected).max() > 100 * TOL
+
+
+def test_image_prompt_is_the_processors(tiny):
+    """`image_prompt` writes what Idefics3Processor.replace_image_token writes."""
+    fake = types.SimpleNamespace(fake_image_token="<fake_token_around_image>",
+                                 image_token="<image>", global_image_tag="<global-img>",
+                                 image_seq_len=3)
+    for rows, cols in [(0, 0), (1, 1), (2, 3)]:
+        want = transformers.Idefics3Processor.replace_image_token(
+            fake, {"rows": [[rows]], "cols": [[cols]]}, 0)
+        assert idefics3.image_prompt(rows, cols, 3) == want
+
+
+def test_missing_vision_weight_is_named(tiny):
+    path, _ = tiny
+    hf = transformers.AutoConfig.from_pretrained(path).to_dict()
+    vc = idefics3.vision_config_from_hf(hf)
+    tensors = {k: v for k, v in load_file(path / "model.safetensors").items()
+               if "layers.1.mlp.fc2" not in k}
+    with pytest.raises(ValueError, match="fc2"):
+        idefics3.params_from_hf(vc, tensors.items())
