@@ -51,6 +51,8 @@ class ModelSection:
     # model dir's sentence-transformers files say (modules.json), else last token, normalised.
     pooling: str | None = None
     normalize: bool | None = None
+    # Vision models: the most images one prompt may hold (vLLM's `--limit-mm-per-prompt`).
+    limit_mm_per_prompt: str = "image=4"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,7 @@ LAYERS = (
     # Weights from files onto devices: checkpoint readers and placement, the mesh and the
     # logical-axis rules. Both read the models' parameter specs; neither imports the other.
     ("weights", ("converters", "jengine.sharding")),
-    ("model", ("jengine.models", "jengine.structured", "jengine.text")),
+    ("model", ("jengine.models", "jengine.structured", "jengine.text", "jengine.vision")),
     # The attention backends (pallas_kernels) reach the native CPU kernels' `cpu` backend.
     ("kernels", ("jengine.pallas_kernels", "jengine.cpu_kernels")),
     # Values and helpers with no project import above them.

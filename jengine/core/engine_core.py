@@ -34,9 +34,10 @@ from jengine.runtime.runner import Runner
 from jengine.runtime.step_io import StepOutputs, feed_rows
 from jengine.sampling_params import SamplingParams
 from jengine.scheduling.batch import ScheduledBatch
-from jengine.scheduling.sequence import Sequence
+from jengine.scheduling.sequence import ImageRows, Sequence
 from jengine.scheduling.speculative import StepCosts
 from jengine.structured import Grammar, GrammarCompiler
+from jengine.vision.inputs import ImagePrompt
 
 log = logging.getLogger("jengine")
 
@@ -91,6 +92,7 @@ class EngineCore:
         self.postprocess = Postprocessor(self.scheduler, self.requests, self.tokenizer,
                                          parts.pooling)
         self.pooling = parts.pooling
+        self.vision, self.images = parts.vision, parts.images
         self.model = ModelInfo(parts.loaded.source, self.model_config.vocab_size,
                                self.max_model_len, self.eos_token_ids, task=cfg.model.task,
                                pooling=parts.pooling)
@@ -101,12 +103,15 @@ class EngineCore:
         # A multi-host follower compiles as it follows the leader's warm-up steps.
         warm = (warmup or require_warm) and self.distributed.is_leader
         self.warmup_seconds = warm_up(self.runner, progress, require_warm) if warm else 0.0
+        if self.vision is not None and warm:
+            self.warmup_seconds += self.vision.warmup()
         phases.end("step programs")
         self.start_phases = phases.seconds  # per start-up phase, in order (`generate` prints them)
         log.info("engine ready in %.1fs (%s)", sum(phases.seconds.values()), self.phase_summary())
         if self.distributed.num_processes > 1 and self.distributed.is_leader:
             atexit.register(self.runner.stop_followers)
-        self._built_at_ready = self.runner.programs_built
+        self._built_at_ready = self.runner.programs_built + (
+            self.vision.programs_compiled if self.vision is not None else 0)
         # The step dispatched ahead (async scheduling): (batch, device outputs), not yet read.
         self._inflight: _InFlight | None = None
 
@@ -131,7 +136,8 @@ class EngineCore:
     def compiles_since_ready(self) -> int:
         """Step programs this engine built after warm-up (after construction without one);
         anything but 0 means a step shape or variant was missed."""
-        return self.runner.programs_built - self._built_at_ready
+        vision = self.vision.programs_compiled if self.vision is not None else 0
+        return self.runner.programs_built + vision - self._built_at_ready
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -162,10 +168,29 @@ class EngineCore:
             # elsewhere (another data-parallel replica's compiler) does not.
             compiler = self.grammars
             grammar = grammar or compiler.compile(params.structured_outputs)
-        state = self.admission.request(request_id, prompt, params, grammar)
+        images = None
+        if isinstance(prompt, ImagePrompt):
+            prompt, images = self._prepare_images(prompt)
+        state = self.admission.request(request_id, prompt, params, grammar, images=images)
         self.requests[request_id] = state
         self.scheduler.add([s.seq for s in state.samples])
         return state
+
+    def _prepare_images(self, prompt: ImagePrompt) -> tuple[list[int], ImageRows | None]:
+        """An image prompt's token ids and its images encoded by the tower (on this thread:
+        the step loop waits for it, once per request)."""
+        if self.images is None:
+            if prompt.images:
+                raise ValueError(f"model {self.model.source!r} does not take images")
+            return self.admission.encode_prompt(prompt.text)[1], None
+        ready = self.images.prepare(prompt)
+        if not prompt.images:
+            return ready.token_ids, None
+        if self.vision is None:
+            raise ValueError("this engine has no image tower on its devices")
+        rows = self.vision.encode(ready.tiles)
+        return ready.token_ids, ImageRows(rows=rows, row_at=ready.row_at,
+                                          cache_ids=ready.cache_ids)
 
     def _add_pooled(self, request_id: str, prompt: str | list[int],
                     params: PoolingParams | None) -> RequestState:

@@ -74,16 +74,19 @@ class Runner:
         channel: StepChannel | None = None,
         store: ExecutableStore | None = None,
         embed: bool = False,
+        image_width: int | None = None,
     ):
         """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
         is created on its kv-head sharding and each step's inputs are replicated on the mesh.
         `channel` (multi-host): the leader sends every step's inputs through it; a follower
         runs `follow()` instead of being driven by a scheduler. `store`: compiled programs
         are loaded from and saved to it (single-process runs only). `embed` (task embed or
-        score): every step runs the embed variant, never a sampling one."""
+        score): every step runs the embed variant, never a sampling one. `image_width` (a
+        vision model's hidden size): every step carries image rows (`step_io.image_rows`)."""
         self.cfg = cfg
         self.params = params
         self.embed = embed
+        self.image_width = image_width
         self.page_size = page_size
         self.num_pages = num_pages
         self.buckets = buckets
@@ -175,7 +178,7 @@ class Runner:
         inputs, variant = step_inputs(batch, rows, self.buckets, blocked_queries=blocked,
                                       vocab_size=self.cfg.vocab_size,
                                       history_width=self.buckets.pages[-1] * self.page_size,
-                                      feed=feed)
+                                      feed=feed, image_width=self.image_width)
         return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
 
     def _to_device(self, host):  # a pytree of NumPy arrays

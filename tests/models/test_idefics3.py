@@ -1,9 +1,11 @@
 """Idefics3 / SmolVLM against HF transformers: the vision tower, the connector and the text
-model with image rows spliced in, on a tiny random model saved as transformers writes it.
+model with image rows spliced in, on tests/tiny_models.py's random model saved as
+transformers writes it.
 
 The pixels are random normalized tiles (what the image processor hands the model), so the test
-pins the network, not the resizing: preprocessing parity needs Pillow, which this environment
-lacks. Tolerance as tests/models/test_models_parity.py: float32 on both sides, `TOL = 1e-4`.
+pins the network, not the resizing: transformers' processor needs Pillow or torchvision, which
+this environment lacks. Tolerance as tests/models/test_models_parity.py: float32 on both
+sides, `TOL = 1e-4`.
 """
 
 from __future__ import annotations
@@ -16,63 +18,36 @@ import torch
 import transformers
 from paged import run_paged  # tests/paged.py: pytest puts tests/ on sys.path
 from safetensors.numpy import load_file
-from tiny_models import randomize
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tiny_models import IDEFICS3_SPECIAL, IDEFICS3_TILE, IDEFICS3_WORDS, idefics3_tiny
+from transformers import AutoTokenizer
 
 from converters import load_source
 from jengine.models import idefics3
 
 TOL = 1e-4
-WORDS = 64
-SPECIAL = (["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
-           + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
-VOCAB = {**{f"t{i}": i for i in range(WORDS)}, **{t: WORDS + i for i, t in enumerate(SPECIAL)}}
-IMAGE = VOCAB["<image>"]
-TILE = 32  # pixels; patches of 4 -> 64 patches -> 16 rows per tile after the 2x2 shuffle
-
-
-def _tokenizer() -> transformers.PreTrainedTokenizerFast:
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
-        additional_special_tokens=SPECIAL)
+IMAGE = IDEFICS3_WORDS + IDEFICS3_SPECIAL.index("<image>")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(path, HF model) of a random Idefics3 with a 2-layer tower and a 2-layer Llama."""
+    """(path, HF model) of tests/tiny_models.py's random Idefics3."""
     path = tmp_path_factory.mktemp("idefics3")
-    config = transformers.Idefics3Config(
-        image_token_id=IMAGE, scale_factor=2, tie_word_embeddings=False,
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, image_size=TILE, patch_size=4),
-        text_config=dict(model_type="llama", vocab_size=len(VOCAB), hidden_size=64,
-                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0),
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(config).eval()
-    randomize(model, norm_offset=1.0)
-    model.save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    return path, model
+    return path, idefics3_tiny(path)
 
 
-def _prompt(grids: list[tuple[int, int]], seq_len: int) -> list[int]:
+def _prompt(tokenizer, grids: list[tuple[int, int]], seq_len: int) -> list[int]:
     """Token ids of `t5 t6 <image> t7 ... ` with one image per grid, expanded as the processor
     expands it, then a few words after each."""
     text = "t5 t6 " + " ".join(
         idefics3.image_prompt(r, c, seq_len) + f" t{7 + i} t9" for i, (r, c) in enumerate(grids))
     spaced = text.replace("<", " <").replace(">", "> ").replace("\n", " t3 ")
-    return _tokenizer()(spaced.split(), is_split_into_words=True)["input_ids"]
+    return tokenizer(spaced.split(), is_split_into_words=True)["input_ids"]
 
 
 def _tiles(grids: list[tuple[int, int]]) -> np.ndarray:
     count = sum(r * c + 1 for r, c in grids)
-    return np.random.default_rng(3).standard_normal((count, 3, TILE, TILE)).astype(np.float32)
+    shape = (count, 3, IDEFICS3_TILE, IDEFICS3_TILE)
+    return np.random.default_rng(3).standard_normal(shape).astype(np.float32)
 
 
 def _vision(path):
@@ -89,7 +64,8 @@ def test_idefics3_image_logits(tiny, grids):
     images' placeholders, then 4 decode steps, equal HF's over the same ids and pixels."""
     path, model = tiny
     vc, vparams = _vision(path)
-    ids = _prompt(grids, vc.tokens_per_tile) + [11, 12, 13, 14]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = _prompt(tokenizer, grids, vc.tokens_per_tile) + [11, 12, 13, 14]
     tiles = _tiles(grids)
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids]),
