@@ -95,7 +95,7 @@ class EngineCore:
         self.vision, self.images = parts.vision, parts.images
         self.model = ModelInfo(parts.loaded.source, self.model_config.vocab_size,
                                self.max_model_len, self.eos_token_ids, task=cfg.model.task,
-                               pooling=parts.pooling)
+                               pooling=parts.pooling, takes_images=parts.vision is not None)
         self.admission = Admission(self.tokenizer, self.model_config.vocab_size,
                                    self.max_model_len, cfg.model.seed)
         self._grammars = LazyGrammars(self.tokenizer, self.model_config.vocab_size,
