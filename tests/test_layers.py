@@ -309,6 +309,7 @@ TEST_FOLDERS = {"cli": "jengine/cli", "server": "jengine/server", "engine": "jen
                 "scheduling": "jengine/scheduling", "converters": "converters",
                 "sharding": "jengine/sharding", "models": "jengine/models",
                 "structured": "jengine/structured", "text": "jengine/text",
+                "vision": "jengine/vision",
                 "kernels": "jengine/pallas_kernels", "base": "jengine/config.py",
                 "accelerator": "jengine/pallas_kernels"}
 TREE_CHECKS = {"test_layers.py", "test_docs_paths.py"}
