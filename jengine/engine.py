@@ -137,6 +137,7 @@ class Engine:
         task: str | None = None,  # "generate" | "embed" | "score"
         pooling: str | None = None,  # "last" | "mean" | "cls"; None: the model's files
         normalize: bool | None = None,  # None: the model's files, else True
+        limit_mm_per_prompt: str | None = None,  # "image=4": images per prompt (vision models)
         warmup: bool = False,
     ):
         """`seed` makes the sampling of requests that set no seed of their own reproducible
@@ -177,6 +178,7 @@ class Engine:
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,
             seed=seed, task=task, pooling=pooling, normalize=normalize,
+            limit_mm_per_prompt=limit_mm_per_prompt,
         )
         self.core = make_core(cfg, progress=progress, warmup=warmup)
         if cfg.parallel.process_id != 0:

@@ -242,10 +242,11 @@ IDEFICS3 = Family(
     name="idefics3",
     network=NETWORK,
     model_types=(
-        ModelType(name="idefics3", features="SmolVLM / Idefics3: the Llama text model serves; "
-                  "the SigLIP tower + pixel-shuffle connector match HF (not yet served)",
-                  parity_test="test_idefics3_image_logits"),
-        ModelType(name="smolvlm", features="SmolVLM2's layout of the same (as `idefics3`)"),
+        ModelType(name="idefics3", features="SmolVLM / Idefics3: images as tiles through a "
+                  "SigLIP tower + pixel-shuffle connector (`models/idefics3.py`) into the "
+                  "Llama text model; docs/vision.md", parity_test="test_idefics3_image_logits"),
+        ModelType(name="smolvlm", features="SmolVLM2's model_type: read as `idefics3` "
+                  "(same config and weight names; untested)"),
     ),
     unwrap_hf=_text_config, hf_weights=LLAMA_RULES,
 )
