@@ -300,6 +300,10 @@ class GGUFModel:
         if name in _TENSOR_NAMES:
             return _TENSOR_NAMES[name]
         parts = name.split(".")
+        if parts[0] == "blk" and len(parts) == 5 and parts[2] == "nextn":
+            # A multi-token-prediction layer's own tensors (GLM-4.5): under its layer's HF
+            # name, which the family's rules skip.
+            return f"model.layers.{parts[1]}.{parts[3]}.{parts[4]}"
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in self._blocks:
             layer, base, kind = parts[1], parts[2], parts[3]
             return f"model.layers.{layer}.{self._blocks[base]}.{kind}"

@@ -66,7 +66,8 @@ class Placement:
 
 
 def lookup(cfg: ModelConfig, key: str) -> tuple[tuple[str, ...], tuple[int, ...], Transform] | None:
-    """(param names, leading indices, transform) for an HF key; None for ignorable keys.
+    """(param names, leading indices, transform) for an HF key; None for ignorable keys (the
+    shared ones, and those a family's rule maps to no param).
 
     Raises:
       KeyError: the key is neither mapped nor known to be ignorable.
@@ -78,6 +79,8 @@ def lookup(cfg: ModelConfig, key: str) -> tuple[tuple[str, ...], tuple[int, ...]
         m = re.fullmatch(pattern, key)
         if m:
             names = (names,) if isinstance(names, str) else names
+            if not names:  # a rule that names no param: a weight the family skips
+                return None
             index = [int(g) for g in m.groups()]
             if index:  # a weight stacking only the layers from its first one on (DeepSeek's MoE)
                 index[0] -= layer_offsets(cfg).get(names[0], 0)

@@ -164,8 +164,10 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # width of one expert's MLP
     norm_topk_prob: bool = False
-    # Qwen2-MoE: one more MLP every token runs, scaled by sigmoid(h . shared gate vector).
+    # Qwen2-MoE: one more MLP every token runs, scaled by sigmoid(h . shared gate vector);
+    # GLM-4.5's and DeepSeek's run it un-gated (`shared_expert_gate` False).
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = True
     # DeepSeek-V2's multi-head latent attention (`kv_lora_rank` > 0; models/deepseek.py): the
     # cache holds one row per token, the latent (kv_lora_rank) and the shared rope key
     # (qk_rope_head_dim), as one kv head of width `head_dim` = their sum. q_lora_rank 0: no
@@ -181,6 +183,13 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     expert_groups: int = 0
     topk_groups: int = 0
+    # DeepSeek-V3's router ("sigmoid", its `noaux_tc`): sigmoid scores; the experts and groups
+    # are chosen by score + a per-expert bias (`router_bias`), a group ranked by its two best,
+    # and the chosen experts weighted by their unbiased scores (renormalised with
+    # `norm_topk_prob`). "softmax": DeepSeek-V2's.
+    router_scoring: str = "softmax"
+    # DeepSeek-V3's multi-token-prediction layers after the last layer: their weights skipped.
+    mtp_layers: int = 0
     # Granite's scalars: embeddings x embedding_multiplier, each residual branch x
     # residual_multiplier, softmax scale = attention_multiplier, logits / logits_scaling.
     embedding_multiplier: float = 1.0
@@ -225,16 +234,20 @@ class ModelConfig:
     def num_params(self) -> int:
         e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        mlp = 3 * e * f
+        n, dense = self.num_layers, 3 * e * f
+        mlps = n * dense
         if self.num_experts:
-            mlp = self.num_experts * (3 * e * self.moe_intermediate_size + e)
-            mlp += 3 * e * self.shared_expert_intermediate_size + (
-                e if self.shared_expert_intermediate_size else 0)
-        per_layer = e * (q + 2 * kv) + q * e + mlp + 2 * e
+            shared = self.shared_expert_intermediate_size
+            sparse = self.num_experts * (3 * e * self.moe_intermediate_size + e) + 3 * e * shared
+            sparse += e if shared and self.shared_expert_gate else 0
+            mlps = self.first_dense_layers * dense + (n - self.first_dense_layers) * sparse
+        attn = e * (q + 2 * kv) + q * e + 2 * e
+        attn += (q + 2 * kv if self.qkv_bias else 0) + (e if self.o_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
         head = 0 if self.tie_word_embeddings else e * v
         if self.latent_attention:
             return v * e + _mla_layers_params(self) + e + head
-        return v * e + self.num_layers * per_layer + e + head
+        return v * e + n * attn + mlps + e + head
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

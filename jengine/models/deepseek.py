@@ -1,5 +1,8 @@
-"""DeepSeek-V2 (and -Lite): multi-head latent attention (MLA) over a compressed KV cache, and
-DeepSeek's MoE (dense MLPs in the first layers, then routed plus shared experts, `moe.py`).
+"""DeepSeek-V2 (and -Lite) and DeepSeek-V3 (also Kimi K2's architecture): multi-head latent
+attention (MLA) over a compressed KV cache, and DeepSeek's MoE (dense MLPs in the first layers,
+then routed plus shared experts, `moe.py`). V3 differs only in its router (sigmoid scores and a
+correction bias, `moe._route_sigmoid`) and in the multi-token-prediction layer its checkpoints
+carry after the last one (skipped).
 
 Einsum letters: t token, e hidden, h q head, n per-head "nope" dims (qk_nope_head_dim), r rope
 dims (qk_rope_head_dim), c latent (kv_lora_rank), v per-head value dims, q the q latent
@@ -51,6 +54,7 @@ from jengine.models.weight_rules import (
     Rule,
     experts_t,
     heads_of,
+    mtp_layers_skipped,
     o_heads_of,
     same,
     transposed,
@@ -107,13 +111,8 @@ LAYER_KEYS = (
 
 
 def layer_offsets(cfg: ModelConfig) -> dict[str, int]:
-    """The first layer of each weight that stacks only some layers: the dense MLP from 0, the
-    MoE from `first_dense_layers` (see `layers.unstack_layers`, `converters.tables.lookup`)."""
-    if cfg.first_dense_layers in (0, cfg.num_layers):
-        return {}
-    offsets = dict.fromkeys(DENSE_KEYS, 0)
-    offsets.update(dict.fromkeys(moe.LAYER_KEYS, cfg.first_dense_layers))
-    return offsets
+    """The dense MLP's weights stack from layer 0, the MoE's from `first_dense_layers`."""
+    return moe.layer_offsets(cfg, DENSE_KEYS)
 
 
 def smoothing_folds(cfg: ModelConfig) -> tuple:
@@ -216,14 +215,18 @@ NETWORK = Network(name="deepseek", param_specs=param_specs, forward=forward, log
 
 
 def _read_hf(hf: dict[str, Any]) -> ModelConfig:
-    """DeepSeek-V2 (and -Lite): multi-head latent attention and DeepSeek's MoE.
+    """DeepSeek-V2 (and -Lite) and DeepSeek-V3 (Kimi K2's architecture): multi-head latent
+    attention and DeepSeek's MoE.
 
     The softmax scale is HF's: (qk_nope + qk_rope) ** -0.5, times yarn's
     mscale(factor, mscale_all_dim) ** 2 under a scaled rope; the rope's own attention factor
-    (mscale / mscale_all_dim) scales the rotated q and k parts.
+    (mscale / mscale_all_dim) scales the rotated q and k parts. V3 routes by sigmoid scores
+    (`noaux_tc`, whatever its `topk_method` says, as HF does) and renormalises with
+    `norm_topk_prob`; V2 ignores `norm_topk_prob`, as HF does.
 
     Raises:
-      ValueError: a routing method other than greedy / group-limited greedy.
+      ValueError: a V2 routing method other than greedy / group-limited greedy; V3 with its
+        rope dims in halves (`rope_interleave: false`).
     """
     num_layers = int(hf["num_hidden_layers"])
     rope, _ = rope_from_hf(hf)
@@ -233,17 +236,22 @@ def _read_hf(hf: dict[str, Any]) -> ModelConfig:
     if rope.rope_type != "default" and params.get("mscale_all_dim"):
         m = 0.1 * float(params["mscale_all_dim"]) * math.log(rope.factor) + 1.0
         scale *= m * m if rope.factor > 1 else 1.0
-    method = hf.get("topk_method") or "greedy"
-    if method not in ("greedy", "group_limited_greedy"):
+    model_type = hf.get("model_type") or "deepseek_v2"
+    v3 = model_type == "deepseek_v3"
+    method = "noaux_tc" if v3 else hf.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         raise ValueError(f"deepseek_v2 routing {method!r} is not built "
                          "(greedy, group_limited_greedy)")
-    grouped = method == "group_limited_greedy"
+    if v3 and hf.get("rope_interleave") is False:
+        raise ValueError("deepseek_v3 with rope_interleave false (rope dims in halves) is not "
+                         "built")
+    grouped = method == "group_limited_greedy" or v3 and int(hf.get("n_group") or 1) > 1
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("deepseek_v2 with attention or MLP biases is not built")
+        raise ValueError(f"{model_type} with attention or MLP biases is not built")
     num_experts = int(hf["n_routed_experts"])
     moe_width = int(hf["moe_intermediate_size"])
     return ModelConfig(
-        model_type="deepseek_v2",
+        model_type=model_type,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
@@ -269,6 +277,10 @@ def _read_hf(hf: dict[str, Any]) -> ModelConfig:
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         expert_groups=int(hf["n_group"]) if grouped else 0,
         topk_groups=int(hf["topk_group"]) if grouped else 0,
+        router_scoring="sigmoid" if v3 else "softmax",
+        norm_topk_prob=v3 and bool(hf.get("norm_topk_prob", True)),
+        mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0)
+        if v3 else 0,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids(hf),
     )
@@ -282,6 +294,7 @@ def _weight_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
     attn = LAYER + r"self_attn\."
     mlp = LAYER + r"mlp\."
     return (
+        *mtp_layers_skipped(cfg),
         (r"model\.embed_tokens\.weight", "embed", same),
         (r"model\.norm\.weight", "final_norm", same),
         (r"lm_head\.weight", "lm_head", transposed),
@@ -299,6 +312,7 @@ def _weight_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
         (mlp + r"up_proj\.weight", "w_up", transposed),
         (mlp + r"down_proj\.weight", "w_down", transposed),
         (mlp + r"gate\.weight", "router", transposed),
+        (mlp + r"gate\.e_score_correction[._]bias", "router_bias", same),  # HF's, GGUF's
         (mlp + r"experts\.(\d+)\.gate_proj\.weight", "we_gate", transposed),
         (mlp + r"experts\.(\d+)\.up_proj\.weight", "we_up", transposed),
         (mlp + r"experts\.(\d+)\.down_proj\.weight", "we_down", transposed),
@@ -312,7 +326,7 @@ def _weight_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
-_GATING_SOFTMAX = 1  # llama.cpp's expert gating functions (its `expert_gating_func` key)
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2  # llama.cpp's `expert_gating_func` values
 
 
 def _gguf_config(gguf: GGUFHeader, cfg: dict[str, Any]) -> None:
@@ -323,15 +337,20 @@ def _gguf_config(gguf: GGUFHeader, cfg: dict[str, Any]) -> None:
     have only the heads' widths, as key / value_length. Its yarn mscale_all_dim is stored
     x 0.1 as `yarn_log_multiplier`, and its graph takes `mscale` equal to it (no key).
 
+    DeepSeek-V3 files are `deepseek2` too: sigmoid gating makes them `deepseek_v3` (its
+    correction bias is the `exp_probs_b` tensor; llama.cpp drops the MTP layers).
+
     Raises:
-      ValueError: sigmoid expert gating or renormalised top-k weights (DeepSeek-V3's,
-        which llama.cpp writes as `deepseek2` too).
+      ValueError: an expert gating function other than softmax and sigmoid, or renormalised
+        softmax weights (which neither DeepSeek does).
     """
-    if int(gguf.get("expert_gating_func", _GATING_SOFTMAX)) != _GATING_SOFTMAX:
-        raise ValueError(f"{gguf.path.name}: deepseek2 with sigmoid expert gating "
-                         "(DeepSeek-V3) is not built")
-    if gguf.get("expert_weights_norm"):
-        raise ValueError(f"{gguf.path.name}: deepseek2 with renormalised top-k expert "
+    gating = int(gguf.get("expert_gating_func", _GATING_SOFTMAX))
+    if gating not in (_GATING_SOFTMAX, _GATING_SIGMOID):
+        raise ValueError(f"{gguf.path.name}: deepseek2 with expert gating function {gating} "
+                         "is not built (softmax, sigmoid)")
+    v3 = gating == _GATING_SIGMOID
+    if gguf.get("expert_weights_norm") and not v3:
+        raise ValueError(f"{gguf.path.name}: deepseek2 with renormalised softmax expert "
                          "weights is not built (DeepSeek-V2 does not renormalise)")
     rope = int(gguf.get("rope.dimension_count"))
     mla = gguf.get("attention.key_length_mla") is not None
@@ -360,6 +379,10 @@ def _gguf_config(gguf: GGUFHeader, cfg: dict[str, Any]) -> None:
     if groups > 1:  # HF's group-limited greedy: the best groups' experts only
         cfg.update(topk_method="group_limited_greedy", n_group=groups,
                    topk_group=int(gguf.get("expert_group_used_count")))
+    if v3:
+        cfg.update(model_type="deepseek_v3", topk_method="noaux_tc",
+                   norm_topk_prob=bool(gguf.get("expert_weights_norm")),
+                   num_nextn_predict_layers=0)
     log_mul = gguf.get("rope.scaling.yarn_log_multiplier")
     if "rope_scaling" in cfg and log_mul:
         mscale = float(log_mul) / 0.1
@@ -374,10 +397,18 @@ DEEPSEEK_V2 = Family(
         features="MLA: compressed KV cache (latent + rope key per token), absorbed projections, "
                  "interleaved rope, yarn mscale; MoE (greedy / group-limited routing, routed "
                  "scaling, shared experts, dense first layers); tests/models/test_deepseek.py",
-        parity_test="test_mla_parity_q_projection"),),
+        parity_test="test_mla_parity_q_projection"),
+        ModelType(
+            name="deepseek_v3",
+            features="DeepSeek-V2's MLA and MoE with sigmoid routing (`noaux_tc`: "
+                     "`e_score_correction_bias` picks experts and groups, top-2 group scores, "
+                     "`norm_topk_prob`); multi-token-prediction layers skipped; "
+                     "tests/models/test_deepseek_v3.py",
+            parity_test="test_deepseek_v3_sigmoid_routing"),
+    ),
     read_hf=_read_hf,
     hf_weights_for=_weight_rules,
-    gguf_archs=(("deepseek2", "deepseek_v2"),),
+    gguf_archs=(("deepseek2", "deepseek_v2"),),  # or deepseek_v3, by its gating (below)
     gguf_config=_gguf_config,
     # Its latent attention projections and its shared experts (HF's `shared_experts`,
     # un-gated). `attn_k_b` is read with `attn_v_b` as the whole kv_b_proj
@@ -393,5 +424,6 @@ DEEPSEEK_V2 = Family(
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
         "ffn_up_shexp": "mlp.shared_experts.up_proj",
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        "exp_probs_b": "mlp.gate.e_score_correction",  # `.bias`: V3's correction bias
     },
 )

@@ -1,7 +1,9 @@
 """The Llama network: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Granite 3, SmolLM2/3,
-Phi-3, OLMo 2/3, EXAONE 4, Seed-OSS, and the MoE Mixtral, Qwen2/3-MoE and Granite-MoE
+Phi-3, OLMo 2/3, EXAONE 4, Seed-OSS, and the MoE Mixtral, Qwen2/3-MoE, Granite-MoE and GLM-4.5
 (`jengine/models/moe.py`) through config switches. Each of those families' records (its names,
-config keys, weight rules) is in `jengine/models/llama_variants.py`.
+config keys, weight rules) is in `jengine/models/llama_variants.py` (GLM-4.5's in
+`glm4_moe.py`). A MoE model whose first `first_dense_layers` layers are dense (GLM-4.5) stacks
+each MLP's weights over its own layers only (`layer_offsets`), so it runs the per-layer loop.
 
 Every layer weight is declared with a leading `layers` axis; the layers run under `jax.lax.scan`
 with the stacked KV cache in the carry (each layer updates its pages in place), or, with the
@@ -9,6 +11,8 @@ weights split per layer (`layers.unstack_layers`, the CPU default), as a loop ov
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +46,15 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         "w_down": ParamSpec((n, f, e), ("layers", "mlp", "embed"), contract=(1,)),
         "final_norm": ParamSpec((e,), ("embed",), "ones"),
     }
-    if cfg.num_experts:
-        del specs["w_gate"], specs["w_up"], specs["w_down"]
-        specs.update(moe.param_specs(cfg))
+    if cfg.num_experts:  # dense MLPs on the first `first_dense_layers` layers only
+        for name in DENSE_KEYS:
+            if cfg.first_dense_layers:
+                spec = specs[name]
+                specs[name] = dataclasses.replace(
+                    spec, shape=(cfg.first_dense_layers, *spec.shape[1:]))
+            else:
+                del specs[name]
+        specs.update(moe.param_specs(cfg, gated_shared=cfg.shared_expert_gate))
     if cfg.post_norms:  # OLMo 2 normalises the sub-layer outputs, not their inputs
         del specs["attn_norm"], specs["mlp_norm"]
         specs["post_attn_norm"] = ParamSpec((n, e), ("layers", "embed"), "ones")
@@ -69,6 +79,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs["lm_head"] = ParamSpec((e, v), ("embed", "vocab"), contract=(0,))
     return specs
 
+
+DENSE_KEYS = ("w_gate", "w_up", "w_down")
 
 LAYER_KEYS = (
     "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
@@ -105,6 +117,10 @@ def forward(
     """One ragged step. Returns float32 logits [S, V] at `md.logits_indices` ([T, V] with
     `all_logits`) and the updated cache; without `head`, the hidden states [S, E] (or [T, E])
     that `logits` turns into them, so a caller can take the logits of fewer rows."""
+    if "layers" not in params and layer_offsets(cfg):
+        raise ValueError(f"{cfg.model_type} with dense and MoE layers runs with per-layer "
+                         "weights (layer_layout 'unstacked', the CPU default)")
+    router = moe.router_of(cfg)
     x = layers.embed_tokens(params["embed"], md.token_ids, params["final_norm"].dtype)  # [T, E]
     if cfg.embedding_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
@@ -172,7 +188,7 @@ def forward(
             attn = rms_norm(attn, p["post_attn_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(attn)
         h = x if cfg.post_norms else rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, backend=mm)
-        out = moe.moe_mlp(h, p, cfg) if cfg.num_experts else _mlp(h, p, mm)
+        out = moe.moe_mlp(h, p, cfg, router=router) if "router" in p else _mlp(h, p, mm)
         if cfg.post_norms:
             out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(out)
@@ -255,5 +271,11 @@ def _scaled_by(multiplier: float):
 
 
 # The network every Llama-shaped family runs (their records: `jengine/models/llama_variants.py`).
+def layer_offsets(cfg: ModelConfig) -> dict[str, int]:
+    """GLM-4.5's dense first layers: their MLP stacks from layer 0, the MoE after them."""
+    return moe.layer_offsets(cfg, DENSE_KEYS) if cfg.num_experts else {}
+
+
 NETWORK = Network(name="llama", param_specs=param_specs, forward=forward, logits=logits,
-                  layer_keys=LAYER_KEYS, smoothing_folds=smoothing_folds)
+                  layer_keys=LAYER_KEYS, smoothing_folds=smoothing_folds,
+                  layer_offsets=layer_offsets)

@@ -15,7 +15,9 @@ the top k among the experts of the `topk_groups` groups whose best expert scores
 (group-limited greedy); the chosen probabilities are scaled by `routed_scaling_factor`, never
 renormalised (HF's DeepSeek-V2 ignores `norm_topk_prob`). Its shared experts are one MLP every
 token runs, without a gate. Its first `first_dense_layers` layers have a dense MLP instead, so
-the MoE weights stack only the layers after them.
+the MoE weights stack only the layers after them. DeepSeek-V3's router (`router_scoring`
+"sigmoid") scores by sigmoid and lets a per-expert bias pick the groups and experts but not
+weigh them (`_route_sigmoid`).
 
 The experts are three stacked weights with a logical `experts` axis, `we_gate`/`we_up`
 [L, X, E, F] and `we_down` [L, X, F, E]. Two exact ways compute them, picked statically from the
@@ -70,10 +72,31 @@ def param_specs(cfg: ModelConfig, *, gated_shared: bool = True) -> dict[str, Par
         })
         if gated_shared:
             specs["ws_router"] = ParamSpec((n, e), ("layers", "embed"))
+    if cfg.router_scoring == "sigmoid":
+        specs["router_bias"] = ParamSpec((n, x), ("layers", "experts"), "zeros")
     return specs
 
 
-LAYER_KEYS = ("router", "we_gate", "we_up", "we_down", "ws_router", "ws_gate", "ws_up", "ws_down")
+LAYER_KEYS = ("router", "router_bias", "we_gate", "we_up", "we_down", "ws_router", "ws_gate",
+              "ws_up", "ws_down")
+
+
+def layer_offsets(cfg: ModelConfig, dense_keys: tuple[str, ...]) -> dict[str, int]:
+    """The first layer of each weight that stacks only some layers when the first
+    `first_dense_layers` layers are dense (DeepSeek, GLM-4.5): the dense MLP's `dense_keys` from
+    0, the MoE's from `first_dense_layers`; {} when every layer is of one kind (see
+    `layers.unstack_layers`, `converters.tables.lookup`)."""
+    if cfg.first_dense_layers in (0, cfg.num_layers):
+        return {}
+    offsets = dict.fromkeys(dense_keys, 0)
+    offsets.update(dict.fromkeys(LAYER_KEYS, cfg.first_dense_layers))
+    return offsets
+
+
+def router_of(cfg: ModelConfig):
+    """The routing function `moe_mlp` takes for `cfg`: DeepSeek's (and GLM-4.5's, which is
+    DeepSeek-V3's) where the scores are sigmoid, HF's softmax top-k otherwise."""
+    return route_deepseek if cfg.router_scoring == "sigmoid" else route
 
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -86,10 +109,13 @@ def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     return experts, weights
 
 
-def route_deepseek(h: jax.Array, router: jax.Array, cfg: ModelConfig):
+def route_deepseek(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias=None):
     """DeepSeek-V2's router: float32 logits and softmax; greedy or group-limited top k; the
-    weights scaled by `routed_scaling_factor`."""
+    weights scaled by `routed_scaling_factor`. With `router_scoring` "sigmoid", V3's
+    (`_route_sigmoid`)."""
     logits = dot("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32))
+    if cfg.router_scoring == "sigmoid":
+        return _route_sigmoid(logits, bias, cfg)
     probs = jax.nn.softmax(logits, axis=-1)  # [T, X]
     if cfg.expert_groups:
         groups = probs.reshape(probs.shape[0], cfg.expert_groups, -1)  # [T, G, X/G]
@@ -100,13 +126,35 @@ def route_deepseek(h: jax.Array, router: jax.Array, cfg: ModelConfig):
     return experts, weights * cfg.routed_scaling_factor
 
 
+def _route_sigmoid(logits: jax.Array, bias: jax.Array, cfg: ModelConfig):
+    """DeepSeek-V3's `noaux_tc` routing over float32 logits [T, X]: the bias steers which experts
+    are chosen (groups ranked by the sum of their two best biased scores, the others masked to
+    -inf), never how much they weigh."""
+    scores = jax.nn.sigmoid(logits)  # [T, X]
+    choice = scores + bias.astype(jnp.float32)[None, :]
+    if cfg.expert_groups > 1:
+        groups = choice.reshape(choice.shape[0], cfg.expert_groups, -1)  # [T, G, X/G]
+        group_scores = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)  # [T, G]
+        _, best = jax.lax.top_k(group_scores, cfg.topk_groups)
+        keep = jnp.sum(jax.nn.one_hot(best, cfg.expert_groups, dtype=jnp.bool_), axis=1)
+        choice = jnp.where(keep[:, :, None], groups, -jnp.inf).reshape(choice.shape)
+    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)  # [T, k]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return experts, weights * cfg.routed_scaling_factor
+
+
 def moe_mlp(h: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig, *,
             router: Callable[[jax.Array, jax.Array, ModelConfig], tuple[jax.Array, jax.Array]]
             = route) -> jax.Array:
     """[T, E] -> [T, E]: the routed experts' SwiGLU MLPs, weighted and summed per token, chosen
     by `router` (`route`, or `route_deepseek`)."""
     with jax.named_scope("moe"):
-        experts, weights = router(h, p["router"], cfg)
+        if "router_bias" in p:
+            experts, weights = router(h, p["router"], cfg, p["router_bias"])
+        else:
+            experts, weights = router(h, p["router"], cfg)
         num_tokens, k = experts.shape
         if num_tokens * k <= cfg.num_experts:
             out = _gather_experts(h, p, experts, weights)

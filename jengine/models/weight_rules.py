@@ -131,3 +131,11 @@ def o_heads_of(width: int) -> Transform:
         source_index=lambda idx, d: ((idx[2], _rows(idx[0], width)), (_ALL, idx[1], _ALL)),
         source_shape=lambda shape, d: (shape[2], shape[0] * shape[1]),
     )
+
+
+def mtp_layers_skipped(cfg) -> tuple[Rule, ...]:
+    """Rules that skip the multi-token-prediction layers DeepSeek-V3 and GLM-4.5 checkpoints
+    carry after their last layer (`num_nextn_predict_layers`): jengine does not run them (a
+    speculative draft they could be), and a rule naming no param skips a weight."""
+    return tuple((rf"model\.layers\.{cfg.num_layers + i}\..*", (), same)
+                 for i in range(cfg.mtp_layers))

@@ -103,6 +103,8 @@ def _llama_cpp_tensors(arch: gguf.MODEL_ARCH, hf: dict, state: dict, *, permute:
             value = llama_cpp_permute(value, heads, kv_heads)
         if norm_shift and key.endswith("norm.weight"):
             value = value + norm_shift
+        if key.endswith("e_score_correction_bias"):  # llama.cpp's DeepSeek-V3 rename
+            key = key.removesuffix("_bias") + ".bias"
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         assert name is not None, key
         out[name] = value
@@ -331,11 +333,13 @@ def test_seed_oss(tmp_path):
     assert loaded.config.qkv_bias and not loaded.config.o_bias
 
 
-def _deepseek2_meta(w, hf, *, mla_keys: bool = True):
+def _deepseek2_meta(w, hf, *, mla_keys: bool = True,
+                    gating: gguf.ExpertGatingFuncType = gguf.ExpertGatingFuncType.SOFTMAX):
     """DeepseekV2Model.set_gguf_parameters: the base keys with MLA as MQA (one kv head) and no
     head_dim, then the latent widths (with `mla_keys`, the newer converter's: the cache's as
     key / value_length, the heads' as *_mla; the older one's: the heads' as key / value_length),
-    the MoE keys, softmax gating and yarn's mscale_all_dim x 0.1."""
+    the MoE keys, the gating (V3's: sigmoid, with its `norm_topk_prob`) and yarn's
+    mscale_all_dim x 0.1."""
     _base_meta(w, {**hf, "num_key_value_heads": 1, "head_dim": None})
     rope, latent = hf["qk_rope_head_dim"], hf["kv_lora_rank"]
     qk = hf["qk_nope_head_dim"] + rope
@@ -360,7 +364,9 @@ def _deepseek2_meta(w, hf, *, mla_keys: bool = True):
     if hf.get("n_group") is not None:
         w.add_expert_group_count(hf["n_group"])
         w.add_expert_group_used_count(hf["topk_group"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_expert_gating_func(gating)
+    if gating == gguf.ExpertGatingFuncType.SIGMOID:
+        w.add_expert_weights_norm(hf["norm_topk_prob"])
     w.add_rope_dimension_count(rope)
     mscale_all = (hf.get("rope_parameters") or {}).get("mscale_all_dim")
     if mscale_all is not None:
@@ -418,15 +424,16 @@ def test_deepseek2_q_lora_whole_kv_b_older_keys(tmp_path):
     assert (cfg.expert_groups, cfg.topk_groups, cfg.rope.rope_type) == (4, 2, "default")
 
 
-def test_deepseek2_v3_gating_is_refused(tmp_path):
+def test_deepseek2_unknown_gating_is_refused(tmp_path):
+    # (DeepSeek-V3's sigmoid gating: tests/models/test_deepseek_v3.py)
     path = tmp_path / "v3.gguf"
     w = gguf.GGUFWriter(str(path), "deepseek2")
     w.add_block_count(1)
     w.add_embedding_length(64)
     w.add_head_count(4)
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_uint32(gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch="deepseek2"), 3)  # not 1 or 2
     write_gguf(w)
-    with pytest.raises(Exception, match="sigmoid expert gating"):
+    with pytest.raises(Exception, match="expert gating function 3"):
         GGUFModel(path).hf_config()
 
 
