@@ -103,3 +103,42 @@ def test_missing_vision_weight_is_named(tiny):
                if "layers.1.mlp.fc2" not in k}
     with pytest.raises(ValueError, match="fc2"):
         idefics3.params_from_hf(vc, tensors.items())
+
+
+# SmolVLM-256M-Instruct's config.json as published (transformers 4.50's layout: a sparse
+# vision_config that leaves num_hidden_layers and the activation to the class defaults).
+PUBLISHED = {
+    "architectures": ["Idefics3ForConditionalGeneration"], "image_token_id": 49190,
+    "model_type": "idefics3", "scale_factor": 4, "tie_word_embeddings": False,
+    "text_config": {
+        "architectures": ["VLlama3ForCausalLM"], "attention_bias": False, "head_dim": 64,
+        "hidden_act": "silu", "hidden_size": 576, "intermediate_size": 1536,
+        "max_position_embeddings": 8192, "mlp_bias": False, "model_type": "llama",
+        "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
+        "pad_token_id": 2, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 100000,
+        "tie_word_embeddings": False, "vocab_size": 49280},
+    "vision_config": {"hidden_size": 768, "image_size": 512, "intermediate_size": 3072,
+                      "max_image_size": {"longest_edge": 512}, "model_type": "idefics3",
+                      "num_attention_heads": 12, "patch_size": 16,
+                      "size": {"longest_edge": 2048}},
+    "vocab_size": 49280,
+}
+
+
+def test_published_config_layout_reads_as_transformers_reads_it():
+    from jengine.models import model_config_from_hf
+
+    hf = transformers.Idefics3Config(**PUBLISHED)
+    vc = idefics3.vision_config_from_hf(PUBLISHED)
+    v = hf.vision_config
+    assert (vc.hidden_size, vc.intermediate_size, vc.num_layers, vc.num_heads, vc.image_size,
+            vc.patch_size, vc.layer_norm_eps) == (
+        v.hidden_size, v.intermediate_size, v.num_hidden_layers, v.num_attention_heads,
+        v.image_size, v.patch_size, v.layer_norm_eps)
+    assert (vc.scale_factor, vc.image_token_id, vc.tokens_per_tile) == (4, 49190, 64)
+    cfg = model_config_from_hf(PUBLISHED)
+    t = hf.text_config
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+            cfg.vocab_size, cfg.tie_word_embeddings) == (
+        "idefics3", t.hidden_size, t.num_hidden_layers, t.num_attention_heads,
+        t.num_key_value_heads, t.vocab_size, False)
