@@ -174,3 +174,11 @@ def test_images_for_a_text_model_are_a_400():
             assert e.value.body["param"] == "messages.0.content.1"
     finally:
         engine.shutdown()
+
+
+def test_tokenize_refuses_images(vlm):
+    import httpx
+
+    _, _, url, *_ = vlm
+    reply = httpx.post(f"{url}/tokenize", json={"messages": _messages(_data_url(_image(5)))})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
