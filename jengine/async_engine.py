@@ -20,6 +20,7 @@ from jengine.core.stats import EngineStats
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams, StructuredOutputs
 from jengine.structured import Grammar
+from jengine.vision.inputs import ImagePrompt
 
 log = logging.getLogger("jengine")
 
@@ -62,12 +63,15 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict | ImagePrompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's deltas. Bad input raises ValueError before anything is queued."""
+        """Yields the request's deltas. Bad input raises ValueError before anything is queued.
+        A prompt with images: vLLM's dict (as `Engine.generate`) or an `ImagePrompt`."""
         rid = request_id or f"req-{next(self._ids)}"
+        if isinstance(prompt, dict):
+            prompt = ImagePrompt.of(prompt)
         grammar = None
         spec = getattr(sampling_params, "structured_outputs", None)
         if spec is not None:

@@ -98,6 +98,11 @@ def _hf_text(model, engine, messages: list[dict]) -> str:
     plain, images = split_images(messages)
     prompt = ImagePrompt(render_chat_text(engine.tokenizer, plain), tuple(images),
                          add_special_tokens=False)
+    return engine.tokenizer.decode(_hf_greedy(model, engine, prompt), skip_special_tokens=True)
+
+
+def _hf_greedy(model, engine, prompt: ImagePrompt) -> list[int]:
+    """HF's greedy tokens over the ids and tiles jengine prepares for `prompt`."""
     ready = engine.core.images.prepare(prompt)
     ids, out = list(ready.token_ids), []
     with torch.no_grad():
@@ -106,7 +111,7 @@ def _hf_text(model, engine, messages: list[dict]) -> str:
                            pixel_values=torch.from_numpy(ready.tiles)[None]).logits[0, -1]
             out.append(int(logits.argmax()))
             ids.append(out[-1])
-    return engine.tokenizer.decode(out, skip_special_tokens=True)
+    return out
 
 
 def test_data_url_equals_hf_and_the_same_image_is_cached(vlm):
@@ -182,3 +187,23 @@ def test_tokenize_refuses_images(vlm):
     _, _, url, *_ = vlm
     reply = httpx.post(f"{url}/tokenize", json={"messages": _messages(_data_url(_image(5)))})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+
+
+def test_async_engine_takes_vllms_prompt_dict(vlm):
+    import asyncio
+
+    from jengine import SamplingParams
+
+    model, engine, *_ = vlm
+    image = _image(6)
+
+    async def tokens() -> list[int]:
+        out = []
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        prompt = {"prompt": "t1 t4 <image> t7", "multi_modal_data": {"image": image}}
+        async for delta in engine.generate(prompt, params):
+            out += delta.outputs[0].token_ids
+        return out
+
+    want = _hf_greedy(model, engine, ImagePrompt("t1 t4 <image> t7", (image,)))
+    assert asyncio.run(tokens()) == want
