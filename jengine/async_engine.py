@@ -21,6 +21,7 @@ from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams, StructuredOutputs
 from jengine.structured import Grammar
+from jengine.vision.inputs import ImagePrompt
 
 log = logging.getLogger("jengine")
 
@@ -63,14 +64,17 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict | ImagePrompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's deltas. Bad input raises ValueError before anything is queued.
-        `lora_request`: the LoRA adapter it runs under (an engine with `enable_lora`)."""
+        `lora_request`: the LoRA adapter it runs under (an engine with `enable_lora`). A prompt
+        with images: vLLM's dict (as `Engine.generate`) or an `ImagePrompt`."""
         rid = request_id or f"req-{next(self._ids)}"
+        if isinstance(prompt, dict):
+            prompt = ImagePrompt.of(prompt)
         grammar = None
         spec = getattr(sampling_params, "structured_outputs", None)
         if spec is not None:

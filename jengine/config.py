@@ -51,6 +51,8 @@ class ModelSection:
     # model dir's sentence-transformers files say (modules.json), else last token, normalised.
     pooling: str | None = None
     normalize: bool | None = None
+    # Vision models: the most images one prompt may hold (vLLM's `--limit-mm-per-prompt`).
+    limit_mm_per_prompt: str = "image=4"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,6 +149,12 @@ class ServerConfig:
     # None (create_app from Python): a temporary directory, removed at shutdown.
     batch_dir: str | None = None
     web_ui: bool = True  # the chat page at `/` (jengine/server/web_ui.py); False: `/` is a 404
+    # Image URLs (vision models; jengine/vision/media.py): data: always; file: under this
+    # directory only; http(s): only when allowed, each fetch bounded in bytes and seconds.
+    allowed_local_media_path: str | None = None
+    allow_remote_media: bool = False
+    max_image_bytes: int = 20 * 2**20
+    media_fetch_timeout: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

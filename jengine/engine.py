@@ -64,10 +64,12 @@ from jengine.pooling_params import PoolingParams
 from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
 from jengine.sharding import MeshSpec
-from jengine.text.chat import render_chat
+from jengine.text.chat import render_chat, render_chat_text
 from jengine.text.reasoning import resolve_format, split_reasoning, thinking_off
 from jengine.text.tool_parsers import resolve_tool_parser, split_calls
 from jengine.text.tools import constrain, tool_setup
+from jengine.vision.chat import has_images, split_images
+from jengine.vision.inputs import ImagePrompt
 
 log = logging.getLogger("jengine")
 
@@ -140,6 +142,7 @@ class Engine:
         max_loras: int | None = None,  # 4
         max_lora_rank: int | None = None,  # 64
         max_cpu_loras: int | None = None,  # None: max_loras
+        limit_mm_per_prompt: str | None = None,  # "image=4": images per prompt (vision models)
         warmup: bool = False,
     ):
         """`seed` makes the sampling of requests that set no seed of their own reproducible
@@ -186,6 +189,7 @@ class Engine:
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,
             seed=seed, task=task, pooling=pooling, normalize=normalize, enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            limit_mm_per_prompt=limit_mm_per_prompt,
         )
         self.core = make_core(cfg, progress=progress, warmup=warmup)
         if cfg.parallel.process_id != 0:
@@ -196,19 +200,23 @@ class Engine:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | dict | list[str | dict] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs in prompt order (tqdm bar on stderr).
         `lora_request`: the LoRA adapter every prompt runs under, or one per prompt (None:
-        the base model); needs `enable_lora`."""
-        if isinstance(prompts, str) or (
+        the base model); needs `enable_lora`. A prompt with images is vLLM's dict
+        `{"prompt": text with one "<image>" per image, "multi_modal_data": {"image": image or
+        [images]}}` (PIL images, uint8 arrays, image bytes or data: URLs), for a vision
+        model."""
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts must be a non-empty string or list")
+        prompts = [ImagePrompt.of(p) if isinstance(p, dict) else p for p in prompts]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError("need one SamplingParams per prompt")
@@ -349,7 +357,14 @@ class Engine:
         return outputs
 
     def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None) -> list[int] | ImagePrompt:
+        """The conversation's prompt: token ids, or with image content parts (data: URLs,
+        PIL images, uint8 arrays; `jengine.vision.chat`) the template's text and its images."""
+        if has_images(messages):
+            messages, images = split_images(messages)
+            text = render_chat_text(self.tokenizer, messages, tools=tools,
+                                    template_kwargs=template_kwargs)
+            return ImagePrompt(text, tuple(images), add_special_tokens=False)
         return render_chat(self.tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
 
     def stats(self) -> EngineStats:

@@ -14,6 +14,7 @@ ENGINE_FLAGS = (
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
     "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
     "task", "pooling", "normalize", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "limit_mm_per_prompt",
 )
 
 
@@ -82,6 +83,8 @@ def engine_parent() -> argparse.ArgumentParser:
     g.add_argument("--max-cpu-loras", type=int, metavar="M",
                    help="with --enable-lora: adapters kept read on the host (default: "
                    "--max-loras)")
+    g.add_argument("--limit-mm-per-prompt", metavar="image=N",
+                   help="vision models: the most images one prompt may hold (default image=4)")
     g.add_argument("--coordinator", metavar="HOST:PORT",
                    help="multi-host: process 0's address for jax.distributed")
     g.add_argument("--num-processes", type=int, help="multi-host: process count (default 1)")

@@ -33,7 +33,7 @@ LAYERS = (
     # Weights from files onto devices: checkpoint readers and placement, the mesh and the
     # logical-axis rules. Both read the models' parameter specs; neither imports the other.
     ("weights", ("converters", "jengine.sharding")),
-    ("model", ("jengine.models", "jengine.structured", "jengine.text")),
+    ("model", ("jengine.models", "jengine.structured", "jengine.text", "jengine.vision")),
     # The attention backends (pallas_kernels) reach the native CPU kernels' `cpu` backend.
     ("kernels", ("jengine.pallas_kernels", "jengine.cpu_kernels")),
     # Values and helpers with no project import above them.
@@ -310,6 +310,7 @@ TEST_FOLDERS = {"cli": "jengine/cli", "server": "jengine/server", "engine": "jen
                 "scheduling": "jengine/scheduling", "converters": "converters",
                 "sharding": "jengine/sharding", "models": "jengine/models",
                 "structured": "jengine/structured", "text": "jengine/text",
+                "vision": "jengine/vision",
                 "kernels": "jengine/pallas_kernels", "base": "jengine/config.py",
                 "accelerator": "jengine/pallas_kernels"}
 TREE_CHECKS = {"test_layers.py", "test_docs_paths.py"}

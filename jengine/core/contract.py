@@ -31,6 +31,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]  # every id that ends a sequence unless ignore_eos
     task: str = "generate"  # generate | embed | score (jengine.core.pooling)
     pooling: Pooling | None = None  # how an embedding task pools; None when it generates
+    takes_images: bool = False  # a vision model: prompts may hold images
 
 
 class CoreContract(Protocol):

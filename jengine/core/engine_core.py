@@ -35,9 +35,10 @@ from jengine.runtime.runner import Runner
 from jengine.runtime.step_io import StepOutputs, feed_rows
 from jengine.sampling_params import SamplingParams
 from jengine.scheduling.batch import ScheduledBatch
-from jengine.scheduling.sequence import Sequence
+from jengine.scheduling.sequence import ImageRows, Sequence
 from jengine.scheduling.speculative import StepCosts
 from jengine.structured import Grammar, GrammarCompiler
+from jengine.vision.inputs import ImagePrompt
 
 log = logging.getLogger("jengine")
 
@@ -93,9 +94,10 @@ class EngineCore:
         self.postprocess = Postprocessor(self.scheduler, self.requests, self.tokenizer,
                                          parts.pooling)
         self.pooling = parts.pooling
+        self.vision, self.images = parts.vision, parts.images
         self.model = ModelInfo(parts.loaded.source, self.model_config.vocab_size,
                                self.max_model_len, self.eos_token_ids, task=cfg.model.task,
-                               pooling=parts.pooling)
+                               pooling=parts.pooling, takes_images=parts.vision is not None)
         self.admission = Admission(self.tokenizer, self.model_config.vocab_size,
                                    self.max_model_len, cfg.model.seed)
         self._grammars = LazyGrammars(self.tokenizer, self.model_config.vocab_size,
@@ -103,12 +105,15 @@ class EngineCore:
         # A multi-host follower compiles as it follows the leader's warm-up steps.
         warm = (warmup or require_warm) and self.distributed.is_leader
         self.warmup_seconds = warm_up(self.runner, progress, require_warm) if warm else 0.0
+        if self.vision is not None and warm:
+            self.warmup_seconds += self.vision.warmup()
         phases.end("step programs")
         self.start_phases = phases.seconds  # per start-up phase, in order (`generate` prints them)
         log.info("engine ready in %.1fs (%s)", sum(phases.seconds.values()), self.phase_summary())
         if self.distributed.num_processes > 1 and self.distributed.is_leader:
             atexit.register(self.runner.stop_followers)
-        self._built_at_ready = self.runner.programs_built
+        self._built_at_ready = self.runner.programs_built + (
+            self.vision.programs_compiled if self.vision is not None else 0)
         # The step dispatched ahead (async scheduling): (batch, device outputs), not yet read.
         self._inflight: _InFlight | None = None
 
@@ -133,7 +138,8 @@ class EngineCore:
     def compiles_since_ready(self) -> int:
         """Step programs this engine built after warm-up (after construction without one);
         anything but 0 means a step shape or variant was missed."""
-        return self.runner.programs_built - self._built_at_ready
+        vision = self.vision.programs_compiled if self.vision is not None else 0
+        return self.runner.programs_built + vision - self._built_at_ready
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -169,7 +175,10 @@ class EngineCore:
             compiler = self.grammars
             grammar = grammar or compiler.compile(params.structured_outputs)
         lora_id = self.add_lora(lora_request).lora_int_id if lora_request is not None else 0
-        state = self.admission.request(request_id, prompt, params, grammar)
+        images = None
+        if isinstance(prompt, ImagePrompt):
+            prompt, images = self._prepare_images(prompt)
+        state = self.admission.request(request_id, prompt, params, grammar, images=images)
         for sample in state.samples:
             sample.seq.lora_id = lora_id
         self.requests[request_id] = state
@@ -191,6 +200,22 @@ class EngineCore:
         refill it reads the directory again."""
         if self.loras is not None:
             self.loras.remove(lora_id)
+
+    def _prepare_images(self, prompt: ImagePrompt) -> tuple[list[int], ImageRows | None]:
+        """An image prompt's token ids and its images encoded by the tower (on this thread:
+        the step loop waits for it, once per request)."""
+        if self.images is None:
+            if prompt.images:
+                raise ValueError(f"model {self.model.source!r} does not take images")
+            return self.admission.encode_prompt(prompt.text)[1], None
+        ready = self.images.prepare(prompt)
+        if not prompt.images:
+            return ready.token_ids, None
+        if self.vision is None:
+            raise ValueError("this engine has no image tower on its devices")
+        rows = self.vision.encode(ready.tiles)
+        return ready.token_ids, ImageRows(rows=rows, row_at=ready.row_at,
+                                          cache_ids=ready.cache_ids)
 
     def _add_pooled(self, request_id: str, prompt: str | list[int],
                     params: PoolingParams | None) -> RequestState:

@@ -19,6 +19,7 @@ import jax
 
 from converters import LoadedModel, load_config
 from converters.source import auto_quantization
+from converters.vision import load_vision
 from jengine.config import EngineConfig
 from jengine.core import auto_dtype
 from jengine.core.build import (
@@ -39,17 +40,21 @@ from jengine.core.lora_cache import HostLoras
 from jengine.core.pooling import Pooling, resolve_pooling
 from jengine.models import family_module
 from jengine.models.config import ModelConfig
+from jengine.models.idefics3 import VISION_MODEL_TYPES
 from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import ExecutableStore, default_store_dir
 from jengine.runtime.lora_slots import LoraSlots
 from jengine.runtime.runner import Runner
+from jengine.runtime.vision import VisionEncoder
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
+from jengine.vision.idefics3_processor import Idefics3Processor
+from jengine.vision.inputs import ImagePrompter, parse_image_limit
 
 log = logging.getLogger("jengine")
 
@@ -76,6 +81,8 @@ class CoreParts:
     runner: Runner
     pooling: Pooling | None  # task embed / score: how hidden states become a vector
     loras: HostLoras | None = None  # enable_lora: the adapters read on the host
+    vision: VisionEncoder | None = None  # a vision model's image tower (compiled per bucket)
+    images: ImagePrompter | None = None  # its prompts' images -> placeholders and tiles
 
 
 def build_parts(
@@ -140,11 +147,13 @@ def build_parts(
                          dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                          layer_layout=layer_layout, progress=progress, phases=phases)
     phases.end("kv cache")
+    vision, images = _vision(cfg, loaded, model_config, dtype, make_runner is None)
     return CoreParts(distributed=distributed, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                      mesh_spec=mesh_spec, layer_layout=layer_layout, quantization=quantization,
                      loaded=loaded, model_config=model_config, max_model_len=context,
                      eos_token_ids=eos, allocator=allocator, prefix_cache=prefix_cache,
-                     scheduler=scheduler, runner=runner, pooling=pooling, loras=loras)
+                     scheduler=scheduler, runner=runner, pooling=pooling, loras=loras,
+                     vision=vision, images=images)
 
 
 def host_loras(cfg: EngineConfig, model_config: ModelConfig,
@@ -172,6 +181,19 @@ def host_loras(cfg: EngineConfig, model_config: ModelConfig,
         raise ValueError("max_loras and max_lora_rank must be at least 1")
     return HostLoras(model_config, max_rank=lo.max_lora_rank,
                      max_cpu_loras=lo.max_cpu_loras or lo.max_loras)
+
+
+def _vision(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, dtype,
+            real: bool) -> tuple[VisionEncoder | None, ImagePrompter | None]:
+    """A vision model's image tower (on the devices when `real`) and prompt preparer; a
+    text model has neither. The tower reads the HF checkpoint the text model came from."""
+    limit = parse_image_limit(cfg.model.limit_mm_per_prompt)
+    if model_config.model_type not in VISION_MODEL_TYPES or loaded.kind != "hf":
+        return None, None
+    vc, params = load_vision(loaded.source)
+    prompter = ImagePrompter(loaded.tokenizer, Idefics3Processor.from_dir(loaded.source), vc,
+                             max_images=limit)
+    return (VisionEncoder(vc, params, dtype) if real else None), prompter
 
 
 def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str, *,
@@ -213,4 +235,6 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
         buckets=buckets, kv_cache_dtype=kv_cache_dtype, rules=rules,
         channel=StepChannel(distributed) if distributed.num_processes > 1 else None,
         store=ExecutableStore(default_store_dir()), embed=cfg.model.task != "generate",
+        image_width=(model_config.hidden_size if model_config.model_type in VISION_MODEL_TYPES
+                     and loaded.kind == "hf" else None),
     )

@@ -102,6 +102,10 @@ class AttentionMetadata:
     block_seq: jax.Array | None = None  # [NB] int32
     # Steps with LoRA adapters only (else None): each token's adapter slot, -1 for none.
     lora_slots: jax.Array | None = None  # [T] int32
+    # Image rows (vision families only, else None): `embeds` [M, E] replace the token embeddings
+    # of the query tokens whose `embeds_at` [T] int32 names a row (-1: keep the token's own).
+    embeds: jax.Array | None = None
+    embeds_at: jax.Array | None = None
 
 
 def attend(

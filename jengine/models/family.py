@@ -67,7 +67,8 @@ class ModelType:
 
     name: str
     features: str
-    # in tests/models/test_models_parity.py, test_deepseek.py or test_deepseek_v3.py
+    # in tests/models/test_models_parity.py, test_deepseek.py, test_deepseek_v3.py,
+    # test_glm4_moe.py or test_idefics3.py
     parity_test: str | None = None
     # How GGUF files reach this type when no architecture maps to it by name (Mixtral is
     # llama.cpp's `llama` with experts).

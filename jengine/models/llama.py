@@ -125,6 +125,7 @@ def forward(
     x = layers.embed_tokens(params["embed"], md.token_ids, params["final_norm"].dtype)  # [T, E]
     if cfg.embedding_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+    x = layers.splice_embeds(x, md.embeds, md.embeds_at)
     scaled = _scaled_by(cfg.residual_multiplier)
     window = cfg.sliding_window
     inv_freq = _layer_inv_freq(cfg)  # [L, R/2]

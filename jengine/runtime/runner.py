@@ -77,6 +77,7 @@ class Runner:
         store: ExecutableStore | None = None,
         embed: bool = False,
         loras: LoraSlots | None = None,
+        image_width: int | None = None,
     ):
         """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
         is created on its kv-head sharding and each step's inputs are replicated on the mesh.
@@ -84,11 +85,14 @@ class Runner:
         runs `follow()` instead of being driven by a scheduler. `store`: compiled programs
         are loaded from and saved to it (single-process runs only). `embed` (task embed or
         score): every step runs the embed variant, never a sampling one. `loras`
-        (`enable_lora`): the adapter slots; a batch with adapters runs the lora variants."""
+        (`enable_lora`): the adapter slots; a batch with adapters runs the lora variants.
+        `image_width` (a vision model's hidden size): every step carries image rows
+        (`step_io.image_rows`)."""
         self.cfg = cfg
         self.params = params
         self.embed = embed
         self.loras = loras
+        self.image_width = image_width
         self.page_size = page_size
         self.num_pages = num_pages
         self.buckets = buckets
@@ -178,12 +182,10 @@ class Runner:
     def host_inputs(self, batch: ScheduledBatch, rows: SamplingRows,
                     feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
         """`batch`'s padded inputs as NumPy (what a multi-host leader broadcasts)."""
-        blocked = self.cfg.attention_backend == "reference"
-        slots = batch_slots(self.loras, batch)
-        inputs, variant = step_inputs(batch, rows, self.buckets, blocked_queries=blocked,
-                                      vocab_size=self.cfg.vocab_size,
-                                      history_width=self.buckets.pages[-1] * self.page_size,
-                                      feed=feed, lora_slots=slots)
+        inputs, variant = step_inputs(
+            batch, rows, self.buckets, blocked_queries=self.cfg.attention_backend == "reference",
+            vocab_size=self.cfg.vocab_size, history_width=self.buckets.pages[-1] * self.page_size,
+            feed=feed, lora_slots=batch_slots(self.loras, batch), image_width=self.image_width)
         return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
 
     def _to_device(self, host):  # a pytree of NumPy arrays
@@ -228,9 +230,8 @@ class Runner:
 
     def _run(self, host: StepInputs, variant: Variant,
              prev_tokens: jax.Array | None = None) -> StepOutputs:
-        lora = self.loras.tree if variant.lora else None
-        args = (self._to_device(host), self._no_tokens if prev_tokens is None else prev_tokens,
-                lora)
+        prev = self._no_tokens if prev_tokens is None else prev_tokens
+        args = (self._to_device(host), prev, self.loras.tree if variant.lora else None)
         out, self.kv = self._program(host, variant, args)(self.params, self.kv, *args)
         return out
 

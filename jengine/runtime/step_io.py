@@ -165,6 +165,9 @@ class StepInputs:
     blocks: tuple[np.ndarray, np.ndarray] | None = None
     targets: np.ndarray | None = None  # [T] int32 prompt_logprobs' next prompt token, or -1
     lora_slots: np.ndarray | None = None  # [T] int32 LoRA slot per token, -1: none (lora only)
+    # Vision models only (every step, so one program per bucket serves text and images):
+    # (rows [T, E] f32, at [T] int32): token t takes rows[t] where at[t] >= 0 (an image row).
+    images: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def feed(self):  # [T] the previous step's row whose sampled token this token is, or -1
@@ -177,19 +180,24 @@ class StepInputs:
             page_table=self.page_table, logits_indices=self.logits_indices,
             block_tokens=self.blocks[0] if self.blocks else None,
             block_seq=self.blocks[1] if self.blocks else None, lora_slots=self.lora_slots,
+            embeds=self.images[0] if self.images else None,
+            embeds_at=self.images[1] if self.images else None,
         )
 
 
 def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                 blocked_queries: bool, vocab_size: int, history_width: int,
                 feed: np.ndarray | None = None,
-                lora_slots: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
+                lora_slots: np.ndarray | None = None,
+                image_width: int | None = None) -> tuple[StepInputs, Variant]:
     """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
     whose sampled token it takes (-1: its own id). `lora_slots` [num_tokens]: each token's
     adapter slot (-1: none), given for a batch with adapters (the lora variant's input).
     `blocked_queries`: build the query blocks that the reference attention reads in
     prefill-heavy buckets. `vocab_size` and
     `history_width` size the features program's inputs (`SamplingRows.padded`).
+    `image_width` (a vision model's hidden size): carry the image rows of the prompt tokens
+    this step computes (`image_rows`).
 
     Raises:
       ValueError: the batch has more sampled rows than its bucket's S.
@@ -224,10 +232,31 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
         slots[:n_tok] = lora_slots
     variant = Variant(features=features, prompt_logprobs=targets is not None,
                       lora=slots is not None)
+    images = image_rows(batch, t, image_width) if image_width else None
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
-                        sampling=sampling, blocks=blocks, targets=targets, lora_slots=slots)
+                        sampling=sampling, blocks=blocks, targets=targets, lora_slots=slots,
+                        images=images)
     return inputs, variant
+
+
+def image_rows(batch: ScheduledBatch, t: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """([T, width] f32, [T] int32): the encoded image row of each prompt placeholder this step
+    computes (a prefill chunk may start or end inside an image), -1 / zeros elsewhere."""
+    rows = np.zeros((t, width), np.float32)
+    at = np.full((t,), -1, np.int32)
+    starts = batch.cu_q_lens[:-1]
+    for seq, start, q in zip(batch.seqs, starts.tolist(), batch.q_lens.tolist()):
+        images = seq.images
+        if images is None:
+            continue
+        pos = batch.positions[start:start + q]
+        prompt = pos < len(images.row_at)
+        which = np.where(prompt, images.row_at[np.minimum(pos, len(images.row_at) - 1)], -1)
+        hits = np.flatnonzero(which >= 0)
+        rows[start + hits] = images.rows[which[hits]]
+        at[start + hits] = start + hits
+    return rows, at
 
 
 def feed_rows(batch: ScheduledBatch,

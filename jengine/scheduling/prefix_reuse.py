@@ -19,7 +19,7 @@ def reuse_cached(cache: PrefixCache | None, seq: Sequence) -> int | None:
         return None
     ps = cache.allocator.page_size
     max_pages = (seq.num_tokens - 1) // ps
-    pages = cache.match(seq.tokens(0, max_pages * ps), max_pages, adapter=seq.lora_id)
+    pages = cache.match(seq.cache_tokens(0, max_pages * ps), max_pages, adapter=seq.lora_id)
     if pages:
         cache.allocator.share(pages)
         seq.pages = pages
@@ -52,9 +52,9 @@ def prefix_in_flight(seq: Sequence, chosen: list[tuple[Sequence, int]], ps: int)
     if have >= (seq.num_tokens - 1) // ps:
         return False  # its remaining pages are its own to compute
     end = (have + 1) * ps
-    tokens = seq.tokens(0, end)
+    tokens = seq.cache_tokens(0, end)
     return any(n > 1 and other.lora_id == seq.lora_id and other.num_computed + n >= end
-               and other.tokens(0, end) == tokens for other, n in chosen)
+               and other.cache_tokens(0, end) == tokens for other, n in chosen)
 
 
 def count_lookup(cache: PrefixCache, seq: Sequence, hit: int) -> None:
@@ -75,7 +75,7 @@ def cache_pages(cache: PrefixCache, seq: Sequence) -> None:
     full = seq.num_computed // ps
     if seq.own_pages_from is not None or full <= known:
         return
-    tokens = seq.tokens(0, full * ps)
+    tokens = seq.cache_tokens(0, full * ps)
     if PENDING in tokens[known * ps:]:  # cannot happen: a PENDING token is never computed
         raise RuntimeError(f"sequence {seq.seq_id} has a computed PENDING token")
     seq.num_cached_pages = cache.insert(tokens, seq.pages[:full], known, adapter=seq.lora_id)

@@ -40,6 +40,7 @@ from jengine.server.protocol import DetokenizeRequest, TokenizeRequest
 from jengine.server.responses import create_response
 from jengine.server.state import ServerState
 from jengine.text.chat import render_chat
+from jengine.vision.chat import has_images
 
 # The body of a route's errors (`APIError.body`, errors.py; the document's schema, openapi.py).
 ErrorShape = Literal["openai", "anthropic"]
@@ -106,6 +107,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         raise bad_request("pass exactly one of prompt and messages")
     if body.messages is not None:
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        if has_images(messages):  # the count would leave out each image's placeholders
+            raise bad_request("/tokenize does not take image content parts", "messages")
         tokens = await asyncio.to_thread(render_chat, engine.tokenizer, messages,
                                          chat_template=state.chat_template)
     else:

@@ -28,6 +28,7 @@ from jengine.server.middleware import clean_request_id
 from jengine.server.warmup import MAX_TOKENS, warm_up
 from jengine.text.reasoning import ReasoningFormat, resolve_format, thinking_off
 from jengine.text.tool_parsers import resolve_tool_parser
+from jengine.vision.media import MediaPolicy
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
@@ -87,6 +88,10 @@ class ServerState:
         self._warming: AsyncEngine | None = None
         self._ids = itertools.count()
         self.chat_template = load_chat_template(config.chat_template)
+        self.media = MediaPolicy(
+            allowed_local_media_path=config.allowed_local_media_path,
+            allow_remote_media=config.allow_remote_media, max_bytes=config.max_image_bytes,
+            fetch_timeout=config.media_fetch_timeout)
         self.request_log_level = logging.INFO if config.log_requests else logging.DEBUG
         self._auto_reasoning: dict[str | None, ReasoningFormat | None] = {}  # template -> format
         self.loras = ServedLoras(config.lora_modules)  # adapters served as models (loras.py)
