@@ -115,6 +115,15 @@ inline void PairStep(const XElem* xs, int64_t Kp, int64_t kp, const uint16_t* b,
 inline void StoreAcc(const Acc& a, float* out) { _mm256_storeu_ps(out, a); }
 inline Acc LoadAcc(const float* in) { return _mm256_loadu_ps(in); }
 inline Acc ZeroAcc() { return _mm256_setzero_ps(); }
+
+// v rounded to bf16 (nearest even; no NaN here), back in f32: RoundedBf16's 8-wide twin.
+inline __m256 RoundedBf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(
+      static_cast<int32_t>(0xffff0000u))));
+}
 constexpr int kAccCols = 8;
 #else
 struct Acc {
@@ -181,7 +190,7 @@ inline void BlockSumsAny(int64_t rows, const XElem* xs, int64_t Kp, const uint16
 }
 
 // act[c] = round(round(silu(round(gate[c]))) * round(up[c])) for c < cols, each round to bf16
-// (nearest even), as amx_swiglu.h rounds; the sigmoid vectorized where AVX-512F runs (a scalar
+// (nearest even), as amx_swiglu.h rounds; the sigmoid vectorized on AVX-512F and AVX2 (a scalar
 // std::exp per element cost a 1,500-token prompt ~69 M calls).
 inline void Activation(const float* gate, const float* up, int64_t cols, uint16_t* out) {
   int64_t c = 0;
@@ -201,6 +210,30 @@ inline void Activation(const float* gate, const float* up, int64_t cols, uint16_
     const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     const __m512 u = RoundedBf16(_mm512_loadu_ps(up + c));
     StoreBf16(_mm512_mul_ps(RoundedBf16(s), u), 16, out + c);
+  }
+#elif JE_SIMD == 1
+  // The same polynomial; 2^n from its exponent bits (no vscalefps on AVX2), t clamped to
+  // +-126 so they stay normal: past that the sigmoid is 0 or 1 to far below bf16's precision.
+  for (; c + 8 <= cols; c += 8) {
+    const __m256 g = RoundedBf16x8(_mm256_loadu_ps(gate + c));
+    const __m256 t = _mm256_max_ps(_mm256_set1_ps(-126.0f), _mm256_min_ps(
+        _mm256_set1_ps(126.0f), _mm256_mul_ps(g, _mm256_set1_ps(-1.44269504f))));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 y = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718f));
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    for (float k : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+      p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(k));
+    }
+    const __m256i two_n = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    const __m256 u = RoundedBf16x8(_mm256_loadu_ps(up + c));
+    const __m256i bits = _mm256_srli_epi32(
+        _mm256_castps_si256(RoundedBf16x8(_mm256_mul_ps(RoundedBf16x8(s), u))), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
+                     _mm_packus_epi32(_mm256_castsi256_si128(bits),
+                                      _mm256_extracti128_si256(bits, 1)));
   }
 #endif
   for (; c < cols; ++c) {
