@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine import cpu_info
 from jengine.cpu_kernels import w4_matmul as cpu_w4
 
 GROUP = cpu_w4.GROUP
@@ -145,21 +146,25 @@ def _packed(parts: list, shape: tuple[int, ...], n_in: int, n_lead: int) -> W4Ar
 # layers, 2-core Xeon with AMX, shared): bf16 rows at 32 / 64 / 256 took 38 / 71 / 258 ms on the
 # kernel (compute-bound past a few rows: 3 rows a pass) against 26 / 11 / 40 ms dequantized to
 # bf16 on XLA's AMX dot; f32 rows at 32 / 64 / 256: 18 / 39 / 132 ms against XLA f32's 32 / 30 /
-# 104. The W4A8 path (VNNI) takes every row count: docs/quantization.md, "W4A8 on VNNI".
+# 104. The W4A8 path (VNNI) takes up to VNNI_AMX_ROWS rows on a CPU with AMX-BF16 and every
+# row count elsewhere: on 30 layers of SmolLM2's 7 projections (experiments/w4_matmul_bench.py,
+# 2 cores shared) it took 620 ms at 128 rows against 1,367 dequantized to bf16 for XLA's AMX
+# dot, 3,045 against 2,624 at 512 (docs/quantization.md, "W4A8 on VNNI").
 NATIVE_ROWS = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float32): 32}
+VNNI_AMX_ROWS = 256
 
 
 def native_rows(dtype) -> int | None:
     """The most rows of `dtype` the native kernel takes here (None: any)."""
     if cpu_w4.best_isa() == "avx512_vnni":
-        return None
+        return VNNI_AMX_ROWS if "amx_bf16" in cpu_info.flags() else None
     return NATIVE_ROWS.get(jnp.dtype(dtype), 0)
 
 
 def dot(eq: str, x: jax.Array, w: W4Array, native: bool) -> jax.Array:
     """`einsum(eq, x, w)` in float32. `native` (the caller checked: CPU, a `kn` product of a
-    2-D x, the library loaded): the kernel on the packed weight (the float paths up to
-    NATIVE_ROWS rows, else the weight dequantized to x's dtype in XLA's dot: a prefill chunk);
+    2-D x, the library loaded): the kernel on the packed weight up to `native_rows` rows, else
+    the weight dequantized to x's dtype in XLA's dot (a prefill chunk);
     not `native`: the reference, the dequantized weight in a float32 einsum."""
     if native and not w.lead:
         most = native_rows(x.dtype)
