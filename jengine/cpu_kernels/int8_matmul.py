@@ -2,7 +2,8 @@
 (per-channel scales), int32 sums rescaled in f32, equal to `jengine.models.quant`'s XLA int8 dot
 bit for bit. `int8_matmul` (`csrc/int8_matmul.cc`) runs AVX-512 VNNI over the weight as stored;
 `amx_int8_matmul` and `amx_int8_swiglu` (`csrc/amx_int8.h`) run on the AMX-INT8 tiles over a
-weight packed once at load time (`amx_int8_tiles`).
+weight packed once at load time (`amx_int8_tiles`); `vnni_int8_matmul` (`csrc/vnni_int8.cc`)
+reads the same packed tiles with AVX-512 VNNI on CPUs without AMX-INT8.
 """
 
 from __future__ import annotations
@@ -60,6 +61,45 @@ def amx_int8_available() -> bool:
     """Whether `amx_int8_matmul` runs here: the library loaded, the CPU has AMX-INT8 in
     `cpu_info.flags()`, and Linux granted this process the tile state."""
     return cpu_info.allows("amx_int8") and granted("int8")
+
+
+def vnni_int8_available() -> bool:
+    """Whether `vnni_int8_matmul` runs here: the library has it and the CPU has AVX-512 VNNI
+    in `cpu_info.flags()` (so `cpu_info.hiding("avx512_vnni")` turns it off)."""
+    return (cpu_info.allows("avx512_vnni") and library.has_target("jengine_vnni_int8_packed")
+            and library.runs("vnni_int8_packed", "avx512_vnni") == 1)
+
+
+def vnni_int8_matmul(
+    xq: jax.Array,  # [R, K] int8 (quant.quantize_rows)
+    sx: jax.Array,  # [R, 1] or [R] f32
+    tiles: jax.Array,  # amx_int8_tiles(w) for w [K, N] int8
+    w_scale: jax.Array,  # [N] f32
+    n: int,  # N
+    *,
+    max_threads: int = 0,
+    out_dtype=jnp.float32,
+) -> jax.Array:  # [R, N] out_dtype
+    """`amx_int8_matmul`'s product (the same packed weight, exact int32 sums, the same f32
+    rescale: XLA's int8 dot to the bit, or that rounded to bf16) by VPDPBUSD on AVX-512 VNNI,
+    for CPUs without AMX-INT8."""
+    library.require("the VNNI int8 matmul", "XLA's int8 dot (matmul_backend 'xla')")
+    if (xq.dtype != jnp.int8 or xq.ndim != 2 or tiles.dtype != jnp.int8
+            or tiles.shape[2:] != AMX_INT8_TILE or tiles.shape[0] != -(-n // 32)
+            or tiles.shape[1] != -(-xq.shape[1] // 64) or sx.size != xq.shape[0]
+            or w_scale.size != n):
+        raise ValueError(f"vnni_int8_matmul takes int8 xq [R, K], sx [R], the int8 "
+                         f"amx_int8_tiles(w) of a w [K, {n}] and its [{n}] scales, got "
+                         f"{xq.dtype}{xq.shape}, {sx.shape}, {tiles.dtype}{tiles.shape}, "
+                         f"{w_scale.shape}")
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"vnni_int8_matmul returns float32 or bfloat16, not {out_dtype}")
+    call = jax.ffi.ffi_call(library.target("jengine_vnni_int8_packed"),
+                            jax.ShapeDtypeStruct((xq.shape[0], n), out_dtype))
+    return call(xq, sx.reshape(-1).astype(jnp.float32), tiles,
+                w_scale.reshape(-1).astype(jnp.float32), n=np.int64(n),
+                isa=np.int32(library.isa_code("vnni_int8_packed", "avx512_vnni")),
+                max_threads=np.int32(max_threads))
 
 
 def amx_int8_tiles(w: np.ndarray) -> np.ndarray:

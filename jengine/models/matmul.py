@@ -147,8 +147,10 @@ def pack_projections(params: dict, specs: dict, *, amx: bool = True) -> dict:
     `embed` [V, E] as the tiles of its transpose), as an `AmxPacked` (packed on the host, each
     float weight freed once packed). `specs` are the stacked declarations: a layer weight's
     contracted axes follow the layer axis. `amx=False` (the `native` backend off AMX) packs
-    only the bf16 weights, for the packed-bf16 kernel."""
-    int8 = amx and cpu_int8.amx_int8_available()
+    the bf16 weights for the packed-bf16 kernel, and the `int8` ones for the VNNI kernel
+    (`cpu_int8.vnni_int8_matmul`, the same tiles) where the CPU has AVX-512 VNNI."""
+    int8 = cpu_int8.amx_int8_available() if amx else (
+        not cpu_int8.amx_int8_available() and cpu_int8.vnni_int8_available())
     layers = []
     for layer in params["layers"]:
         out = dict(layer)
@@ -283,7 +285,7 @@ def swiglu(x: jax.Array, w_gate: Weight, w_up: Weight, backend: str = "xla") -> 
         return cpu_matmul.amx_swiglu(x, w_gate.tiles, w_up.tiles, n)
     if (isinstance(w_gate, AmxPacked) and isinstance(w_up, AmxPacked) and x.ndim == 2
             and x.dtype == jnp.bfloat16 and w_gate.scale is not None and w_up.scale is not None
-            and w_gate.tiles.shape == w_up.tiles.shape):
+            and w_gate.tiles.shape == w_up.tiles.shape and cpu_int8.amx_int8_available()):
         xq, sx = quant.quantize_rows(x)
         return cpu_int8.amx_int8_swiglu(xq, sx, (w_gate.tiles, w_gate.scale),
                                           (w_up.tiles, w_up.scale), int(np.prod(w_gate.out_shape)))
@@ -314,7 +316,9 @@ def dot(eq: str, x: jax.Array, w: Weight, backend: str = "xla", *,
         n = int(np.prod(w.out_shape))
         if w.scale is not None:  # int8 (W8A8): the rows quantized as quant.einsum's
             xq, sx = quant.quantize_rows(x)
-            y = cpu_int8.amx_int8_matmul(xq, sx, w.tiles, w.scale, n, out_dtype=out)
+            int8_matmul = (cpu_int8.amx_int8_matmul if cpu_int8.amx_int8_available()
+                           else cpu_int8.vnni_int8_matmul)
+            y = int8_matmul(xq, sx, w.tiles, w.scale, n, out_dtype=out)
         elif cpu_matmul.amx_available():
             y = cpu_matmul.amx_matmul(x, w.tiles, n, out_dtype=out)
         else:  # packed off AMX (`packs_bf16`): VDPBF16PS, or FMA over the widened pairs

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine import cpu_info
 from jengine.cpu_kernels import w4_matmul as cpu_w4
 
 GROUP = cpu_w4.GROUP
@@ -140,21 +141,34 @@ def _packed(parts: list, shape: tuple[int, ...], n_in: int, n_lead: int) -> W4Ar
                    out_shape=tuple(shape[n_lead + n_in:]))
 
 
-# The most rows the native kernel takes, by activation dtype; beyond, the weight is
-# dequantized to x's dtype for XLA's dot. Measured (30 SmolLM2 w_gate-shaped layers, 2-core
-# Xeon with AMX, shared): bf16 rows at 32 / 64 / 256 took 38 / 71 / 258 ms on the kernel
-# (compute-bound past a few rows: 3 rows a pass) against 26 / 11 / 40 ms dequantized to bf16
-# on XLA's AMX dot; f32 rows at 32 / 64 / 256: 18 / 39 / 132 ms against XLA f32's 32 / 30 / 104.
+# The most rows the float (W4A16) paths of the native kernel take, by activation dtype; beyond,
+# the weight is dequantized to x's dtype for XLA's dot. Measured (30 SmolLM2 w_gate-shaped
+# layers, 2-core Xeon with AMX, shared): bf16 rows at 32 / 64 / 256 took 38 / 71 / 258 ms on the
+# kernel (compute-bound past a few rows: 3 rows a pass) against 26 / 11 / 40 ms dequantized to
+# bf16 on XLA's AMX dot; f32 rows at 32 / 64 / 256: 18 / 39 / 132 ms against XLA f32's 32 / 30 /
+# 104. The W4A8 path (VNNI) takes up to VNNI_AMX_ROWS rows on a CPU with AMX-BF16 and every
+# row count elsewhere: on 30 layers of SmolLM2's 7 projections (experiments/w4_matmul_bench.py,
+# 2 cores shared) it took 620 ms at 128 rows against 1,367 dequantized to bf16 for XLA's AMX
+# dot, 3,045 against 2,624 at 512 (docs/quantization.md, "W4A8 on VNNI").
 NATIVE_ROWS = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.float32): 32}
+VNNI_AMX_ROWS = 256
+
+
+def native_rows(dtype) -> int | None:
+    """The most rows of `dtype` the native kernel takes here (None: any)."""
+    if cpu_w4.best_isa() == "avx512_vnni":
+        return VNNI_AMX_ROWS if "amx_bf16" in cpu_info.flags() else None
+    return NATIVE_ROWS.get(jnp.dtype(dtype), 0)
 
 
 def dot(eq: str, x: jax.Array, w: W4Array, native: bool) -> jax.Array:
     """`einsum(eq, x, w)` in float32. `native` (the caller checked: CPU, a `kn` product of a
-    2-D x, the library loaded): the kernel on the packed weight up to NATIVE_ROWS rows, else
-    the weight dequantized to x's dtype in XLA's dot (a prefill chunk); not `native`: the
-    reference, the dequantized weight in a float32 einsum."""
+    2-D x, the library loaded): the kernel on the packed weight up to `native_rows` rows, else
+    the weight dequantized to x's dtype in XLA's dot (a prefill chunk);
+    not `native`: the reference, the dequantized weight in a float32 einsum."""
     if native and not w.lead:
-        if x.shape[0] <= NATIVE_ROWS.get(jnp.dtype(x.dtype), 0):
+        most = native_rows(x.dtype)
+        if most is None or x.shape[0] <= most:
             y = cpu_w4.w4_matmul(x.astype(jnp.float32), w.q, w.scale, w.min,
                                  math.prod(w.out_shape))
             return y.reshape(x.shape[0], *w.out_shape)

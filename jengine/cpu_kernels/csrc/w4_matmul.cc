@@ -7,13 +7,19 @@
 // its packed form in memory and is widened to f32 in registers only.
 //
 // Layout (jengine/cpu_kernels/w4_matmul.py packs it once at load time): columns in tiles of
-// kW4Cols; q uint8 [N / kW4Cols, K / 32, 16, kW4Cols], the byte (t, g, j, c) holding
-// q[32 g + 2 j, n] in its low nibble and q[32 g + 2 j + 1, n] in its high one for n = kW4Cols t +
-// c; s and m f32 [N / kW4Cols, K / 32, kW4Cols]. N is padded to whole tiles (zero q, s, m); a
-// thread's tiles are one contiguous run of memory. The instruction set (AVX-512F, AVX2+FMA,
-// portable C++) is chosen at run time or forced by the `isa` attribute.
+// kW4Cols; q uint8 [N / kW4Cols, K / 32, 16, kW4Cols]: per tile and group of 32 k, for each
+// vector v of 16 columns 4 runs p of 64 bytes, byte 4 l + b of run p holding q[32 g + 4 p + b]
+// in its low nibble and q[32 g + 16 + 4 p + b] in its high one, for column 16 v + l; s and m
+// f32 [N / kW4Cols, K / 32, kW4Cols]. N is padded to whole tiles (zero q, s, m); a thread's
+// tiles are one contiguous run of memory.
+//
+// Two schemes: W4A16 (float activations, f32 FMA over the widened nibbles; AVX-512F, AVX2+FMA
+// or portable C++, one body per ISA) and W4A8 (`avx512_vnni`: activations rounded to int8 per
+// group of 32, VPDPBUSD; w4_vnni.h). `auto` picks W4A8 where the CPU has AVX-512 VNNI, else the
+// best float path; the `isa` attribute forces one.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -34,10 +40,49 @@ constexpr int64_t kW4Cols = 64;  // columns per tile: 64-byte rows of packed nib
 #include "per_isa.h"
 #undef JE_IMPL_HEADER
 
+#include "w4_vnni.h"
+
+constexpr int32_t kW4Vnni = 5;  // W4A8 on AVX-512 VNNI (beside isa.h's codes)
+
+bool VnniSupported() {
+#if JE_X86
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+int32_t W4BestIsa() { return VnniSupported() ? kW4Vnni : BestIsa(); }
+
 using TilesFn = void (*)(const float*, const float*, const uint8_t*, const float*, const float*,
                          float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
-int W4Isa(int isa) { return isa == kAuto ? BestIsa() : Supports(isa) ? 1 : 0; }
+int W4Isa(int isa) {
+  if (isa == kAuto) return W4BestIsa();
+  return isa == kW4Vnni ? VnniSupported() : isa <= kAvx512 && Supports(isa) ? 1 : 0;
+}
+
+// The W4A8 product: x quantized per group (rows split over the threads), then the tiles.
+void VnniMatmul(ffi::ThreadPool& pool, int32_t max_threads, const float* xp, const uint8_t* qp,
+                const float* sp, const float* mp, float* out, int64_t R, int64_t K, int64_t N,
+                int64_t tiles) {
+#if JE_X86
+  const int64_t G = K / 32;
+  std::vector<int8_t> xq(R * K);
+  std::vector<float> d(R * G), xs(R * G);
+  const int64_t threads = KernelThreads(pool, max_threads);
+  const int64_t qparts = std::min(threads, R);
+  ParallelFor(pool, qparts, qparts, [&](int64_t i, int64_t) {
+    QuantizeGroups(xp, K, i * R / qparts, (i + 1) * R / qparts, xq.data(), d.data(), xs.data());
+  });
+  const VnniActs acts{xq.data(), d.data(), xs.data()};
+  const int64_t parts = std::min(threads, tiles);
+  ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
+    VnniTiles(acts, qp, sp, mp, out, R, K, N, i * tiles / parts, (i + 1) * tiles / parts);
+  });
+#endif
+}
 
 ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
                     ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> m, int64_t n, int32_t isa,
@@ -53,8 +98,11 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
         "w4 matmul: expected x [R, K] (K a multiple of 32), q [ceil(N / 64), K / 32, 16, 64] "
         "uint8 and s, m [ceil(N / 64), K / 32, 64] float32");
   }
-  if (isa == kAuto) isa = BestIsa();
-  if (isa < kPortable || isa > kAvx512 || !Supports(isa)) {
+  if (isa == kAuto) isa = W4BestIsa();
+  if (isa != kW4Vnni && (isa < kPortable || isa > kAvx512 || !Supports(isa))) {
+    return ffi::Error::InvalidArgument("w4 matmul: the forced instruction set is unsupported");
+  }
+  if (isa == kW4Vnni && !VnniSupported()) {
     return ffi::Error::InvalidArgument("w4 matmul: the forced instruction set is unsupported");
   }
   const int64_t R = xd[0], K = xd[1], G = K / 32, N = n;
@@ -65,6 +113,12 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     return ffi::Error::Success();
   }
   const float* xp = x.typed_data();
+  const int64_t tiles = qd[0];
+  if (isa == kW4Vnni) {
+    VnniMatmul(pool, max_threads, xp, q.typed_data(), s.typed_data(), m.typed_data(), out, R, K,
+               N, tiles);
+    return ffi::Error::Success();
+  }
   std::vector<float> xs(R * G);  // each row's sum over each group, for the min term
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t g = 0; g < G; ++g) {
@@ -78,7 +132,6 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   if (isa == kAvx512) tiles_fn = avx512::Tiles;
   if (isa == kAvx2) tiles_fn = avx2::Tiles;
 #endif
-  const int64_t tiles = qd[0];
   const int64_t parts = std::min(KernelThreads(pool, max_threads), tiles);
   const uint8_t* qp = q.typed_data();
   const float *sp = s.typed_data(), *mp = m.typed_data();
@@ -102,11 +155,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineW4Matmul, jengine::W4Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // s [Nt, K / 32, 64]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // m [Nt, K / 32, 64]
                                   .Attr<int64_t>("n")
-                                  .Attr<int32_t>("isa")  // 0 auto, 1 portable, 2 AVX2, 3 AVX-512
+                                  .Attr<int32_t>("isa")  // 0 auto, 1 portable, 2 AVX2, 3 AVX-512, 5 VNNI
                                   .Attr<int32_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
 
 JE_FFI_TARGET("jengine_w4_matmul", JengineW4Matmul);
 JE_ISAS("w4_matmul", jengine::W4Isa,
         {{"auto", jengine::kAuto}, {"portable", jengine::kPortable}, {"avx2", jengine::kAvx2},
-         {"avx512", jengine::kAvx512}});
+         {"avx512", jengine::kAvx512}, {"avx512_vnni", jengine::kW4Vnni}});

@@ -2,9 +2,9 @@
 // portable / avx2 / avx512, with JE_SIMD 0 / 1 / 2 and the matching target pragma).
 //
 // y[R, N] = x[R, K] @ w[K, N] for a 4-bit weight w[k, n] = s[g, n] * q[k, n] + m[g, n], g = k / 32,
-// q in 0..15, stored tile-major (w4_matmul.cc): per tile of kCols columns and group of 32 k, 16
-// rows of kCols bytes, byte j holding q[32 g + 2 j] (low nibble) and q[32 g + 2 j + 1] (high).
-// A thread's tiles are one contiguous run of memory. Per group the sums over its 32 k of x * q
+// q in 0..15, stored tile-major (w4_matmul.cc): per tile of kW4Cols columns and group of 32 k,
+// 4 x 4 runs of 64 bytes, run (v, p) byte 4 l + b holding, for column 16 v + l, q[32 g + 4 p + b]
+// (low nibble) and q[32 g + 16 + 4 p + b] (high). Per group the sums over its 32 k of x * q
 // stay in registers, then y += s * partial + m * sum_k x (the row's group sums, given).
 
 #if JE_SIMD == 2
@@ -16,11 +16,12 @@ inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
 inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec Broadcast(float f) { return _mm512_set1_ps(f); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-// 16 bytes -> the 16 low nibbles and the 16 high nibbles, as float32.
-inline void Nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+// Byte `b` of each of 16 32-bit lanes at p -> its low and its high nibble, as float32.
+inline void Nibbles(const uint8_t* p, int b, Vec& lo, Vec& hi) {
+  const __m512i w = _mm512_srl_epi32(_mm512_loadu_si512(p), _mm_cvtsi32_si128(8 * b));
+  const __m512i f = _mm512_set1_epi32(15);
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, f));
+  hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 4), f));
 }
 #elif JE_SIMD == 1
 using Vec = __m256;
@@ -31,10 +32,12 @@ inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
 inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec Broadcast(float f) { return _mm256_set1_ps(f); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline void Nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+inline void Nibbles(const uint8_t* p, int b, Vec& lo, Vec& hi) {
+  const __m256i w = _mm256_srl_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                                     _mm_cvtsi32_si128(8 * b));
+  const __m256i f = _mm256_set1_epi32(15);
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(w, f));
+  hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4), f));
 }
 #else
 struct Vec {
@@ -58,10 +61,10 @@ inline Vec Fma(Vec a, Vec b, Vec c) {
   for (int i = 0; i < 8; ++i) c.v[i] += a.v[i] * b.v[i];
   return c;
 }
-inline void Nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
+inline void Nibbles(const uint8_t* p, int b, Vec& lo, Vec& hi) {
   for (int i = 0; i < 8; ++i) {
-    lo.v[i] = static_cast<float>(p[i] & 15);
-    hi.v[i] = static_cast<float>(p[i] >> 4);
+    lo.v[i] = static_cast<float>(p[4 * i + b] & 15);
+    hi.v[i] = static_cast<float>(p[4 * i + b] >> 4);
   }
 }
 #endif
@@ -83,19 +86,21 @@ void Chunk(const float* x, const float* xs, const uint8_t* q, const float* s, co
     for (int r = 0; r < RB; ++r) {
       for (int v = 0; v < kVecs; ++v) part[r][v] = Zero();
     }
-    const uint8_t* qg = q + g * 16 * kW4Cols + col;
+    const uint8_t* qg = q + g * 16 * kW4Cols;
     const float* xg = x + g * 32;
 #pragma GCC unroll 4
-    for (int j = 0; j < 16; ++j) {
+    for (int pb = 0; pb < 16; ++pb) {  // run p, byte b: k = 4 p + b and 16 + 4 p + b
+      const int p = pb / 4, b = pb % 4;
       Vec b0[RB], b1[RB];
       for (int r = 0; r < RB; ++r) {
-        b0[r] = Broadcast(xg[r * K + 2 * j]);
-        b1[r] = Broadcast(xg[r * K + 2 * j + 1]);
+        b0[r] = Broadcast(xg[r * K + pb]);
+        b1[r] = Broadcast(xg[r * K + 16 + pb]);
       }
 #pragma GCC unroll 8
       for (int v = 0; v < kVecs; ++v) {
+        const int64_t c = col + v * kLanes;  // the vector's first column in the tile
         Vec lo, hi;
-        Nibbles(qg + j * kW4Cols + v * kLanes, lo, hi);
+        Nibbles(qg + (c / 16) * 256 + p * 64 + (c % 16) * 4, b, lo, hi);
         for (int r = 0; r < RB; ++r) {
           part[r][v] = Fma(b0[r], lo, part[r][v]);
           part[r][v] = Fma(b1[r], hi, part[r][v]);
