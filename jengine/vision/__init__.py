@@ -1,2 +1,3 @@
-"""Image inputs, host side and JAX-free: decoding (`decode.py`), the Idefics3 / SmolVLM
-processor in NumPy (`idefics3_processor.py`) and a prompt's images (`inputs.py`)."""
+"""Image inputs, host side and JAX-free: decoding by Pillow (`decode.py`), the Idefics3 /
+SmolVLM processor (`idefics3_processor.py`, HF's pixels exactly) and a prompt's images
+(`inputs.py`)."""

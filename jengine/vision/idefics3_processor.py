@@ -1,12 +1,14 @@
-"""Idefics3 / SmolVLM's image processor in NumPy: an RGB image -> normalized tiles and the
-tile grid its `<image>` placeholder expands to (`jengine.models.idefics3.image_prompt`).
+"""Idefics3 / SmolVLM's image processor: an RGB image -> normalized tiles and the tile grid
+its `<image>` placeholder expands to (`jengine.models.idefics3.image_prompt`).
 
-The sizes follow transformers' Idefics3ImageProcessor step for step (longest edge resized to
+It is transformers' `Idefics3ImageProcessorPil` step for step, so its output equals HF's bit
+for bit (tests/vision/test_idefics3_processor.py): the longest edge resized to
 `size.longest_edge`, both sides rounded up to whole tiles of `max_image_size.longest_edge`,
-cut into that grid, plus the whole image squeezed into one global tile); transformers needs
-Pillow or torchvision to run it, and neither is a jengine dependency. The resampling is an
-antialiased Lanczos-3 (Pillow's LANCZOS filter, computed in float32 and rounded to 8 bits
-after each pass as Pillow does), so pixels may differ from Pillow's by a unit of rounding.
+cut into that grid plus the whole image resized into one global tile, each resize a Pillow
+`Image.resize` with the config's filter on 8-bit pixels; then rescaled in float64 and cast to
+float32, then normalized in float32. It is jengine's own rather than HF's object because the
+engine needs the tile count before resampling (`num_tiles`, admission limits) and one image's
+tiles without HF's padding to the batch's largest image count.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
+LANCZOS = int(Image.Resampling.LANCZOS)  # transformers' Idefics3 default `resample`
 MAX_IMAGE_SIZE = 4096  # transformers' cap on either side after the first resize
 
 
@@ -34,6 +38,7 @@ class Idefics3Processor:
     rescale_factor: float = 1 / 255
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    resample: int = LANCZOS  # a PIL.Image.Resampling value, as preprocessor_config.json has it
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Idefics3Processor:
@@ -51,30 +56,35 @@ class Idefics3Processor:
             rescale_factor=float(d.get("rescale_factor", defaults.rescale_factor)),
             image_mean=tuple(d.get("image_mean", defaults.image_mean)),
             image_std=tuple(d.get("image_std", defaults.image_std)),
+            resample=int(d.get("resample", defaults.resample)),
         )
 
     def tiles(self, rgb: np.ndarray) -> tuple[np.ndarray, int, int]:
         """RGB [H, W, 3] uint8 -> (tiles [N, 3, tile, tile] float32, grid rows, grid cols);
         N = rows * cols + 1 (the global tile last), or 1 with rows = cols = 0."""
-        image = rgb
+        image, t = rgb, self.tile
         if self.do_resize:
-            image = resize(image, *_longest_edge_size(*image.shape[:2], self.longest_edge))
+            image = self._resize(image, *_longest_edge_size(*image.shape[:2], self.longest_edge))
         if not self.do_image_splitting:
-            frames, rows, cols = [resize(image, self.tile, self.tile)], 0, 0
+            frames, rows, cols = [self._resize(image, t, t)], 0, 0
         else:
-            image = resize(image, *_whole_tiles(*image.shape[:2], self.tile))
+            image = self._resize(image, *_whole_tiles(*image.shape[:2], t))
             height, width = image.shape[:2]
-            if height > self.tile or width > self.tile:
-                rows, cols = height // self.tile, width // self.tile
-                t = self.tile
+            if height > t or width > t:
+                rows, cols = height // t, width // t
                 frames = [image[r * t:(r + 1) * t, c * t:(c + 1) * t]
                           for r in range(rows) for c in range(cols)]
-                frames.append(resize(image, t, t))
+                frames.append(self._resize(image, t, t))
             else:
                 frames, rows, cols = [image], 0, 0
-        pixels = np.stack(frames).astype(np.float32) * np.float32(self.rescale_factor)
+        # HF's order and dtypes: uint8 -> float64 * factor -> float32, then (x - mean) / std
+        # in float32 (image_transforms.rescale / normalize).
+        pixels = (np.stack(frames).astype(np.float64) * self.rescale_factor).astype(np.float32)
         pixels = (pixels - np.float32(self.image_mean)) / np.float32(self.image_std)
         return np.ascontiguousarray(pixels.transpose(0, 3, 1, 2)), rows, cols
+
+    def _resize(self, image: np.ndarray, height: int, width: int) -> np.ndarray:
+        return resize(image, height, width, self.resample)
 
     def num_tiles(self, height: int, width: int) -> int:
         """Tiles an image of this size becomes (without resampling it)."""
@@ -127,28 +137,7 @@ def _whole_tiles(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
-def resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """[H, W, C] uint8 -> [height, width, C] uint8 by antialiased Lanczos-3, width first."""
-    if image.shape[1] != width:
-        image = _resample(image, width, axis=1)
-    if image.shape[0] != height:
-        image = _resample(image, height, axis=0)
-    return image
-
-
-def _resample(image: np.ndarray, size: int, axis: int) -> np.ndarray:
-    weights = _lanczos_weights(image.shape[axis], size)  # [size, in]
-    moved = np.moveaxis(image.astype(np.float32), axis, 0)  # [in, ...]
-    out = np.tensordot(weights, moved, axes=(1, 0))
-    return np.moveaxis(np.clip(np.rint(out), 0, 255).astype(np.uint8), 0, axis)
-
-
-def _lanczos_weights(src: int, dst: int, lobes: int = 3) -> np.ndarray:
-    """[dst, src] normalized filter rows: Pillow's support (lobes x the downscale factor)
-    and pixel centres."""
-    scale = src / dst
-    stretch = max(scale, 1.0)
-    centers = (np.arange(dst) + 0.5) * scale  # [dst]
-    x = (np.arange(src)[None, :] + 0.5 - centers[:, None]) / stretch  # [dst, src]
-    w = np.where(np.abs(x) < lobes, np.sinc(x) * np.sinc(x / lobes), 0.0)
-    return (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+def resize(image: np.ndarray, height: int, width: int, resample: int = LANCZOS) -> np.ndarray:
+    """[H, W, 3] uint8 -> [height, width, 3] uint8 by Pillow's `Image.resize` (transformers'
+    PIL backend resizes through the same call, so the pixels are HF's)."""
+    return np.asarray(Image.fromarray(image).resize((width, height), resample=resample))

@@ -1,34 +1,52 @@
 """A vision model behind the real `Engine`: tests/tiny_models.py's random Idefics3, its
-images through jengine's NumPy processor, its tower as the engine's compiled encoder and its
-rows spliced into the step, against HF transformers' greedy tokens over the same ids and
-pixels. The test preset's 64-token budget cuts a 5-tile image (80 placeholders) across
-prefill chunks.
+images through jengine's processor (Pillow, as HF's), its tower as the engine's compiled
+encoder and its rows spliced into the step, against HF transformers' greedy tokens over the
+same ids and pixels, and against HF fed by its own Idefics3Processor. The test preset's
+64-token budget cuts a 5-tile image (80 placeholders) across prefill chunks.
 """
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from tiny_models import idefics3_tiny
+from transformers import AutoTokenizer, Idefics3Processor
+from transformers.models.idefics3.image_processing_pil_idefics3 import (
+    Idefics3ImageProcessorPil,
+)
 
 from jengine import Engine, SamplingParams
-from jengine.vision.decode import encode_png
 from jengine.vision.inputs import ImagePrompt
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
+def tiny(tmp_path_factory):
+    """(checkpoint directory, HF model) of the random Idefics3."""
     path = tmp_path_factory.mktemp("idefics3")
-    model = idefics3_tiny(path)
+    return path, idefics3_tiny(path)
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny):
+    path, model = tiny
     engine = Engine(str(path), config="test", progress=False, warmup=True)
     return model, engine
 
 
 def _image(seed: int, height: int = 50, width: int = 70) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def _png(image: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, "PNG")
+    return out.getvalue()
 
 
 def _hf_greedy(model, prompt: ImagePrompt, engine: Engine, n: int) -> list[int]:
@@ -51,12 +69,43 @@ def test_image_prompt_greedy_equals_hf(vlm):
     model, engine = vlm
     one = {"prompt": "t5 t6 <image> t7 t8", "multi_modal_data": {"image": _image(0)}}
     two = {"prompt": "t9 <image> t10 <image> t11",
-           "multi_modal_data": {"image": [_image(1, 30, 20), encode_png(_image(2))]}}
+           "multi_modal_data": {"image": [_image(1, 30, 20), _png(_image(2))]}}
     outs = engine.generate([one, two], GREEDY)
     for prompt, out in zip([one, two], outs):
         want = _hf_greedy(model, ImagePrompt.of(prompt), engine, GREEDY.max_tokens)
         assert out.outputs[0].token_ids == want
     assert engine.core.compiles_since_ready == 0
+
+
+def _hf_processor(path):
+    """transformers' own Idefics3Processor over the checkpoint's tokenizer and its Pillow image
+    processor (placeholders per tile: 64 patches pixel-shuffled by 2 -> 16)."""
+    image_processor = Idefics3ImageProcessorPil.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                             image_seq_len=16)
+
+
+@pytest.mark.parametrize("sizes", [[(50, 70)], [(30, 200), (90, 45)]])
+def test_greedy_equals_hf_through_its_own_processor(tiny, vlm, sizes):
+    """HF fed by transformers' processor (its tokenizer expanding `<image>`, its Pillow
+    resizing) gives the ids, pixels and greedy tokens jengine computes from PIL images."""
+    model, engine = vlm
+    text = "t5 t6 " + " ".join(f"<image> t{7 + i}" for i in range(len(sizes)))
+    images = [Image.fromarray(_image(i, h, w)) for i, (h, w) in enumerate(sizes)]
+    hf_in = _hf_processor(tiny[0])(text=text, images=[images], return_tensors="pt")
+    prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+    ready = engine.core.images.prepare(ImagePrompt.of(prompt))
+    assert ready.token_ids == hf_in["input_ids"][0].tolist()
+    np.testing.assert_array_equal(ready.tiles, hf_in["pixel_values"][0].numpy())
+    ids, want = hf_in["input_ids"], []
+    with torch.no_grad():
+        for _ in range(GREEDY.max_tokens):
+            logits = model(input_ids=ids, pixel_values=hf_in["pixel_values"],
+                           pixel_attention_mask=hf_in["pixel_attention_mask"]).logits[0, -1]
+            want.append(int(logits.argmax()))
+            ids = torch.cat([ids, torch.tensor([[want[-1]]])], dim=1)
+    assert engine.generate(prompt, GREEDY)[0].outputs[0].token_ids == want
 
 
 def test_mixed_batch_gives_each_its_solo_tokens(vlm):
@@ -95,7 +144,7 @@ def test_chat_with_an_image_part(vlm):
 
     model, engine = vlm
     image = _image(6)
-    url = "data:image/png;base64," + base64.b64encode(encode_png(image)).decode()
+    url = "data:image/png;base64," + base64.b64encode(_png(image)).decode()
     messages = [{"role": "user", "content": [{"type": "text", "text": "t7"},
                                              {"type": "image_url", "image_url": {"url": url}}]}]
     [out] = engine.chat(messages, GREEDY)
@@ -109,7 +158,7 @@ def test_chat_with_an_image_part(vlm):
      "2 <image> placeholders for 1 images"),
     ({"prompt": "t5 <image>", "multi_modal_data": {"image": [_image(7)] * 5}},
      "limit is 4"),
-    ({"prompt": "t5 <image>", "multi_modal_data": {"image": b"not an image"}}, "not a PNG"),
+    ({"prompt": "t5 <image>", "multi_modal_data": {"image": b"not an image"}}, "not a decodable"),
     ({"prompt": "t5 <image>", "multi_modal_data": {"image": np.zeros((4, 4), np.float32)}},
      "must be uint8"),
 ])

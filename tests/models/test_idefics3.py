@@ -3,9 +3,9 @@ model with image rows spliced in, on tests/tiny_models.py's random model saved a
 transformers writes it.
 
 The pixels are random normalized tiles (what the image processor hands the model), so the test
-pins the network, not the resizing: transformers' processor needs Pillow or torchvision, which
-this environment lacks. Tolerance as tests/models/test_models_parity.py: float32 on both
-sides, `TOL = 1e-4`.
+pins the network, not the resizing (tests/vision/test_idefics3_processor.py pins that against
+transformers' processor, tests/engine/test_vision_engine.py the two together). Tolerance as
+tests/models/test_models_parity.py: float32 on both sides, `TOL = 1e-4`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 """Images over the OpenAI API: tests/tiny_models.py's random Idefics3 served on 127.0.0.1,
 spoken to with the `openai` SDK. Chat `image_url` parts (data:, file: under
 --allowed-local-media-path, http(s) from a 127.0.0.1 image server with --allow-remote-media)
-and the Responses API's `input_image` give HF transformers' greedy tokens; bad images are
-400s naming the content part, and the engine goes on serving."""
+and the Responses API's `input_image` give HF transformers' greedy tokens; a lossless WebP
+gives the PNG's tokens and a JPEG HF's over its decoded pixels; bad images are 400s naming the
+content part, and the engine goes on serving."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
 import http.server
+import io
 import threading
 import time
 
@@ -17,6 +19,7 @@ import openai
 import pytest
 import torch
 from local_server import serving  # tests/local_server.py
+from PIL import Image
 from tiny_models import idefics3_tiny
 
 from jengine.async_engine import AsyncEngine
@@ -24,7 +27,6 @@ from jengine.config import ServerConfig
 from jengine.server.app import create_app
 from jengine.text.chat import render_chat_text
 from jengine.vision.chat import split_images
-from jengine.vision.decode import encode_png
 from jengine.vision.inputs import ImagePrompt
 
 MAX_TOKENS = 5
@@ -34,14 +36,21 @@ def _image(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (50, 70, 3), dtype=np.uint8)
 
 
-def _data_url(image: np.ndarray) -> str:
-    return "data:image/png;base64," + base64.b64encode(encode_png(image)).decode()
+def _encode(image: np.ndarray, fmt: str = "PNG", **options) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, fmt, **options)
+    return out.getvalue()
+
+
+def _data_url(image: np.ndarray, fmt: str = "PNG", **options) -> str:
+    data = base64.b64encode(_encode(image, fmt, **options)).decode()
+    return f"data:image/{fmt.lower()};base64,{data}"
 
 
 class _Images(http.server.BaseHTTPRequestHandler):
     """/ok.png: a PNG; /big.png: more bytes than the limit; /slow.png: answers after 3 s."""
 
-    png = encode_png(_image(0))
+    png = _encode(_image(0))
 
     def do_GET(self):  # noqa: N802 (http.server's name)
         if self.path == "/slow.png":
@@ -63,7 +72,7 @@ def vlm(tmp_path_factory):
     path = tmp_path_factory.mktemp("idefics3")
     model = idefics3_tiny(path)
     media = tmp_path_factory.mktemp("media")
-    (media / "cat.png").write_bytes(encode_png(_image(0)))
+    (media / "cat.png").write_bytes(_encode(_image(0)))
     images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
     threading.Thread(target=images.serve_forever, daemon=True).start()
     engine = AsyncEngine(str(path), config="test", progress=False)
@@ -126,6 +135,19 @@ def test_data_url_equals_hf_and_the_same_image_is_cached(vlm):
     assert other.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_webp_and_jpeg_data_urls(vlm):
+    """A lossless WebP holds the PNG's pixels, so its greedy text is the PNG's; a JPEG's
+    pixels differ from the PNG's, so its text is checked against HF over what it decodes to."""
+    model, engine, url, *_ = vlm
+    png = _chat(url, _messages(_data_url(_image(7)))).choices[0].message.content
+    webp = _chat(url, _messages(_data_url(_image(7), "WEBP", lossless=True)))
+    assert webp.choices[0].message.content == png
+    jpeg_messages = _messages(_data_url(_image(7), "JPEG", quality=90))
+    jpeg = _chat(url, jpeg_messages)
+    assert jpeg.usage.completion_tokens == MAX_TOKENS
+    assert jpeg.choices[0].message.content == _hf_text(model, engine, jpeg_messages)
+
+
 def test_file_and_http_urls_where_allowed(vlm):
     _, _, url, _, images, media = vlm
     want = _chat(url, _messages(_data_url(_image(0)))).choices[0].message.content
@@ -144,7 +166,7 @@ def test_responses_input_image(vlm):
 
 
 @pytest.mark.parametrize("which, image_url, message", [
-    ("open", "data:image/png;base64,aGVsbG8=", "not a PNG"),
+    ("open", "data:image/png;base64,aGVsbG8=", "not a decodable"),
     ("open", "data:image/png;base64,@@@", "not valid base64"),
     ("open", "ftp://127.0.0.1/x.png", "scheme 'ftp' is not allowed"),
     ("open", "file:///etc/passwd", "outside --allowed-local-media-path"),

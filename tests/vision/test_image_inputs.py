@@ -1,95 +1,103 @@
-"""jengine/vision without a model: PNG decoding, the limits, the Idefics3 processor's sizes
-against transformers' own functions, and `--limit-mm-per-prompt` parsing.
-
-transformers' Idefics3 processors need Pillow or torchvision to import; their size functions
-are pure Python, so the test takes them from the source file by name (`_hf_functions`) and
-checks jengine's against them over many image sizes."""
+"""jengine/vision without a model: decoding through Pillow (formats, modes, transparency as
+transformers composites it), the byte and pixel limits checked before pixels are decoded,
+the processor's tile counts, and `--limit-mm-per-prompt` parsing. The processor's pixels
+against transformers' are tests/vision/test_idefics3_processor.py."""
 
 from __future__ import annotations
 
-import ast
 import base64
-import math
+import io
 import struct
-import types
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
-import transformers
+from PIL import Image
+from transformers.image_transforms import convert_to_rgb
 
-from jengine.vision.decode import decode_data_url, decode_image, encode_png, to_rgb
-from jengine.vision.idefics3_processor import (
-    Idefics3Processor,
-    _longest_edge_size,
-    _whole_tiles,
-    resize,
-)
+from jengine.vision.decode import decode_data_url, decode_image, to_rgb
+from jengine.vision.idefics3_processor import Idefics3Processor
 from jengine.vision.inputs import parse_image_limit
 
-HF_SOURCE = (Path(transformers.__file__).parent / "models" / "idefics3"
-             / "image_processing_pil_idefics3.py")
+
+def _encode(image: Image.Image, fmt: str, **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **options)
+    return out.getvalue()
 
 
-def _hf_functions() -> types.SimpleNamespace:
-    """transformers' size functions, compiled from its source with their module constants."""
-    tree = ast.parse(HF_SOURCE.read_text())
-    wanted = {"_resize_output_size_rescale_to_max_len",
-              "_resize_output_size_scale_below_upper_bound", "get_resize_output_image_size"}
-    body = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name in wanted)
-            or (isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "MAX_IMAGE_SIZE")]
-    body += [n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body
-             if isinstance(n, ast.FunctionDef) and n.name == "resize_for_vision_encoder"]
-    for node in ast.walk(ast.Module(body=body, type_ignores=[])):  # names this file lacks
-        if isinstance(node, ast.arg):
-            node.annotation = None
-        elif isinstance(node, ast.FunctionDef):
-            node.returns = None
-    space: dict = {"math": math, "np": np, "SizeDict": types.SimpleNamespace}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(HF_SOURCE), "exec"), space)
-    return types.SimpleNamespace(**space)
+def _rgb(seed: int, height: int = 9, width: int = 13) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
 
 
-def _png_filtered(rgb: np.ndarray, kind: int) -> bytes:
-    """A PNG whose every row uses filter `kind` (what other encoders write), from the spec."""
-    height, width, n = rgb.shape
-    data = rgb.reshape(height, width * n).astype(np.int32)
-    rows = []
-    for y in range(height):
-        line, prev = data[y], data[y - 1] if y else np.zeros_like(data[0])
-        a = np.concatenate([np.zeros(n, np.int32), line[:-n]])
-        c = np.concatenate([np.zeros(n, np.int32), prev[:-n]])
-        if kind == 1:
-            pred = a
-        elif kind == 2:
-            pred = prev
-        elif kind == 3:
-            pred = (a + prev) >> 1
-        else:
-            p = a + prev - c
-            pa, pb, pc = abs(p - a), abs(p - prev), abs(p - c)
-            pred = np.where((pa <= pb) & (pa <= pc), a, np.where(pb <= pc, prev, c))
-        rows.append(bytes([kind]) + ((line - pred) & 0xFF).astype(np.uint8).tobytes())
-
-    def chunk(tag: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body))
-
-    head = struct.pack(">IIBBBBB", width, height, 8, {3: 2, 4: 6}[n], 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head)
-            + chunk(b"IDAT", zlib.compress(b"".join(rows))) + chunk(b"IEND", b""))
+@pytest.mark.parametrize("fmt, options", [("PNG", {}), ("WEBP", {"lossless": True}),
+                                          ("BMP", {}), ("GIF", {})])
+def test_lossless_formats_decode_exactly(fmt, options):
+    image = Image.fromarray(_rgb(1))
+    if fmt == "GIF":  # 256 colours: the palette image is the picture
+        image = image.quantize(64)
+    want = np.asarray(image.convert("RGB"))
+    assert (decode_image(_encode(image, fmt, **options)) == want).all()
 
 
-@pytest.mark.parametrize("kind", [1, 2, 3, 4])
-@pytest.mark.parametrize("channels", [3, 4])
-def test_png_row_filters_decode_exactly(kind, channels):
-    rgba = np.random.default_rng(kind).integers(0, 256, (9, 13, channels), dtype=np.uint8)
-    assert (decode_image(_png_filtered(rgba, kind)) == rgba[..., :3]).all()
+def test_jpeg_decodes_close_and_cmyk_grey_and_16_bit_become_rgb():
+    rgb = np.full((16, 16, 3), (200, 40, 90), np.uint8)
+    jpeg = decode_image(_encode(Image.fromarray(rgb), "JPEG", quality=95))
+    assert jpeg.shape == (16, 16, 3) and np.abs(jpeg.astype(int) - rgb).max() <= 3
+    cmyk = Image.fromarray(rgb).convert("CMYK")
+    assert decode_image(_encode(cmyk, "JPEG")).shape == (16, 16, 3)
+    grey = Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8))
+    assert (decode_image(_encode(grey, "PNG")) == np.asarray(grey)[..., None]).all()
+    deep = Image.fromarray(np.arange(64, dtype=np.uint16).reshape(8, 8) * 3)  # I;16
+    data = _encode(deep, "PNG")
+    want = convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)  # clips as HF does
+    assert (decode_image(data) == want).all() and want[0, 5, 0] == 15
+
+
+def test_gif_first_frame():
+    frames = [Image.fromarray(np.full((6, 6, 3), v, np.uint8)) for v in (10, 240)]
+    data = _encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    assert (decode_image(data) == 10).all()
+
+
+def test_transparency_composites_onto_white_as_transformers_does():
+    rgba = np.random.default_rng(2).integers(0, 256, (7, 5, 4), dtype=np.uint8)
+    image = Image.fromarray(rgba, "RGBA")
+    want = convert_to_rgb(image, return_numpy=True)
+    assert (decode_image(_encode(image, "PNG")) == want).all()
+    assert (to_rgb(image) == want).all()
+    assert (to_rgb(rgba) == convert_to_rgb(rgba, return_numpy=True)).all()  # array path
+    la = image.convert("LA")
+    assert (decode_image(_encode(la, "PNG")) == convert_to_rgb(la, return_numpy=True)).all()
+    palette = Image.fromarray(_rgb(3)).quantize(16)
+    palette.info["transparency"] = 0
+    data = _encode(palette, "PNG", transparency=0)
+    reopened = Image.open(io.BytesIO(data))
+    assert (decode_image(data) == convert_to_rgb(reopened, return_numpy=True)).all()
+    assert (decode_image(data) == 255).all(axis=-1).any()  # index 0 became white
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A 1x1 PNG whose header (CRC fixed) declares `width` x `height` pixels."""
+    png = _encode(Image.new("RGB", (1, 1)), "PNG")
+    body = struct.pack(">II", width, height) + png[24:29]
+    return (png[:16] + body + struct.pack(">I", zlib.crc32(b"IHDR" + body)) + png[33:])
+
+
+def test_limits_hold_before_pixels_are_decoded():
+    with pytest.raises(ValueError, match="400x300, over the 100000 pixel limit"):
+        decode_image(_encode(Image.new("RGB", (400, 300)), "PNG"), max_pixels=100_000)
+    with pytest.raises(ValueError, match="7000x7000, over the 40000000 pixel limit"):
+        decode_image(_png_claiming(7000, 7000))  # 49 M pixels (147 MB) in 70 bytes
+    with pytest.raises(ValueError, match="pixel limit"):
+        decode_image(_png_claiming(200_000, 200_000))  # past Pillow's own bomb check too
+    with pytest.raises(ValueError, match="not a decodable image"):
+        decode_image(_png_claiming(64, 64))  # declares more rows than its data holds
 
 
 def test_data_url_round_trip_and_refusals():
-    rgb = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
-    url = "data:image/png;base64," + base64.b64encode(encode_png(rgb)).decode()
+    rgb = _rgb(0, 5, 7)
+    url = "data:image/png;base64," + base64.b64encode(_encode(Image.fromarray(rgb), "PNG")).decode()
     assert (decode_data_url(url) == rgb).all()
     with pytest.raises(ValueError, match="not valid base64"):
         decode_data_url("data:image/png;base64,@@")
@@ -97,63 +105,32 @@ def test_data_url_round_trip_and_refusals():
         decode_data_url("data:image/png,raw")
     with pytest.raises(ValueError, match="byte limit"):
         decode_data_url(url, max_bytes=50)
-    with pytest.raises(ValueError, match="not a PNG"):
+    with pytest.raises(ValueError, match="not a decodable PNG/JPEG"):
         decode_image(b"GIF89a....")
-    big = encode_png(np.zeros((300, 400, 3), np.uint8))
-    with pytest.raises(ValueError, match="400x300, over the 100000 pixel limit"):
-        decode_image(big, max_pixels=100_000)
-    small = encode_png(np.zeros((4, 4, 3), np.uint8))
-    taller = small[:20] + struct.pack(">I", 8) + small[24:]  # IHDR says 8 rows, IDAT has 4
-    with pytest.raises(ValueError, match="truncated"):
-        decode_image(taller)
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 1 1\n"
+    with pytest.raises(ValueError, match="not a decodable"):
+        decode_image(eps)  # a format Pillow knows but jengine does not open
 
 
 def test_to_rgb_takes_arrays_bytes_and_urls():
     grey = np.arange(12, dtype=np.uint8).reshape(3, 4)
     assert to_rgb(grey).shape == (3, 4, 3)
-    rgba = np.zeros((2, 2, 4), np.uint8)
-    assert to_rgb(rgba).shape == (2, 2, 3)
-    assert (to_rgb(encode_png(to_rgb(grey))) == to_rgb(grey)).all()
+    png = _encode(Image.fromarray(to_rgb(grey)), "PNG")
+    assert (to_rgb(png) == to_rgb(grey)).all()
     with pytest.raises(ValueError, match="part: a string image must be a data: URL"):
         to_rgb("/etc/passwd", "part")
     with pytest.raises(ValueError, match="expected a PIL image"):
         to_rgb(3.5)
 
 
-def test_sizes_follow_transformers():
-    hf = _hf_functions()
-    tile, longest = 364, 4 * 364
-    sizes = [(h, w) for h in (1, 17, 300, 364, 365, 1000, 2000, 5000)
-             for w in (1, 23, 364, 700, 1456, 3000, 9000)]
-    for h, w in sizes:
-        want = hf.get_resize_output_image_size(np.zeros((3, h, w)), resolution_max_side=longest)
-        assert _longest_edge_size(h, w, longest) == tuple(want), (h, w)
-
-        class Self:
-            def resize(self, image, size, resample=None):
-                return (size.height, size.width)
-
-        got = _whole_tiles(*want, tile)
-        assert got == hf.resize_for_vision_encoder(Self(), np.zeros((3, *want)), tile), (h, w)
-
-
-def test_tiles_of_an_image():
+def test_tile_counts():
     processor = Idefics3Processor(longest_edge=64, tile=32)
-    rgb = np.random.default_rng(1).integers(0, 256, (50, 70, 3), dtype=np.uint8)
-    tiles, rows, cols = processor.tiles(rgb)
+    tiles, rows, cols = processor.tiles(_rgb(1, 50, 70))
     assert (rows, cols) == (2, 2) and tiles.shape == (5, 3, 32, 32)
     assert processor.num_tiles(50, 70) == 5 and processor.max_tiles == 5
     assert tiles.min() >= -1.0 and tiles.max() <= 1.0  # (x / 255 - 0.5) / 0.5
     small = Idefics3Processor(longest_edge=32, tile=32)
-    assert small.tiles(rgb)[0].shape == (1, 3, 32, 32)
-
-
-def test_resize_keeps_a_flat_image_flat_and_averages_when_shrinking():
-    flat = np.full((40, 60, 3), 77, np.uint8)
-    assert (resize(flat, 13, 29) == 77).all()
-    stripes = np.zeros((8, 8, 3), np.uint8)
-    stripes[:, ::2] = 255
-    assert 100 < int(resize(stripes, 8, 4)[4, 2, 0]) < 156  # antialiased: not 0 or 255
+    assert small.tiles(_rgb(1, 50, 70))[0].shape == (1, 3, 32, 32)
 
 
 @pytest.mark.parametrize("text, limit", [("image=3", 3), ('{"image": 2}', 2), (" image=0 ", 0)])
