@@ -82,7 +82,7 @@ def test_every_isa_a_wrapper_names_is_defined_by_the_library():
     asked = [args for _, args in _calls("isa_code") + _calls("runs") if len(args) == 2]
     kernels = {args[0] for _, args in _calls("isa_code") + _calls("runs")}
     assert kernels == {"attention", "matmul", "int8_matmul", "rms_norm", "amx", "w4_matmul",
-                       "packed_bf16"}
+                       "packed_bf16", "vnni_int8_packed"}
     # The names the wrappers pass on: `supports("amx")` in attention.py, `granted("bf16")`.
     of_file = {"attention.py": "attention", "matmul.py": "matmul", "rms_norm.py": "rms_norm"}
     asked += [(of_file[file], args[0]) for file, args in _calls("supports", None) if args]
