@@ -17,12 +17,13 @@ from jengine.models.family import Family, Network
 from jengine.models.gemma3 import GEMMA2, GEMMA3
 from jengine.models.glm4_moe import GLM4_MOE
 from jengine.models.hf_config import config_from_hf
+from jengine.models.qwen3_5 import QWEN3_5
 
 FAMILIES: tuple[Family, ...] = (
     lv.LLAMA, lv.MISTRAL, lv.MIXTRAL, lv.QWEN2, lv.QWEN3, lv.QWEN2_MOE, lv.QWEN3_MOE,
     lv.GRANITE, lv.GRANITEMOE, lv.PHI3, lv.OLMO2, lv.EXAONE4, lv.SMOLLM3, lv.SEED_OSS,
     GEMMA3, GEMMA2,
-    DEEPSEEK_V2, GLM4_MOE,
+    DEEPSEEK_V2, GLM4_MOE, QWEN3_5,
 )
 
 
@@ -55,6 +56,17 @@ def layer_offsets(cfg: ModelConfig) -> dict[str, int]:
     weights start after its dense layers); {} for the families whose layers are all alike."""
     offsets = family_module(cfg).layer_offsets
     return offsets(cfg) if offsets else {}
+
+
+def stacked_index(cfg: ModelConfig, name: str, layer: int) -> int:
+    """Where layer `layer`'s slice of weight `name` sits on its leading axis: the layer less
+    the weight's first layer (`layer_offsets`), or its rank among the layers the weight stacks
+    (`Network.layer_ordinals`); -1 for a layer the weight does not stack."""
+    ordinals = family_module(cfg).layer_ordinals
+    held = ordinals(cfg).get(name) if ordinals else None
+    if held is not None:
+        return held.index(layer) if layer in held else -1
+    return layer - layer_offsets(cfg).get(name, 0)
 
 
 def gguf_family(arch: str) -> tuple[Family, str]:
