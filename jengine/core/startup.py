@@ -44,6 +44,7 @@ from jengine.runtime.runner import Runner
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
+from jengine.scheduling.state_slots import StateSlots
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
 
@@ -108,18 +109,24 @@ def build_parts(
     model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
     context = max_model_len(loaded, cfg.model.max_model_len)
     eos = eos_ids(loaded)
+    state_slots = hybrid_state_slots(cfg, model_config, mesh_spec)
     num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
-                         kv_cache_dtype, context)
+                         kv_cache_dtype, context, state_slots=state_slots)
     buckets = step_buckets(cfg, context, backends["attention_backend"])
     allocator = PageAllocator(num_pages, cfg.cache.page_size)
     # An embedding pools every prompt token's hidden state, so none may come from the cache.
     caching = cfg.cache.enable_prefix_caching and cfg.model.task == "generate"
+    if caching and state_slots:
+        log.info("prefix caching off: %s keeps recurrent state that cached pages do not hold",
+                 model_config.model_type)
+        caching = False
     prefix_cache = PrefixCache(allocator) if caching else None
     scheduler = Scheduler(
         allocator, max_num_seqs=cfg.scheduler.max_num_seqs,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=context,
         eos_token_ids=eos, prefix_cache=prefix_cache,
         proposer=proposer_for(cfg, loaded, draft_core),
+        state_slots=StateSlots(state_slots) if state_slots else None,
     )
     phases.end("set up")
     if make_runner is not None:
@@ -128,13 +135,35 @@ def build_parts(
     else:
         runner = _runner(cfg, loaded, model_config, mesh, num_pages, buckets, distributed,
                          dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-                         layer_layout=layer_layout, progress=progress, phases=phases)
+                         layer_layout=layer_layout, progress=progress, phases=phases,
+                         state_slots=state_slots)
     phases.end("kv cache")
     return CoreParts(distributed=distributed, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                      mesh_spec=mesh_spec, layer_layout=layer_layout, quantization=quantization,
                      loaded=loaded, model_config=model_config, max_model_len=context,
                      eos_token_ids=eos, allocator=allocator, prefix_cache=prefix_cache,
                      scheduler=scheduler, runner=runner, pooling=pooling)
+
+
+def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig,
+                       mesh_spec: MeshSpec) -> int:
+    """The recurrent-state slots a hybrid model's cache holds: one per sequence that may run
+    (`max_num_seqs`) plus the scratch slot; 0 for a pure-attention model.
+
+    Raises:
+      ValueError: speculative decoding (a rejected proposal's state cannot be rolled back) or
+        tensor parallelism (the linear layers' states are not sharded yet) with a hybrid model.
+    """
+    if not model_config.num_linear_layers:
+        return 0
+    name = model_config.model_type
+    if cfg.speculative.method is not None:
+        raise ValueError(f"speculative decoding is not supported for {name}: its linear "
+                         "layers' recurrent state cannot roll back rejected tokens")
+    if mesh_spec.num_devices > 1:
+        raise ValueError(f"{name} runs on one device for now (--mesh tp=1): its linear "
+                         "layers' recurrent state is not sharded")
+    return cfg.scheduler.max_num_seqs + 1
 
 
 def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str, *,
@@ -159,7 +188,7 @@ def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: s
 def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, mesh,
             num_pages: int, buckets: Buckets, distributed: DistributedSpec, *, dtype,
             kv_cache_dtype, quantization: str, layer_layout: str, progress: bool,
-            phases: Phases) -> Runner:
+            phases: Phases, state_slots: int = 0) -> Runner:
     """The weights on the devices and the runner around them (with its KV cache)."""
     rules = ShardingRules.for_model(mesh, model_config) if mesh is not None else None
     params = place_weights(
@@ -172,4 +201,5 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
         buckets=buckets, kv_cache_dtype=kv_cache_dtype, rules=rules,
         channel=StepChannel(distributed) if distributed.num_processes > 1 else None,
         store=ExecutableStore(default_store_dir()), embed=cfg.model.task != "generate",
+        state_slots=state_slots,
     )

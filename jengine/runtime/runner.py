@@ -74,13 +74,15 @@ class Runner:
         channel: StepChannel | None = None,
         store: ExecutableStore | None = None,
         embed: bool = False,
+        state_slots: int = 0,
     ):
         """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
         is created on its kv-head sharding and each step's inputs are replicated on the mesh.
         `channel` (multi-host): the leader sends every step's inputs through it; a follower
         runs `follow()` instead of being driven by a scheduler. `store`: compiled programs
         are loaded from and saved to it (single-process runs only). `embed` (task embed or
-        score): every step runs the embed variant, never a sampling one."""
+        score): every step runs the embed variant, never a sampling one. `state_slots`: a
+        hybrid model's recurrent-state slots in the cache (running sequences + scratch)."""
         self.cfg = cfg
         self.params = params
         self.embed = embed
@@ -88,6 +90,7 @@ class Runner:
         self.num_pages = num_pages
         self.buckets = buckets
         self.kv_cache_dtype = kv_cache_dtype
+        self.state_slots = state_slots  # a hybrid model's recurrent-state slots (0: none)
         self._input_sharding = rules.replicated() if rules else None
         self._channel = channel if channel is not None and channel.is_leader else None
         self._follower_channel = channel if channel is not None and not channel.is_leader else None
@@ -102,7 +105,8 @@ class Runner:
         # written (2 GiB of zero-fill page faults is seconds of start-up otherwise).
         untouched = rules is None and self._devices[0].platform == "cpu"
         self.kv = jax.jit(
-            lambda: KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype, untouched=untouched),
+            lambda: KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype, untouched=untouched,
+                                  state_slots=state_slots),
             out_shardings=KVCache.of_each(kv_sharding) if rules else None,
         )()
         family = family_module(cfg)
@@ -175,7 +179,7 @@ class Runner:
         inputs, variant = step_inputs(batch, rows, self.buckets, blocked_queries=blocked,
                                       vocab_size=self.cfg.vocab_size,
                                       history_width=self.buckets.pages[-1] * self.page_size,
-                                      feed=feed)
+                                      feed=feed, state_slots=self.state_slots > 0)
         return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
 
     def _to_device(self, host):  # a pytree of NumPy arrays

@@ -158,6 +158,8 @@ class StepInputs:
     # Reference backend, prefill-heavy buckets only: (block_tokens [NB, B], block_seq [NB]).
     blocks: tuple[np.ndarray, np.ndarray] | None = None
     targets: np.ndarray | None = None  # [T] int32 prompt_logprobs' next prompt token, or -1
+    # Hybrid models: [S] int32 each row's recurrent-state slot (padding rows: the scratch 0).
+    state_slots: np.ndarray | None = None
 
     @property
     def feed(self):  # [T] the previous step's row whose sampled token this token is, or -1
@@ -170,16 +172,20 @@ class StepInputs:
             page_table=self.page_table, logits_indices=self.logits_indices,
             block_tokens=self.blocks[0] if self.blocks else None,
             block_seq=self.blocks[1] if self.blocks else None,
+            state_slots=self.state_slots,
         )
 
 
 def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                 blocked_queries: bool, vocab_size: int, history_width: int,
-                feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
+                feed: np.ndarray | None = None,
+                state_slots: bool = False) -> tuple[StepInputs, Variant]:
     """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
     whose sampled token it takes (-1: its own id). `blocked_queries`: build the query blocks
     that the reference attention reads in prefill-heavy buckets. `vocab_size` and
     `history_width` size the features program's inputs (`SamplingRows.padded`).
+    `state_slots` (a hybrid model's steps, warm-up included): pass each row's recurrent-state
+    slot.
 
     Raises:
       ValueError: the batch has more sampled rows than its bucket's S.
@@ -208,10 +214,15 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
     if rows.prompt_targets is not None:
         targets = np.full((t,), -1, np.int32)
         targets[:n_tok] = rows.prompt_targets
+    slots = None
+    if state_slots:
+        slots = np.zeros((s,), np.int32)
+        if batch.state_slots is not None:
+            slots[:n_seq] = batch.state_slots
     variant = Variant(features=features, prompt_logprobs=targets is not None)
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
-                        sampling=sampling, blocks=blocks, targets=targets)
+                        sampling=sampling, blocks=blocks, targets=targets, state_slots=slots)
     return inputs, variant
 
 

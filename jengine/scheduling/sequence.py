@@ -55,6 +55,8 @@ class Sequence:
     # Speculative decoding (`jengine.scheduling.speculative.SpecState`); None while it never
     # speculated.
     spec: Any = None
+    # A hybrid model's recurrent-state slot (`jengine.scheduling.state_slots`) while it runs.
+    state_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -16,9 +16,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from kv_pool import small_kv_pool
 from paged import run_paged
+from test_deepseek import ONE_BUCKET
 from test_models_parity import TOL, VOCAB, _build, _max_diff
 
+from jengine import Engine, SamplingParams
+
+GREEDY = 16
 LONG = 80  # prompt + decode tokens, past HF's DeltaNet chunk of 64
 TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 
@@ -99,3 +104,58 @@ def test_qwen3_5_negative_controls(qwen3_5, wrong):
         params["lin_norm"] = np.ones_like(params["lin_norm"])
     diff = _max_diff((cfg, params), ids, expected, decode_steps=0, layer_layout="as_given")
     assert diff > TOL, wrong
+
+
+def _greedy_hf(model, prompts, max_tokens):
+    """HF's greedy continuation by full forwards (no early stop at eos, as `ignore_eos`)."""
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(max_tokens):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            outs.append(seq[len(p):])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_engine(qwen3_5):
+    """The tiny model served by an engine of one step shape (T=16, S=16): the 70-token prompt
+    prefills in five chunks while the others decode beside it."""
+    loaded = qwen3_5[0]
+    engine = Engine(str(loaded.source), config=ONE_BUCKET, dtype="float32",
+                    kv_cache_memory="4MiB", max_model_len=128, warmup=True)
+    model = transformers.Qwen3_5ForCausalLM.from_pretrained(loaded.source).eval()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 70, 11, 23)]
+    return engine, prompts, _greedy_hf(model, prompts, GREEDY)
+
+
+def test_qwen3_5_engine_greedy_matches_hf(qwen3_5_engine):
+    engine, prompts, expected = qwen3_5_engine
+    core = engine.core
+    assert core.prefix_cache is None  # off for a hybrid model
+    before = core.compiles_since_ready
+    outs = engine.generate(prompts, SamplingParams(max_tokens=GREEDY, temperature=0,
+                                                   ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert core.compiles_since_ready == before
+    assert core.scheduler.state_slots.num_free == 16  # every slot back
+
+
+def test_qwen3_5_preemption_recomputes_the_state(qwen3_5_engine):
+    engine, prompts, expected = qwen3_5_engine
+    core = engine.core
+    before = core.scheduler.num_preemptions
+    with small_kv_pool(core, 12):  # 11 pages of 16 tokens: the four sequences need 14
+        outs = engine.generate(prompts, SamplingParams(max_tokens=GREEDY, temperature=0,
+                                                       ignore_eos=True))
+        assert core.scheduler.num_preemptions > before
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert core.scheduler.state_slots.num_free == 16
+
+
+def test_qwen3_5_refuses_speculative_decoding(qwen3_5):
+    with pytest.raises(ValueError, match="recurrent state cannot roll back"):
+        Engine(str(qwen3_5[0].source), config=ONE_BUCKET, dtype="float32",
+               kv_cache_memory="4MiB", max_model_len=128, speculative="ngram")
