@@ -109,7 +109,7 @@ def build_parts(
     model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
     context = max_model_len(loaded, cfg.model.max_model_len)
     eos = eos_ids(loaded)
-    state_slots = hybrid_state_slots(cfg, model_config, mesh_spec)
+    state_slots = hybrid_state_slots(cfg, model_config)
     num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
                          kv_cache_dtype, context, state_slots=state_slots)
     buckets = step_buckets(cfg, context, backends["attention_backend"])
@@ -145,24 +145,19 @@ def build_parts(
                      scheduler=scheduler, runner=runner, pooling=pooling)
 
 
-def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig,
-                       mesh_spec: MeshSpec) -> int:
+def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig) -> int:
     """The recurrent-state slots a hybrid model's cache holds: one per sequence that may run
     (`max_num_seqs`) plus the scratch slot; 0 for a pure-attention model.
 
     Raises:
-      ValueError: speculative decoding (a rejected proposal's state cannot be rolled back) or
-        tensor parallelism (the linear layers' states are not sharded yet) with a hybrid model.
+      ValueError: speculative decoding with a hybrid model (a rejected proposal's state
+        cannot be rolled back).
     """
     if not model_config.num_linear_layers:
         return 0
-    name = model_config.model_type
     if cfg.speculative.method is not None:
-        raise ValueError(f"speculative decoding is not supported for {name}: its linear "
-                         "layers' recurrent state cannot roll back rejected tokens")
-    if mesh_spec.num_devices > 1:
-        raise ValueError(f"{name} runs on one device for now (--mesh tp=1): its linear "
-                         "layers' recurrent state is not sharded")
+        raise ValueError(f"speculative decoding is not supported for {model_config.model_type}: "
+                         "its linear layers' recurrent state cannot roll back rejected tokens")
     return cfg.scheduler.max_num_seqs + 1
 
 

@@ -55,9 +55,11 @@ class KVCache:
     ssm: jax.Array  # [Ll, Hv, N, Dk, Dv] f32 the DeltaNet state
 
     @classmethod
-    def of_each(cls, leaf) -> KVCache:
-        """The same `leaf` in every field: a sharding for each of the cache's arrays."""
-        return cls(k=leaf, v=leaf, k_scale=leaf, v_scale=leaf, conv=leaf, ssm=leaf)
+    def of_each(cls, leaf, state=None) -> KVCache:
+        """The same `leaf` in every field (`state`, where given, in the recurrent-state ones):
+        a sharding for each of the cache's arrays."""
+        state = leaf if state is None else state
+        return cls(k=leaf, v=leaf, k_scale=leaf, v_scale=leaf, conv=state, ssm=state)
 
     @property
     def quantized(self) -> bool:

@@ -359,7 +359,7 @@ QWEN3_5 = Family(
     model_types=(
         ModelType(name="qwen3_5_text", features="hybrid: Gated DeltaNet linear-attention "
                   "layers (recurrent state per sequence) with gated full-attention layers "
-                  "(q/k norm, partial rotary)", parity_test="test_qwen3_5"),
+                  "(q/k norm, partial rotary)", parity_test="test_qwen3_5_logits_match_hf"),
         ModelType(name="qwen3_5", features="the text model of a Qwen3.5 checkpoint (as "
                   "`qwen3_5_text`)"),
     ),

@@ -107,7 +107,7 @@ class Runner:
         self.kv = jax.jit(
             lambda: KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype, untouched=untouched,
                                   state_slots=state_slots),
-            out_shardings=KVCache.of_each(kv_sharding) if rules else None,
+            out_shardings=KVCache.of_each(kv_sharding, rules.replicated()) if rules else None,
         )()
         family = family_module(cfg)
         forward, head = family.forward, family.logits
@@ -148,7 +148,7 @@ class Runner:
         # Under a mesh the sampled tokens come back replicated, so every process can read them.
         out_shardings = None
         if rules:
-            out_shardings = (rules.replicated(), KVCache.of_each(kv_sharding))
+            out_shardings = (rules.replicated(), KVCache.of_each(kv_sharding, rules.replicated()))
         self._step_fn = step
         self._jit_kwargs = dict(donate_argnames=("kv",), static_argnames=("variant",),
                                 out_shardings=out_shardings)

@@ -12,6 +12,8 @@ heads' gated-norm weight; each must move the logits past `TOL`.
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import pytest
 import torch
@@ -159,3 +161,24 @@ def test_qwen3_5_refuses_speculative_decoding(qwen3_5):
     with pytest.raises(ValueError, match="recurrent state cannot roll back"):
         Engine(str(qwen3_5[0].source), config=ONE_BUCKET, dtype="float32",
                kv_cache_memory="4MiB", max_model_len=128, speculative="ngram")
+
+
+def test_qwen3_5_tp2_matches_hf(qwen3_5, qwen3_5_engine):
+    """Under tp=2 the attention layers' heads and the MLPs split; the linear layers' weights
+    and every recurrent state stay replicated on both devices."""
+    _, prompts, expected = qwen3_5_engine
+    engine = Engine(str(qwen3_5[0].source), config=ONE_BUCKET, dtype="float32",
+                    kv_cache_memory="4MiB", max_model_len=128, mesh="tp=2",
+                    attention_backend="cpu")
+    outs = engine.generate(prompts, SamplingParams(max_tokens=GREEDY, temperature=0,
+                                                   ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_qwen3_5_info_reports_the_recurrent_state(qwen3_5, capsys):
+    from jengine.cli.info import cmd_info
+
+    assert cmd_info(argparse.Namespace(model=str(qwen3_5[0].source))) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("linear_layers"))
+    # 3 layers x (conv 3 taps x 80 channels + 4 heads x 8 x 12) x 4 bytes = 7488 bytes
+    assert "3 of 4 Gated DeltaNet" in line and "7.3 KiB" in line

@@ -11,6 +11,7 @@ import test_deepseek
 import test_deepseek_v3
 import test_glm4_moe
 import test_models_parity
+import test_qwen3_5
 
 from jengine.models.registry import BY_MODEL_TYPE, FAMILIES
 
@@ -34,6 +35,7 @@ def test_table_is_generated_and_complete():
         assert script.updated(text) == text, f"{doc.name}: run scripts/supported_models.py"
     tested = [t.parity_test for f in FAMILIES for t in f.model_types if t.parity_test]
     for name in tested:
-        homes = (test_models_parity, test_deepseek, test_deepseek_v3, test_glm4_moe)
+        homes = (test_models_parity, test_deepseek, test_deepseek_v3, test_glm4_moe,
+                 test_qwen3_5)
         assert any(callable(getattr(home, name, None)) for home in homes), name
     assert len(tested) >= 15
