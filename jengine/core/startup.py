@@ -35,6 +35,7 @@ from jengine.core.build import (
 )
 from jengine.core.draft import proposer_for
 from jengine.core.pooling import Pooling, resolve_pooling
+from jengine.models import KVCache
 from jengine.models.config import ModelConfig
 from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
@@ -116,6 +117,11 @@ def build_parts(
     allocator = PageAllocator(num_pages, cfg.cache.page_size)
     # An embedding pools every prompt token's hidden state, so none may come from the cache.
     caching = cfg.cache.enable_prefix_caching and cfg.model.task == "generate"
+    if state_slots:
+        log.info("recurrent state: %d slots x %.2f MiB (%s's %d linear layers) from "
+                 "kv_cache_memory, %d KV pages left", state_slots,
+                 KVCache.bytes_per_state_slot(model_config) / 2**20, model_config.model_type,
+                 model_config.num_linear_layers, num_pages)
     if caching and state_slots:
         log.info("prefix caching off: %s keeps recurrent state that cached pages do not hold",
                  model_config.model_type)
