@@ -20,7 +20,7 @@ import torch
 import transformers
 from kv_pool import small_kv_pool
 from paged import run_paged
-from test_deepseek import ONE_BUCKET
+from test_deepseek import ONE_BUCKET, _greedy_hf
 from test_models_parity import TOL, VOCAB, _build, _max_diff
 
 from jengine import Engine, SamplingParams
@@ -106,18 +106,6 @@ def test_qwen3_5_negative_controls(qwen3_5, wrong):
         params["lin_norm"] = np.ones_like(params["lin_norm"])
     diff = _max_diff((cfg, params), ids, expected, decode_steps=0, layer_layout="as_given")
     assert diff > TOL, wrong
-
-
-def _greedy_hf(model, prompts, max_tokens):
-    """HF's greedy continuation by full forwards (no early stop at eos, as `ignore_eos`)."""
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            seq = list(p)
-            for _ in range(max_tokens):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            outs.append(seq[len(p):])
-    return outs
 
 
 @pytest.fixture(scope="module")
