@@ -57,7 +57,8 @@ class Network:
     # The first layer of every weight stacking fewer than all layers (DeepSeek's MoE weights).
     layer_offsets: Callable[[ModelConfig], dict[str, int]] | None = None
     # The layers each weight stacking only some layers holds, in order, where they are not one
-    # run (a hybrid's attention and linear-attention weights interleave): name -> layers.
+    # run (a hybrid's attention and linear-attention weights interleave): name -> layers
+    # (`registry.layer_offsets` merges them with `layer_offsets`).
     layer_ordinals: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
     # (params, cfg, hidden [N, E]) -> the final norm's output [N, E], what an embedding pools;
     # None: RMSNorm by `final_norm` (Llama's); Gemma scales by 1 + weight.

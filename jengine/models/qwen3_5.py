@@ -23,7 +23,7 @@ the state its slot holds (chunked prefill, decode). The recurrence runs token by
 Norms scale by (1 + weight) (the checkpoint stores the offset from one), except the gated norm
 of the linear layers. Weights stack over the layers of their kind: attention ones over the
 attention layers, linear ones over the linear layers (`layer_ordinals`), norms and MLPs over
-all of them.
+all of them; split per layer (the CPU default) every layer's dict holds its own.
 """
 
 from __future__ import annotations
@@ -129,24 +129,29 @@ def forward(
     eps = cfg.rms_norm_eps
     ordinal = {"full": 0, "linear": 0}
     for i, linear in enumerate(cfg.linear_layers):
-        every = (params["layers"][i] if "layers" in params
-                 else {key: params[key][i] for key in EVERY_LAYER_KEYS})
-        h = rms_norm(x, every["attn_norm"], eps, offset=1.0, backend=mm)
         kind = "linear" if linear else "full"
-        j = ordinal[kind]
+        j = ordinal[kind]  # the layer's place among those of its kind
         ordinal[kind] += 1
+        p = params["layers"][i] if "layers" in params else _layer_slices(params, i, j, linear)
+        h = rms_norm(x, p["attn_norm"], eps, offset=1.0, backend=mm)
         if linear:
-            p = {key: params[key][j] for key in LINEAR_KEYS}
             out, kv = _delta_net(h, p, cfg, kv, j, md, rows)
         else:
-            p = {key: params[key][j] for key in ATTENTION_KEYS}
             out, kv = _gated_attention(h, p, cfg, kv, j, md, (cos[0], sin[0]))
         x = x + out
-        h = rms_norm(x, every["mlp_norm"], eps, offset=1.0, backend=mm)
-        x = x + _mlp(h, every, mm)
+        h = rms_norm(x, p["mlp_norm"], eps, offset=1.0, backend=mm)
+        x = x + _mlp(h, p, mm)
     if not all_logits:
         x = x[md.logits_indices]
     return (logits(params, cfg, x) if head else x), kv
+
+
+def _layer_slices(params: dict, layer: int, ordinal: int, linear: bool) -> dict:
+    """Layer `layer`'s weights cut from the stacks (the stacked layout): its mixer's at
+    `ordinal`, the `ordinal`-th of its kind."""
+    mixer = LINEAR_KEYS if linear else ATTENTION_KEYS
+    return {**{key: params[key][layer] for key in EVERY_LAYER_KEYS},
+            **{key: params[key][ordinal] for key in mixer}}
 
 
 def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -272,7 +277,8 @@ def _gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float
 
 
 NETWORK = Network(name="qwen3_5", param_specs=param_specs, forward=forward, logits=logits,
-                  layer_keys=EVERY_LAYER_KEYS, layer_ordinals=layer_ordinals,
+                  layer_keys=EVERY_LAYER_KEYS + ATTENTION_KEYS + LINEAR_KEYS,
+                  layer_ordinals=layer_ordinals,
                   final_norm=final_norm)
 
 conv_kernel = Transform(  # HF Conv1d [C, 1, K] -> [K, C]

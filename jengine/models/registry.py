@@ -51,22 +51,27 @@ def family_module(cfg: ModelConfig) -> Network:
     return family_of(cfg).network
 
 
-def layer_offsets(cfg: ModelConfig) -> dict[str, int]:
-    """The first layer of every layer weight that stacks fewer than all layers (DeepSeek's MoE
-    weights start after its dense layers); {} for the families whose layers are all alike."""
-    offsets = family_module(cfg).layer_offsets
-    return offsets(cfg) if offsets else {}
+def layer_offsets(cfg: ModelConfig) -> dict[str, int | tuple[int, ...]]:
+    """Every layer weight that stacks fewer than all layers: its first layer (DeepSeek's MoE
+    weights start after its dense layers), or the layers it stacks, in order, where they are
+    not one run (a hybrid's mixers: `Network.layer_ordinals`); {} for the families whose
+    layers are all alike."""
+    network = family_module(cfg)
+    offsets: dict[str, int | tuple[int, ...]] = {}
+    if network.layer_offsets:
+        offsets.update(network.layer_offsets(cfg))
+    if network.layer_ordinals:
+        offsets.update(network.layer_ordinals(cfg))
+    return offsets
 
 
 def stacked_index(cfg: ModelConfig, name: str, layer: int) -> int:
-    """Where layer `layer`'s slice of weight `name` sits on its leading axis: the layer less
-    the weight's first layer (`layer_offsets`), or its rank among the layers the weight stacks
-    (`Network.layer_ordinals`); -1 for a layer the weight does not stack."""
-    ordinals = family_module(cfg).layer_ordinals
-    held = ordinals(cfg).get(name) if ordinals else None
-    if held is not None:
-        return held.index(layer) if layer in held else -1
-    return layer - layer_offsets(cfg).get(name, 0)
+    """Where layer `layer`'s slice of weight `name` sits on its leading axis (`layer_offsets`);
+    -1 for a layer the weight does not stack."""
+    held = layer_offsets(cfg).get(name, 0)
+    if isinstance(held, int):
+        return layer - held
+    return held.index(layer) if layer in held else -1
 
 
 def gguf_family(arch: str) -> tuple[Family, str]:
