@@ -315,6 +315,7 @@ def _weight_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
         (lin + r"norm\.weight", "lin_norm", same),
         (lin + r"out_proj\.weight", "lin_out", o_heads_of(cfg.linear_v_dim)),
         (r"mtp\..*", (), same),  # the multi-token-prediction head: not run
+        (r"model\.visual\..*", (), same),  # a multimodal checkpoint's vision tower
     )
 
 

@@ -43,12 +43,21 @@ def _config(**kw):
     return transformers.Qwen3_5TextConfig(**{**base, **kw})
 
 
+def _multimodal_config():
+    """A Qwen3.5 checkpoint as published: `qwen3_5` wrapping the text config, the text model
+    under `model.language_model.`, a (tiny) vision tower under `model.visual.`."""
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                  out_hidden_size=64, num_position_embeddings=16)
+    return transformers.Qwen3_5Config(text_config=_config().to_dict(), vision_config=vision,
+                                      tie_word_embeddings=False)
+
+
 def _gated_norms_near_one(model) -> None:
     """The DeltaNet's gated norm scales by its weight (no 1 +): centre it at 1 as trained."""
     gen = torch.Generator().manual_seed(5)
-    for layer in model.model.layers:
-        if hasattr(layer, "linear_attn"):
-            w = layer.linear_attn.norm.weight
+    for module in model.modules():
+        if hasattr(module, "A_log"):  # a Gated DeltaNet layer
+            w = module.norm.weight
             w.copy_(1 + 0.3 * torch.randn(w.shape, generator=gen))
 
 
@@ -170,3 +179,11 @@ def test_qwen3_5_info_reports_the_recurrent_state(qwen3_5, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("linear_layers"))
     # 3 layers x (conv 3 taps x 80 channels + 4 heads x 8 x 12) x 4 bytes = 7488 bytes
     assert "3 of 4 Gated DeltaNet" in line and "7.3 KiB" in line
+
+
+def test_qwen3_5_multimodal_checkpoint_reads_its_text_model(tmp_path):
+    loaded, ids, expected = _build(tmp_path, _multimodal_config(),
+                                   transformers.Qwen3_5ForConditionalGeneration,
+                                   norm_offset=0.0, edit=_gated_norms_near_one, greedy=False)
+    assert loaded.config.model_type == "qwen3_5_text"
+    assert _max_diff(loaded, ids, expected) < TOL
