@@ -125,6 +125,11 @@ def forward(
     inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim)[None]  # [1, R/2]
     cos, sin = layers.rope_tables(md.positions, jnp.asarray(inv_freq))  # [1, T, R/2] each
     rows = _RowStates.of(md, page_size=kv.k.shape[3], num_rows=md.page_table.shape[0])
+    # Every linear layer's row states read once and written back once, after all layers: a
+    # read and a write per layer made XLA copy the whole state array around each write.
+    conv_rows = rows.gather(kv.conv[:, 0])  # [Ll, S, K-1, C]
+    ssm_rows = rows.gather(kv.ssm, axis=2)  # [Ll, S, Hv, Dk, Dv]
+    conv_out, ssm_out = [], []
     mm = cfg.matmul_backend
     eps = cfg.rms_norm_eps
     ordinal = {"full": 0, "linear": 0}
@@ -135,12 +140,18 @@ def forward(
         p = params["layers"][i] if "layers" in params else _layer_slices(params, i, j, linear)
         h = rms_norm(x, p["attn_norm"], eps, offset=1.0, backend=mm)
         if linear:
-            out, kv = _delta_net(h, p, cfg, kv, j, md, rows)
+            out, (conv, ssm) = _delta_net(h, p, cfg, (conv_rows[j], ssm_rows[j]), md, rows)
+            conv_out.append(conv)
+            ssm_out.append(ssm)
         else:
             out, kv = _gated_attention(h, p, cfg, kv, j, md, (cos[0], sin[0]))
         x = x + out
         h = rms_norm(x, p["mlp_norm"], eps, offset=1.0, backend=mm)
         x = x + _mlp(h, p, mm)
+    if conv_out:
+        kv = dataclasses.replace(
+            kv, conv=kv.conv.at[:, 0, rows.slots].set(jnp.stack(conv_out)),  # [Ll, S, K-1, C]
+            ssm=kv.ssm.at[:, :, rows.slots].set(jnp.moveaxis(jnp.stack(ssm_out), 1, 2)))
     if not all_logits:
         x = x[md.logits_indices]
     return (logits(params, cfg, x) if head else x), kv
@@ -205,17 +216,19 @@ class _RowStates:
                  else jnp.arange(1, num_rows + 1, dtype=jnp.int32))
         return cls(valid, first == 0, slots)
 
-    def gather(self, state: jax.Array) -> jax.Array:
-        """[N, ...] slots -> [S, ...] rows, zeros for the rows that start here."""
-        rows = state[self.slots]
-        keep = self.fresh.reshape(-1, *(1,) * (rows.ndim - 1))
-        return jnp.where(keep, jnp.zeros_like(rows), rows)
+    def gather(self, state: jax.Array, axis: int = 1) -> jax.Array:
+        """[Ll, .., N (at `axis`), ...] slots -> [Ll, S, ...] rows (the slot axis moved to 1
+        once gathered), zeros for the rows that start here."""
+        rows = jnp.moveaxis(jnp.take(state, self.slots, axis=axis), axis, 1)
+        fresh = self.fresh.reshape(1, -1, *(1,) * (rows.ndim - 2))
+        return jnp.where(fresh, jnp.zeros_like(rows), rows)
 
 
-def _delta_net(h, p, cfg: ModelConfig, kv: KVCache, index: int, md: AttentionMetadata,
-               rows: _RowStates) -> tuple[jax.Array, KVCache]:
-    """The Gated DeltaNet mixer of linear layer `index`: [T, E] -> [T, E], its states
-    carried from and written back to each row's slot."""
+def _delta_net(h, p, cfg: ModelConfig, states: tuple[jax.Array, jax.Array],
+               md: AttentionMetadata, rows: _RowStates
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """A Gated DeltaNet mixer: [T, E] -> [T, E], and its rows' states ([S, K-1, C] conv,
+    [S, Hv, Dk, Dv] DeltaNet) carried from `states` through the step's tokens."""
     mm = cfg.matmul_backend
     hv, dv = cfg.linear_v_heads, cfg.linear_v_dim
     qkv = project(h, p["lin_qkv"], "te,ec->tc", backend=mm).astype(jnp.float32)  # [T, C]
@@ -224,18 +237,11 @@ def _delta_net(h, p, cfg: ModelConfig, kv: KVCache, index: int, md: AttentionMet
     a = project(h, p["lin_a"], "te,eh->th", backend=mm).astype(jnp.float32)
     g = -jnp.exp(p["lin_a_log"].astype(jnp.float32)) * jax.nn.softplus(
         a + p["lin_dt_bias"].astype(jnp.float32))  # [T, Hv] log decay
-    conv = rows.gather(kv.conv[index, 0])  # [S, K-1, C]
-    ssm = rows.gather(jnp.moveaxis(kv.ssm[index], 1, 0))  # [S, Hv, Dk, Dv]
-    (conv, ssm), out = jax.lax.scan(
-        _token_step(cfg, p["lin_conv"].astype(jnp.float32)), (conv, ssm),
+    states, out = jax.lax.scan(
+        _token_step(cfg, p["lin_conv"].astype(jnp.float32)), states,
         (qkv, g, beta, md.token_seq, rows.valid))  # out [T, Hv, Dv]
-    kv = dataclasses.replace(
-        kv,
-        conv=kv.conv.at[index, 0, rows.slots].set(conv),
-        ssm=kv.ssm.at[index, :, rows.slots].set(ssm),  # advanced index first: [S, Hv, ..]
-    )
     out = _gated_rms_norm(out, z, p["lin_norm"], cfg.rms_norm_eps).astype(h.dtype)
-    return layers.project_heads(out.reshape(-1, hv, dv), p["lin_out"], backend=mm), kv
+    return layers.project_heads(out.reshape(-1, hv, dv), p["lin_out"], backend=mm), states
 
 
 def _token_step(cfg: ModelConfig, conv_w: jax.Array):
