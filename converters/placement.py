@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from converters.lazy import normalize_index
@@ -131,3 +132,16 @@ def _pad_to(source, shape: tuple[int, ...]):
     if len(grown) != 1 or source.shape[grown[0]] > shape[grown[0]]:
         raise ValueError(f"cannot pad a {tuple(source.shape)} param to {shape}")
     return ZeroPadded(source, grown[0], shape[grown[0]])
+
+
+def to_device_params(
+    params: dict[str, np.ndarray], shardings: dict[str, jax.sharding.Sharding] | None = None
+) -> dict[str, jax.Array]:
+    """Host params -> device arrays. With shardings, each device receives only its own slice
+    (`make_array_from_callback`), so no device ever holds a whole tensor it does not own."""
+    if shardings is None:
+        return {k: jnp.asarray(v) for k, v in params.items()}
+    return {
+        k: jax.make_array_from_callback(v.shape, shardings[k], lambda index, v=v: v[index])
+        for k, v in params.items()
+    }

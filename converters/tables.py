@@ -22,9 +22,11 @@ from jengine.models.weight_rules import Index, Transform
 _ALL = slice(None)
 
 # Wrappers some checkpoints put around the text model's keys.
-_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.",
+             "model.text_model.")
 # Keys that carry nothing jengine needs (rotary caches, vision towers of multimodal checkpoints).
-_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|vision_tower|multi_modal_projector|vision_model).*")
+_IGNORED = re.compile(
+    r".*(rotary_emb\.inv_freq|vision_tower|multi_modal_projector|vision_model|connector\.).*")
 
 
 def canonical_key(key: str) -> str:

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from converters import load_source
+from converters.placement import to_device_params
 from jengine.models import AttentionMetadata, KVCache, family_module
-from jengine.runtime.runner import to_device_params
 
 
 def main() -> None:

@@ -1,9 +1,12 @@
-"""A 1,500-token prompt's prefill on SmolLM2 with AMX hidden (the EPYC's kernel choices on an
-AMX Xeon): bf16 on the packed-bf16 kernel (`native`), bf16 on XLA's dots (`xla`), and f32
-(`native`), interleaved, best of each. Ratios only (a shared machine); XLA's own bf16 dot still
-runs on the AMX tiles here, so the `xla` bf16 row is faster than an EPYC's would be.
+"""SmolLM2 with AMX hidden (the AMD EPYC's kernel choices on an AMX Xeon), f32 against bf16 on the
+packed-bf16 kernel: `auto`'s path (on a CPU whose VDPBF16PS issues slowly, FMA over the widened
+pairs: `packed_bf16.dp_bf16_pays`) and VDPBF16PS forced. A 1,500-token prompt's prefill (one
+token out) and decode at 1 / 8 / 32 / 64 streams (median time per output token), the engines
+interleaved, each figure the median over rounds. Ratios only (a shared machine).
 Run: python experiments/packed_bf16_prefill.py [rounds]"""
 
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -13,37 +16,64 @@ import numpy as np
 import yaml
 
 from jengine import Engine, SamplingParams, cpu_info
+from jengine.bench.throughput import run_engine
+from jengine.cpu_kernels import packed_bf16
 
 CPU = Path(__file__).parents[1] / "configs" / "cpu.yaml"
-VARIANTS = {"bf16 packed kernel": ("bfloat16", "native"), "bf16 XLA dot": ("bfloat16", "xla"),
-            "f32 native": ("float32", "native")}
+# name -> (dtype, the packed kernel's isa: None for what `auto` picks)
+VARIANTS = {"f32 native": ("float32", None), "bf16 packed auto": ("bfloat16", None),
+            "bf16 packed VDPBF16PS": ("bfloat16", "avx512_bf16")}
+STREAMS = (1, 8, 32, 64)
 
 
-def engine(tmp: Path, name: str, dtype: str, backend: str) -> Engine:
+def engine(tmp: Path, name: str, dtype: str) -> Engine:
     preset = yaml.safe_load(CPU.read_text())
-    preset["model"].update(dtype=dtype, matmul_backend=backend)
-    path = tmp / f"{backend}-{dtype}.yaml"
+    preset["model"].update(dtype=dtype, matmul_backend="native")
+    preset["cache"]["kv_cache_memory"] = "1GiB"
+    path = tmp / f"{name.replace(' ', '_')}.yaml"
     path.write_text(yaml.safe_dump(preset))
+    # A store of compiled programs of its own: the store's key does not hold the packed kernel's
+    # forced path, so the two bf16 engines would otherwise load each other's programs.
+    os.environ["XDG_CACHE_HOME"] = str(tmp / name.replace(" ", "_"))
     return Engine(config=str(path), progress=False, enable_prefix_caching=False)
 
 
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    ids = np.random.default_rng(0).integers(100, 40000, 1500).tolist()
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    best = {}
+    rng = np.random.default_rng(0)
+    long_ids = rng.integers(100, 40000, 1500).tolist()
+    short = [rng.integers(100, 40000, 32).tolist() for _ in range(max(STREAMS))]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    auto_isa = packed_bf16.best_isa
+
+    times: dict[tuple[str, str], list[float]] = {}
     with cpu_info.hiding("amx_bf16", "amx_tile", "amx_int8"), tempfile.TemporaryDirectory() as d:
-        engines = {name: engine(Path(d), name, *v) for name, v in VARIANTS.items()}
-        for e in engines.values():
-            e.generate([ids], params)  # compiles the prefill buckets
-        for _ in range(rounds):
+        print("auto picks", packed_bf16.best_isa(), flush=True)
+        engines = {}
+        for name, (dtype, isa) in VARIANTS.items():
+            packed_bf16.best_isa = (lambda isa=isa: isa) if isa else auto_isa
+            engines[name] = engine(Path(d), name, dtype)
+            engines[name].generate([long_ids], one)  # compiles the prefill buckets
+        for r in range(rounds):
             for name, e in engines.items():
+                packed_bf16.best_isa = (lambda isa=VARIANTS[name][1]: isa) \
+                    if VARIANTS[name][1] else auto_isa
                 t = time.perf_counter()
-                e.generate([ids], params)
-                best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
-    base = best["f32 native"]
-    for name, t in best.items():
-        print(f"{name:20s} {t:6.3f} s  {t / base:.2f}x f32")
+                e.generate([long_ids], one)
+                times.setdefault((name, "prefill 1500"), []).append(time.perf_counter() - t)
+                for n in STREAMS:
+                    res = run_engine(e, short[:n], 32)
+                    times.setdefault((name, f"decode x{n}"), []).append(res["tpot_median_s"])
+            print(f"round {r + 1} done", flush=True)
+    packed_bf16.best_isa = auto_isa
+    kinds = ["prefill 1500"] + [f"decode x{n}" for n in STREAMS]
+    print("| | " + " | ".join(VARIANTS) + " |")
+    print("|---" * (len(VARIANTS) + 1) + "|")
+    for kind in kinds:
+        base = statistics.median(times["f32 native", kind])
+        cells = [f"{1e3 * (m := statistics.median(times[name, kind])):.1f} ms "
+                 f"({base / m:.2f}x)" for name in VARIANTS]
+        print(f"| {kind} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "jengine.outputs",
     "CompletionOutput": "jengine.outputs",
     "PoolingParams": "jengine.pooling_params",
+    "LoRARequest": "jengine.lora_request",
 }
 
 __all__ = sorted(_EXPORTS)

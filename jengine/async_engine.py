@@ -17,9 +17,11 @@ from jengine.config import load_config
 from jengine.core.contract import CoreContract
 from jengine.core.replicas import make_core
 from jengine.core.stats import EngineStats
+from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.sampling_params import SamplingParams, StructuredOutputs
 from jengine.structured import Grammar
+from jengine.vision.inputs import ImagePrompt
 
 log = logging.getLogger("jengine")
 
@@ -62,17 +64,24 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict | ImagePrompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's deltas. Bad input raises ValueError before anything is queued."""
+        """Yields the request's deltas. Bad input raises ValueError before anything is queued.
+        `lora_request`: the LoRA adapter it runs under (an engine with `enable_lora`). A prompt
+        with images: vLLM's dict (as `Engine.generate`) or an `ImagePrompt`."""
         rid = request_id or f"req-{next(self._ids)}"
+        if isinstance(prompt, dict):
+            prompt = ImagePrompt.of(prompt)
         grammar = None
         spec = getattr(sampling_params, "structured_outputs", None)
         if spec is not None:
             # Compiled on the grammar pool, never in the engine thread; a bad spec raises here.
             grammar = await self._compile(spec)
+        if lora_request is not None:  # read from disk here, never in the engine thread
+            await self.add_lora(lora_request)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
@@ -82,7 +91,8 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = (loop, queue)
-            self._commands.append(("add", (rid, prompt, sampling_params, grammar, done)))
+            self._commands.append(("add", (rid, prompt, sampling_params, grammar, lora_request,
+                                           done)))
             self._lock.notify()
         try:
             await done  # raises the ValueError of a rejected request
@@ -112,6 +122,16 @@ class AsyncEngine:
         # The first use builds the backend (~0.5 s): not in the event loop's thread either.
         grammars = await asyncio.to_thread(getattr, self.core, "grammars")
         return await asyncio.wrap_future(grammars.submit(spec))
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Reads and checks a LoRA adapter (on a worker thread) so that requests can name it;
+        raises ValueError for a bad one or an engine without `enable_lora`."""
+        await asyncio.to_thread(self.core.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> None:
+        """Forgets an adapter's host copy. Requests already using it finish (its slot and
+        directory stay theirs); no new request should name it."""
+        await asyncio.to_thread(self.core.remove_lora, lora_id)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
@@ -176,9 +196,9 @@ class AsyncEngine:
         if kind == "reset_prefix_cache":
             arg.set_result(self.core.reset_prefix_cache())
             return
-        rid, prompt, params, grammar, done = arg
+        rid, prompt, params, grammar, lora_request, done = arg
         try:
-            self.core.add_request(rid, prompt, params, grammar)
+            self.core.add_request(rid, prompt, params, grammar, lora_request=lora_request)
         except ValueError as e:
             self._resolve(rid, done, e)
             return

@@ -51,6 +51,8 @@ class ModelSection:
     # model dir's sentence-transformers files say (modules.json), else last token, normalised.
     pooling: str | None = None
     normalize: bool | None = None
+    # Vision models: the most images one prompt may hold (vLLM's `--limit-mm-per-prompt`).
+    limit_mm_per_prompt: str = "image=4"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,6 +125,11 @@ class ServerConfig:
     timeout_keep_alive: float = 5.0  # seconds to a whole request header, or closed
     # Names and templates.
     served_model_name: tuple[str, ...] | None = None  # first is reported; all are accepted
+    # LoRA adapters served from the start as models of their own: "NAME=PATH" each (needs the
+    # engine's `enable_lora`); and whether /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # may add and remove others while serving (vLLM's --allow-runtime-lora-updating).
+    lora_modules: tuple[str, ...] = ()
+    allow_runtime_lora_updating: bool = False
     chat_template: str | None = None  # a Jinja template (text or file path) over the model's
     trust_request_chat_template: bool = False  # may a request send its own `chat_template`?
     # HTTP details, as vLLM's flags of the same names.
@@ -142,6 +149,22 @@ class ServerConfig:
     # None (create_app from Python): a temporary directory, removed at shutdown.
     batch_dir: str | None = None
     web_ui: bool = True  # the chat page at `/` (jengine/server/web_ui.py); False: `/` is a 404
+    # Image URLs (vision models; jengine/vision/media.py): data: always; file: under this
+    # directory only; http(s): only when allowed, each fetch bounded in bytes and seconds.
+    allowed_local_media_path: str | None = None
+    allow_remote_media: bool = False
+    max_image_bytes: int = 20 * 2**20
+    media_fetch_timeout: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Multi-LoRA serving (vLLM's names; docs/lora.md)."""
+
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters in one step: the device slots
+    max_lora_rank: int = 64  # every slot's rank; a smaller adapter is zero-padded
+    max_cpu_loras: int | None = None  # adapters kept read on the host; None: max_loras
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,11 +175,13 @@ class EngineConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 _SECTION_TYPES = {
     "model": ModelSection, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig, "parallel": ParallelConfig, "server": ServerConfig,
+    "lora": LoraConfig,
 }
 # Keyword (Engine / CLI flag) names that differ from their config key: name -> (section, key).
 _ALIASES = {
@@ -195,7 +220,7 @@ def load_config(name_or_path: str | None, **overrides: Any) -> EngineConfig:
             if key in names and value is not None:
                 values[key] = value
         for key in ("token_buckets", "seq_buckets", "page_buckets", "served_model_name",
-                    "allowed_origins", "allowed_methods", "allowed_headers"):
+                    "lora_modules", "allowed_origins", "allowed_methods", "allowed_headers"):
             if isinstance(values.get(key), str):
                 values[key] = (values[key],)
             if values.get(key) is not None:

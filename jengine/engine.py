@@ -57,16 +57,19 @@ from jengine.core.kv_budget import host_kv_budget
 from jengine.core.replicas import make_core
 from jengine.core.request import merge_deltas
 from jengine.core.stats import EngineStats
+from jengine.lora_request import LoRARequest
 from jengine.models.config import ModelConfig
 from jengine.outputs import RequestOutput
 from jengine.pooling_params import PoolingParams
 from jengine.progress import progress_bar
 from jengine.sampling_params import SamplingParams
 from jengine.sharding import MeshSpec
-from jengine.text.chat import render_chat
+from jengine.text.chat import render_chat, render_chat_text
 from jengine.text.reasoning import resolve_format, split_reasoning, thinking_off
 from jengine.text.tool_parsers import resolve_tool_parser, split_calls
 from jengine.text.tools import constrain, tool_setup
+from jengine.vision.chat import has_images, split_images
+from jengine.vision.inputs import ImagePrompt
 
 log = logging.getLogger("jengine")
 
@@ -135,6 +138,11 @@ class Engine:
         task: str | None = None,  # "generate" | "embed" | "score"
         pooling: str | None = None,  # "last" | "mean" | "cls"; None: the model's files
         normalize: bool | None = None,  # None: the model's files, else True
+        enable_lora: bool | None = None,  # False
+        max_loras: int | None = None,  # 4
+        max_lora_rank: int | None = None,  # 64
+        max_cpu_loras: int | None = None,  # None: max_loras
+        limit_mm_per_prompt: str | None = None,  # "image=4": images per prompt (vision models)
         warmup: bool = False,
     ):
         """`seed` makes the sampling of requests that set no seed of their own reproducible
@@ -164,7 +172,12 @@ class Engine:
         final hidden states pooled by `pooling` ("last", "mean" or "cls") and L2-normalised
         unless `normalize=False`; the defaults come from a sentence-transformers model dir's
         modules.json (jengine/core/pooling.py). It refuses `generate`, as a generating engine
-        refuses `embed`."""
+        refuses `embed`.
+
+        `enable_lora=True` serves PEFT LoRA adapters over this model (docs/lora.md):
+        `max_loras` adapters in one step (device slots of rank `max_lora_rank`),
+        `max_cpu_loras` kept read on the host; `generate(..., lora_request=LoRARequest(name,
+        int_id, path))` runs a request under one."""
         cfg = build_config(
             model, config, mesh=mesh, dtype=dtype, attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization,
@@ -174,7 +187,9 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             coordinator=coordinator, num_processes=num_processes, process_id=process_id,
-            seed=seed, task=task, pooling=pooling, normalize=normalize,
+            seed=seed, task=task, pooling=pooling, normalize=normalize, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            limit_mm_per_prompt=limit_mm_per_prompt,
         )
         self.core = make_core(cfg, progress=progress, warmup=warmup)
         if cfg.parallel.process_id != 0:
@@ -185,27 +200,40 @@ class Engine:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | dict | list[str | dict] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs in prompt order (tqdm bar on stderr)."""
-        if isinstance(prompts, str) or (
+        """Runs every prompt to completion; outputs in prompt order (tqdm bar on stderr).
+        `lora_request`: the LoRA adapter every prompt runs under, or one per prompt (None:
+        the base model); needs `enable_lora`. A prompt with images is vLLM's dict
+        `{"prompt": text with one "<image>" per image, "multi_modal_data": {"image": image or
+        [images]}}` (PIL images, uint8 arrays, image bytes or data: URLs), for a vision
+        model."""
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts must be a non-empty string or list")
+        prompts = [ImagePrompt.of(p) if isinstance(p, dict) else p for p in prompts]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError("need one SamplingParams per prompt")
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        if isinstance(lora_request, list):
+            if len(lora_request) != len(prompts):
+                raise ValueError("need one lora_request (or None) per prompt")
+            loras = lora_request
+        else:
+            loras = [lora_request] * len(prompts)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for p in params:  # distinct grammars compile in parallel on the grammar pool
             if isinstance(p, SamplingParams) and p.structured_outputs is not None:
                 self.core.grammars.submit(p.structured_outputs)
-        self._add_all(ids, prompts, params)
+        self._add_all(ids, prompts, params, loras)
         deltas: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
         bar = progress_bar(total=len(ids), desc="generating", enabled=self.progress, unit="req")
         pending = set(ids)
@@ -222,12 +250,17 @@ class Engine:
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
         return outputs
 
-    def _add_all(self, ids: list[str], prompts: list, params: list) -> None:
+    def _add_all(self, ids: list[str], prompts: list, params: list,
+                 loras: list | None = None) -> None:
         """Queues every request, or none: a bad one's ValueError aborts those already added."""
         added = []
+        loras = loras or [None] * len(ids)
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.core.add_request(rid, prompt, p)
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras):
+                if lora is None:  # the plain call: a core without LoRA takes no such keyword
+                    self.core.add_request(rid, prompt, p)
+                else:
+                    self.core.add_request(rid, prompt, p, lora_request=lora)
                 added.append(rid)
         except ValueError:
             for rid in added:
@@ -324,7 +357,14 @@ class Engine:
         return outputs
 
     def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None) -> list[int] | ImagePrompt:
+        """The conversation's prompt: token ids, or with image content parts (data: URLs,
+        PIL images, uint8 arrays; `jengine.vision.chat`) the template's text and its images."""
+        if has_images(messages):
+            messages, images = split_images(messages)
+            text = render_chat_text(self.tokenizer, messages, tools=tools,
+                                    template_kwargs=template_kwargs)
+            return ImagePrompt(text, tuple(images), add_special_tokens=False)
         return render_chat(self.tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
 
     def stats(self) -> EngineStats:
@@ -332,11 +372,12 @@ class Engine:
         return self.core.stats()
 
     def stream(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields deltas of one request as they are generated; the last has finished=True."""
         rid = f"stream-{next(self._ids)}"
-        self.core.add_request(rid, prompt, sampling_params)
+        self._add_all([rid], [prompt], [sampling_params], [lora_request])
         try:
             while True:
                 for out in self.core.step():

@@ -13,7 +13,8 @@ ENGINE_FLAGS = (
     "quantize_lm_head", "load_format", "speculative", "num_speculative_tokens", "draft_model",
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "kv_cache_memory",
     "enable_prefix_caching", "coordinator", "num_processes", "process_id", "seed",
-    "task", "pooling", "normalize",
+    "task", "pooling", "normalize", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "limit_mm_per_prompt",
 )
 
 
@@ -73,6 +74,17 @@ def engine_parent() -> argparse.ArgumentParser:
     g.add_argument("--normalize", action=argparse.BooleanOptionalAction,
                    help="with --task embed/score: L2-normalise vectors (default: the model's "
                    "modules.json lists Normalize; without one, on)")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters over the model (docs/lora.md)")
+    g.add_argument("--max-loras", type=int, metavar="N",
+                   help="with --enable-lora: adapters in one step, the device slots (default 4)")
+    g.add_argument("--max-lora-rank", type=int, metavar="R",
+                   help="with --enable-lora: the highest adapter rank (default 64)")
+    g.add_argument("--max-cpu-loras", type=int, metavar="M",
+                   help="with --enable-lora: adapters kept read on the host (default: "
+                   "--max-loras)")
+    g.add_argument("--limit-mm-per-prompt", metavar="image=N",
+                   help="vision models: the most images one prompt may hold (default image=4)")
     g.add_argument("--coordinator", metavar="HOST:PORT",
                    help="multi-host: process 0's address for jax.distributed")
     g.add_argument("--num-processes", type=int, help="multi-host: process count (default 1)")

@@ -7,10 +7,15 @@ turn; prints the fastest of several timings in ms and the rate in GFLOP/s. `--ba
 the AMX kernel of another build of the library (a copy of `_cpu_kernels*.so` from before a
 change), timed in turn with this tree's in the same process. `--int8` adds the `int8` (W8A8)
 projections: XLA's int8 dot and rescale (quant.einsum) against the AMX-INT8 kernel
-(cpu_int8.amx_int8_matmul), both quantizing each row of x first.
+(cpu_int8.amx_int8_matmul), both quantizing each row of x first. `--packed ISA...` adds the
+packed-bf16 kernel off AMX (packed_bf16.packed_matmul, the same packed weights, each named
+path forced) and the f32 model's projections as an f32 engine runs them (f32 weights: the
+small-row kernel up to 32 rows, XLA's f32 dot above), so bf16 without AMX and f32 are timed in
+one run; `--rounds` repeats the whole table and prints each cell's median over the rounds.
 
     PYTHONPATH=. python -P scripts/amx_matmul_bench.py [--rows 1 8 32 64 512] [--reps 7]
-        [--baseline /tmp/old_cpu_kernels.so] [--int8]
+        [--baseline /tmp/old_cpu_kernels.so] [--int8] [--packed avx512_bf16 avx512 avx2]
+        [--rounds 3]
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import numpy as np
 
 from jengine.cpu_kernels import int8_matmul as cpu_int8
 from jengine.cpu_kernels import matmul as cpu_matmul
-from jengine.models import quant
+from jengine.cpu_kernels import packed_bf16
+from jengine.models import matmul, quant
 
 E, F, KV, LAYERS = 576, 1536, 192, 30
 SHAPES = {"wq": (E, E), "wk": (E, KV), "wv": (E, KV), "wo": (E, E), "w_gate": (E, F),
@@ -67,6 +73,9 @@ def main() -> None:
     ap.add_argument("--baseline",
                     help="another build of the kernel library (_cpu_kernels*.so) to time beside")
     ap.add_argument("--int8", action="store_true", help="also the int8 (W8A8) projections")
+    ap.add_argument("--packed", nargs="*", default=[], choices=packed_bf16.ISAS,
+                    help="also the packed-bf16 kernel on these forced paths, and f32")
+    ap.add_argument("--rounds", type=int, default=1, help="tables to time; medians printed")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     plain = [{n: jnp.asarray(rng.standard_normal(s, np.float32) * 0.04).astype(jnp.bfloat16)
@@ -94,24 +103,38 @@ def main() -> None:
             return cpu_int8.amx_int8_matmul(xq, sx, *w, SHAPES[n][1], max_threads=args.threads)
         runs["xla int8"] = (_layers(lambda x, w, n: quant.einsum("tk,kn->tn", x, w)), qw)
         runs["amx int8"] = (_layers(amx_int8), qpacked)
+    if args.packed:
+        wide = [{n: w.astype(jnp.float32) for n, w in layer.items()} for layer in plain]
+        runs["f32"] = (_layers(lambda x, w, n: matmul.dot(
+            "te,ef->tf", x.astype(jnp.float32), w, "native")), wide)
+    for isa in args.packed:
+        runs[f"packed {isa}"] = (_layers(lambda x, w, n, isa=isa: packed_bf16.packed_matmul(
+            x, w, SHAPES[n][1], isa=isa, max_threads=args.threads)), packed)
     flop_per_row = 2 * LAYERS * sum(k * n for k, n in SHAPES.values())
     print(f"| rows | {' | '.join(runs)} |")
     print("|---" * (len(runs) + 1) + "|")
-    for rows in args.rows:
-        x = jnp.asarray(rng.standard_normal((rows, E), np.float32)).astype(jnp.bfloat16)
-        names = [n for n in runs if n != "small_matmul" or rows <= 64]
-        for n in names:
-            fn, w = runs[n]
-            jax.block_until_ready(fn(x, w))
-        best = dict.fromkeys(names, float("inf"))
-        for _ in range(args.reps):
+    xs = {rows: jnp.asarray(rng.standard_normal((rows, E), np.float32)).astype(jnp.bfloat16)
+          for rows in args.rows}
+    timed = {rows: {} for rows in args.rows}  # rows -> run -> best time of each round
+    for _ in range(args.rounds):
+        for rows, x in xs.items():
+            names = [n for n in runs if n != "small_matmul" or rows <= 64]
             for n in names:
                 fn, w = runs[n]
-                t0 = time.perf_counter()
                 jax.block_until_ready(fn(x, w))
-                best[n] = min(best[n], time.perf_counter() - t0)
-        cells = [f"{1e3 * best[n]:.1f} ms ({rows * flop_per_row / best[n] / 1e9:.0f})"
-                 if n in best else "-" for n in runs]
+            best = dict.fromkeys(names, float("inf"))
+            for _ in range(args.reps):
+                for n in names:
+                    fn, w = runs[n]
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(x, w))
+                    best[n] = min(best[n], time.perf_counter() - t0)
+            for n, t in best.items():
+                timed[rows].setdefault(n, []).append(t)
+    for rows in args.rows:
+        med = {n: float(np.median(t)) for n, t in timed[rows].items()}
+        cells = [f"{1e3 * med[n]:.1f} ms ({rows * flop_per_row / med[n] / 1e9:.0f})"
+                 if n in med else "-" for n in runs]
         print(f"| {rows} | {' | '.join(cells)} |", flush=True)
 
 

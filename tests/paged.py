@@ -91,14 +91,21 @@ class _PagedBatch:
 
 
 def _prefill(
-    params, cfg, batch: _PagedBatch, seq: int, prompt: list[int], chunk: int, all_logits: bool
+    params, cfg, batch: _PagedBatch, seq: int, prompt: list[int], chunk: int, all_logits: bool,
+    images: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Prefills sequence `seq` in chunks; returns its [len(prompt), V] logits with `all_logits`,
-    else the [V] logits of its last token (the engine's `logits_indices` path)."""
+    else the [V] logits of its last token (the engine's `logits_indices` path). `images`:
+    encoded image rows [M, E] and, per prompt token, the row it takes or -1 (chunks may cut
+    an image anywhere)."""
     rows = []
     for start in range(0, len(prompt), chunk):
         tokens = prompt[start:start + chunk]
         md = batch.metadata([(seq, tokens, start)], chunk)
+        if images is not None:
+            at = np.full(chunk, -1, np.int32)
+            at[: len(tokens)] = images[1][start:start + len(tokens)]
+            md.embeds, md.embeds_at = jnp.asarray(images[0]), jnp.asarray(at)
         logits, batch.kv = _step(params, batch.kv, md, cfg=cfg, all_logits=all_logits)
         rows.append(np.asarray(logits[: len(tokens)]))
     return np.concatenate(rows) if all_logits else rows[-1][0]
@@ -113,6 +120,7 @@ def run_paged(
     page_size: int = 4,
     seed: int = 0,
     layer_layout: str = "as_given",
+    images: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Float32 logits [N, V] for every position of `token_ids` through the paged path.
 
@@ -123,6 +131,7 @@ def run_paged(
       page_size: tokens per KV page (small, so a short sequence spans many pages).
       seed: shuffles the sequence's page ids.
       layer_layout: "unstacked" runs the per-layer loop instead of the scan (see `_unpack`).
+      images: encoded image rows and the row each prompt token takes (see `_prefill`).
     """
     cfg, params = _unpack(model, layer_layout)
     token_ids = [int(t) for t in token_ids]
@@ -130,7 +139,7 @@ def run_paged(
     if num_prompt < 1:
         raise ValueError("decode_steps must leave at least one prompt token")
     batch = _PagedBatch(cfg, [len(token_ids)], page_size, seed)
-    rows = [_prefill(params, cfg, batch, 0, token_ids[:num_prompt], prefill_chunk, True)]
+    rows = [_prefill(params, cfg, batch, 0, token_ids[:num_prompt], prefill_chunk, True, images)]
     for pos in range(num_prompt, len(token_ids)):
         md = batch.metadata([(0, [token_ids[pos]], pos)], 1)
         logits, batch.kv = _step(params, batch.kv, md, cfg=cfg, all_logits=False)

@@ -33,12 +33,13 @@ LAYERS = (
     # Weights from files onto devices: checkpoint readers and placement, the mesh and the
     # logical-axis rules. Both read the models' parameter specs; neither imports the other.
     ("weights", ("converters", "jengine.sharding")),
-    ("model", ("jengine.models", "jengine.structured", "jengine.text")),
+    ("model", ("jengine.models", "jengine.structured", "jengine.text", "jengine.vision")),
     # The attention backends (pallas_kernels) reach the native CPU kernels' `cpu` backend.
     ("kernels", ("jengine.pallas_kernels", "jengine.cpu_kernels")),
     # Values and helpers with no project import above them.
     ("base", ("jengine.config", "jengine.cpu_info", "jengine.sampling_params",
-              "jengine.pooling_params", "jengine.outputs", "jengine.progress")),
+              "jengine.pooling_params", "jengine.outputs", "jengine.progress",
+              "jengine.lora_request")),
 )
 # The engine's inside: above the engine layer nothing imports these. The server, the CLI and
 # the benchmarks talk to `Engine` / `AsyncEngine`, and to the core only through `CoreContract`.
@@ -309,6 +310,7 @@ TEST_FOLDERS = {"cli": "jengine/cli", "server": "jengine/server", "engine": "jen
                 "scheduling": "jengine/scheduling", "converters": "converters",
                 "sharding": "jengine/sharding", "models": "jengine/models",
                 "structured": "jengine/structured", "text": "jengine/text",
+                "vision": "jengine/vision",
                 "kernels": "jengine/pallas_kernels", "base": "jengine/config.py",
                 "accelerator": "jengine/pallas_kernels"}
 TREE_CHECKS = {"test_layers.py", "test_docs_paths.py"}

@@ -137,3 +137,55 @@ def qwen3_thinking(path: Path) -> Path:
     save_byte_tokenizer(path, added=["<think>", "</think>"], special=["<|im_end|>", "<|im_start|>"],
                         chat_template=QWEN3_THINKING_TEMPLATE)  # random_hf_model wrote words
     return path
+
+
+IDEFICS3_SPECIAL = (["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+                    + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
+IDEFICS3_WORDS = 64  # t0..t63, then the special tokens
+IDEFICS3_TILE = 32  # pixels; patches of 4 -> 64 patches -> 16 rows per tile after the shuffle
+# SmolVLM's chat template (an image part is `<image>`), over the word-level vocabulary.
+IDEFICS3_CHAT = (
+    "t1 {% for message in messages %}{{ 't4' if message['role'] == 'user' else 't5' }} "
+    "{% if message['content'] is string %}{{ message['content'] }} {% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }} "
+    "{% elif part['type'] == 'image' %}<image> {% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance> {% endfor %}{% if add_generation_prompt %}t5 {% endif %}")
+
+
+def idefics3_tiny(path: Path):
+    """A random Idefics3 (2-layer SigLIP tower of 32 wide on 32-pixel tiles, 2-layer Llama of
+    64 wide) saved as transformers writes it, with a word-level tokenizer holding the image
+    tokens, SmolVLM's chat template and a preprocessor config of 64-pixel images in 32-pixel
+    tiles. Returns the torch model (eager attention), the oracle."""
+    import json
+
+    vocab = {f"t{i}": i for i in range(IDEFICS3_WORDS)}
+    vocab.update({t: IDEFICS3_WORDS + i for i, t in enumerate(IDEFICS3_SPECIAL)})
+    config = transformers.Idefics3Config(
+        image_token_id=vocab["<image>"], scale_factor=2, tie_word_embeddings=False,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=IDEFICS3_TILE, patch_size=4),
+        text_config=dict(model_type="llama", vocab_size=len(vocab), hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0),
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(config).eval()
+    randomize(model, norm_offset=1.0)
+    model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+        additional_special_tokens=IDEFICS3_SPECIAL)
+    fast.chat_template = IDEFICS3_CHAT
+    fast.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Idefics3ImageProcessor", "do_resize": True,
+        "size": {"longest_edge": 2 * IDEFICS3_TILE},
+        "max_image_size": {"longest_edge": IDEFICS3_TILE}, "do_image_splitting": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "rescale_factor": 1 / 255}))
+    return model

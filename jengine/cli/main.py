@@ -53,6 +53,10 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int)
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="names the model answers to; the first is the one reported")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="with --enable-lora: PEFT LoRA adapters served as models NAME")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--chat-template", help="a Jinja chat template (its text, or a file)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests send their own chat_template")
@@ -79,6 +83,14 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
                    "store, across restarts (default ~/.cache/jengine/batches)")
     p.add_argument("--web-ui", action=argparse.BooleanOptionalAction,
                    help="the chat page at / (default on; --no-web-ui: / is a 404)")
+    media = p.add_argument_group("image inputs (vision models)")
+    media.add_argument("--allowed-local-media-path", metavar="DIR",
+                       help="file: image URLs may read files under DIR (default: none)")
+    media.add_argument("--allow-remote-media", action="store_true", default=None,
+                       help="fetch http(s) image URLs (default off)")
+    media.add_argument("--max-image-bytes", type=int, help="default 20 MiB")
+    media.add_argument("--media-fetch-timeout", type=float, metavar="S",
+                       help="seconds for one remote image (default 10)")
     limits = p.add_argument_group("limits on one request")
     limits.add_argument("--max-queue", type=int,
                         help="requests waiting for a first token before 503 (default 1024)")

@@ -11,7 +11,7 @@ import numpy as np
 
 from jengine.core.request import RequestState, SampleState
 from jengine.sampling_params import SamplingParams, check_text
-from jengine.scheduling.sequence import Sequence
+from jengine.scheduling.sequence import ImageRows, Sequence
 from jengine.structured import Grammar
 from jengine.text.detokenizer import IncrementalDetokenizer
 
@@ -48,12 +48,16 @@ class Admission:
         return text, ids
 
     def request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                grammar: Grammar | None, *, prefill_only: bool = False) -> RequestState:
+                grammar: Grammar | None, *, prefill_only: bool = False,
+                images: ImageRows | None = None) -> RequestState:
         """The request's state, its sequences not queued yet. `grammar`: the compiled
         `params.structured_outputs`, when there is one. `prefill_only` (an embedding): the
-        prompt may fill the whole context, as the one token it "samples" is never run."""
+        prompt may fill the whole context, as the one token it "samples" is never run.
+        `images`: the encoded images of a prompt of token ids (vision models)."""
         text, ids = self.encode_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
+            if images is not None and params.truncate_prompt_tokens < len(ids):
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
             ids = ids[-params.truncate_prompt_tokens:]
         self._check_token_ids(params)
         bad_words = self._bad_word_ids(params.bad_words)
@@ -76,7 +80,7 @@ class Admission:
                 prompt_ids=ids, params=params, seed=(base_seed + index) % (1 << 32),
                 max_tokens=max_tokens, arrival=time.perf_counter(),
                 matcher=grammar.matcher() if params.structured_outputs is not None else None,
-                bad_words=bad_words,
+                bad_words=bad_words, images=images,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,

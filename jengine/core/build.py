@@ -5,6 +5,7 @@ read (and tested) alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -139,6 +140,26 @@ def max_model_len(loaded: LoadedModel, wanted: int | None) -> int:
     if wanted < 2 or wanted > limit:
         raise ValueError(f"max_model_len {wanted} must be between 2 and the model's {limit}")
     return wanted
+
+
+def chunk_for_context(cfg: ModelConfig, context: int) -> ModelConfig:
+    """Llama 4's chunked attention (`attention_chunk_size`) only matters for a context longer
+    than one chunk: below that it is causal attention, on any backend.
+
+    Raises:
+      ValueError: a longer context on a backend other than `reference` (the only one whose
+        mask knows chunks).
+    """
+    chunk = cfg.attention_chunk_size
+    if chunk is None:
+        return cfg
+    if context <= chunk:
+        return dataclasses.replace(cfg, attention_chunk_size=None)
+    if cfg.attention_backend != "reference":
+        raise ValueError(f"{cfg.model_type} attends in chunks of {chunk} tokens, which only the "
+                         f"'reference' attention backend builds: set max_model_len <= {chunk} "
+                         "or attention_backend reference")
+    return cfg
 
 
 def eos_ids(loaded: LoadedModel) -> tuple[int, ...]:

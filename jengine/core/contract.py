@@ -13,6 +13,7 @@ from jengine.config import EngineConfig
 from jengine.core.pooling import Pooling
 from jengine.core.request import RequestState
 from jengine.core.stats import EngineStats
+from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.pooling_params import PoolingParams
 from jengine.runtime.executables import ProgramReport
@@ -30,6 +31,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]  # every id that ends a sequence unless ignore_eos
     task: str = "generate"  # generate | embed | score (jengine.core.pooling)
     pooling: Pooling | None = None  # how an embedding task pools; None when it generates
+    takes_images: bool = False  # a vision model: prompts may hold images
 
 
 class CoreContract(Protocol):
@@ -79,8 +81,16 @@ class CoreContract(Protocol):
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | PoolingParams | None,
-                    grammar: Grammar | None = None) -> RequestState:
-        """Validates and queues one request (ValueError, and nothing queued, on bad input)."""
+                    grammar: Grammar | None = None, *,
+                    lora_request: LoRARequest | None = None) -> RequestState:
+        """Validates and queues one request (ValueError, and nothing queued, on bad input);
+        `lora_request`: the LoRA adapter it runs under."""
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Reads and checks a LoRA adapter (any thread); ValueError for a bad one."""
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forgets an adapter (any thread); requests using it finish first."""
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request at once and frees what it holds; its final delta, if it ran."""

@@ -23,7 +23,7 @@ import itertools
 from collections.abc import Callable
 
 from converters import LoadedModel
-from jengine.config import EngineConfig
+from jengine.config import EngineConfig, LoraConfig
 from jengine.sampling_params import SamplingParams
 from jengine.scheduling.speculative import (
     NgramProposer,
@@ -106,6 +106,7 @@ def proposer_for(
         model=dataclasses.replace(cfg.model, model=spec.draft_model),
         cache=dataclasses.replace(cfg.cache, enable_prefix_caching=True),
         speculative=dataclasses.replace(spec, method=None),
+        lora=LoraConfig(),  # the draft proposes without the requests' adapters
     ))
     _check_vocabulary(target, core)
     return DraftProposer(core, spec.proposal_tokens())

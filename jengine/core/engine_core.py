@@ -26,6 +26,7 @@ from jengine.core.sampling_rows import sampling_rows
 from jengine.core.startup import build_parts
 from jengine.core.stats import EngineStats
 from jengine.core.step_clock import StepClock
+from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.pooling_params import PoolingParams
 from jengine.runtime.compilation import enable_persistent_cache
@@ -34,9 +35,10 @@ from jengine.runtime.runner import Runner
 from jengine.runtime.step_io import StepOutputs, feed_rows
 from jengine.sampling_params import SamplingParams
 from jengine.scheduling.batch import ScheduledBatch
-from jengine.scheduling.sequence import Sequence
+from jengine.scheduling.sequence import ImageRows, Sequence
 from jengine.scheduling.speculative import StepCosts
 from jengine.structured import Grammar, GrammarCompiler
+from jengine.vision.inputs import ImagePrompt
 
 log = logging.getLogger("jengine")
 
@@ -81,6 +83,7 @@ class EngineCore:
         self.max_model_len, self.eos_token_ids = parts.max_model_len, parts.eos_token_ids
         self.allocator, self.prefix_cache = parts.allocator, parts.prefix_cache
         self.scheduler, self.runner = parts.scheduler, parts.runner
+        self.loras = parts.loras  # enable_lora: adapters on the host (runner.loras: on device)
         # Verification is weighed against measured step times (no costs: speculation off).
         costs = None
         if self.scheduler.speculator is not None:
@@ -91,9 +94,10 @@ class EngineCore:
         self.postprocess = Postprocessor(self.scheduler, self.requests, self.tokenizer,
                                          parts.pooling)
         self.pooling = parts.pooling
+        self.vision, self.images = parts.vision, parts.images
         self.model = ModelInfo(parts.loaded.source, self.model_config.vocab_size,
                                self.max_model_len, self.eos_token_ids, task=cfg.model.task,
-                               pooling=parts.pooling)
+                               pooling=parts.pooling, takes_images=parts.vision is not None)
         self.admission = Admission(self.tokenizer, self.model_config.vocab_size,
                                    self.max_model_len, cfg.model.seed)
         self._grammars = LazyGrammars(self.tokenizer, self.model_config.vocab_size,
@@ -101,12 +105,15 @@ class EngineCore:
         # A multi-host follower compiles as it follows the leader's warm-up steps.
         warm = (warmup or require_warm) and self.distributed.is_leader
         self.warmup_seconds = warm_up(self.runner, progress, require_warm) if warm else 0.0
+        if self.vision is not None and warm:
+            self.warmup_seconds += self.vision.warmup()
         phases.end("step programs")
         self.start_phases = phases.seconds  # per start-up phase, in order (`generate` prints them)
         log.info("engine ready in %.1fs (%s)", sum(phases.seconds.values()), self.phase_summary())
         if self.distributed.num_processes > 1 and self.distributed.is_leader:
             atexit.register(self.runner.stop_followers)
-        self._built_at_ready = self.runner.programs_built
+        self._built_at_ready = self.runner.programs_built + (
+            self.vision.programs_compiled if self.vision is not None else 0)
         # The step dispatched ahead (async scheduling): (batch, device outputs), not yet read.
         self._inflight: _InFlight | None = None
 
@@ -131,7 +138,8 @@ class EngineCore:
     def compiles_since_ready(self) -> int:
         """Step programs this engine built after warm-up (after construction without one);
         anything but 0 means a step shape or variant was missed."""
-        return self.runner.programs_built - self._built_at_ready
+        vision = self.vision.programs_compiled if self.vision is not None else 0
+        return self.runner.programs_built + vision - self._built_at_ready
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -141,16 +149,20 @@ class EngineCore:
 
     def add_request(
         self, request_id: str, prompt: str | list[int],
-        params: SamplingParams | PoolingParams | None, grammar: Grammar | None = None,
+        params: SamplingParams | PoolingParams | None, grammar: Grammar | None = None, *,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:
         """Validates and queues a request. Raises ValueError for bad input (nothing is queued).
 
         A constrained request compiles its grammar here unless `grammar` is given: callers that
         must not block (AsyncEngine) compile it first with `grammars.submit`. `PoolingParams`
         make an embedding request, which only an engine of task embed or score runs (and
-        those run nothing else).
+        those run nothing else). `lora_request`: the adapter the request runs under, read
+        here on its first use (a bad one is a ValueError).
         """
         if self.pooling is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("LoRA adapters apply to generation, not to embeddings")
             return self._add_pooled(request_id, prompt, params)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -162,10 +174,48 @@ class EngineCore:
             # elsewhere (another data-parallel replica's compiler) does not.
             compiler = self.grammars
             grammar = grammar or compiler.compile(params.structured_outputs)
-        state = self.admission.request(request_id, prompt, params, grammar)
+        lora_id = self.add_lora(lora_request).lora_int_id if lora_request is not None else 0
+        images = None
+        if isinstance(prompt, ImagePrompt):
+            prompt, images = self._prepare_images(prompt)
+        state = self.admission.request(request_id, prompt, params, grammar, images=images)
+        for sample in state.samples:
+            sample.seq.lora_id = lora_id
         self.requests[request_id] = state
         self.scheduler.add([s.seq for s in state.samples])
         return state
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Reads and checks an adapter (thread-safe: the server's load route calls it on its
+        own thread). Raises ValueError for a bad adapter or an engine without LoRA."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError("lora_request must be a LoRARequest")
+        if self.loras is None:
+            raise ValueError("this engine was started without enable_lora (--enable-lora)")
+        self.loras.add(lora_request)
+        return lora_request
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Drops an adapter's host copy. Its running requests keep their slot; one that must
+        refill it reads the directory again."""
+        if self.loras is not None:
+            self.loras.remove(lora_id)
+
+    def _prepare_images(self, prompt: ImagePrompt) -> tuple[list[int], ImageRows | None]:
+        """An image prompt's token ids and its images encoded by the tower (on this thread:
+        the step loop waits for it, once per request)."""
+        if self.images is None:
+            if prompt.images:
+                raise ValueError(f"model {self.model.source!r} does not take images")
+            return self.admission.encode_prompt(prompt.text)[1], None
+        ready = self.images.prepare(prompt)
+        if not prompt.images:
+            return ready.token_ids, None
+        if self.vision is None:
+            raise ValueError("this engine has no image tower on its devices")
+        rows = self.vision.encode(ready.tiles)
+        return ready.token_ids, ImageRows(rows=rows, row_at=ready.row_at,
+                                          cache_ids=ready.cache_ids)
 
     def _add_pooled(self, request_id: str, prompt: str | list[int],
                     params: PoolingParams | None) -> RequestState:
@@ -274,6 +324,8 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
+        if batch.lora_ids is not None:  # its adapters into device slots, before it runs
+            self.runner.loras.ensure(set(batch.lora_ids.tolist()), self.loras.layers)
         rows = sampling_rows(batch, self.model_config.vocab_size, self.eos_token_ids)
         rows.prompt_targets = prompt_targets(batch, self.requests)
         masks = self._grammars.masks

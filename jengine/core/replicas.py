@@ -144,6 +144,15 @@ class ReplicaSet:
             cached = [r.prefix_cache.match_length(ids) for r in self.replicas]
         return choose_replica(cached, loads, self.cfg.scheduler.max_num_batched_tokens)
 
+    def add_lora(self, lora_request):
+        for replica in self.replicas:
+            replica.add_lora(lora_request)
+        return lora_request
+
+    def remove_lora(self, lora_id: int) -> None:
+        for replica in self.replicas:
+            replica.remove_lora(lora_id)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         core = self._owner.pop(request_id, None)
         return core.abort(request_id) if core is not None else None

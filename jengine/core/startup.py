@@ -19,10 +19,12 @@ import jax
 
 from converters import LoadedModel, load_config
 from converters.source import auto_quantization
+from converters.vision import load_vision
 from jengine.config import EngineConfig
 from jengine.core import auto_dtype
 from jengine.core.build import (
     Phases,
+    chunk_for_context,
     eos_ids,
     kv_pages,
     max_model_len,
@@ -34,22 +36,30 @@ from jengine.core.build import (
     step_buckets,
 )
 from jengine.core.draft import proposer_for
+from jengine.core.lora_cache import HostLoras
 from jengine.core.pooling import Pooling, resolve_pooling
-from jengine.models import KVCache
+from jengine.models import KVCache, family_module
 from jengine.models.config import ModelConfig
+from jengine.models.idefics3 import VISION_MODEL_TYPES
 from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import ExecutableStore, default_store_dir
+from jengine.runtime.lora_slots import LoraSlots
 from jengine.runtime.runner import Runner
+from jengine.runtime.vision import VisionEncoder
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
 from jengine.scheduling.state_slots import StateSlots
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
+from jengine.vision.idefics3_processor import Idefics3Processor
+from jengine.vision.inputs import ImagePrompter, parse_image_limit
 
 log = logging.getLogger("jengine")
+
+LORA_NETWORKS = ("llama", "gemma3")  # the networks whose projections add adapter updates
 
 
 @dataclasses.dataclass
@@ -71,6 +81,9 @@ class CoreParts:
     scheduler: Scheduler
     runner: Runner
     pooling: Pooling | None  # task embed / score: how hidden states become a vector
+    loras: HostLoras | None = None  # enable_lora: the adapters read on the host
+    vision: VisionEncoder | None = None  # a vision model's image tower (compiled per bucket)
+    images: ImagePrompter | None = None  # its prompts' images -> placeholders and tiles
 
 
 def build_parts(
@@ -108,7 +121,9 @@ def build_parts(
     if quantization == "none":  # a source stored quantized: as stored
         quantization = loaded.quantization
     model_config = dataclasses.replace(padded_config(loaded.config, tp), **backends)
+    loras = host_loras(cfg, model_config, quantization)
     context = max_model_len(loaded, cfg.model.max_model_len)
+    model_config = chunk_for_context(model_config, context)
     eos = eos_ids(loaded)
     state_slots = hybrid_state_slots(cfg, model_config)
     num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
@@ -133,6 +148,7 @@ def build_parts(
         eos_token_ids=eos, prefix_cache=prefix_cache,
         proposer=proposer_for(cfg, loaded, draft_core),
         state_slots=StateSlots(state_slots) if state_slots else None,
+        max_loras=cfg.lora.max_loras if loras is not None else None,
     )
     phases.end("set up")
     if make_runner is not None:
@@ -144,11 +160,53 @@ def build_parts(
                          layer_layout=layer_layout, progress=progress, phases=phases,
                          state_slots=state_slots)
     phases.end("kv cache")
+    vision, images = _vision(cfg, loaded, model_config, dtype, make_runner is None)
     return CoreParts(distributed=distributed, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                      mesh_spec=mesh_spec, layer_layout=layer_layout, quantization=quantization,
                      loaded=loaded, model_config=model_config, max_model_len=context,
                      eos_token_ids=eos, allocator=allocator, prefix_cache=prefix_cache,
-                     scheduler=scheduler, runner=runner, pooling=pooling)
+                     scheduler=scheduler, runner=runner, pooling=pooling, loras=loras,
+                     vision=vision, images=images)
+
+
+def host_loras(cfg: EngineConfig, model_config: ModelConfig,
+               quantization: str) -> HostLoras | None:
+    """The host side of `enable_lora` (None when off), after checking the settings: adapters
+    change the generating projections of the Llama and Gemma networks only, and `int8`'s
+    smoothing folds factors into the inputs the adapters read, so it must be off there."""
+    lo = cfg.lora
+    if not lo.enable_lora:
+        return None
+    if cfg.model.task != "generate":
+        raise ValueError("enable_lora needs task 'generate'")
+    name = family_module(model_config).name
+    if name not in LORA_NETWORKS:
+        raise ValueError(f"LoRA adapters on the {name} network are not built (built: "
+                         f"{', '.join(LORA_NETWORKS)})")
+    if model_config.model_type == "llama4_text":  # its q/k dims are reordered at load
+        raise ValueError("LoRA adapters on llama4_text are not built")
+    if cfg.parallel.num_processes > 1:  # followers would never see a slot filled
+        raise ValueError("LoRA adapters across several hosts are not built (num_processes 1)")
+    if quantization == "int8" and cfg.model.smoothing_alpha:
+        raise ValueError("LoRA adapters read the projections' inputs, which int8 smoothing "
+                         "rescales: use smoothing_alpha 0 with int8, or w8a16")
+    if lo.max_loras < 1 or lo.max_lora_rank < 1:
+        raise ValueError("max_loras and max_lora_rank must be at least 1")
+    return HostLoras(model_config, max_rank=lo.max_lora_rank,
+                     max_cpu_loras=lo.max_cpu_loras or lo.max_loras)
+
+
+def _vision(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, dtype,
+            real: bool) -> tuple[VisionEncoder | None, ImagePrompter | None]:
+    """A vision model's image tower (on the devices when `real`) and prompt preparer; a
+    text model has neither. The tower reads the HF checkpoint the text model came from."""
+    limit = parse_image_limit(cfg.model.limit_mm_per_prompt)
+    if model_config.model_type not in VISION_MODEL_TYPES or loaded.kind != "hf":
+        return None, None
+    vc, params = load_vision(loaded.source)
+    prompter = ImagePrompter(loaded.tokenizer, Idefics3Processor.from_dir(loaded.source), vc,
+                             max_images=limit)
+    return (VisionEncoder(vc, params, dtype) if real else None), prompter
 
 
 def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig) -> int:
@@ -197,10 +255,16 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
         layer_layout=layer_layout, quantize_lm_head=cfg.model.quantize_lm_head,
         smoothing_alpha=cfg.model.smoothing_alpha, progress=progress)
     phases.end("weights")
+    loras = None
+    if cfg.lora.enable_lora:
+        loras = LoraSlots(model_config, dtype, max_loras=cfg.lora.max_loras,
+                          max_rank=cfg.lora.max_lora_rank, rules=rules)
     return Runner(
-        model_config, params, num_pages=num_pages, page_size=cfg.cache.page_size,
+        model_config, params, num_pages=num_pages, page_size=cfg.cache.page_size, loras=loras,
         buckets=buckets, kv_cache_dtype=kv_cache_dtype, rules=rules,
         channel=StepChannel(distributed) if distributed.num_processes > 1 else None,
         store=ExecutableStore(default_store_dir()), embed=cfg.model.task != "generate",
         state_slots=state_slots,
+        image_width=(model_config.hidden_size if model_config.model_type in VISION_MODEL_TYPES
+                     and loaded.kind == "hf" else None),
     )

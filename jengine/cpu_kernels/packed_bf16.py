@@ -1,6 +1,7 @@
 """A bf16 projection packed at load time (`matmul.amx_tiles`) on CPUs without AMX: `x @ w` and
-the fused SwiGLU by VDPBF16PS on AVX-512-BF16, by f32 FMA over the bf16 pairs widened in
-registers on AVX-512F or AVX2, or by portable C++ anywhere (`csrc/packed_bf16.cc`).
+the fused SwiGLU by VDPBF16PS on AVX-512-BF16 (where it issues fast enough to pay:
+`dp_bf16_pays`), by f32 FMA over the bf16 pairs widened in registers on AVX-512F or AVX2, or by
+portable C++ anywhere (`csrc/packed_bf16.cc`).
 
 Why: off AMX, XLA:CPU's bf16 dot of a prefill chunk ran well below its own f32 dot's rate, so a
 bf16 model prefilled slower than the same model in f32 (docs/kernels.md, "bf16 projections
@@ -35,10 +36,20 @@ def supports(isa: str) -> bool:
     return bool(library.runs("packed_bf16", isa))
 
 
+def dp_bf16_pays() -> bool:
+    """Whether this CPU issues VDPBF16PS fast enough to beat f32 FMA over the widened pairs (the
+    library times both once per process: a Sapphire Rapids Xeon issues it at half its FMA
+    rate, so one does no more work a cycle than f32; Zen 4 and 5 at their FMA rate)."""
+    cpu_matmul.require()
+    return library.runs("packed_bf16", "auto") == library.isa_code("packed_bf16", "avx512_bf16")
+
+
 def best_isa() -> str:
     """The path `isa="auto"` runs here, of those `cpu_info.flags()` allows (so `cpu_info.hiding`
-    steers it: hiding `avx512_bf16` runs the AVX-512F path, `avx512f` the AVX2 one)."""
-    return next(isa for isa in ISAS if cpu_info.allows(isa) and supports(isa))
+    steers it: hiding `avx512_bf16` runs the AVX-512F path, `avx512f` the AVX2 one), VDPBF16PS
+    only where `dp_bf16_pays`."""
+    return next(isa for isa in ISAS if cpu_info.allows(isa) and supports(isa)
+                and (isa != "avx512_bf16" or dp_bf16_pays()))
 
 
 def _checked(name: str, x: jax.Array, tiles: tuple[jax.Array, ...], n: int, isa: str,

@@ -133,6 +133,12 @@ class AttentionMetadata:
     # Hybrid models: each row's recurrent-state slot (`KVCache.conv` / `.ssm`; padding rows:
     # the scratch slot 0). None: row r holds slot r + 1.
     state_slots: jax.Array | None = None  # [S] int32
+    # Steps with LoRA adapters only (else None): each token's adapter slot, -1 for none.
+    lora_slots: jax.Array | None = None  # [T] int32
+    # Image rows (vision families only, else None): `embeds` [M, E] replace the token embeddings
+    # of the query tokens whose `embeds_at` [T] int32 names a row (-1: keep the token's own).
+    embeds: jax.Array | None = None
+    embeds_at: jax.Array | None = None
 
 
 def attend(
@@ -148,8 +154,13 @@ def attend(
     soft_cap: float | None,
     kv_head_map: tuple[int, ...] | None = None,
     backend: str = "reference",  # reference | cpu | pallas_tpu | pallas_gpu (resolved)
+    chunk: jax.Array | int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Writes this layer's new K/V into the pages, then attends over the cache.
+
+    `chunk` (Llama 4's chunked attention: a query sees the keys of its own `chunk`-token
+    chunk only) runs on the reference backend; the engine drops it where the context fits in
+    one chunk and refuses other backends at start otherwise (`core.build.chunk_for_context`).
 
     The kernel backends group query tokens into blocks themselves (they ignore
     `md.block_tokens`); on CPU the Pallas ones run in interpret mode. Traced under
@@ -163,7 +174,8 @@ def attend(
         kv = _write(kv, layer, md.slot_mapping, k, v, backend=backend, kv_head_map=kv_head_map)
     with jax.named_scope("attention"):
         return _attention(q, kv, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                          soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend), kv
+                          soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend,
+                          chunk=chunk), kv
 
 
 def attend_latent(
@@ -227,11 +239,17 @@ def _write(kv: KVCache, layer, slot_mapping, k, v, *, backend: str, kv_head_map)
     return dataclasses.replace(kv, k=k_cache, v=v_cache, k_scale=k_scale, v_scale=v_scale)
 
 
-def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend):
+def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend,
+               chunk=None):
     args = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 kv_head_map=kv_head_map)
     if kv.quantized:
         args.update(k_scale=kv.k_scale, v_scale=kv.v_scale)
+    if chunk is not None:
+        if backend != "reference":
+            raise ValueError(f"chunked attention runs on the 'reference' attention backend, "
+                             f"not {backend!r}")
+        args["attention_chunk"] = chunk
     if backend != "reference":
         return shard_for_context_mesh(attention_fn(backend))(
             q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table, **args)

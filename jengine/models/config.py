@@ -157,6 +157,14 @@ class ModelConfig:
     post_norms: bool = False
     partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims (Phi-4-mini)
     rope_layers: tuple[bool, ...] = ()  # per layer: False where no rope applies (NoPE); () = all
+    # Llama 4: a weightless RMSNorm on q and k after the rope, on the rope layers only; on the
+    # NoPE layers q scaled by log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1
+    # (`attn_temperature` = (floor_scale, attn_scale)); the rope layers attend within
+    # `attention_chunk_size`-token chunks (key // chunk == query // chunk), the NoPE layers to
+    # everything. The engine drops the chunk where the context fits in one (`core.build`).
+    qk_l2_norm: bool = False
+    attn_temperature: tuple[float, float] | None = None
+    attention_chunk_size: int | None = None
     # Sparse MoE MLP (Mixtral, Qwen3-MoE) on every layer when num_experts > 0: each token runs
     # the `num_experts_per_tok` experts of highest softmax router probability, weighted by
     # those probabilities (renormalised to sum 1 with `norm_topk_prob`).
@@ -186,7 +194,8 @@ class ModelConfig:
     # DeepSeek-V3's router ("sigmoid", its `noaux_tc`): sigmoid scores; the experts and groups
     # are chosen by score + a per-expert bias (`router_bias`), a group ranked by its two best,
     # and the chosen experts weighted by their unbiased scores (renormalised with
-    # `norm_topk_prob`). "softmax": DeepSeek-V2's.
+    # `norm_topk_prob`). "softmax": DeepSeek-V2's. "llama4": the top k of the logits, each
+    # expert's input scaled by sigmoid(its logit) (not its output).
     router_scoring: str = "softmax"
     # DeepSeek-V3's multi-token-prediction layers after the last layer: their weights skipped.
     mtp_layers: int = 0
@@ -292,6 +301,8 @@ class ModelConfig:
                 d[key] = RopeConfig(**rope)
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["rope_layers"] = tuple(d.get("rope_layers", ()))
+        if d.get("attn_temperature") is not None:
+            d["attn_temperature"] = tuple(d["attn_temperature"])
         if d.get("kv_head_map") is not None:
             d["kv_head_map"] = tuple(d["kv_head_map"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))

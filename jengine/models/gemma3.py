@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import layers
+from jengine.models import layers, lora
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.family import Family, GGUFHeader, ModelType, Network
@@ -63,6 +63,7 @@ def has_qk_norm(cfg: ModelConfig) -> bool:
 LAYER_KEYS = (
     "attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "post_attn_norm", "pre_mlp_norm",
     "w_gate", "w_up", "w_down", "post_mlp_norm",
+    "lora",  # the step's adapter slots, when it has any (jengine.models.lora)
 )
 
 
@@ -110,12 +111,16 @@ def forward(
         x, kv = carry
         p, index, (layer_window, table) = xs
         h = rms_norm(x, p["attn_norm"], eps, offset=1.0, backend=mm)
-        q = project(h, p["wq"], "te,ehd->thd", backend=mm)
-        k = project(h, p["wk"], "te,ehd->thd", backend=mm)
+        adapters, slots = p.get("lora"), md.lora_slots  # LoRA slots (a step without: None)
+        q = lora.add_delta(project(h, p["wq"], "te,ehd->thd", backend=mm), h, adapters, "wq",
+                           slots)
+        k = lora.add_delta(project(h, p["wk"], "te,ehd->thd", backend=mm), h, adapters, "wk",
+                           slots)
         if "q_norm" in p:
             q = rms_norm(q, p["q_norm"], eps, offset=1.0, backend=mm)
             k = rms_norm(k, p["k_norm"], eps, offset=1.0, backend=mm)
-        v = project(h, p["wv"], "te,ehd->thd", backend=mm)
+        v = lora.add_delta(project(h, p["wv"], "te,ehd->thd", backend=mm), h, adapters, "wv",
+                           slots)
         q = layers.rotate(q, cos_tables[table], sin_tables[table])
         k = layers.rotate(k, cos_tables[table], sin_tables[table])
         attn, kv = attend(
@@ -123,14 +128,19 @@ def forward(
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
         )
-        attn = layers.project_heads(attn, p["wo"], backend=mm)
+        attn = lora.add_delta(layers.project_heads(attn, p["wo"], backend=mm), attn, adapters,
+                              "wo", slots)
         x = x + rms_norm(attn, p["post_attn_norm"], eps, offset=1.0, backend=mm)
         h = rms_norm(x, p["pre_mlp_norm"], eps, offset=1.0, backend=mm)
-        gate = project(h, p["w_gate"], "te,ef->tf", backend=mm)
-        up = project(h, p["w_up"], "te,ef->tf", backend=mm)
+        gate = lora.add_delta(project(h, p["w_gate"], "te,ef->tf", backend=mm), h, adapters,
+                              "w_gate", slots)
+        up = lora.add_delta(project(h, p["w_up"], "te,ef->tf", backend=mm), h, adapters, "w_up",
+                            slots)
         # In f32 and rounded once, as torch computes a bf16 tensor's gelu.
         act = jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype)
-        mlp = project(act * up, p["w_down"], "tf,fe->te", backend=mm)
+        act = act * up
+        mlp = lora.add_delta(project(act, p["w_down"], "tf,fe->te", backend=mm), act, adapters,
+                             "w_down", slots)
         x = x + rms_norm(mlp, p["post_mlp_norm"], eps, offset=1.0, backend=mm)
         return (x, kv), None
 

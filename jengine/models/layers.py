@@ -235,6 +235,15 @@ def embed_tokens(table: Weight, ids: jax.Array, dtype) -> jax.Array:
     return quant.take_rows(table, ids).astype(dtype)
 
 
+def splice_embeds(x: jax.Array, rows: jax.Array | None, at: jax.Array | None) -> jax.Array:
+    """[T, E] token embeddings with row `at[t]` of `rows` [M, E] written over token t wherever
+    `at[t] >= 0` (an image's placeholder tokens take its encoded rows); x itself without rows."""
+    if rows is None:
+        return x
+    picked = rows[jnp.clip(at, 0, rows.shape[0] - 1)].astype(x.dtype)  # [T, E]
+    return jnp.where((at >= 0)[:, None], picked, x)
+
+
 def project_heads(attn: jax.Array, wo: Weight, bias: jax.Array | None = None, *,
                   backend: str = "xla") -> jax.Array:
     """The output projection [T, H, D] x [H, D, E] -> [T, E], as one [T, H*D] x [H*D, E] dot.

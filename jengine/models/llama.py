@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import layers, matmul, moe
+from jengine.models import layers, lora, matmul, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.family import Network
@@ -86,6 +86,7 @@ LAYER_KEYS = (
     "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
     "bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "q_norm", "k_norm",
     "post_attn_norm", "post_mlp_norm", *moe.LAYER_KEYS,
+    "lora",  # the step's adapter slots, when it has any (jengine.models.lora)
 )
 
 
@@ -124,6 +125,7 @@ def forward(
     x = layers.embed_tokens(params["embed"], md.token_ids, params["final_norm"].dtype)  # [T, E]
     if cfg.embedding_multiplier != 1.0:
         x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+    x = layers.splice_embeds(x, md.embeds, md.embeds_at)
     scaled = _scaled_by(cfg.residual_multiplier)
     window = cfg.sliding_window
     inv_freq = _layer_inv_freq(cfg)  # [L, R/2]
@@ -150,12 +152,26 @@ def forward(
         per_layer = per_layer + (jnp.asarray(_layer_uses_global_rope(cfg)),)
     else:  # [U, T, R/2] each, for the U distinct rows of frequencies
         cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
+    # Llama 4: chunked attention on the rope layers, q/k norm there, q's temperature elsewhere.
+    chunked = cfg.attention_chunk_size is not None
+    if chunked:
+        per_layer = per_layer + (jnp.asarray(
+            [cfg.attention_chunk_size if r else jnp.iinfo(jnp.int32).max
+             for r in cfg.rope_layers or (True,) * cfg.num_layers], jnp.int32),)
+    l4_flags = cfg.qk_l2_norm or cfg.attn_temperature is not None
+    if l4_flags:
+        per_layer = per_layer + (jnp.asarray(cfg.rope_layers or (True,) * cfg.num_layers),)
+        temperature = _nope_temperature(cfg, md.positions)  # [T, 1, 1] or None
 
     mm = cfg.matmul_backend
 
     def layer(carry, xs):
         x, kv = carry
         p, index, (layer_window, inv_freq, table, *rest) = xs
+        if l4_flags:
+            *rest, turns = rest  # [] bool: this layer has rope
+        if chunked:
+            *rest, layer_chunk = rest
         if by_position:
             *rest, global_rope = rest
             inv_freq = inv_freq[None, :] + global_rope * token_freq  # [T, R/2]
@@ -167,9 +183,14 @@ def forward(
             return layers.rotate(x, cos_tables[table], sin_tables[table], rope_scale)
 
         h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, backend=mm)
+        adapters, slots = p.get("lora"), md.lora_slots  # LoRA slots (a step without: None)
         q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
         k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
         v = project(h, p["wv"], "te,ehd->thd", p.get("bv"), backend=mm)
+        if adapters is not None:
+            q = lora.add_delta(q, h, adapters, "wq", slots)
+            k = lora.add_delta(k, h, adapters, "wk", slots)
+            v = lora.add_delta(v, h, adapters, "wv", slots)
         if cfg.qk_norm:  # per head, before rope
             q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, backend=mm)
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, backend=mm)
@@ -177,17 +198,21 @@ def forward(
             q = _rms_norm_heads(q, p["q_norm"], cfg.rms_norm_eps, cfg.num_heads - cfg.padded_heads)
             k = _rms_norm_heads(k, p["k_norm"], cfg.rms_norm_eps, cfg.num_kv_heads)
         q, k = turn(q), turn(k)
+        if l4_flags:
+            q, k = _llama4_qk(q, k, turns, temperature, cfg)
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
+            chunk=layer_chunk if chunked else None,
         )
-        attn = layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm)
+        attn = lora.add_delta(layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm),
+                              attn, adapters, "wo", slots)
         if cfg.post_norms:
             attn = rms_norm(attn, p["post_attn_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(attn)
         h = x if cfg.post_norms else rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, backend=mm)
-        out = moe.moe_mlp(h, p, cfg, router=router) if "router" in p else _mlp(h, p, mm)
+        out = moe.moe_mlp(h, p, cfg, router=router) if "router" in p else _mlp(h, p, mm, slots)
         if cfg.post_norms:
             out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(out)
@@ -238,16 +263,47 @@ def _layer_rope_scale(cfg: ModelConfig) -> np.ndarray:
                       np.float32)
 
 
-def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str) -> jax.Array:
-    """The dense SwiGLU MLP [T, E] -> [T, E] (`mm`: the matmul backend)."""
-    if "b_gate" in p or "b_up" in p:
+def _nope_temperature(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
+    """Llama 4's q scale on its NoPE layers, [T, 1, 1]: log1p(floor((pos + 1) / floor_scale)) *
+    attn_scale + 1, growing with the position past `floor_scale`."""
+    if cfg.attn_temperature is None:
+        return None
+    floor_scale, attn_scale = cfg.attn_temperature
+    pos = positions.astype(jnp.float32)
+    return (jnp.log1p(jnp.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0)[:, None, None]
+
+
+def _llama4_qk(q, k, turns, temperature, cfg: ModelConfig):
+    """After the rope: on Llama 4's rope layers q and k by a weightless RMSNorm (with
+    `qk_l2_norm`), on its NoPE layers q by the position's temperature."""
+    if cfg.qk_l2_norm:
+        def norm(x):
+            xf = x.astype(jnp.float32)
+            normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + cfg.rms_norm_eps)
+            return jnp.where(turns, normed.astype(x.dtype), x)
+        q, k = norm(q), norm(k)
+    if temperature is not None:
+        q = jnp.where(turns, q, (q * temperature.astype(q.dtype)).astype(q.dtype))
+    return q, k
+
+
+def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str,
+         slots: jax.Array | None = None) -> jax.Array:
+    """The dense SwiGLU MLP [T, E] -> [T, E] (`mm`: the matmul backend). With LoRA slots in
+    `p["lora"]` (`slots` [T]) each projection adds its adapter update, so the gate and up
+    products are made apart (`matmul.swiglu`'s own order where it is not fused)."""
+    adapters = p.get("lora")
+    if "b_gate" in p or "b_up" in p or adapters is not None:
         gate = project(h, p["w_gate"], "te,ef->tf", p.get("b_gate"), backend=mm)
         up = project(h, p["w_up"], "te,ef->tf", p.get("b_up"), backend=mm)
+        gate = lora.add_delta(gate, h, adapters, "w_gate", slots)
+        up = lora.add_delta(up, h, adapters, "w_up", slots)
         act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
     else:  # the activation in f32 and rounded once, as torch does for a bf16 tensor
         with jax.named_scope("proj"):
             act = matmul.swiglu(h, p["w_gate"], p["w_up"], mm)
-    return project(act, p["w_down"], "tf,fe->te", p.get("b_down"), backend=mm)
+    down = project(act, p["w_down"], "tf,fe->te", p.get("b_down"), backend=mm)
+    return lora.add_delta(down, act, adapters, "w_down", slots)
 
 
 def _rms_norm_heads(x: jax.Array, weight: jax.Array, eps: float, real_heads: int) -> jax.Array:

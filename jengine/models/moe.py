@@ -95,8 +95,16 @@ def layer_offsets(cfg: ModelConfig, dense_keys: tuple[str, ...]) -> dict[str, in
 
 def router_of(cfg: ModelConfig):
     """The routing function `moe_mlp` takes for `cfg`: DeepSeek's (and GLM-4.5's, which is
-    DeepSeek-V3's) where the scores are sigmoid, HF's softmax top-k otherwise."""
-    return route_deepseek if cfg.router_scoring == "sigmoid" else route
+    DeepSeek-V3's) where the scores are sigmoid, Llama 4's, HF's softmax top-k otherwise."""
+    return {"sigmoid": route_deepseek, "llama4": route_llama4}.get(cfg.router_scoring, route)
+
+
+def route_llama4(h: jax.Array, router: jax.Array, cfg: ModelConfig):
+    """Llama 4's router: the top k of the logits (in the model dtype, as HF's Linear), each
+    weighted by the sigmoid of its logit; `moe_mlp` scales the expert's input by it."""
+    logits = dot("te,ex->tx", h, router).astype(h.dtype)
+    top, experts = jax.lax.top_k(logits, cfg.num_experts_per_tok)
+    return experts, jax.nn.sigmoid(top.astype(jnp.float32)).astype(h.dtype)
 
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -156,7 +164,10 @@ def moe_mlp(h: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig, *,
         else:
             experts, weights = router(h, p["router"], cfg)
         num_tokens, k = experts.shape
-        if num_tokens * k <= cfg.num_experts:
+        gather = num_tokens * k <= cfg.num_experts
+        if cfg.router_scoring == "llama4":
+            out = _experts_of_scaled_inputs(h, p, experts, weights, cfg.num_experts, gather)
+        elif gather:
             out = _gather_experts(h, p, experts, weights)
         else:
             out = _dense_experts(h, p, experts, weights, cfg.num_experts)
@@ -184,6 +195,24 @@ def _gather_experts(h, p, experts, weights) -> jax.Array:
     act = jax.nn.silu(gate.astype(h.dtype)) * up.astype(h.dtype)
     out = dot("tkf,tkfe->tke", act, p["we_down"][experts])  # [T, k, E]
     return jnp.einsum("tke,tk->te", out, weights).astype(h.dtype)
+
+
+def _experts_of_scaled_inputs(h, p, experts, weights, num_experts: int, gather: bool):
+    """Llama 4's experts: each runs on the token scaled by its routing weight, and their
+    outputs add up unweighted (an unchosen expert's input is zero, and so is its output)."""
+    if gather:
+        x = h[:, None, :] * weights[:, :, None]  # [T, k, E]
+        gate = dot("tke,tkef->tkf", x, p["we_gate"][experts])
+        up = dot("tke,tkef->tkf", x, p["we_up"][experts])
+        act = jax.nn.silu(gate.astype(h.dtype)) * up.astype(h.dtype)
+        return jnp.sum(dot("tkf,tkfe->tke", act, p["we_down"][experts]), axis=1).astype(h.dtype)
+    combine = jnp.einsum("tk,tkx->tx", weights.astype(jnp.float32),
+                         jax.nn.one_hot(experts, num_experts, dtype=jnp.float32))
+    x = h[:, None, :] * combine[:, :, None].astype(h.dtype)  # [T, X, E]
+    gate = dot("txe,xef->txf", x, p["we_gate"])
+    up = dot("txe,xef->txf", x, p["we_up"])
+    act = jax.nn.silu(gate.astype(h.dtype)) * up.astype(h.dtype)
+    return dot("txf,xfe->te", act, p["we_down"]).astype(h.dtype)
 
 
 def _dense_experts(h, p, experts, weights, num_experts: int) -> jax.Array:

@@ -77,6 +77,7 @@ def ragged_paged_attention(
     sliding_window: jax.Array | int | None = None,  # [] int32; keys within this many positions
     soft_cap: float | None = None,
     kv_head_map: tuple[int, ...] | None = None,  # [H] kv head of each q head (else h // G)
+    attention_chunk: jax.Array | int | None = None,  # [] int32; keys in the query's chunk
     k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
     v_scale: jax.Array | None = None,  # [L, K, P, O, 1]
 ) -> jax.Array:  # [T, H, D]
@@ -102,6 +103,8 @@ def ragged_paged_attention(
     mask = key_pos[None, :] <= positions[:, None]  # [T, S] causal (implies key < kv_len)
     if sliding_window is not None:
         mask &= key_pos[None, :] > positions[:, None] - sliding_window
+    if attention_chunk is not None:  # Llama 4: keys of the query's own chunk
+        mask &= key_pos[None, :] >= positions[:, None] // attention_chunk * attention_chunk
     scores = jnp.where(mask[None, :, :, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=2).astype(v.dtype)  # [K, T, S, G]
     out = jnp.einsum("ktsg,ktsd->tkgd", probs, v, preferred_element_type=jnp.float32)
@@ -122,6 +125,7 @@ def blocked_paged_attention(
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     kv_head_map: tuple[int, ...] | None = None,
+    attention_chunk: jax.Array | int | None = None,
     blocks_per_group: int = BLOCKS_PER_GROUP,
     pages_per_chunk: int = PAGES_PER_CHUNK,
     k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
@@ -145,7 +149,8 @@ def blocked_paged_attention(
     heads = _kv_rows(num_kv_heads, kv_head_map)  # [NK] cache head of each kv row
     num_rows, per_kv = heads.shape[0], num_heads // heads.shape[0]
     pos = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])[block_tokens]
-    first_page, end_page = _visible_pages(pos, sliding_window, page_size)  # [NB] each
+    first_page, end_page = _visible_pages(  # [NB] each
+        pos, sliding_window, page_size, attention_chunk)
     group_chunks = jnp.max(-(-(end_page - first_page) // chunk).reshape(num_groups, group), 1)
     live_groups = jnp.max(jnp.where(group_chunks > 0, jnp.arange(num_groups) + 1, 0))
     tokens, pos, first_page, end_page, seqs = (
@@ -179,6 +184,9 @@ def blocked_paged_attention(
             mask = key_pos[:, None, :] <= row_pos[:, :, None]  # [Gb, B, C*O]; empty rows: none
             if sliding_window is not None:
                 mask &= key_pos[:, None, :] > row_pos[:, :, None] - sliding_window
+            if attention_chunk is not None:
+                span = row_pos[:, :, None] // attention_chunk * attention_chunk
+                mask &= key_pos[:, None, :] >= span
             mask = mask[:, None, None]  # [Gb, 1, 1, B, C*O]
             s = jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=jnp.float32)
             s = s * sm_scale
@@ -211,16 +219,18 @@ def _pad_blocks(block_tokens, block_seq, num_blocks: int, num_tokens: int):
             jnp.pad(block_seq, (0, extra)))
 
 
-def _visible_pages(pos, sliding_window, page_size: int):
+def _visible_pages(pos, sliding_window, page_size: int, attention_chunk=None):
     """[NB, B] row positions (-1: empty row) -> each block's first visible page and one past
-    its last ([NB] each; equal for an empty block): keys from the window's start below the first
-    row to the last row."""
+    its last ([NB] each; equal for an empty block): keys from the window's start (or the
+    chunk's) below the first row to the last row."""
     kv_hi = jnp.max(pos, axis=1) + 1  # 0 for an empty block
-    if sliding_window is None:
-        kv_lo = jnp.zeros_like(kv_hi)
-    else:
-        first = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=1)
-        kv_lo = jnp.minimum(jnp.maximum(first - sliding_window + 1, 0), kv_hi)
+    kv_lo = jnp.zeros_like(kv_hi)
+    first = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=1)
+    if sliding_window is not None:
+        kv_lo = jnp.maximum(first - sliding_window + 1, 0)
+    if attention_chunk is not None:
+        kv_lo = jnp.maximum(kv_lo, first // attention_chunk * attention_chunk)
+    kv_lo = jnp.minimum(kv_lo, kv_hi)
     return kv_lo // page_size, (kv_hi + page_size - 1) // page_size
 
 

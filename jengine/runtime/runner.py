@@ -36,9 +36,11 @@ from jengine.runtime.executables import (
     compile_fresh,
     store_key,
 )
+from jengine.runtime.lora_slots import LoraSlots, batch_slots, with_slots
 from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
     EMBED_VARIANTS,
+    LORA_VARIANTS,
     MAX_TOP_LOGPROBS,
     VARIANTS,
     PromptLogprobs,
@@ -75,17 +77,24 @@ class Runner:
         store: ExecutableStore | None = None,
         embed: bool = False,
         state_slots: int = 0,
+        loras: LoraSlots | None = None,
+        image_width: int | None = None,
     ):
         """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
         is created on its kv-head sharding and each step's inputs are replicated on the mesh.
         `channel` (multi-host): the leader sends every step's inputs through it; a follower
         runs `follow()` instead of being driven by a scheduler. `store`: compiled programs
         are loaded from and saved to it (single-process runs only). `embed` (task embed or
-        score): every step runs the embed variant, never a sampling one. `state_slots`: a
-        hybrid model's recurrent-state slots in the cache (running sequences + scratch)."""
+        score): every step runs the embed variant, never a sampling one. `loras`
+        (`enable_lora`): the adapter slots; a batch with adapters runs the lora variants.
+        `image_width` (a vision model's hidden size): every step carries image rows
+        (`step_io.image_rows`). `state_slots`: a hybrid model's recurrent-state slots in the
+        cache (running sequences + scratch)."""
         self.cfg = cfg
         self.params = params
         self.embed = embed
+        self.loras = loras
+        self.image_width = image_width
         self.page_size = page_size
         self.num_pages = num_pages
         self.buckets = buckets
@@ -114,7 +123,8 @@ class Runner:
 
         max_seqs = buckets.seqs[-1]
 
-        def step(params, kv, inputs: StepInputs, prev_tokens, variant: Variant):
+        def step(params, kv, inputs: StepInputs, prev_tokens, lora, variant: Variant):
+            params = with_slots(params, lora) if variant.lora else params
             md = inputs.attention_metadata()
             # Token rows the host could not fill yet (async scheduling) take the token that the
             # previous step sampled for their sequence: feed[t] is its row there, else -1.
@@ -160,6 +170,7 @@ class Runner:
             "model": cfg, "kv_cache_dtype": str(kv_cache_dtype), "max_seqs": max_seqs,
             "state": jax.tree.map(_aval, (params, self.kv)),
             "out_shardings": repr(out_shardings), "kernel_mesh": repr(self._kernel_mesh),
+            "lora": jax.tree.map(_aval, loras.tree) if loras is not None else None,
         }
         self.ready = False  # set by warmup(); a program built after it is logged as a stall
         self.programs_loaded = 0  # from the store
@@ -175,11 +186,11 @@ class Runner:
     def host_inputs(self, batch: ScheduledBatch, rows: SamplingRows,
                     feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
         """`batch`'s padded inputs as NumPy (what a multi-host leader broadcasts)."""
-        blocked = self.cfg.attention_backend == "reference"
-        inputs, variant = step_inputs(batch, rows, self.buckets, blocked_queries=blocked,
-                                      vocab_size=self.cfg.vocab_size,
-                                      history_width=self.buckets.pages[-1] * self.page_size,
-                                      feed=feed, state_slots=self.state_slots > 0)
+        inputs, variant = step_inputs(
+            batch, rows, self.buckets, blocked_queries=self.cfg.attention_backend == "reference",
+            vocab_size=self.cfg.vocab_size, history_width=self.buckets.pages[-1] * self.page_size,
+            feed=feed, lora_slots=batch_slots(self.loras, batch), image_width=self.image_width,
+            state_slots=self.state_slots > 0)
         return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
 
     def _to_device(self, host):  # a pytree of NumPy arrays
@@ -224,7 +235,8 @@ class Runner:
 
     def _run(self, host: StepInputs, variant: Variant,
              prev_tokens: jax.Array | None = None) -> StepOutputs:
-        args = (self._to_device(host), self._no_tokens if prev_tokens is None else prev_tokens)
+        prev = self._no_tokens if prev_tokens is None else prev_tokens
+        args = (self._to_device(host), prev, self.loras.tree if variant.lora else None)
         out, self.kv = self._program(host, variant, args)(self.params, self.kv, *args)
         return out
 
@@ -348,6 +360,8 @@ class Runner:
     def warmup_programs(self) -> list[tuple[tuple[int, int, int], Variant]]:
         """Every (bucket shape, variant) that `warmup` builds: all a step can need."""
         variants = EMBED_VARIANTS if self.embed else VARIANTS
+        if self.loras is not None and not self.embed:
+            variants = VARIANTS + LORA_VARIANTS
         return [(shape, variant) for shape in self.buckets.shapes() for variant in variants]
 
     def warmup_keys(self) -> list[str | None]:
@@ -373,7 +387,8 @@ class Runner:
         """The compiled step program that `batch` runs (built if need be): what warm-up
         builds, and what profiles read the HLO of."""
         host, variant = self.host_inputs(batch, rows)
-        return self._program(host, variant, (self._to_device(host), self._no_tokens))
+        lora = self.loras.tree if variant.lora else None
+        return self._program(host, variant, (self._to_device(host), self._no_tokens, lora))
 
     def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
         self.program(*dummy_step(shape, variant))
@@ -386,15 +401,3 @@ class Runner:
 def _aval(a: jax.Array) -> tuple:
     return (a.shape, a.dtype.str, repr(a.sharding))
 
-
-def to_device_params(
-    params: dict[str, np.ndarray], shardings: dict[str, jax.sharding.Sharding] | None = None
-) -> dict[str, jax.Array]:
-    """Host params -> device arrays. With shardings, each device receives only its own slice
-    (`make_array_from_callback`), so no device ever holds a whole tensor it does not own."""
-    if shardings is None:
-        return {k: jnp.asarray(v) for k, v in params.items()}
-    return {
-        k: jax.make_array_from_callback(v.shape, shardings[k], lambda index, v=v: v[index])
-        for k, v in params.items()
-    }

@@ -40,11 +40,16 @@ class Variant:
     `embed` (an engine of task embed or score runs only this one) samples nothing: it returns
     every token's final hidden state, after the final norm, for the host to pool
     (`jengine.core.pooling`).
+
+    `lora` (an engine with `enable_lora`) adds every projection's low-rank update from the
+    adapter slots (`jengine.models.lora`); a step whose sequences use no adapter runs the
+    program without it, so the base model pays nothing for the slots.
     """
 
     features: bool = False
     prompt_logprobs: bool = False
     embed: bool = False
+    lora: bool = False
 
     @property
     def num_top_logprobs(self) -> int:
@@ -52,6 +57,7 @@ class Variant:
 
 
 VARIANTS = (Variant(), Variant(features=True), Variant(features=True, prompt_logprobs=True))
+LORA_VARIANTS = tuple(dataclasses.replace(v, lora=True) for v in VARIANTS)
 EMBED_VARIANTS = (Variant(embed=True),)
 
 
@@ -160,6 +166,10 @@ class StepInputs:
     targets: np.ndarray | None = None  # [T] int32 prompt_logprobs' next prompt token, or -1
     # Hybrid models: [S] int32 each row's recurrent-state slot (padding rows: the scratch 0).
     state_slots: np.ndarray | None = None
+    lora_slots: np.ndarray | None = None  # [T] int32 LoRA slot per token, -1: none (lora only)
+    # Vision models only (every step, so one program per bucket serves text and images):
+    # (rows [T, E] f32, at [T] int32): token t takes rows[t] where at[t] >= 0 (an image row).
+    images: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def feed(self):  # [T] the previous step's row whose sampled token this token is, or -1
@@ -171,21 +181,29 @@ class StepInputs:
             token_ids=rows[0], positions=rows[1], slot_mapping=rows[2], token_seq=rows[3],
             page_table=self.page_table, logits_indices=self.logits_indices,
             block_tokens=self.blocks[0] if self.blocks else None,
-            block_seq=self.blocks[1] if self.blocks else None,
+            block_seq=self.blocks[1] if self.blocks else None, lora_slots=self.lora_slots,
             state_slots=self.state_slots,
+            embeds=self.images[0] if self.images else None,
+            embeds_at=self.images[1] if self.images else None,
         )
 
 
 def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                 blocked_queries: bool, vocab_size: int, history_width: int,
                 feed: np.ndarray | None = None,
+                lora_slots: np.ndarray | None = None,
+                image_width: int | None = None,
                 state_slots: bool = False) -> tuple[StepInputs, Variant]:
     """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
-    whose sampled token it takes (-1: its own id). `blocked_queries`: build the query blocks
-    that the reference attention reads in prefill-heavy buckets. `vocab_size` and
+    whose sampled token it takes (-1: its own id). `lora_slots` [num_tokens]: each token's
+    adapter slot (-1: none), given for a batch with adapters (the lora variant's input).
+    `blocked_queries`: build the query blocks that the reference attention reads in
+    prefill-heavy buckets. `vocab_size` and
     `history_width` size the features program's inputs (`SamplingRows.padded`).
     `state_slots` (a hybrid model's steps, warm-up included): pass each row's recurrent-state
     slot.
+    `image_width` (a vision model's hidden size): carry the image rows of the prompt tokens
+    this step computes (`image_rows`).
 
     Raises:
       ValueError: the batch has more sampled rows than its bucket's S.
@@ -215,15 +233,41 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
         targets = np.full((t,), -1, np.int32)
         targets[:n_tok] = rows.prompt_targets
     slots = None
+    state = None
     if state_slots:
-        slots = np.zeros((s,), np.int32)
+        state = np.zeros((s,), np.int32)
         if batch.state_slots is not None:
-            slots[:n_seq] = batch.state_slots
-    variant = Variant(features=features, prompt_logprobs=targets is not None)
+            state[:n_seq] = batch.state_slots
+    if lora_slots is not None:
+        slots = np.full((t,), -1, np.int32)
+        slots[:n_tok] = lora_slots
+    variant = Variant(features=features, prompt_logprobs=targets is not None,
+                      lora=slots is not None)
+    images = image_rows(batch, t, image_width) if image_width else None
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
-                        sampling=sampling, blocks=blocks, targets=targets, state_slots=slots)
+                        sampling=sampling, blocks=blocks, targets=targets, lora_slots=slots,
+                        images=images, state_slots=state)
     return inputs, variant
+
+
+def image_rows(batch: ScheduledBatch, t: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """([T, width] f32, [T] int32): the encoded image row of each prompt placeholder this step
+    computes (a prefill chunk may start or end inside an image), -1 / zeros elsewhere."""
+    rows = np.zeros((t, width), np.float32)
+    at = np.full((t,), -1, np.int32)
+    starts = batch.cu_q_lens[:-1]
+    for seq, start, q in zip(batch.seqs, starts.tolist(), batch.q_lens.tolist()):
+        images = seq.images
+        if images is None:
+            continue
+        pos = batch.positions[start:start + q]
+        prompt = pos < len(images.row_at)
+        which = np.where(prompt, images.row_at[np.minimum(pos, len(images.row_at) - 1)], -1)
+        hits = np.flatnonzero(which >= 0)
+        rows[start + hits] = images.rows[which[hits]]
+        at[start + hits] = start + hits
+    return rows, at
 
 
 def feed_rows(batch: ScheduledBatch,
@@ -318,4 +362,7 @@ def dummy_step(shape: tuple[int, int, int], variant: Variant) -> tuple[Scheduled
                                                                        SamplingRows]:
     """A batch of bucket `shape` (T, S, P) whose rows run `variant`'s program (warm-up)."""
     t, s, p = shape
-    return dummy_batch(t, s, p), SamplingRows.for_variant(s, t, variant)
+    batch = dummy_batch(t, s, p)
+    if variant.lora:  # adapter id 0 on every row: the lora program, no adapter applied
+        batch.lora_ids = np.zeros((s,), np.int64)
+    return batch, SamplingRows.for_variant(s, t, variant)

@@ -53,6 +53,8 @@ class ScheduledBatch:
     spec_lens: np.ndarray | None = None
     # [S] int32 each sequence's recurrent-state slot (hybrid models), or None.
     state_slots: np.ndarray | None = None
+    # [S] the LoRA adapter id of each sequence (0: the base model), or None when none uses one.
+    lora_ids: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +108,7 @@ def build_batch(chosen: list[tuple[Sequence, int]], page_size: int) -> Scheduled
     width = max(len(seq.pages) for seq, _ in chosen)
     page_table = np.zeros((len(chosen), width), np.int32)
     spec_lens = np.zeros((len(chosen),), np.int32)
+    lora_ids = np.asarray([seq.lora_id for seq, _ in chosen], np.int64)
     for i, (seq, n) in enumerate(chosen):
         start = seq.num_computed
         pos = np.arange(start, start + n, dtype=np.int32)
@@ -132,4 +135,5 @@ def build_batch(chosen: list[tuple[Sequence, int]], page_size: int) -> Scheduled
         spec_lens=spec_lens if spec_lens.any() else None,
         state_slots=(np.asarray([seq.state_slot or 0 for seq, _ in chosen], np.int32)
                      if any(seq.state_slot is not None for seq, _ in chosen) else None),
+        lora_ids=lora_ids if lora_ids.any() else None,
     )

@@ -91,22 +91,28 @@ class PrefixCache:
         """Pages in the tree (held by running sequences or evictable)."""
         return self._num_pages
 
-    def page_key(self, tokens: Sequence[int], index: int) -> PageKey:
-        """The key of page `index` of `tokens`: its page_size token ids."""
+    def page_key(self, tokens: Sequence[int], index: int, adapter: int = 0) -> PageKey:
+        """The key of page `index` of `tokens`: its page_size token ids. Under a LoRA adapter
+        (`adapter`: its id) the first page's key starts with -id (no token id is negative),
+        so each adapter's prefixes hang below a root edge of their own: K/V computed under
+        one adapter is never read under another or the base model."""
         ps = self.page_size
-        return tuple(tokens[index * ps:(index + 1) * ps])
+        key = tuple(tokens[index * ps:(index + 1) * ps])
+        return (-adapter, *key) if adapter and index == 0 else key
 
     # -- lookup -------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], max_pages: int | None = None) -> list[int]:
+    def match(self, tokens: Sequence[int], max_pages: int | None = None, *,
+              adapter: int = 0) -> list[int]:
         """The cached pages of the longest run of full pages that starts `tokens` (at most
-        `max_pages`), marking them recently used. The caller shares them before using them."""
+        `max_pages`) under LoRA adapter `adapter` (0: the base model), marking them recently
+        used. The caller shares them before using them."""
         num_pages = len(tokens) // self.page_size
         if max_pages is not None:
             num_pages = min(num_pages, max_pages)
         now = next(self._clock)
         pages: list[int] = []
-        for node, matched in self._walk(tokens, num_pages):
+        for node, matched in self._walk(tokens, num_pages, adapter=adapter):
             pages += node.pages[:matched]
             self._touch(node, now)
         return pages
@@ -116,13 +122,14 @@ class PrefixCache:
         walk = self._walk(tokens, len(tokens) // self.page_size)
         return sum(matched for _, matched in walk) * self.page_size
 
-    def _walk(self, tokens: Sequence[int], num_pages: int, num_known: int = 0):
+    def _walk(self, tokens: Sequence[int], num_pages: int, num_known: int = 0,
+              adapter: int = 0):
         """Yields (node, how many pages of its edge match) along the path the first `num_pages`
         pages of `tokens` follow. The first `num_known` pages are known to be on the path (a
         sequence's cached pages), so only the keys of edges' first pages are built for them."""
         node, i = self._root, 0
         while i < num_pages:
-            child = node.children.get(self.page_key(tokens, i))
+            child = node.children.get(self.page_key(tokens, i, adapter))
             if child is None:
                 return
             limit = min(len(child.keys), num_pages - i)
@@ -137,7 +144,8 @@ class PrefixCache:
 
     # -- insertion ----------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], pages: list[int], num_known: int = 0) -> int:
+    def insert(self, tokens: Sequence[int], pages: list[int], num_known: int = 0, *,
+               adapter: int = 0) -> int:
         """Adds the full pages `pages` holding `tokens` (`len(pages)` pages' worth) to the tree.
         `num_known`: how many leading pages are already the tree's (they are not compared).
 
@@ -148,7 +156,7 @@ class PrefixCache:
         many leading pages of `pages` are the tree's now (all of them unless it stopped)."""
         now = next(self._clock)
         node, i = self._root, 0
-        for child, matched in self._walk(tokens, len(pages), num_known):
+        for child, matched in self._walk(tokens, len(pages), num_known, adapter):
             for j in range(max(0, num_known - i), matched):
                 theirs, ours = child.pages[j], pages[i + j]
                 if theirs == ours:
@@ -168,7 +176,7 @@ class PrefixCache:
                     node = self._split(child, matched)
                 break
         if i < len(pages):
-            keys = [self.page_key(tokens, k) for k in range(i, len(pages))]
+            keys = [self.page_key(tokens, k, adapter) for k in range(i, len(pages))]
             self._add_leaf(node, keys, pages[i:], now)
         return len(pages)
 

@@ -19,7 +19,7 @@ def reuse_cached(cache: PrefixCache | None, seq: Sequence) -> int | None:
         return None
     ps = cache.allocator.page_size
     max_pages = (seq.num_tokens - 1) // ps
-    pages = cache.match(seq.tokens(0, max_pages * ps), max_pages)
+    pages = cache.match(seq.cache_tokens(0, max_pages * ps), max_pages, adapter=seq.lora_id)
     if pages:
         cache.allocator.share(pages)
         seq.pages = pages
@@ -47,14 +47,14 @@ def chunk_limit(cache: PrefixCache | None, seq: Sequence, budget: int) -> int:
 
 def prefix_in_flight(seq: Sequence, chosen: list[tuple[Sequence, int]], ps: int) -> bool:
     """Whether a prefill chunk chosen this step fills the first page `seq` could reuse but
-    has not found cached (same tokens up to that page's end)."""
+    has not found cached (same tokens up to that page's end, under the same LoRA adapter)."""
     have = seq.num_computed // ps
     if have >= (seq.num_tokens - 1) // ps:
         return False  # its remaining pages are its own to compute
     end = (have + 1) * ps
-    tokens = seq.tokens(0, end)
-    return any(n > 1 and other.num_computed + n >= end and other.tokens(0, end) == tokens
-               for other, n in chosen)
+    tokens = seq.cache_tokens(0, end)
+    return any(n > 1 and other.lora_id == seq.lora_id and other.num_computed + n >= end
+               and other.cache_tokens(0, end) == tokens for other, n in chosen)
 
 
 def count_lookup(cache: PrefixCache, seq: Sequence, hit: int) -> None:
@@ -75,9 +75,9 @@ def cache_pages(cache: PrefixCache, seq: Sequence) -> None:
     full = seq.num_computed // ps
     if seq.own_pages_from is not None or full <= known:
         return
-    tokens = seq.tokens(0, full * ps)
+    tokens = seq.cache_tokens(0, full * ps)
     if PENDING in tokens[known * ps:]:  # cannot happen: a PENDING token is never computed
         raise RuntimeError(f"sequence {seq.seq_id} has a computed PENDING token")
-    seq.num_cached_pages = cache.insert(tokens, seq.pages[:full], known)
+    seq.num_cached_pages = cache.insert(tokens, seq.pages[:full], known, adapter=seq.lora_id)
     if seq.num_cached_pages < full:
         seq.own_pages_from = seq.num_cached_pages

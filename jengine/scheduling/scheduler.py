@@ -64,11 +64,15 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         proposer: NgramProposer | None = None,
         state_slots: StateSlots | None = None,
+        max_loras: int | None = None,
     ):
+        """`max_loras` (LoRA serving): the most distinct adapters among the running sequences,
+        the device slots a step has; a waiting sequence under another adapter waits."""
         self.allocator = allocator
         # A hybrid model's recurrent-state slots (None: a pure-attention model): one per
         # running sequence, taken at admission, given back with its pages.
         self.state_slots = state_slots
+        self.max_loras = max_loras
         # Speculative decoding (None: off); `finalize` accepts what its proposals confirmed.
         self.speculator = Speculator(proposer) if proposer is not None else None
         self.prefix_cache = prefix_cache
@@ -135,9 +139,13 @@ class Scheduler:
                 budget -= 1
         prefills = [s for s in self.running if s.num_uncomputed > 1] + self._fair_waiting()
         deferred = 0
+        adapters = {s.lora_id for s in self.running if s.lora_id}
         for seq in prefills:
             if len(chosen) >= self.max_num_seqs or budget == 0:
                 break
+            if (seq.status is SequenceStatus.WAITING and seq.lora_id
+                    and seq.lora_id not in adapters and len(adapters) >= (self.max_loras or 0)):
+                continue  # every adapter slot is taken by running sequences' adapters
             hit = reuse_cached(self.prefix_cache, seq)
             if (hit is not None and deferred < self.max_num_seqs
                     and prefix_in_flight(seq, chosen, self.allocator.page_size)):
@@ -169,6 +177,8 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                if seq.lora_id:
+                    adapters.add(seq.lora_id)
             chosen.append((seq, n))
             budget -= n
         if not chosen:

@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import Any
 
+import numpy as np
+
 # A sampled token the host has not received yet (async scheduling): the step that samples it
 # is still running, and the next step reads it on the device (`Runner.launch(feed=...)`).
 PENDING = -1
@@ -15,6 +17,16 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # needs (re)prefill; holds no pages unless it shares a parent's
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageRows:
+    """A prompt's images as the text model takes them: the vision encoder's output rows and
+    the prompt tokens they replace."""
+
+    rows: np.ndarray  # [M, E] float32, the placeholders' rows in prompt order
+    row_at: np.ndarray  # [P] int32 per prompt token: its row of `rows`, -1 for text
+    cache_ids: list[int]  # the prompt ids, placeholders keyed by image content (negative ids)
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,6 +69,11 @@ class Sequence:
     spec: Any = None
     # A hybrid model's recurrent-state slot (`jengine.scheduling.state_slots`) while it runs.
     state_slot: int | None = None
+    # The LoRA adapter it runs under (`LoRARequest.lora_int_id`); 0: the base model.
+    lora_id: int = 0
+    # The prompt's encoded images (vision models); kept until the sequence ends, as a preempted
+    # sequence computes its prompt again.
+    images: ImageRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +86,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def cache_tokens(self, start: int, end: int) -> list[int]:
+        """`tokens`, with each image placeholder replaced by a key of its image's content: what
+        the prefix cache matches, so a page of one image's rows is never another image's."""
+        if self.images is None:
+            return self.tokens(start, end)
+        return (self.images.cache_ids + self.output_ids)[start:end]
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)

@@ -78,6 +78,7 @@ def create_app(
         model_name = served_model_name(engine.core.cfg.model.model if engine else None)
     state = ServerState(config, model_name, request_timeout=request_timeout)
     if engine is not None:
+        state.loras.start(engine)  # --lora-modules: a bad adapter is the caller's ValueError
         state.attach(engine, owned=False)
     batches = BatchService(
         Path(config.batch_dir).expanduser() if config.batch_dir else None, state,

@@ -60,11 +60,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
     reasoning, adapt = reasoning_adapt(state, body, template)
     stream = await start(state, request, Job(
-        params, lambda tokenizer: [body.render(tokenizer, messages, tools, template)], 1,
-        request_id, body.max_tokens_field, body.constraint_param(),
-        lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
+        params, lambda tokenizer: [body.render(tokenizer, messages, tools, template, state.media)],
+        1, request_id, body.max_tokens_field, body.constraint_param(),
+        lambda engine: (body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching),
+                        body.check_images(engine.core.model.takes_images)),
         adapt))
-    view = _ChatView(body, f"chatcmpl-{request_id}", state.model_name, tools)
+    view = _ChatView(body, f"chatcmpl-{request_id}", state.reported_model(body.model),
+                      tools)
     view.tool_parser = tool_parser
     if state.config.reasoning_parser is not None:
         view.reasoning = Reasoning(reasoning(stream.engine))

@@ -16,8 +16,11 @@ from jengine.server.protocol import (
     SamplingFields,
     documented,
 )
-from jengine.text.chat import render_chat
+from jengine.text.chat import render_chat, render_chat_text
 from jengine.text.tools import ToolSetup, constrain, tool_setup
+from jengine.vision.chat import IMAGE_PART_TYPES, has_images, split_images
+from jengine.vision.inputs import ImagePrompt
+from jengine.vision.media import MediaPolicy
 
 # Fields of OpenAI's chat API this server does not implement yet: set, they give a clear 400.
 _CHAT_UNSUPPORTED = ("functions", "function_call", "audio", "prediction",
@@ -68,14 +71,36 @@ class ChatCompletionRequest(SamplingFields):
         return [m.for_template(i) for i, m in enumerate(self.messages)]
 
     def render(self, tokenizer: Any, messages: list[dict[str, Any]], tools: ToolSetup,
-               template: str | None) -> list[int]:
+               template: str | None, media: MediaPolicy | None = None) -> list[int] | ImagePrompt:
         """The prompt's token ids: `messages` (`template_messages()`) through `template`
-        (None: the model's), with the tools when they are active."""
+        (None: the model's), with the tools when they are active; with image content parts,
+        the template's text and the images, loaded as `media` allows."""
+        if has_images(messages):
+            try:
+                messages, images = split_images(messages, (media or MediaPolicy()).load)
+            except ValueError as e:
+                raise bad_request(str(e), _part_param(str(e))) from None
+            text = render_chat_text(
+                tokenizer, messages, tools=self.tools if tools.active else None,
+                chat_template=template, add_generation_prompt=self.add_generation_prompt,
+                continue_final_message=self.continue_final_message,
+                template_kwargs=self.chat_template_kwargs)
+            return ImagePrompt(text, tuple(images), add_special_tokens=self.add_special_tokens)
         return render_chat(
             tokenizer, messages, tools=self.tools if tools.active else None,
             chat_template=template, add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             template_kwargs=self.chat_template_kwargs, add_special_tokens=self.add_special_tokens)
+
+    def check_images(self, takes_images: bool) -> None:
+        """Images for a model that reads none: a 400 naming the first image part."""
+        if takes_images:
+            return
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if part.type in IMAGE_PART_TYPES:
+                    raise bad_request(f"messages[{i}].content[{j}]: this model does not take "
+                                      "images", f"messages.{i}.content.{j}")
 
     def thinking_budget(self, reasoning_parser: str | None) -> tuple[int | None, str]:
         """The most tokens the thought may take (None: no cap) and the field that set it:
@@ -167,3 +192,9 @@ class ChatCompletionRequest(SamplingFields):
         if not self.echo or last is None or last.role != "assistant":
             return ""
         return last.for_template(len(self.messages) - 1)["content"]
+
+
+def _part_param(message: str) -> str:
+    """`messages[i].content[j]: ...` -> the param `messages.i.content.j`."""
+    head = message.split(":", 1)[0]
+    return head.replace("[", ".").replace("]", "") if head.startswith("messages[") else "messages"

@@ -40,7 +40,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         params, prompt_ids, len(prompts), request_id, constraint_param=body.constraint_param(),
         check=lambda engine: body.check_cache_salt(engine.core.cfg.cache.enable_prefix_caching)))
     view = _CompletionView(body, stream.engine.tokenizer, prompts, f"cmpl-{request_id}",
-                           state.model_name)
+                           state.reported_model(body.model))
     return await reply(stream, view, bool(body.stream))
 
 

@@ -63,7 +63,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
                                                    state.chat_template)],
             1, request_id, "max_tokens", chat.constraint_param(),
             adapt=adapt if body.thinking_enabled else None))
-    view = _MessageView(f"msg_{request_id}", state.model_name, tools,
+    view = _MessageView(f"msg_{request_id}", state.reported_model(body.model), tools,
                         state.tool_parser(state.chat_template))
     fmt = reasoning(stream.engine) if body.thinking_enabled else None
     view.thinking = ReasoningStream(fmt) if fmt is not None else None

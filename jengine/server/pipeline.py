@@ -38,6 +38,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from typing_extensions import Self
 
+from jengine.lora_request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.pooling_params import PoolingParams
 from jengine.sampling_params import SamplingParams
@@ -81,6 +82,7 @@ def accept(request: Request, body: Any) -> ServerState:
     state: ServerState = request.app.state.server
     state.check_model(body.model)
     check_text_fields(body)
+    request.state.lora = state.loras.get(body.model)  # the adapter `model` names, if any
     return state
 
 
@@ -108,7 +110,8 @@ async def start(state: ServerState, request: Request | None, job: Job) -> Engine
         stream = EngineStream(state, slot, prompts, job.pooling or params,
                               state.new_request_id(job.request_id),
                               request.is_disconnected if request is not None else None,
-                              state.metrics_for(request))
+                              state.metrics_for(request),
+                              getattr(request.state, "lora", None) if request else None)
     try:
         await stream.first()
     except BaseException:
@@ -153,8 +156,10 @@ class EngineStream:
         request_id: str,
         is_disconnected: Callable[[], Awaitable[bool]] | None = None,
         metrics: ServerMetrics | None = None,
+        lora: LoRARequest | None = None,
     ):
         self.state = state
+        self.lora = lora  # the LoRA adapter every prompt runs under (None: the base model)
         self.metrics = metrics or state.metrics  # (a scratch set for the start-up requests)
         self.slot = slot
         self.engine: AsyncEngine = slot.engine
@@ -182,7 +187,8 @@ class EngineStream:
 
     async def _pump(self, index: int, prompt: str | list[int], engine_rid: str) -> None:
         try:
-            async for delta in self.engine.generate(prompt, self.params, engine_rid):
+            async for delta in self.engine.generate(prompt, self.params, engine_rid,
+                                                    lora_request=self.lora):
                 self._queue.put_nowait((index, delta))
         except asyncio.CancelledError:
             raise

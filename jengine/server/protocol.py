@@ -33,6 +33,7 @@ from pydantic import (
 
 from jengine.sampling_params import SamplingParams, StructuredOutputs, check_strings
 from jengine.server.errors import bad_request
+from jengine.vision.chat import IMAGE_PART_TYPES
 
 # What /openapi.json says about values the handlers and `SamplingParams` check themselves:
 # these only document (the checks keep their own messages). A token id is at least 0, and
@@ -348,12 +349,15 @@ class ChatMessage(BaseModel):
     def for_template(self, position: int) -> dict[str, Any]:
         """The message as the chat template expects it: text content, `developer` as system."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(p.type in IMAGE_PART_TYPES for p in content):
+            # Parts as given: `jengine.vision.chat.split_images` reads and checks them.
+            content = [part.model_dump(exclude_none=True) for part in content]
+        elif isinstance(content, list):
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
                     raise bad_request(f"content part type {part.type!r} is not supported (only "
-                                      "'text')", f"messages.{position}.content")
+                                      "'text' and 'image_url')", f"messages.{position}.content")
                 texts.append(part.text)
             content = "\n".join(texts)
         if content is None and not (self.role == "assistant" and self.tool_calls):

@@ -80,11 +80,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
         stream = await start(state, request, Job(
             params, lambda tokenizer: [chat.render(tokenizer, messages, tools,
-                                                   state.chat_template)],
+                                                   state.chat_template, state.media)],
             1, request_id, chat.max_tokens_field, chat.constraint_param(),
+            lambda engine: body.check_images(engine.core.model.takes_images),
             adapt=lambda engine, p: params_after_reasoning(p, reasoning(engine),
                                                            engine.tokenizer)))
-    view = _ResponseView(body, f"resp_{request_id}", state.model_name, tools,
+    view = _ResponseView(body, f"resp_{request_id}", state.reported_model(body.model), tools,
                          reasoning(stream.engine), state.tool_parser(state.chat_template))
     return await reply(stream, view, bool(body.stream))
 

@@ -95,6 +95,17 @@ class ResponsesRequest(BaseModel):
             message, param = validation_message(list(e.errors()))
             raise bad_request(message, renamed_param(param)) from None
 
+    def check_images(self, takes_images: bool) -> None:
+        """Images for a model that reads none: a 400 naming the first `input_image` part."""
+        if takes_images or isinstance(self.input, str):
+            return
+        for i, item in enumerate(self.input):
+            content = item.get("content") if isinstance(item, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                if isinstance(part, dict) and part.get("type") == "input_image":
+                    raise bad_request(f"input[{i}].content[{j}]: this model does not take "
+                                      "images", f"input.{i}.content.{j}")
+
     def _check_supported(self) -> None:
         for name, message in _UNSUPPORTED.items():
             if _is_set(getattr(self, name)):
@@ -175,9 +186,29 @@ def _message(i: int, item: dict[str, Any]) -> dict[str, Any]:
         raise bad_request(f"input[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
                           f"input.{i}.role")
     content = item.get("content")
+    if isinstance(content, list) and any(isinstance(part, dict) and part.get("type")
+                                         == "input_image" for part in content):
+        return {"role": role, "content": _image_parts(i, content)}
     if not isinstance(content, str):
         content = _parts(i, content, "content")
     return {"role": role, "content": content}
+
+
+def _image_parts(i: int, parts: list) -> list[dict[str, Any]]:
+    """`input_text` / `input_image` parts as chat's `text` / `image_url` parts (the image
+    as `image_url`, a URL string; `file_id` images are not supported)."""
+    out = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise bad_request(f"input[{i}].content[{j}]: content part type {kind!r} is not "
+                              "supported here (input_text, and input_image with an image_url)",
+                              f"input.{i}.content.{j}")
+    return out
 
 
 def _parts(i: int, parts: Any, field: str) -> str:

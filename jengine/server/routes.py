@@ -33,12 +33,14 @@ from jengine.server.completions import create_completion
 from jengine.server.embeddings import create_embedding, create_rerank, create_score
 from jengine.server.errors import bad_request
 from jengine.server.files import delete_file, file_content, list_files, retrieve_file, upload_file
+from jengine.server.loras import load_lora_adapter, unload_lora_adapter
 from jengine.server.messages import count_message_tokens, create_message
 from jengine.server.pipeline import accept
 from jengine.server.protocol import DetokenizeRequest, TokenizeRequest
 from jengine.server.responses import create_response
 from jengine.server.state import ServerState
 from jengine.text.chat import render_chat
+from jengine.vision.chat import has_images
 
 # The body of a route's errors (`APIError.body`, errors.py; the document's schema, openapi.py).
 ErrorShape = Literal["openai", "anthropic"]
@@ -78,6 +80,9 @@ async def version() -> dict:
 def _card(state: ServerState, name: str) -> dict:
     card = {"id": name, "object": "model", "created": state.created, "owned_by": "jengine",
             "root": state.model_name}
+    lora = state.loras.get(name)
+    if lora is not None:  # vLLM's adapter card: its directory as root, the base as parent
+        card.update(root=lora.lora_path, parent=state.model_name)
     if state.engine is not None:
         card["max_model_len"] = state.engine.core.model.max_model_len
     return card
@@ -85,7 +90,8 @@ def _card(state: ServerState, name: str) -> dict:
 
 async def models(request: Request) -> dict:
     state = _state(request)
-    return {"object": "list", "data": [_card(state, name) for name in state.model_names]}
+    names = [*state.model_names, *(lora.lora_name for lora in state.loras.all())]
+    return {"object": "list", "data": [_card(state, name) for name in names]}
 
 
 async def model(model: str, request: Request) -> dict:
@@ -101,6 +107,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         raise bad_request("pass exactly one of prompt and messages")
     if body.messages is not None:
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        if has_images(messages):  # the count would leave out each image's placeholders
+            raise bad_request("/tokenize does not take image content parts", "messages")
         tokens = await asyncio.to_thread(render_chat, engine.tokenizer, messages,
                                          chat_template=state.chat_template)
     else:
@@ -147,6 +155,8 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/batches", "GET", list_batches, auth=True),
     Route("/v1/batches/{batch_id}", "GET", retrieve_batch, auth=True),
     Route("/v1/batches/{batch_id}/cancel", "POST", cancel_batch, auth=True),
+    Route("/v1/load_lora_adapter", "POST", load_lora_adapter, auth=True),
+    Route("/v1/unload_lora_adapter", "POST", unload_lora_adapter, auth=True),
     Route("/tokenize", "POST", tokenize, auth=False),
     Route("/detokenize", "POST", detokenize, auth=False),
     Route("/", "GET", web_ui.page, auth=False, documented=False),  # the chat page (web_ui.py)

@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 from jengine.config import ServerConfig
 from jengine.sampling_params import SamplingParams, check_text
 from jengine.server.errors import APIError, bad_request, engine_failed, unavailable
+from jengine.server.loras import ServedLoras
 from jengine.server.metrics import ServerMetrics
 from jengine.server.middleware import clean_request_id
 from jengine.server.warmup import MAX_TOKENS, warm_up
 from jengine.text.reasoning import ReasoningFormat, resolve_format, thinking_off
 from jengine.text.tool_parsers import resolve_tool_parser
+from jengine.vision.media import MediaPolicy
 
 if TYPE_CHECKING:
     from jengine.async_engine import AsyncEngine
@@ -86,8 +88,13 @@ class ServerState:
         self._warming: AsyncEngine | None = None
         self._ids = itertools.count()
         self.chat_template = load_chat_template(config.chat_template)
+        self.media = MediaPolicy(
+            allowed_local_media_path=config.allowed_local_media_path,
+            allow_remote_media=config.allow_remote_media, max_bytes=config.max_image_bytes,
+            fetch_timeout=config.media_fetch_timeout)
         self.request_log_level = logging.INFO if config.log_requests else logging.DEBUG
         self._auto_reasoning: dict[str | None, ReasoningFormat | None] = {}  # template -> format
+        self.loras = ServedLoras(config.lora_modules)  # adapters served as models (loras.py)
 
     # -- the engine ------------------------------------------------------------------------------
 
@@ -107,6 +114,12 @@ class ServerState:
         try:
             engine = build()
         except Exception as e:  # noqa: BLE001 - any failure to start is reported, not raised
+            self._fail(e)
+            return
+        try:
+            self.loras.start(engine)
+        except ValueError as e:
+            engine.shutdown()
             self._fail(e)
             return
         if self.warmup_url is not None:
@@ -192,6 +205,11 @@ class ServerState:
         """Every name the model answers to (`--served-model-name`); the first is reported."""
         return self.config.served_model_name or (self.model_name,)
 
+    def reported_model(self, model: str | None) -> str:
+        """The `model` an answer carries: the adapter's name for a LoRA adapter's request
+        (as vLLM answers), else the base model's reported name."""
+        return model if model is not None and model in self.loras else self.model_name
+
     def check_model(self, model: str | None) -> None:
         """A 404 for a model this server does not serve; a 400 naming `model` for a name that
         is not text (a lone surrogate: checked first, as the 404's message would repeat it)."""
@@ -201,7 +219,7 @@ class ServerState:
             check_text("model", model)
         except ValueError as e:
             raise bad_request(str(e), "model") from None
-        if model not in self.model_names:
+        if model not in self.model_names and model not in self.loras:
             raise APIError(404, f"The model '{model}' does not exist.", param="model",
                            code="model_not_found")
 

@@ -15,7 +15,21 @@ def render_chat(
     continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
 ) -> list[int]:
-    """Chat messages -> prompt token ids with the tokenizer's chat template (or `chat_template`,
+    """`render_chat_text`'s text as token ids (`add_special_tokens`: the tokenizer's BOS etc.
+    on top of the template's)."""
+    text = render_chat_text(
+        tokenizer, messages, tools=tools, chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def render_chat_text(
+    tokenizer, messages: list[dict], *, tools: list[dict] | None = None,
+    chat_template: str | None = None, add_generation_prompt: bool = True,
+    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """Chat messages -> the prompt text of the tokenizer's chat template (or `chat_template`,
     a Jinja template text, instead).
 
     `tools` (validated OpenAI function tools) go to a template that renders tools itself, and
@@ -23,7 +37,7 @@ def render_chat(
     for a template without a tool format (see `jengine.tools`). `add_generation_prompt`,
     `continue_final_message` (the reply goes on from the last assistant message) and
     `template_kwargs` (extra template variables) are passed to the template as in HF
-    transformers; `add_special_tokens` adds the tokenizer's BOS etc. on top of the template's.
+    transformers.
     """
     if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
@@ -43,7 +57,7 @@ def render_chat(
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
             chat_template=chat_template, continue_final_message=continue_final_message,
             **(template_kwargs or {}),
@@ -52,4 +66,3 @@ def render_chat(
         raise
     except Exception as e:  # noqa: BLE001 - a template error (jinja2) is the request's fault
         raise ValueError(f"chat_template failed to render: {type(e).__name__}: {e}") from None
-    return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

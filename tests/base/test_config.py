@@ -82,3 +82,17 @@ def test_auto_layer_layout_is_per_layer_arrays_except_on_tpu():
     assert resolve_layer_layout("stacked", "gpu") == "stacked"
     with pytest.raises(ValueError, match="unknown layer_layout"):
         resolve_layer_layout("interleaved", "cpu")
+
+
+def test_image_flags_reach_the_engine_and_server_configs(tmp_path):
+    args, cfg = _cli_config(["serve", "--limit-mm-per-prompt", "image=2",
+                             "--allowed-local-media-path", str(tmp_path),
+                             "--allow-remote-media", "--media-fetch-timeout", "3"])
+    assert cfg.model.limit_mm_per_prompt == "image=2"
+    server = server_config(args, cfg.server)
+    assert (server.allowed_local_media_path, server.allow_remote_media,
+            server.media_fetch_timeout) == (str(tmp_path), True, 3.0)
+    args, cfg = _cli_config(["serve"])
+    server = server_config(args, cfg.server)
+    assert (cfg.model.limit_mm_per_prompt, server.allow_remote_media,
+            server.allowed_local_media_path) == ("image=4", False, None)

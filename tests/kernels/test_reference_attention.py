@@ -36,8 +36,9 @@ LAYER = 1  # the layer the test writes and reads; layer 0 holds garbage
 GARBAGE = 1e3
 
 
-def dense_attention(q, k, v, q_positions, *, sm_scale, window=None, soft_cap=None):
-    """q [N, H, D] at `q_positions`; k, v [L, K, D] at positions 0..L-1 -> [N, H, D] float64."""
+def dense_attention(q, k, v, q_positions, *, sm_scale, window=None, soft_cap=None, chunk=None):
+    """q [N, H, D] at `q_positions`; k, v [L, K, D] at positions 0..L-1 -> [N, H, D] float64.
+    `chunk`: a query sees only the keys of its own `chunk`-position chunk (Llama 4's)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     num_heads, num_kv = q.shape[1], k.shape[1]
     group = num_heads // num_kv
@@ -47,6 +48,8 @@ def dense_attention(q, k, v, q_positions, *, sm_scale, window=None, soft_cap=Non
         allowed = key_pos <= p
         if window is not None:
             allowed &= key_pos > p - window
+        if chunk is not None:
+            allowed &= key_pos // chunk == p // chunk
         for h in range(num_heads):
             s = k[allowed, h // group] @ q[t, h] * sm_scale
             if soft_cap is not None:
@@ -143,12 +146,12 @@ class Case:
         )
         return np.asarray(out), np.asarray(k_cache), np.asarray(v_cache)
 
-    def expected(self, *, window=None, soft_cap=None):
+    def expected(self, *, window=None, soft_cap=None, chunk=None):
         rows = []
         for i, (c, n) in enumerate(self.seqs):
             rows.append(dense_attention(self.q[i], self.k[i], self.v[i], np.arange(c, c + n),
                                         sm_scale=self.head_dim ** -0.5, window=window,
-                                        soft_cap=soft_cap))
+                                        soft_cap=soft_cap, chunk=chunk))
         return np.concatenate(rows)
 
 
@@ -266,19 +269,19 @@ def test_padding_tokens_do_not_change_real_outputs():
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "kv_head_map", "loop"))
 def _blocked_step(k_cache, v_cache, slots, new_k, new_v, q, positions, page_table, block_tokens,
-                  block_seq, window, *, sm_scale, soft_cap, kv_head_map, loop):
+                  block_seq, window, chunk=None, *, sm_scale, soft_cap, kv_head_map, loop):
     layer = jnp.int32(LAYER)
     k_cache = write_kv(k_cache, layer, slots, new_k)
     v_cache = write_kv(v_cache, layer, slots, new_v)
     return blocked_paged_attention(
         q, k_cache, v_cache, layer, positions, page_table, block_tokens, block_seq,
         sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, kv_head_map=kv_head_map,
-        blocks_per_group=loop[0], pages_per_chunk=loop[1],
+        attention_chunk=chunk, blocks_per_group=loop[0], pages_per_chunk=loop[1],
     )
 
 
 def _run_blocked(case, *, block, num_blocks=None, loop=(4, 8), window=None, soft_cap=None,
-                 kv_head_map=None, empty_first=0):
+                 kv_head_map=None, empty_first=0, chunk=None):
     """`case`'s step through `blocked_paged_attention`; `num_blocks` defaults to the runner's
     bound for this many tokens and sequences; `empty_first` empty blocks lead the real ones."""
     x = case.step_inputs()
@@ -294,7 +297,8 @@ def _run_blocked(case, *, block, num_blocks=None, loop=(4, 8), window=None, soft
         case.k_cache, case.v_cache, jnp.asarray(x["slots"]), jnp.asarray(x["new_k"]),
         jnp.asarray(x["new_v"]), jnp.asarray(x["q"]), jnp.asarray(x["positions"]),
         jnp.asarray(case.page_table), jnp.asarray(tokens), jnp.asarray(seqs),
-        None if window is None else jnp.int32(window), sm_scale=HEAD_DIM ** -0.5,
+        None if window is None else jnp.int32(window),
+        None if chunk is None else jnp.int32(chunk), sm_scale=HEAD_DIM ** -0.5,
         soft_cap=soft_cap, kv_head_map=kv_head_map, loop=loop,
     )
     return np.asarray(out)
@@ -363,6 +367,28 @@ def test_blocked_sliding_window_and_soft_cap(window, soft_cap):
     out = _run_blocked(case, block=4, loop=(2, 2), window=window, soft_cap=soft_cap)
     want = case.expected(window=window, soft_cap=soft_cap)
     np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("chunk", [3, 8, 16])
+def test_attention_chunks(chunk):
+    """Llama 4's chunked attention, per token and per query block: a chunk narrower than a
+    page, two pages wide, and wider than the pages of a key chunk (the blocks' first visible
+    page moves with it)."""
+    case = Case(MIXED + [(40, 9)], num_heads=6, num_kv_heads=2, page_size=4, seed=16)
+    want = case.expected(chunk=chunk)
+    assert not np.allclose(want, case.expected(), rtol=TOL, atol=TOL)
+    x = case.step_inputs()
+    k_cache = write_kv(case.k_cache, jnp.int32(LAYER), jnp.asarray(x["slots"]),
+                       jnp.asarray(x["new_k"]))
+    v_cache = write_kv(case.v_cache, jnp.int32(LAYER), jnp.asarray(x["slots"]),
+                       jnp.asarray(x["new_v"]))
+    ragged = ragged_paged_attention(
+        jnp.asarray(x["q"]), k_cache, v_cache, jnp.int32(LAYER), jnp.asarray(x["token_seq"]),
+        jnp.asarray(x["positions"]), jnp.asarray(case.page_table), sm_scale=HEAD_DIM ** -0.5,
+        attention_chunk=jnp.int32(chunk))
+    np.testing.assert_allclose(np.asarray(ragged), want, rtol=TOL, atol=TOL)
+    blocked = _run_blocked(case, block=4, loop=(2, 2), chunk=chunk)
+    np.testing.assert_allclose(blocked, want, rtol=TOL, atol=TOL)
 
 
 def test_blocked_kv_head_map():

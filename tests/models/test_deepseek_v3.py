@@ -50,7 +50,7 @@ def _random_bias(model) -> None:
     """A correction bias of the size of the sigmoid scores' spread, so it changes the choice."""
     gen = torch.Generator().manual_seed(3)
     for layer in model.model.layers:
-        gate = getattr(layer.mlp, "gate", None)
+        gate = getattr(getattr(layer, "mlp", None), "gate", None)
         if gate is not None:
             gate.e_score_correction_bias.copy_(0.3 * torch.randn(gate.num_experts, generator=gen))
 

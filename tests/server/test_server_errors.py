@@ -39,7 +39,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]},
      "messages.0.content"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content"),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content.0"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f g"}}]},
      "tools"),

@@ -4,6 +4,11 @@
 // the AMX kernel rounds it. Also the fused SwiGLU silu(x @ w_gate) * (x @ w_up) over two such
 // weights. Called through the XLA FFI (jengine.cpu_kernels.packed_bf16).
 //
+// `auto` takes VDPBF16PS only where it measures faster than the FMA path it replaces
+// (`DpBf16Pays`): one VDPBF16PS does two f32 FMAs' work, but the Xeons (Sapphire Rapids) issue
+// it at half their FMA rate, so there it is no faster than f32 and slower than FMA over the
+// widened pairs, while AMD's Zen 4 and 5 issue it at their FMA rate.
+//
 // Why: off AMX a bf16 model's prefill-sized projections ran on XLA:CPU's bf16 dot, which
 // converts and multiplies far below the f32 dot's rate (docs/kernels.md, "bf16 projections
 // without AMX"). One packed form (amx_tiles) serves both the AMX kernel and this one: its tile
@@ -11,6 +16,7 @@
 // intra-op threads, one contiguous run of 32-column strips each, like the AMX kernel's.
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -19,6 +25,7 @@
 #include "isa.h"
 #include "parallel_for.h"
 #include "registry.h"
+#include "spin_helper.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -38,6 +45,30 @@ namespace avx512_bf16 {
 #define JE_SIMD 3
 #include JE_IMPL_HEADER
 #undef JE_SIMD
+
+// Seconds for `rounds` of 12 independent VDPBF16PS (Dp) or VFMADD231PS: their issue rates.
+template <bool Dp>
+double Issue(int64_t rounds) {
+  __m512 acc[12];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  __m512 a = _mm512_set1_ps(1e-3f);
+  const __m512 b = _mm512_set1_ps(1e-3f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < rounds; ++i) {
+    for (auto& c : acc) {
+      c = Dp ? _mm512_dpbf16_ps(c, (__m512bh)_mm512_castps_si512(a),
+                                (__m512bh)_mm512_castps_si512(b))
+             : _mm512_fmadd_ps(a, b, c);
+    }
+    __asm__ volatile("" : "+v"(a));  // a stays live: the loop cannot be folded
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  __m512 sum = acc[0];
+  for (int j = 1; j < 12; ++j) sum = _mm512_add_ps(sum, acc[j]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return s;
+}
 }  // namespace avx512_bf16
 #pragma GCC pop_options
 #endif
@@ -52,9 +83,28 @@ bool SupportsHere(int32_t isa) {
   return Supports(isa);
 }
 
-int32_t BestHere() { return SupportsHere(kAvx512Bf16) ? kAvx512Bf16 : BestIsa(); }
+// Whether VDPBF16PS issues at least 2/3 of the f32 FMA rate here (it replaces two FMAs and the
+// widening), measured once per process: the fastest of 5 tries of ~50 k instructions each.
+bool DpBf16Pays() {
+#if JE_X86
+  static const bool pays = [] {
+    if (!SupportsHere(kAvx512Bf16)) return false;
+    double dp = 1e9, fma = 1e9;
+    for (int t = 0; t < 5; ++t) {
+      dp = std::min(dp, avx512_bf16::Issue<true>(4096));
+      fma = std::min(fma, avx512_bf16::Issue<false>(4096));
+    }
+    return dp < 1.5 * fma;
+  }();
+  return pays;
+#else
+  return false;
+#endif
+}
 
-using StripsFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const uint16_t*,
+int32_t BestHere() { return DpBf16Pays() ? kAvx512Bf16 : BestIsa(); }
+
+using StripsFn = void (*)(const void*, int64_t, int64_t, const uint16_t*, const uint16_t*,
                           int64_t, int64_t, int64_t, void*, bool);
 
 StripsFn StripsFor(int32_t isa) {
@@ -68,8 +118,8 @@ StripsFn StripsFor(int32_t isa) {
 
 // x [R, K] as bf16 [R, Kp] with zeros past K: in place for bf16 x with K == Kp, else a copy
 // (f32 rounded to nearest even) in `staged`.
-const uint16_t* StageX(const void* x, bool x_bf16, int64_t R, int64_t K, int64_t Kp,
-                       std::vector<uint16_t>& staged) {
+const uint16_t* StageBf16(const void* x, bool x_bf16, int64_t R, int64_t K, int64_t Kp,
+                          std::vector<uint16_t>& staged) {
   if (x_bf16 && K == Kp) return static_cast<const uint16_t*>(x);
   staged.assign(R * Kp, 0);
   for (int64_t r = 0; r < R; ++r) {
@@ -82,6 +132,29 @@ const uint16_t* StageX(const void* x, bool x_bf16, int64_t R, int64_t K, int64_t
   }
   return staged.data();
 }
+
+// x [R, K] as f32 [R, Kp] holding its bf16 values (f32 x rounded to nearest even first), zeros
+// past K: what the FMA paths broadcast.
+const float* StageF32(const void* x, bool x_bf16, int64_t R, int64_t K, int64_t Kp,
+                      std::vector<float>& staged) {
+  staged.assign(R * Kp, 0.0f);
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = &staged[r * Kp];
+    if (x_bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(x) + r * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = Bf16ToF32(src[k]);
+    } else {
+      const float* src = static_cast<const float*>(x) + r * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = Bf16ToF32(F32ToBf16(src[k]));
+    }
+  }
+  return staged.data();
+}
+
+// Calls of up to this many rows (decode steps) split their strips with the SpinHelper's thread
+// when XLA's pool has two: waiting for a pool thread to wake cost a short call most of the
+// second core, as it did the AMX kernel (spin_helper.h, amx_bf16.h's kHelperRows).
+constexpr int64_t kHelperRows = 16;
 
 // Whether x [R, K] (f32 or bf16) and a weight's tiles [ceil(N / 32), ceil(K / 32), 2, 16, 32]
 // (bf16) go together.
@@ -103,16 +176,27 @@ ffi::Error Run(ffi::ThreadPool& pool, int32_t isa, int32_t max_threads, const ff
   const auto xd = x.dimensions();
   const int64_t R = xd[0], K = xd[1], Kp = gate.dimensions()[1] * 32;
   if (R == 0 || n == 0) return ffi::Error::Success();
-  std::vector<uint16_t> staged;
-  const uint16_t* xs = StageX(x.untyped_data(), x.element_type() == ffi::BF16, R, K, Kp, staged);
+  const bool x_bf16 = x.element_type() == ffi::BF16;
+  std::vector<uint16_t> staged_bf16;
+  std::vector<float> staged_f32;
+  const void* xs = isa == kAvx512Bf16
+                       ? static_cast<const void*>(
+                             StageBf16(x.untyped_data(), x_bf16, R, K, Kp, staged_bf16))
+                       : StageF32(x.untyped_data(), x_bf16, R, K, Kp, staged_f32);
   const auto* g = static_cast<const uint16_t*>(gate.untyped_data());
   const auto* u = up ? static_cast<const uint16_t*>(up->untyped_data()) : nullptr;
   const int64_t strips = (n + 31) / 32;
-  const int64_t parts = std::min(KernelThreads(pool, max_threads), strips);
+  const int64_t threads = KernelThreads(pool, max_threads);
+  const int64_t parts = std::min(threads, strips);
   const StripsFn run = StripsFor(isa);
-  ParallelFor(pool, parts, parts, [&](int64_t p, int64_t) {
+  auto part = [&](int64_t p, int64_t) {
     run(xs, R, Kp, g, u, p * strips / parts, (p + 1) * strips / parts, n, y, y_bf16);
-  });
+  };
+  if (threads == 2 && R <= kHelperRows) {
+    SpinHelper::Get().Run(parts, part);
+  } else {
+    ParallelFor(pool, parts, parts, part);
+  }
   return ffi::Error::Success();
 }
 
@@ -165,7 +249,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JenginePackedBf16SwiGlu, jengine::packed_bf16::Swi
                                   .Attr<int32_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::BF16>>());  // act [R, N]
 
-// isa 0: the code `auto` picks here; else whether that one runs here (1 or 0).
+// isa 0: the code `auto` picks here (AVX-512-BF16 only where `DpBf16Pays`); else whether that
+// one runs here (1 or 0).
 extern "C" int JenginePackedBf16Isa(int isa) {
   if (isa == jengine::kAuto) return jengine::packed_bf16::BestHere();
   return jengine::packed_bf16::SupportsHere(isa) ? 1 : 0;
