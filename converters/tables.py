@@ -16,7 +16,7 @@ import numpy as np
 from converters.errors import ModelLoadError
 from jengine.models.config import ModelConfig
 from jengine.models.layers import ParamSpec
-from jengine.models.registry import family_of, layer_offsets
+from jengine.models.registry import family_of, stacked_index
 from jengine.models.weight_rules import Index, Transform
 
 _ALL = slice(None)
@@ -82,8 +82,8 @@ def lookup(cfg: ModelConfig, key: str) -> tuple[tuple[str, ...], tuple[int, ...]
             if not names:  # a rule that names no param: a weight the family skips
                 return None
             index = [int(g) for g in m.groups()]
-            if index:  # a weight stacking only the layers from its first one on (DeepSeek's MoE)
-                index[0] -= layer_offsets(cfg).get(names[0], 0)
+            if index:  # a weight stacking only some layers (DeepSeek's MoE, a hybrid's mixers)
+                index[0] = stacked_index(cfg, names[0], index[0])
             return names, tuple(index), transform
     raise KeyError(key)
 

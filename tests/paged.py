@@ -58,7 +58,8 @@ class _PagedBatch:
             if count > 1 and pages == sorted(pages):
                 pages.reverse()  # always out of order
             self.page_table[row, :count] = pages
-        self.kv = KVCache.zeros(cfg, num_pages, page_size, jnp.float32)
+        self.kv = KVCache.zeros(cfg, num_pages, page_size, jnp.float32,
+                                state_slots=len(max_lens) + 1)  # hybrids: slot r + 1
 
     def metadata(self, rows: list[tuple[int, list[int], int]], bucket: int) -> AttentionMetadata:
         """One step's metadata: (sequence, tokens, first position) per row, flattened and

@@ -47,6 +47,13 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"kv_lora_rank {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim} cached per token "
             f"and layer, q_lora_rank {cfg.q_lora_rank or 'none'}, "
             f"{cfg.first_dense_layers} dense layers first")
+    if cfg.num_linear_layers:
+        from jengine.models import KVCache
+        per_seq = KVCache.bytes_per_state_slot(cfg)
+        info["linear_layers"] = (
+            f"{cfg.num_linear_layers} of {cfg.num_layers} Gated DeltaNet (KV pages for the "
+            f"other {cfg.num_kv_layers}); recurrent state {per_seq / 2**10:.1f} KiB f32 per "
+            "running sequence, taken from kv_cache_memory before its pages")
     for k, v in info.items():
         print(f"{k:16} {v}")
     return 0

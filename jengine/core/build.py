@@ -80,14 +80,17 @@ class Phases:
 
 
 def kv_pages(cfg: EngineConfig, mesh_spec: MeshSpec, model_config: ModelConfig,
-             num_kv_heads: int, kv_cache_dtype: str, max_model_len: int) -> int:
+             num_kv_heads: int, kv_cache_dtype: str, max_model_len: int, *,
+             state_slots: int = 0) -> int:
     """The pages `cache.kv_cache_memory` holds (per device); at least one full sequence's.
-    A quantized cache's dtype is checked against the attention backend first (the native `cpu`
+    A hybrid model's `state_slots` recurrent states come out of the same budget first. A
+    quantized cache's dtype is checked against the attention backend first (the native `cpu`
     kernel reads no fp8)."""
     check_reader(kv_cache_dtype, model_config.attention_backend)
     page_size = cfg.cache.page_size
     budget = host_kv_budget(cfg.cache.kv_cache_memory, mesh_spec, num_kv_heads,
                             cfg.parallel.num_processes)
+    budget -= state_slots * KVCache.bytes_per_state_slot(model_config)
     num_pages = budget // KVCache.bytes_per_page(model_config, page_size, kv_cache_dtype)
     max_pages = -(-max_model_len // page_size)
     if num_pages < max_pages + 1:

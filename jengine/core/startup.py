@@ -38,7 +38,7 @@ from jengine.core.build import (
 from jengine.core.draft import proposer_for
 from jengine.core.lora_cache import HostLoras
 from jengine.core.pooling import Pooling, resolve_pooling
-from jengine.models import family_module
+from jengine.models import KVCache, family_module
 from jengine.models.config import ModelConfig
 from jengine.models.idefics3 import VISION_MODEL_TYPES
 from jengine.models.layers import resolve_layer_layout
@@ -51,6 +51,7 @@ from jengine.runtime.vision import VisionEncoder
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
+from jengine.scheduling.state_slots import StateSlots
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
 from jengine.vision.idefics3_processor import Idefics3Processor
@@ -124,18 +125,29 @@ def build_parts(
     context = max_model_len(loaded, cfg.model.max_model_len)
     model_config = chunk_for_context(model_config, context)
     eos = eos_ids(loaded)
+    state_slots = hybrid_state_slots(cfg, model_config)
     num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
-                         kv_cache_dtype, context)
+                         kv_cache_dtype, context, state_slots=state_slots)
     buckets = step_buckets(cfg, context, backends["attention_backend"])
     allocator = PageAllocator(num_pages, cfg.cache.page_size)
     # An embedding pools every prompt token's hidden state, so none may come from the cache.
     caching = cfg.cache.enable_prefix_caching and cfg.model.task == "generate"
+    if state_slots:
+        log.info("recurrent state: %d slots x %.2f MiB (%s's %d linear layers) from "
+                 "kv_cache_memory, %d KV pages left", state_slots,
+                 KVCache.bytes_per_state_slot(model_config) / 2**20, model_config.model_type,
+                 model_config.num_linear_layers, num_pages)
+    if caching and state_slots:
+        log.info("prefix caching off: %s keeps recurrent state that cached pages do not hold",
+                 model_config.model_type)
+        caching = False
     prefix_cache = PrefixCache(allocator) if caching else None
     scheduler = Scheduler(
         allocator, max_num_seqs=cfg.scheduler.max_num_seqs,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=context,
         eos_token_ids=eos, prefix_cache=prefix_cache,
         proposer=proposer_for(cfg, loaded, draft_core),
+        state_slots=StateSlots(state_slots) if state_slots else None,
         max_loras=cfg.lora.max_loras if loras is not None else None,
     )
     phases.end("set up")
@@ -145,7 +157,8 @@ def build_parts(
     else:
         runner = _runner(cfg, loaded, model_config, mesh, num_pages, buckets, distributed,
                          dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-                         layer_layout=layer_layout, progress=progress, phases=phases)
+                         layer_layout=layer_layout, progress=progress, phases=phases,
+                         state_slots=state_slots)
     phases.end("kv cache")
     vision, images = _vision(cfg, loaded, model_config, dtype, make_runner is None)
     return CoreParts(distributed=distributed, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -196,6 +209,22 @@ def _vision(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, d
     return (VisionEncoder(vc, params, dtype) if real else None), prompter
 
 
+def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig) -> int:
+    """The recurrent-state slots a hybrid model's cache holds: one per sequence that may run
+    (`max_num_seqs`) plus the scratch slot; 0 for a pure-attention model.
+
+    Raises:
+      ValueError: speculative decoding with a hybrid model (a rejected proposal's state
+        cannot be rolled back).
+    """
+    if not model_config.num_linear_layers:
+        return 0
+    if cfg.speculative.method is not None:
+        raise ValueError(f"speculative decoding is not supported for {model_config.model_type}: "
+                         "its linear layers' recurrent state cannot roll back rejected tokens")
+    return cfg.scheduler.max_num_seqs + 1
+
+
 def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str, *,
                 store_dir: Path | None = None,
                 timer: auto_dtype.Timer = auto_dtype.time_projections) -> str:
@@ -218,7 +247,7 @@ def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: s
 def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, mesh,
             num_pages: int, buckets: Buckets, distributed: DistributedSpec, *, dtype,
             kv_cache_dtype, quantization: str, layer_layout: str, progress: bool,
-            phases: Phases) -> Runner:
+            phases: Phases, state_slots: int = 0) -> Runner:
     """The weights on the devices and the runner around them (with its KV cache)."""
     rules = ShardingRules.for_model(mesh, model_config) if mesh is not None else None
     params = place_weights(
@@ -235,6 +264,7 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
         buckets=buckets, kv_cache_dtype=kv_cache_dtype, rules=rules,
         channel=StepChannel(distributed) if distributed.num_processes > 1 else None,
         store=ExecutableStore(default_store_dir()), embed=cfg.model.task != "generate",
+        state_slots=state_slots,
         image_width=(model_config.hidden_size if model_config.model_type in VISION_MODEL_TYPES
                      and loaded.kind == "hf" else None),
     )

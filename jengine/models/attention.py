@@ -38,17 +38,28 @@ class KVCache:
     (`pallas_kernels.kv_quant`); a float cache keeps
     them as zero-byte leaves [L, K, P, O, 0], for the same reason. The scales are written and
     sharded like the rows (the trailing axis of 1 lets the same KV write serve them).
+
+    A Gated DeltaNet hybrid (`ModelConfig.linear_layers`, Qwen3.5) keeps pages for its
+    attention layers only (L counts those) and, for each of its Ll linear layers, a fixed-size
+    recurrent state per sequence slot N beside them: the last C-wide inputs of its causal conv
+    and its [Dk, Dv] DeltaNet state per value head. Slot 0 is a scratch slot, as page 0 is;
+    `AttentionMetadata.state_slots` names each row's slot. Pure-attention models keep both as
+    zero-byte leaves.
     """
 
     k: jax.Array  # [L, K, P, O, D]
     v: jax.Array  # [L, K, P, O, D]; [L, K, P, O, 0] under latent attention
     k_scale: jax.Array  # [L, K, P, O, 1] f32 for int8 / fp8, else [L, K, P, O, 0]
     v_scale: jax.Array  # [L, K, P, O, 1] f32 for int8 / fp8 (not latent), else [L, K, P, O, 0]
+    conv: jax.Array  # [Ll, 1, N, kernel - 1, C] f32 the conv's last inputs, oldest first
+    ssm: jax.Array  # [Ll, Hv, N, Dk, Dv] f32 the DeltaNet state
 
     @classmethod
-    def of_each(cls, leaf) -> KVCache:
-        """The same `leaf` in every field: a sharding for each of the cache's arrays."""
-        return cls(k=leaf, v=leaf, k_scale=leaf, v_scale=leaf)
+    def of_each(cls, leaf, state=None) -> KVCache:
+        """The same `leaf` in every field (`state`, where given, in the recurrent-state ones):
+        a sharding for each of the cache's arrays."""
+        state = leaf if state is None else state
+        return cls(k=leaf, v=leaf, k_scale=leaf, v_scale=leaf, conv=state, ssm=state)
 
     @property
     def quantized(self) -> bool:
@@ -57,16 +68,28 @@ class KVCache:
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, *,
-              untouched: bool = False) -> KVCache:
+              untouched: bool = False, state_slots: int = 0) -> KVCache:
         """An empty cache. `untouched` (inside a program for one CPU device): the same zeros,
         made without writing them (`cpu_kernels.kv_zeros`), so start-up pays no page
-        faults for pages no step has used yet."""
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        faults for pages no step has used yet. `state_slots`: the recurrent-state slots of a
+        hybrid model (its running sequences + the scratch slot 0).
+
+        Raises:
+          ValueError: a hybrid model without state slots.
+        """
+        if cfg.num_linear_layers and state_slots < 2:
+            raise ValueError(f"{cfg.model_type} needs recurrent-state slots (got {state_slots})")
+        shape = (cfg.num_kv_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         rows = shape[:-1]
         scaled = is_quantized(dtype)
+        n = state_slots if cfg.num_linear_layers else 0
         structs = [(shape, dtype), (rows + (0,) if cfg.latent_attention else shape, dtype),
                    (rows + (int(scaled),), jnp.float32),
-                   (rows + (int(scaled and not cfg.latent_attention),), jnp.float32)]
+                   (rows + (int(scaled and not cfg.latent_attention),), jnp.float32),
+                   ((cfg.num_linear_layers, 1, n, max(cfg.linear_conv_kernel - 1, 0),
+                     cfg.linear_conv_dim), jnp.float32),
+                   ((cfg.num_linear_layers, cfg.linear_v_heads, n, cfg.linear_k_dim,
+                     cfg.linear_v_dim), jnp.float32)]
         if untouched:
             return cls(*untouched_zeros(*(jax.ShapeDtypeStruct(*s) for s in structs)))
         return cls(*(jnp.zeros(*s) for s in structs))
@@ -78,7 +101,14 @@ class KVCache:
         if is_quantized(dtype):
             row += jnp.dtype(jnp.float32).itemsize  # the row's scale
         copies = 1 if cfg.latent_attention else 2  # latent rows only, else keys and values
-        return copies * cfg.num_layers * page_size * cfg.num_kv_heads * row
+        return copies * cfg.num_kv_layers * page_size * cfg.num_kv_heads * row
+
+    @staticmethod
+    def bytes_per_state_slot(cfg: ModelConfig) -> int:
+        """Bytes of one sequence's recurrent state over all linear layers (0 without any)."""
+        conv = (cfg.linear_conv_kernel - 1) * cfg.linear_conv_dim
+        ssm = cfg.linear_v_heads * cfg.linear_k_dim * cfg.linear_v_dim
+        return 4 * cfg.num_linear_layers * (conv + ssm)
 
 
 @jax.tree_util.register_dataclass
@@ -100,6 +130,9 @@ class AttentionMetadata:
     # blocks of B, the real blocks first (NB is the bucket's bound; the rest are empty).
     block_tokens: jax.Array | None = None  # [NB, B] int32 flat token per row; T = padding
     block_seq: jax.Array | None = None  # [NB] int32
+    # Hybrid models: each row's recurrent-state slot (`KVCache.conv` / `.ssm`; padding rows:
+    # the scratch slot 0). None: row r holds slot r + 1.
+    state_slots: jax.Array | None = None  # [S] int32
     # Steps with LoRA adapters only (else None): each token's adapter slot, -1 for none.
     lora_slots: jax.Array | None = None  # [T] int32
     # Image rows (vision families only, else None): `embeds` [M, E] replace the token embeddings
@@ -181,7 +214,7 @@ def attend_latent(
         kv = _write(kv, layer, md.slot_mapping, rows, None, backend=backend,
                     kv_head_map=kv_head_map)
     with jax.named_scope("attention"):
-        shared = KVCache(k=kv.k, v=kv.k, k_scale=kv.k_scale, v_scale=kv.k_scale)
+        shared = dataclasses.replace(kv, v=kv.k, v_scale=kv.k_scale)
         out = _attention(q, shared, layer, md, sm_scale=sm_scale, sliding_window=None,
                          soft_cap=None, kv_head_map=kv_head_map, backend=backend)
     return out[..., :value_dim], kv
@@ -203,7 +236,7 @@ def _write(kv: KVCache, layer, slot_mapping, k, v, *, backend: str, kv_head_map)
         return write(cache, layer, slot_mapping, rows), write(scales, layer, slot_mapping, scale)
 
     (k_cache, k_scale), (v_cache, v_scale) = put(kv.k, kv.k_scale, k), put(kv.v, kv.v_scale, v)
-    return KVCache(k=k_cache, v=v_cache, k_scale=k_scale, v_scale=v_scale)
+    return dataclasses.replace(kv, k=k_cache, v=v_cache, k_scale=k_scale, v_scale=v_scale)
 
 
 def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend,

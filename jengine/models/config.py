@@ -212,6 +212,17 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gated DeltaNet hybrids (Qwen3.5, `models/qwen3_5.py`): True for each layer whose token
+    # mixer is a linear-attention layer (its recurrent state in `KVCache.conv` / `.ssm`, no KV
+    # pages); its causal conv width, key / value heads and head widths. `attn_output_gate`:
+    # the full-attention layers' output x sigmoid(a gate projected beside q).
+    linear_layers: tuple[bool, ...] = ()
+    linear_conv_kernel: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    attn_output_gate: bool = False
     # Set only under tensor parallelism with replicated kv heads (jengine.sharding): num_heads
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
@@ -229,6 +240,21 @@ class ModelConfig:
             return float(self.attention_multiplier)
         scalar = self.query_pre_attn_scalar or self.head_dim
         return float(scalar) ** -0.5
+
+    @property
+    def num_linear_layers(self) -> int:
+        """The Gated DeltaNet layers (0 for a pure-attention model)."""
+        return sum(self.linear_layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that keep KV pages: all but the linear-attention ones."""
+        return self.num_layers - self.num_linear_layers
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear layer's causal conv: its q, k and v side by side."""
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
 
     @property
     def latent_attention(self) -> bool:
@@ -256,6 +282,8 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else e * v
         if self.latent_attention:
             return v * e + _mla_layers_params(self) + e + head
+        if self.num_linear_layers:
+            return v * e + _hybrid_layers_params(self) + e + head
         return v * e + n * attn + mlps + e + head
 
     def to_dict(self) -> dict[str, Any]:
@@ -293,3 +321,18 @@ def _mla_layers_params(cfg: ModelConfig) -> int:
     sparse += 3 * e * cfg.shared_expert_intermediate_size
     moe_layers = cfg.num_layers - cfg.first_dense_layers
     return cfg.num_layers * attn + cfg.first_dense_layers * dense + moe_layers * sparse
+
+
+def _hybrid_layers_params(cfg: ModelConfig) -> int:
+    """Weights of a Gated DeltaNet hybrid's layers (Qwen3.5): norms and MLP on every layer, the
+    gated attention on the others, the linear-attention mixer on the linear ones."""
+    e, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    attn = e * (2 * q + 2 * kv) + q * e + 2 * d
+    hv, vd = cfg.linear_v_heads, cfg.linear_v_heads * cfg.linear_v_dim
+    conv = cfg.linear_conv_dim
+    linear = e * (conv + vd + 2 * hv) + conv * cfg.linear_conv_kernel + 2 * hv
+    linear += cfg.linear_v_dim + vd * e
+    every = 2 * e + 3 * e * cfg.intermediate_size
+    n_lin = cfg.num_linear_layers
+    return cfg.num_layers * every + n_lin * linear + (cfg.num_layers - n_lin) * attn

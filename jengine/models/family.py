@@ -56,6 +56,10 @@ class Network:
     smoothing_folds: Callable[[ModelConfig], tuple[Any, ...]] | None = None
     # The first layer of every weight stacking fewer than all layers (DeepSeek's MoE weights).
     layer_offsets: Callable[[ModelConfig], dict[str, int]] | None = None
+    # The layers each weight stacking only some layers holds, in order, where they are not one
+    # run (a hybrid's attention and linear-attention weights interleave): name -> layers
+    # (`registry.layer_offsets` merges them with `layer_offsets`).
+    layer_ordinals: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
     # (params, cfg, hidden [N, E]) -> the final norm's output [N, E], what an embedding pools;
     # None: RMSNorm by `final_norm` (Llama's); Gemma scales by 1 + weight.
     final_norm: Callable[..., Any] | None = None
@@ -68,7 +72,7 @@ class ModelType:
     name: str
     features: str
     # in tests/models/test_models_parity.py, test_deepseek.py, test_deepseek_v3.py,
-    # test_glm4_moe.py or test_idefics3.py
+    # test_glm4_moe.py, test_idefics3.py or test_qwen3_5.py
     parity_test: str | None = None
     # How GGUF files reach this type when no architecture maps to it by name (Mixtral is
     # llama.cpp's `llama` with experts).

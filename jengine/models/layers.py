@@ -282,7 +282,8 @@ def resolve_layer_layout(layout: str, platform: str) -> str:
 
 def unstack_layers(params: dict[str, Weight], keys: tuple[str, ...], num_layers: int, *,
                    delete_stacked: bool = False,
-                   first_layer: dict[str, int] | None = None) -> dict[str, Weight | tuple]:
+                   first_layer: dict[str, int | tuple[int, ...]] | None = None,
+                   ) -> dict[str, Weight | tuple]:
     """Stacked layer weights [L, ...] -> `params["layers"]`, a tuple of L dicts of [...] arrays
     (each keeps its shard layout minus the layer axis; a `QArray` splits its int8 values and
     scales alike). `delete_stacked` frees each stacked array once it is split (the caller must
@@ -291,18 +292,21 @@ def unstack_layers(params: dict[str, Weight], keys: tuple[str, ...], num_layers:
 
     A weight named in `first_layer` stacks only some layers, from that one on, as many as its
     leading axis holds (DeepSeek's dense MLPs, then its MoE layers): the per-layer dicts then
-    differ in keys."""
+    differ in keys. A tuple there names the layers it stacks, in order (a hybrid's attention
+    and linear-attention weights, each on the layers of its kind)."""
     first_layer = first_layer or {}
     out = {k: v for k, v in params.items() if k not in keys}
     names = [k for k in keys if k in params]
     layers: list[dict[str, Weight]] = [{} for _ in range(num_layers)]
     for name in names:
         leaves, treedef = jax.tree.flatten(params[name])
-        first = first_layer.get(name, 0)
+        held = first_layer.get(name, 0)
         count = leaves[0].shape[0] if name in first_layer else num_layers
+        if isinstance(held, int):
+            held = tuple(range(held, held + count))
         parts = [_split_layers(leaf, count) for leaf in leaves]
         for i in range(count):
-            layers[first + i][name] = treedef.unflatten([p[i] for p in parts])
+            layers[held[i]][name] = treedef.unflatten([p[i] for p in parts])
         if delete_stacked:
             for leaf in leaves:
                 if isinstance(leaf, jax.Array):

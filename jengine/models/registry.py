@@ -19,12 +19,13 @@ from jengine.models.glm4_moe import GLM4_MOE
 from jengine.models.hf_config import config_from_hf
 from jengine.models.idefics3 import IDEFICS3
 from jengine.models.llama4 import LLAMA4
+from jengine.models.qwen3_5 import QWEN3_5
 
 FAMILIES: tuple[Family, ...] = (
     lv.LLAMA, lv.MISTRAL, lv.MIXTRAL, lv.QWEN2, lv.QWEN3, lv.QWEN2_MOE, lv.QWEN3_MOE,
     lv.GRANITE, lv.GRANITEMOE, lv.PHI3, lv.OLMO2, lv.EXAONE4, lv.SMOLLM3, lv.SEED_OSS,
     GEMMA3, GEMMA2, IDEFICS3,
-    DEEPSEEK_V2, GLM4_MOE, LLAMA4,
+    DEEPSEEK_V2, GLM4_MOE, LLAMA4, QWEN3_5,
 )
 
 
@@ -52,11 +53,27 @@ def family_module(cfg: ModelConfig) -> Network:
     return family_of(cfg).network
 
 
-def layer_offsets(cfg: ModelConfig) -> dict[str, int]:
-    """The first layer of every layer weight that stacks fewer than all layers (DeepSeek's MoE
-    weights start after its dense layers); {} for the families whose layers are all alike."""
-    offsets = family_module(cfg).layer_offsets
-    return offsets(cfg) if offsets else {}
+def layer_offsets(cfg: ModelConfig) -> dict[str, int | tuple[int, ...]]:
+    """Every layer weight that stacks fewer than all layers: its first layer (DeepSeek's MoE
+    weights start after its dense layers), or the layers it stacks, in order, where they are
+    not one run (a hybrid's mixers: `Network.layer_ordinals`); {} for the families whose
+    layers are all alike."""
+    network = family_module(cfg)
+    offsets: dict[str, int | tuple[int, ...]] = {}
+    if network.layer_offsets:
+        offsets.update(network.layer_offsets(cfg))
+    if network.layer_ordinals:
+        offsets.update(network.layer_ordinals(cfg))
+    return offsets
+
+
+def stacked_index(cfg: ModelConfig, name: str, layer: int) -> int:
+    """Where layer `layer`'s slice of weight `name` sits on its leading axis (`layer_offsets`);
+    -1 for a layer the weight does not stack."""
+    held = layer_offsets(cfg).get(name, 0)
+    if isinstance(held, int):
+        return layer - held
+    return held.index(layer) if layer in held else -1
 
 
 def gguf_family(arch: str) -> tuple[Family, str]:

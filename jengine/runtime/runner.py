@@ -76,6 +76,7 @@ class Runner:
         channel: StepChannel | None = None,
         store: ExecutableStore | None = None,
         embed: bool = False,
+        state_slots: int = 0,
         loras: LoraSlots | None = None,
         image_width: int | None = None,
     ):
@@ -87,7 +88,8 @@ class Runner:
         score): every step runs the embed variant, never a sampling one. `loras`
         (`enable_lora`): the adapter slots; a batch with adapters runs the lora variants.
         `image_width` (a vision model's hidden size): every step carries image rows
-        (`step_io.image_rows`)."""
+        (`step_io.image_rows`). `state_slots`: a hybrid model's recurrent-state slots in the
+        cache (running sequences + scratch)."""
         self.cfg = cfg
         self.params = params
         self.embed = embed
@@ -97,6 +99,7 @@ class Runner:
         self.num_pages = num_pages
         self.buckets = buckets
         self.kv_cache_dtype = kv_cache_dtype
+        self.state_slots = state_slots  # a hybrid model's recurrent-state slots (0: none)
         self._input_sharding = rules.replicated() if rules else None
         self._channel = channel if channel is not None and channel.is_leader else None
         self._follower_channel = channel if channel is not None and not channel.is_leader else None
@@ -111,8 +114,9 @@ class Runner:
         # written (2 GiB of zero-fill page faults is seconds of start-up otherwise).
         untouched = rules is None and self._devices[0].platform == "cpu"
         self.kv = jax.jit(
-            lambda: KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype, untouched=untouched),
-            out_shardings=KVCache.of_each(kv_sharding) if rules else None,
+            lambda: KVCache.zeros(cfg, num_pages, page_size, kv_cache_dtype, untouched=untouched,
+                                  state_slots=state_slots),
+            out_shardings=KVCache.of_each(kv_sharding, rules.replicated()) if rules else None,
         )()
         family = family_module(cfg)
         forward, head = family.forward, family.logits
@@ -154,7 +158,7 @@ class Runner:
         # Under a mesh the sampled tokens come back replicated, so every process can read them.
         out_shardings = None
         if rules:
-            out_shardings = (rules.replicated(), KVCache.of_each(kv_sharding))
+            out_shardings = (rules.replicated(), KVCache.of_each(kv_sharding, rules.replicated()))
         self._step_fn = step
         self._jit_kwargs = dict(donate_argnames=("kv",), static_argnames=("variant",),
                                 out_shardings=out_shardings)
@@ -185,7 +189,8 @@ class Runner:
         inputs, variant = step_inputs(
             batch, rows, self.buckets, blocked_queries=self.cfg.attention_backend == "reference",
             vocab_size=self.cfg.vocab_size, history_width=self.buckets.pages[-1] * self.page_size,
-            feed=feed, lora_slots=batch_slots(self.loras, batch), image_width=self.image_width)
+            feed=feed, lora_slots=batch_slots(self.loras, batch), image_width=self.image_width,
+            state_slots=self.state_slots > 0)
         return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
 
     def _to_device(self, host):  # a pytree of NumPy arrays

@@ -164,6 +164,8 @@ class StepInputs:
     # Reference backend, prefill-heavy buckets only: (block_tokens [NB, B], block_seq [NB]).
     blocks: tuple[np.ndarray, np.ndarray] | None = None
     targets: np.ndarray | None = None  # [T] int32 prompt_logprobs' next prompt token, or -1
+    # Hybrid models: [S] int32 each row's recurrent-state slot (padding rows: the scratch 0).
+    state_slots: np.ndarray | None = None
     lora_slots: np.ndarray | None = None  # [T] int32 LoRA slot per token, -1: none (lora only)
     # Vision models only (every step, so one program per bucket serves text and images):
     # (rows [T, E] f32, at [T] int32): token t takes rows[t] where at[t] >= 0 (an image row).
@@ -180,6 +182,7 @@ class StepInputs:
             page_table=self.page_table, logits_indices=self.logits_indices,
             block_tokens=self.blocks[0] if self.blocks else None,
             block_seq=self.blocks[1] if self.blocks else None, lora_slots=self.lora_slots,
+            state_slots=self.state_slots,
             embeds=self.images[0] if self.images else None,
             embeds_at=self.images[1] if self.images else None,
         )
@@ -189,13 +192,16 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                 blocked_queries: bool, vocab_size: int, history_width: int,
                 feed: np.ndarray | None = None,
                 lora_slots: np.ndarray | None = None,
-                image_width: int | None = None) -> tuple[StepInputs, Variant]:
+                image_width: int | None = None,
+                state_slots: bool = False) -> tuple[StepInputs, Variant]:
     """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
     whose sampled token it takes (-1: its own id). `lora_slots` [num_tokens]: each token's
     adapter slot (-1: none), given for a batch with adapters (the lora variant's input).
     `blocked_queries`: build the query blocks that the reference attention reads in
     prefill-heavy buckets. `vocab_size` and
     `history_width` size the features program's inputs (`SamplingRows.padded`).
+    `state_slots` (a hybrid model's steps, warm-up included): pass each row's recurrent-state
+    slot.
     `image_width` (a vision model's hidden size): carry the image rows of the prompt tokens
     this step computes (`image_rows`).
 
@@ -227,6 +233,11 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
         targets = np.full((t,), -1, np.int32)
         targets[:n_tok] = rows.prompt_targets
     slots = None
+    state = None
+    if state_slots:
+        state = np.zeros((s,), np.int32)
+        if batch.state_slots is not None:
+            state[:n_seq] = batch.state_slots
     if lora_slots is not None:
         slots = np.full((t,), -1, np.int32)
         slots[:n_tok] = lora_slots
@@ -236,7 +247,7 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
                         sampling=sampling, blocks=blocks, targets=targets, lora_slots=slots,
-                        images=images)
+                        images=images, state_slots=state)
     return inputs, variant
 
 

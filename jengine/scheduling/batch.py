@@ -51,6 +51,8 @@ class ScheduledBatch:
     sample: np.ndarray
     seqs: list = dataclasses.field(default_factory=list, repr=False)  # the Sequence objects
     spec_lens: np.ndarray | None = None
+    # [S] int32 each sequence's recurrent-state slot (hybrid models), or None.
+    state_slots: np.ndarray | None = None
     # [S] the LoRA adapter id of each sequence (0: the base model), or None when none uses one.
     lora_ids: np.ndarray | None = None
 
@@ -131,5 +133,7 @@ def build_batch(chosen: list[tuple[Sequence, int]], page_size: int) -> Scheduled
         sample=np.asarray(sample, bool),
         seqs=[seq for seq, _ in chosen],
         spec_lens=spec_lens if spec_lens.any() else None,
+        state_slots=(np.asarray([seq.state_slot or 0 for seq, _ in chosen], np.int32)
+                     if any(seq.state_slot is not None for seq, _ in chosen) else None),
         lora_ids=lora_ids if lora_ids.any() else None,
     )

@@ -47,6 +47,7 @@ from jengine.scheduling.speculative import (
     SpecCounters,
     num_accepted,
 )
+from jengine.scheduling.state_slots import StateSlots
 
 
 class Scheduler:
@@ -62,11 +63,15 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         prefix_cache: PrefixCache | None = None,
         proposer: NgramProposer | None = None,
+        state_slots: StateSlots | None = None,
         max_loras: int | None = None,
     ):
         """`max_loras` (LoRA serving): the most distinct adapters among the running sequences,
         the device slots a step has; a waiting sequence under another adapter waits."""
         self.allocator = allocator
+        # A hybrid model's recurrent-state slots (None: a pure-attention model): one per
+        # running sequence, taken at admission, given back with its pages.
+        self.state_slots = state_slots
         self.max_loras = max_loras
         # Speculative decoding (None: off); `finalize` accepts what its proposals confirmed.
         self.speculator = Speculator(proposer) if proposer is not None else None
@@ -159,13 +164,16 @@ class Scheduler:
                     continue
             else:
                 need = self.allocator.pages_for(seq.num_computed + n) - len(seq.pages)
-                if not self._can_allocate(need):
+                no_slot = self.state_slots is not None and not self.state_slots.num_free
+                if no_slot or not self._can_allocate(need):
                     self._unreuse(seq, hit)
                     break
                 seq.pages += self._allocate(need)
             if hit is not None:
                 count_lookup(self.prefix_cache, seq, hit)
             if seq.status is SequenceStatus.WAITING:
+                if self.state_slots is not None:
+                    seq.state_slot = self.state_slots.allocate()
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -269,7 +277,10 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         """Lets go of a sequence's pages (the prefix cache holds its full ones, up to
-        `own_pages_from`)."""
+        `own_pages_from`) and of its recurrent-state slot."""
+        if seq.state_slot is not None:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = None
         if seq.pages:
             self.allocator.free(seq.pages)
             seq.pages = []
@@ -381,6 +392,8 @@ class Scheduler:
         """Gives the leader's waiting siblings its full prompt pages by reference; each then
         prefills only the prompt's last partial page (at least the last prompt token)."""
         shared = leader.pages[: (len(leader.prompt_ids) - 1) // self.allocator.page_size]
+        if self.state_slots is not None:  # pages hold no recurrent state: each prefills it all
+            shared = []
         for seq in reversed(leader.pending_forks):
             self.allocator.share(shared)
             seq.pages = list(shared)

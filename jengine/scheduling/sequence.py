@@ -67,6 +67,8 @@ class Sequence:
     # Speculative decoding (`jengine.scheduling.speculative.SpecState`); None while it never
     # speculated.
     spec: Any = None
+    # A hybrid model's recurrent-state slot (`jengine.scheduling.state_slots`) while it runs.
+    state_slot: int | None = None
     # The LoRA adapter it runs under (`LoRARequest.lora_int_id`); 0: the base model.
     lora_id: int = 0
     # The prompt's encoded images (vision models); kept until the sequence ends, as a preempted

@@ -164,7 +164,8 @@ def _attend(case, backend, *, blocked=False, window=None):
     """`attend` as the model runs it, on an int8 `KVCache` holding the case's cache."""
     x = case.step_inputs()
     (k, k_scale), (v, v_scale) = quantize_rows(case.k_cache), quantize_rows(case.v_cache)
-    kv = KVCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+    none = jnp.zeros((0, 1, 0, 0, 0), jnp.float32)  # no recurrent state (not a hybrid)
+    kv = KVCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale, conv=none, ssm=none)
     num_tokens = len(x["slots"])
     blocks = {}
     if blocked:
