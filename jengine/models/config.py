@@ -301,6 +301,7 @@ class ModelConfig:
                 d[key] = RopeConfig(**rope)
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["rope_layers"] = tuple(d.get("rope_layers", ()))
+        d["linear_layers"] = tuple(d.get("linear_layers", ()))
         if d.get("attn_temperature") is not None:
             d["attn_temperature"] = tuple(d["attn_temperature"])
         if d.get("kv_head_map") is not None:

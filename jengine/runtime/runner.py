@@ -90,16 +90,10 @@ class Runner:
         `image_width` (a vision model's hidden size): every step carries image rows
         (`step_io.image_rows`). `state_slots`: a hybrid model's recurrent-state slots in the
         cache (running sequences + scratch)."""
-        self.cfg = cfg
-        self.params = params
-        self.embed = embed
-        self.loras = loras
-        self.image_width = image_width
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.buckets = buckets
+        self.cfg, self.params, self.embed = cfg, params, embed
+        self.loras, self.image_width, self.state_slots = loras, image_width, state_slots
+        self.page_size, self.num_pages, self.buckets = page_size, num_pages, buckets
         self.kv_cache_dtype = kv_cache_dtype
-        self.state_slots = state_slots  # a hybrid model's recurrent-state slots (0: none)
         self._input_sharding = rules.replicated() if rules else None
         self._channel = channel if channel is not None and channel.is_leader else None
         self._follower_channel = channel if channel is not None and not channel.is_leader else None

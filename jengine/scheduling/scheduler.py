@@ -31,6 +31,7 @@ import collections
 import numpy as np
 
 from jengine.scheduling.batch import ScheduledBatch, build_batch
+from jengine.scheduling.fairness import fair_order
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.prefix_reuse import (
@@ -66,13 +67,11 @@ class Scheduler:
         state_slots: StateSlots | None = None,
         max_loras: int | None = None,
     ):
-        """`max_loras` (LoRA serving): the most distinct adapters among the running sequences,
-        the device slots a step has; a waiting sequence under another adapter waits."""
+        """`state_slots`: a hybrid model's recurrent-state slots (one per running sequence,
+        taken at admission, given back with its pages). `max_loras` (LoRA serving): the most
+        distinct adapters among the running sequences; a sequence under another one waits."""
         self.allocator = allocator
-        # A hybrid model's recurrent-state slots (None: a pure-attention model): one per
-        # running sequence, taken at admission, given back with its pages.
-        self.state_slots = state_slots
-        self.max_loras = max_loras
+        self.state_slots, self.max_loras = state_slots, max_loras
         # Speculative decoding (None: off); `finalize` accepts what its proposals confirmed.
         self.speculator = Speculator(proposer) if proposer is not None else None
         self.prefix_cache = prefix_cache
@@ -137,7 +136,8 @@ class Scheduler:
             if self._reserve(seq, seq.num_tokens, chosen):
                 chosen.append((seq, 1))
                 budget -= 1
-        prefills = [s for s in self.running if s.num_uncomputed > 1] + self._fair_waiting()
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        prefills += fair_order(self.waiting, self.running, self.max_num_seqs)
         deferred = 0
         adapters = {s.lora_id for s in self.running if s.lora_id}
         for seq in prefills:
@@ -198,23 +198,6 @@ class Scheduler:
     def may_speculate(self, seq: Sequence) -> bool:
         """Whether `seq` may verify proposals (see `Speculator.may_speculate`)."""
         return self.speculator is not None and self.speculator.may_speculate(seq)
-
-    def _fair_waiting(self) -> list[Sequence]:
-        """The waiting queue in admission order, fair between requests: a request with many
-        samples (`n`) is taken round-robin with the others, by how many sequences it already
-        runs (FIFO among equals), and while other requests wait it may not run more than half
-        of `max_num_seqs`."""
-        if len({s.request_id for s in self.waiting}) < 2:
-            return list(self.waiting)
-        share = max(1, self.max_num_seqs // 2)
-        held = collections.Counter(s.request_id for s in self.running)
-        keyed = []
-        for order, seq in enumerate(self.waiting):
-            rank = held[seq.request_id]
-            held[seq.request_id] += 1
-            if rank < share:  # share >= 1: every request's first sequence is in
-                keyed.append((rank, order, seq))
-        return [seq for _, _, seq in sorted(keyed, key=lambda k: k[:2])]
 
     def _reserve(self, seq: Sequence, num_tokens: int, chosen: list) -> bool:
         """Makes sure `seq` has pages for `num_tokens`, preempting later-admitted sequences

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import peft
+import pytest
 import torch
 from hf_gguf import load_hf_gguf  # tests/hf_gguf.py
 from lora_adapters import base_model, hf_greedy, random_adapter
@@ -20,6 +21,7 @@ from jengine.sampling_params import StructuredOutputs
 ONE_BUCKET = str(Path(__file__).parents[1] / "one_bucket.yaml")
 
 
+@pytest.mark.slow  # ~30 s; CI: HF + PEFT parity on the tiny models (tests/engine/test_lora.py)
 def test_smollm2_adapter_equals_hf_peft_and_keeps_structured_outputs(tmp_path):
     tok, model = load_hf_gguf(default_model_path())
     lora = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,

@@ -156,8 +156,10 @@ def test_ffi_write_of_rows_and_scales_is_numpy_quantization_in_place():
 
 def _cache_config(head_dim=HEAD_DIM):
     """What `KVCache` reads of a `ModelConfig`."""
-    return SimpleNamespace(num_layers=NUM_LAYERS, num_kv_heads=2, head_dim=head_dim,
-                           latent_attention=False)
+    return SimpleNamespace(num_layers=NUM_LAYERS, num_kv_layers=NUM_LAYERS, num_kv_heads=2,
+                           head_dim=head_dim, latent_attention=False, num_linear_layers=0,
+                           linear_conv_kernel=0, linear_conv_dim=0, linear_v_heads=0,
+                           linear_k_dim=0, linear_v_dim=0, model_type="llama")
 
 
 def _attend(case, backend, *, blocked=False, window=None):

@@ -53,13 +53,21 @@ def test_kernel_greedy_tokens_equal_the_reference(tmp_path, caplog):
     tokens["xla"] = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, params)]
     assert tokens["native"] == tokens["xla"]
     assert all(len(t) == 32 for t in tokens["native"])
-    if cpu_w4.available() and cpu_w4.supports("avx512_vnni"):
-        del reference
-        vnni = _engine(tmp_path, "w4a16", "native")
-        got = [o.outputs[0].token_ids for o in vnni.generate(PROMPTS, params)]
-        # int8 activations move near ties (docs/quantization.md: 91.8% of next tokens teacher
-        # forced; here "def fibonacci(n):" parts at its 4th token): the first 3 agree
-        assert [t[:3] for t in got] == [t[:3] for t in tokens["xla"]]
+
+
+@pytest.mark.slow  # ~15 s; CI: the W4A8 kernel against its float64 scheme (test_w4_matmul.py)
+@pytest.mark.skipif(not (cpu_w4.available() and cpu_w4.supports("avx512_vnni")),
+                    reason="no AVX-512 VNNI w4 path here")
+def test_vnni_path_greedy_tokens_start_as_the_reference(tmp_path):
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    reference = _engine(tmp_path, "w4a16", "xla")
+    want = [o.outputs[0].token_ids for o in reference.generate(PROMPTS, params)]
+    del reference
+    vnni = _engine(tmp_path, "w4a16", "native")
+    got = [o.outputs[0].token_ids for o in vnni.generate(PROMPTS, params)]
+    # int8 activations move near ties (docs/quantization.md: 91.8% of next tokens teacher
+    # forced; here "def fibonacci(n):" parts at its 4th token): the first 3 agree
+    assert [t[:3] for t in got] == [t[:3] for t in want]
 
 
 def test_bad_combinations_are_value_errors():

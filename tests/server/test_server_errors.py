@@ -40,6 +40,9 @@ BAD_REQUESTS = [
      "messages.0.content"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content.0"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [  # a
+        {"type": "text", "text": "t"}, {"type": "image_url", "image_url": {  # text-only model
+            "url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, "messages.0.content.1"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f g"}}]},
      "tools"),

@@ -192,17 +192,6 @@ def test_too_many_images_is_a_400(vlm):
         _chat(url, [{"role": "user", "content": [part] * 5}])
 
 
-def test_images_for_a_text_model_are_a_400():
-    engine = AsyncEngine(config="test", progress=False)
-    try:
-        with serving(create_app(engine, ServerConfig(), model_name="vlm")) as url:
-            with pytest.raises(openai.BadRequestError, match="does not take images") as e:
-                _chat(url, _messages(_data_url(_image(4))))
-            assert e.value.body["param"] == "messages.0.content.1"
-    finally:
-        engine.shutdown()
-
-
 def test_tokenize_refuses_images(vlm):
     import httpx
 
