@@ -84,22 +84,28 @@ def vnni_int8_matmul(
     rescale: XLA's int8 dot to the bit, or that rounded to bf16) by VPDPBUSD on AVX-512 VNNI,
     for CPUs without AMX-INT8."""
     library.require("the VNNI int8 matmul", "XLA's int8 dot (matmul_backend 'xla')")
-    if (xq.dtype != jnp.int8 or xq.ndim != 2 or tiles.dtype != jnp.int8
-            or tiles.shape[2:] != AMX_INT8_TILE or tiles.shape[0] != -(-n // 32)
-            or tiles.shape[1] != -(-xq.shape[1] // 64) or sx.size != xq.shape[0]
-            or w_scale.size != n):
-        raise ValueError(f"vnni_int8_matmul takes int8 xq [R, K], sx [R], the int8 "
-                         f"amx_int8_tiles(w) of a w [K, {n}] and its [{n}] scales, got "
-                         f"{xq.dtype}{xq.shape}, {sx.shape}, {tiles.dtype}{tiles.shape}, "
-                         f"{w_scale.shape}")
-    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"vnni_int8_matmul returns float32 or bfloat16, not {out_dtype}")
+    _check_packed(xq, sx, tiles, w_scale, n, out_dtype, "vnni_int8_matmul")
     call = jax.ffi.ffi_call(library.target("jengine_vnni_int8_packed"),
                             jax.ShapeDtypeStruct((xq.shape[0], n), out_dtype))
     return call(xq, sx.reshape(-1).astype(jnp.float32), tiles,
                 w_scale.reshape(-1).astype(jnp.float32), n=np.int64(n),
                 isa=np.int32(library.isa_code("vnni_int8_packed", "avx512_vnni")),
                 max_threads=np.int32(max_threads))
+
+
+def _check_packed(xq, sx, tiles, w_scale, n: int, out_dtype, name: str) -> None:
+    """ValueError unless the operands are what both packed-int8 kernels read (`amx_int8_tiles`
+    of a [K, n] weight, int8 rows, their scales) and the output is f32 or bf16."""
+    if (xq.dtype != jnp.int8 or xq.ndim != 2 or tiles.dtype != jnp.int8
+            or tiles.shape[2:] != AMX_INT8_TILE or tiles.shape[0] != -(-n // 32)
+            or tiles.shape[1] != -(-xq.shape[1] // 64) or sx.size != xq.shape[0]
+            or w_scale.size != n):
+        raise ValueError(f"{name} takes int8 xq [R, K], sx [R], the int8 "
+                         f"amx_int8_tiles(w) of a w [K, {n}] and its [{n}] scales, got "
+                         f"{xq.dtype}{xq.shape}, {sx.shape}, {tiles.dtype}{tiles.shape}, "
+                         f"{w_scale.shape}")
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{name} returns float32 or bfloat16, not {out_dtype}")
 
 
 def amx_int8_tiles(w: np.ndarray) -> np.ndarray:
@@ -126,16 +132,7 @@ def amx_int8_matmul(
     rescale in quant._rescale's order): XLA's int8 dot and rescale to the bit, or that rounded
     to bf16 (`out_dtype`), from the packed weight, its columns split over the threads."""
     require()
-    if (xq.dtype != jnp.int8 or xq.ndim != 2 or tiles.dtype != jnp.int8
-            or tiles.shape[2:] != AMX_INT8_TILE or tiles.shape[0] != -(-n // 32)
-            or tiles.shape[1] != -(-xq.shape[1] // 64) or sx.size != xq.shape[0]
-            or w_scale.size != n):
-        raise ValueError(f"amx_int8_matmul takes int8 xq [R, K], sx [R], the int8 "
-                         f"amx_int8_tiles(w) of a w [K, {n}] and its [{n}] scales, got "
-                         f"{xq.dtype}{xq.shape}, {sx.shape}, {tiles.dtype}{tiles.shape}, "
-                         f"{w_scale.shape}")
-    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"amx_int8_matmul returns float32 or bfloat16, not {out_dtype}")
+    _check_packed(xq, sx, tiles, w_scale, n, out_dtype, "amx_int8_matmul")
     call = jax.ffi.ffi_call(library.target("jengine_amx_int8_matmul"),
                             jax.ShapeDtypeStruct((xq.shape[0], n), out_dtype))
     return call(xq, sx.reshape(-1).astype(jnp.float32), tiles,
