@@ -192,6 +192,24 @@ def test_too_many_images_is_a_400(vlm):
         _chat(url, [{"role": "user", "content": [part] * 5}])
 
 
+def test_anthropic_image_blocks_equal_chats_image_parts(vlm):
+    """`/v1/messages` through the `anthropic` SDK: a base64 image block gives chat's greedy
+    text for the same image; count_tokens refuses images as /tokenize does."""
+    import anthropic
+
+    model, engine, url, *_ = vlm
+    image = _encode(_image(4))
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    content = [{"type": "text", "text": "t7"}, {"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}}]
+    reply = client.messages.create(model="vlm", max_tokens=MAX_TOKENS, extra_body={
+        "temperature": 0}, messages=[{"role": "user", "content": content}])
+    assert reply.content[0].text == _hf_text(model, engine, _messages(_data_url(_image(4))))
+    with pytest.raises(anthropic.BadRequestError, match="count_tokens does not count image"):
+        client.messages.count_tokens(model="vlm", messages=[{"role": "user",
+                                                             "content": content}])
+
+
 def test_tokenize_refuses_images(vlm):
     import httpx
 
