@@ -195,6 +195,21 @@ def rope_tables(positions: jax.Array, inv_freq_rows: jax.Array) -> tuple[jax.Arr
         return jax.lax.cond(positions[0] > jnp.iinfo(jnp.int32).min, tables, zeros)
 
 
+def mrope_tables(positions: jax.Array, inv_freq_rows: jax.Array,
+                 section: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """`rope_tables` for multimodal rope: positions [3, T] (time, row, column per token), and
+    frequency j turned by the position its run of `section` names (runs cycle through the
+    three, HF's `mrope_section` split) -> cos and sin [U, T, R/2]."""
+    axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(section)])
+    if len(axis) != inv_freq_rows.shape[1]:
+        raise ValueError(f"mrope_section {section} sums to {len(axis)}, not the "
+                         f"{inv_freq_rows.shape[1]} rope frequencies")
+    with jax.named_scope("rope"):
+        chosen = positions.astype(jnp.float32)[axis].T  # [T, R/2]
+        angles = chosen[None] * inv_freq_rows[:, None, :]
+        return jnp.cos(angles), jnp.sin(angles)
+
+
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array,
            scale: float | jax.Array = 1.0) -> jax.Array:
     """`apply_rope` from its cos and sin [T, R/2] (`rope_tables`): x [T, H, D] turned, the same

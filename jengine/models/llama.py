@@ -150,6 +150,9 @@ def forward(
     if by_position:
         token_freq = layers.rope_token_inv_freq(cfg.rope, cfg.rotary_dim, md.positions)
         per_layer = per_layer + (jnp.asarray(_layer_uses_global_rope(cfg)),)
+    elif md.mrope_positions is not None:  # Qwen2.5-VL: three positions per token
+        cos_tables, sin_tables = layers.mrope_tables(md.mrope_positions, jnp.asarray(freq_rows),
+                                                     cfg.rope.mrope_section)
     else:  # [U, T, R/2] each, for the U distinct rows of frequencies
         cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
     # Llama 4: chunked attention on the rope layers, q/k norm there, q's temperature elsewhere.
