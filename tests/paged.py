@@ -96,8 +96,9 @@ def _prefill(
 ) -> np.ndarray:
     """Prefills sequence `seq` in chunks; returns its [len(prompt), V] logits with `all_logits`,
     else the [V] logits of its last token (the engine's `logits_indices` path). `images`:
-    encoded image rows [M, E] and, per prompt token, the row it takes or -1 (chunks may cut
-    an image anywhere). `mrope`: the prompt's [3, P] multimodal rope positions."""
+    encoded image rows [M, E] ([1 + K, M, E] with DeepStack's) and, per prompt token, the row it
+    takes or -1 (chunks may cut an image anywhere). `mrope`: the prompt's [3, P] multimodal
+    rope positions."""
     rows = []
     for start in range(0, len(prompt), chunk):
         tokens = prompt[start:start + chunk]
@@ -106,6 +107,8 @@ def _prefill(
             at = np.full(chunk, -1, np.int32)
             at[: len(tokens)] = images[1][start:start + len(tokens)]
             md.embeds, md.embeds_at = jnp.asarray(images[0]), jnp.asarray(at)
+            if images[0].ndim == 3:  # [1 + K, M, E]: Qwen3-VL's rows, then its DeepStack rows
+                md.embeds, md.deepstack = jnp.asarray(images[0][0]), jnp.asarray(images[0][1:])
         if mrope is not None:
             rope = np.zeros((3, chunk), np.int32)
             rope[:, : len(tokens)] = mrope[:, start:start + len(tokens)]

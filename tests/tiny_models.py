@@ -248,6 +248,15 @@ def qwen2_5_vl_tiny(path: Path):
         w.mul_((w.shape[-1] / w[0].numel()) ** 0.5)
     model.save_pretrained(path)
     (path / "config.json").write_text(json.dumps(published))
+    _qwen_vl_files(path, vocab)
+    return model
+
+
+def _qwen_vl_files(path: Path, vocab: dict[str, int]) -> None:
+    """The word-level tokenizer with Qwen's special tokens, the cut chat template and a
+    preprocessor config for 4-pixel patches (images of 4 to 24 merged blocks)."""
+    import json
+
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(
@@ -259,4 +268,52 @@ def qwen2_5_vl_tiny(path: Path):
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
         "min_pixels": 8 * 8 * 4, "max_pixels": 8 * 8 * 24, "patch_size": QWEN_VL_PATCH,
         "temporal_patch_size": 2, "merge_size": 2}))
+
+
+def qwen3_vl_published(vocab: int) -> dict:
+    """A tiny Qwen3-VL `config.json` in the published checkpoints' layout: a nested
+    `text_config` with `rope_scaling` (interleaved mrope), a nested `vision_config`."""
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+        "image_token_id": QWEN_VL_WORDS + 4, "video_token_id": QWEN_VL_WORDS + 5,
+        "vision_start_token_id": QWEN_VL_WORDS + 2, "vision_end_token_id": QWEN_VL_WORDS + 3,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_vl_text", "vocab_size": vocab, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+            "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "attention_bias": False,
+            "rope_theta": 10000.0, "rope_scaling": {"rope_type": "default",
+                                                    "mrope_section": [2, 3, 3],
+                                                    "mrope_interleaved": True},
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+        "vision_config": {
+            "model_type": "qwen3_vl", "depth": 3, "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 32, "intermediate_size": 48, "num_heads": 4, "in_channels": 3,
+            "out_hidden_size": 64, "patch_size": QWEN_VL_PATCH, "spatial_merge_size": 2,
+            "temporal_patch_size": 2, "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0, 1]},
+    }
+
+
+def qwen3_vl_tiny(path: Path):
+    """A random Qwen3-VL (3-block tower of 32 wide, a 4x4 learned position table, DeepStack
+    after blocks 0 and 1; 3-layer Qwen3 text model of 64 wide) whose `config.json` is in the
+    published layout, with Qwen2.5-VL's tiny tokenizer, template and preprocessor config.
+    Returns the torch model (eager), the oracle."""
+    import json
+
+    vocab = {f"t{i}": i for i in range(QWEN_VL_WORDS)}
+    vocab.update({t: QWEN_VL_WORDS + i for i, t in enumerate(QWEN_VL_SPECIAL)})
+    published = qwen3_vl_published(len(vocab))
+    config = transformers.Qwen3VLConfig(**published)
+    config._attn_implementation = "eager"
+    config.vision_config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    randomize(model, norm_offset=1.0)
+    model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(published))
+    _qwen_vl_files(path, vocab)
     return model

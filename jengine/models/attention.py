@@ -142,6 +142,9 @@ class AttentionMetadata:
     # Multimodal rope (Qwen2.5-VL only, else None): each token's (time, row, column) rope
     # positions; `positions` stays its index in the sequence (KV slots, masks).
     mrope_positions: jax.Array | None = None  # [3, T] int32
+    # Qwen3-VL's DeepStack rows (else None): added to the first K layers' outputs at the
+    # tokens `embeds_at` names, row by row as `embeds`.
+    deepstack: jax.Array | None = None  # [K, M, E]
 
 
 def attend(

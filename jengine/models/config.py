@@ -47,6 +47,9 @@ class RopeConfig:
     # Multimodal rope (Qwen2.5-VL): how many of the D/2 frequencies the time, row and column
     # positions each turn, in that order (cycled); None: one position per token.
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: the row and column positions turn every third frequency (1, 4, ... and 2, 5,
+    # ...) within 3 x their section, the time position the rest; False: contiguous runs.
+    mrope_interleaved: bool = False
 
     @property
     def by_position(self) -> bool:
@@ -74,6 +77,7 @@ class RopeConfig:
             rope_type = "default"
         return cls(
             mrope_section=tuple(int(s) for s in section) if section else None,
+            mrope_interleaved=bool(params.get("mrope_interleaved", False)),
             theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
             rope_type=rope_type,
             factor=float(params.get("factor", 1.0)),

@@ -326,12 +326,17 @@ def mrope_positions(token_ids: np.ndarray, image_token_id: int,
     return out, top - len(ids)
 
 
-def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     """The Qwen2 text model of a Qwen2.5-VL checkpoint, still typed as the wrapper so that the
     engine knows its prompts may hold images and its rope is multimodal. Published checkpoints
     keep the text fields at the top level; transformers 5 nests them in `text_config`."""
     text = {k: v for k, v in hf.items() if k not in ("vision_config", "text_config")}
     text.update(hf.get("text_config") or {})
+    # transformers ties the head when either config says so (pre-5 saves set the inner one).
+    tied = hf.get("tie_word_embeddings") or (hf.get("text_config") or {}).get(
+        "tie_word_embeddings")
+    if tied is not None:
+        text["tie_word_embeddings"] = bool(tied)
     return {**text, "model_type": hf["model_type"]}
 
 
@@ -344,7 +349,7 @@ QWEN2_5_VL = Family(
                   "with multimodal rope; docs/vision.md",
                   parity_test="test_qwen2_5_vl_image_logits"),
     ),
-    unwrap_hf=_text_config,
+    unwrap_hf=text_config,
     switches={"qkv_bias": True, "o_bias": False}, sliding_window_flag=True,
     hf_weights=((r"(?:model\.)?visual\..*", (), same),) + LLAMA_RULES,  # tower: its own loader
 )
