@@ -10,19 +10,20 @@ from typing import Any
 import numpy as np
 
 from converters.errors import ModelLoadError
-from jengine.models import idefics3, qwen2_5_vl
+from jengine.models import idefics3, qwen2_5_vl, qwen3_vl
 
 # model_type -> (the family's vision module, whether a key belongs to its tower)
 _TOWERS = {
     "idefics3": (idefics3, lambda key: "vision_model." in key or "connector." in key),
     "smolvlm": (idefics3, lambda key: "vision_model." in key or "connector." in key),
     "qwen2_5_vl": (qwen2_5_vl, lambda key: key.startswith(("visual.", "model.visual."))),
+    "qwen3_vl": (qwen3_vl, lambda key: key.startswith(("visual.", "model.visual."))),
 }
 
 
 def load_vision(path: str | Path) -> tuple[Any, dict[str, np.ndarray]]:
     """(its VisionConfig, the tower's and connector's params as float32 NumPy), by the
-    checkpoint's `model_type` (idefics3 / smolvlm, qwen2_5_vl).
+    checkpoint's `model_type` (idefics3 / smolvlm, qwen2_5_vl, qwen3_vl).
 
     Raises:
       ModelLoadError: no safetensors, or a tower weight missing or misshapen.

@@ -10,6 +10,7 @@ and adds the request table, admission and the step loop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ from jengine.models.idefics3 import VISION_MODEL_TYPES as IDEFICS3_TYPES
 from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
 from jengine.models.qwen2_5_vl import QWEN2_5_VL
+from jengine.models.qwen3_vl import QWEN3_VL, vision_config_from_hf
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import ExecutableStore, default_store_dir
 from jengine.runtime.lora_slots import LoraSlots
@@ -67,7 +69,7 @@ from jengine.vision.qwen_inputs import QwenImagePrompter
 
 log = logging.getLogger("jengine")
 
-QWEN_VL_TYPES = frozenset(QWEN2_5_VL.model_type_names)
+QWEN_VL_TYPES = frozenset(QWEN2_5_VL.model_type_names + QWEN3_VL.model_type_names)
 VISION_MODEL_TYPES = IDEFICS3_TYPES | QWEN_VL_TYPES
 
 LORA_NETWORKS = ("llama", "gemma3")  # the networks whose projections add adapter updates
@@ -240,6 +242,12 @@ def _qwen_vision(loaded: LoadedModel, vc, params, dtype, real: bool, limit: int
     return (QwenVisionEncoder(vc, params, dtype, buckets) if real else None), prompter
 
 
+def _deepstack_rows(loaded: LoadedModel) -> int:
+    """Qwen3-VL: how many DeepStack rows each image token carries into the step."""
+    hf = json.loads((Path(loaded.source) / "config.json").read_text())
+    return len(vision_config_from_hf(hf).deepstack_visual_indexes)
+
+
 def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig) -> int:
     """The recurrent-state slots a hybrid model's cache holds: one per sequence that may run
     (`max_num_seqs`) plus the scratch slot; 0 for a pure-attention model.
@@ -299,4 +307,6 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
         state_slots=state_slots,
         image_width=model_config.hidden_size if vision else None,
         mrope=vision and model_config.model_type in QWEN_VL_TYPES,  # its steps' rope positions
+        deepstack=_deepstack_rows(loaded) if vision and model_config.model_type == "qwen3_vl"
+        else 0,
     )

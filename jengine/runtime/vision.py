@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import idefics3, qwen2_5_vl
+from jengine.models import idefics3, qwen2_5_vl, qwen3_vl
 from jengine.runtime.executables import compile_fresh
 
 log = logging.getLogger("jengine")
@@ -110,12 +110,15 @@ def patch_buckets(min_patches: int, max_patches: int) -> tuple[int, ...]:
 
 
 class QwenVisionEncoder:
-    """Qwen2.5-VL's tower on the device, one program per patch-count bucket; each image runs
-    on its own, padded to the next bucket (`qwen2_5_vl.vision_plan` masks the padding off)."""
+    """Qwen2.5-VL's or Qwen3-VL's tower on the device, one program per patch-count bucket; each
+    image runs on its own, padded to the next bucket (the plan masks the padding off).
+    Qwen2.5-VL's runs take the patches in window order and give rows back in raster order;
+    Qwen3-VL's give [1 + K, rows, E]: the rows, then the DeepStack rows."""
 
-    def __init__(self, vc: qwen2_5_vl.VisionConfig, params: dict[str, np.ndarray], dtype,
-                 buckets: tuple[int, ...]):
+    def __init__(self, vc: qwen2_5_vl.VisionConfig | qwen3_vl.VisionConfig,
+                 params: dict[str, np.ndarray], dtype, buckets: tuple[int, ...]):
         self.config, self.buckets = vc, buckets
+        self.windowed = isinstance(vc, qwen2_5_vl.VisionConfig)
         self.dtype = jnp.dtype(dtype)
         self.params = jax.device_put({k: v.astype(self.dtype) for k, v in params.items()})
         self._programs: dict[int, jax.stages.Compiled] = {}
@@ -128,15 +131,13 @@ class QwenVisionEncoder:
         start = time.perf_counter()
         m = self.config.merge_size
         for n in self.buckets:
-            grid = (1, m, n // m)
-            self._run(np.zeros((n, self.config.patch_in), np.float32),
-                      qwen2_5_vl.vision_plan(self.config, [grid], n))
+            self._image(np.zeros((n, self.config.patch_in), np.float32), (1, m, n // m), n)
         self.ready = True
         return time.perf_counter() - start
 
     def encode_images(self, ready) -> np.ndarray:
-        """A `PreparedImages`' patches -> rows [placeholders, E] float32 (host), in prompt
-        order."""
+        """A `PreparedImages`' patches -> rows [placeholders, E] ([1 + K, placeholders, E]
+        for Qwen3-VL) float32 (host), in prompt order."""
         parts, at = [], 0
         for grid in ready.grids:
             count = grid[0] * grid[1] * grid[2]
@@ -144,19 +145,27 @@ class QwenVisionEncoder:
             if bucket is None:
                 raise ValueError(f"an image of {count} patches exceeds the tower's largest run "
                                  f"({self.buckets[-1]}); lower max_pixels")
-            plan = qwen2_5_vl.vision_plan(self.config, [grid], bucket)
-            rows = self._run(ready.tiles[at:at + count][plan.order[:count]], plan)
-            parts.append(rows[plan.unorder])
+            parts.append(self._image(ready.tiles[at:at + count], grid, bucket))
             at += count
-        return np.concatenate(parts) if parts else np.zeros((0, self.config.text_hidden_size))
+        if not parts:
+            return np.zeros((0, self.config.text_hidden_size), np.float32)
+        return np.concatenate(parts, axis=-2)
 
-    def _run(self, patches: np.ndarray, plan) -> np.ndarray:
-        n = len(plan.order)
-        padded = np.zeros((n, self.config.patch_in), np.float32)
-        padded[:len(patches)] = patches
-        out = self._program(n)(self.params, jnp.asarray(padded, self.dtype), plan.hw,
-                               plan.window, plan.image)
-        return np.asarray(out, np.float32)[: len(patches) // self.config.merge_unit]
+    def _image(self, patches: np.ndarray, grid: tuple[int, int, int], n: int) -> np.ndarray:
+        """One image's patches through the bucket-`n` program -> its rows (host)."""
+        vc, real = self.config, len(patches) // self.config.merge_unit
+        padded = np.zeros((n, vc.patch_in), np.float32)
+        if self.windowed:
+            plan = qwen2_5_vl.vision_plan(vc, [grid], n)
+            padded[:len(patches)] = patches[plan.order[:len(patches)]]
+            extra = (plan.hw, plan.window, plan.image)
+        else:
+            plan = qwen3_vl.tower_plan(vc, [grid], n)
+            padded[:len(patches)] = patches
+            extra = (plan.hw, plan.image, plan.taps, plan.weights)
+        out = self._program(n)(self.params, jnp.asarray(padded, self.dtype), *extra)
+        out = np.asarray(out, np.float32)[..., :real, :]
+        return out[plan.unorder] if self.windowed else out
 
     def _program(self, n: int) -> jax.stages.Compiled:
         if (program := self._programs.get(n)) is not None:
@@ -164,14 +173,17 @@ class QwenVisionEncoder:
         with self._lock:
             if n not in self._programs:
                 start = time.perf_counter()
-                vc = self.config
+                vc, tower = self.config, (qwen2_5_vl if self.windowed else qwen3_vl)
 
-                def encode(params, patches, hw, window, image):
-                    return qwen2_5_vl.encode(params, vc, patches, hw, window, image)
+                def encode(params, patches, *plan):
+                    return tower.encode(params, vc, patches, *plan)
 
                 ints = jax.ShapeDtypeStruct((n,), jnp.int32)
-                args = (self.params, jax.ShapeDtypeStruct((n, vc.patch_in), self.dtype),
-                        jax.ShapeDtypeStruct((n, 2), jnp.int32), ints, ints)
+                plan = (jax.ShapeDtypeStruct((n, 2), jnp.int32), ints, ints) if self.windowed \
+                    else (jax.ShapeDtypeStruct((n, 2), jnp.int32), ints,
+                          jax.ShapeDtypeStruct((n, 4), jnp.int32),
+                          jax.ShapeDtypeStruct((n, 4), jnp.float32))
+                args = (self.params, jax.ShapeDtypeStruct((n, vc.patch_in), self.dtype), *plan)
                 self._programs[n], _ = compile_fresh(encode, f"qwen_vision_{n}", args, {})
                 self.programs_compiled += 1
                 level = logging.WARNING if self.ready else logging.DEBUG

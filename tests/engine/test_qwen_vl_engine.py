@@ -1,11 +1,12 @@
-"""Qwen2.5-VL behind the real `Engine`: tests/tiny_models.py's random model (its config.json in
-the published layout), images through jengine's processor, the tower as the engine's compiled
-encoder bucketed by patch count, and each step carrying the three rope positions per token,
-against HF transformers' greedy tokens over the ids and pixels HF's own Pillow image processor
-and tokenizer give. transformers' `Qwen2_5_VLProcessor` itself cannot be built here (its video
-processor needs torchvision), so its expansion (`<|image_pad|>` times the merged blocks) is
-written out from its image processor's grid. The test preset's 64-token budget cuts the images
-(24 to 40 placeholders each, two per prompt) across prefill chunks.
+"""Qwen2.5-VL (and Qwen3-VL, last test) behind the real `Engine`: tests/tiny_models.py's
+random model (its config.json in the published layout), images through jengine's processor,
+the tower as the engine's compiled encoder bucketed by patch count, and each step carrying the
+three rope positions per token, against HF transformers' greedy tokens over the ids and pixels
+HF's own Pillow image processor and tokenizer give. transformers' `Qwen2_5_VLProcessor` itself
+cannot be built here (its video processor needs torchvision), so its expansion (`<|image_pad|>`
+times the merged blocks) is written out from its image processor's grid. The test preset's
+64-token budget cuts the images (24 to 40 placeholders each, two per prompt) across prefill
+chunks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_models import qwen2_5_vl_tiny
+from tiny_models import qwen2_5_vl_tiny, qwen3_vl_tiny
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -142,3 +143,33 @@ def test_bad_images_are_value_errors_and_the_engine_goes_on(vlm, prompt, message
     with pytest.raises(ValueError, match=message):
         engine.generate(prompt, GREEDY)
     assert len(engine.generate("t5 t6", GREEDY)[0].outputs[0].token_ids) == 6
+
+
+@pytest.fixture(scope="module")
+def vlm3(tmp_path_factory):
+    """(checkpoint directory, HF model, engine) of the random Qwen3-VL."""
+    path = tmp_path_factory.mktemp("qwen3_vl")
+    model = qwen3_vl_tiny(path)
+    return path, model, Engine(str(path), config="test", progress=False, warmup=True)
+
+
+def test_qwen3_vl_greedy_equals_hf_and_mixed_batch(vlm3):
+    """Qwen3-VL (DeepStack rows and interleaved rope positions in every step): two images of
+    different grids give HF's ids, patches and greedy tokens; beside a text prompt in one
+    batch, each gives its solo tokens."""
+    path, model, engine = vlm3
+    images = [_image(1, 30, 90), _image(2, 70, 40)]
+    text = f"t5 t6 {PAD} t7 {PAD} t8"
+    hf = _hf_inputs(path, text, images)
+    prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+    ready = engine.core.images.prepare(ImagePrompt.of(prompt))
+    assert ready.token_ids == hf["input_ids"][0].tolist()
+    np.testing.assert_array_equal(ready.tiles, hf["pixel_values"].numpy())
+    want = _hf_greedy(model, hf, model.config.image_token_id, GREEDY.max_tokens)
+    assert engine.generate(prompt, GREEDY)[0].outputs[0].token_ids == want
+    engine.core.reset_prefix_cache()
+    both = engine.generate([prompt, "t9 t10 t11"], GREEDY)
+    assert both[0].outputs[0].token_ids == want
+    assert both[1].outputs[0].token_ids == engine.generate("t9 t10 t11", GREEDY)[0].outputs[
+        0].token_ids
+    assert engine.core.compiles_since_ready == 0
