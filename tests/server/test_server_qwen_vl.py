@@ -1,9 +1,9 @@
-"""Qwen2.5-VL over the OpenAI API: tests/tiny_models.py's random model served on 127.0.0.1 and
-spoken to with the `openai` SDK. A chat `image_url` part with a data URL gives HF transformers'
-greedy text (HF fed the ids, patches and grids jengine prepares, its own rope index), a second
-identical request reports cached tokens, and an undecodable image is a 400 naming the part
-while the server goes on serving. The other image routes, URL schemes and limits are the same
-code for every vision family (tests/server/test_server_vision.py)."""
+"""Qwen2.5-VL and Qwen3-VL over the OpenAI API: tests/tiny_models.py's random models served on
+127.0.0.1 and spoken to with the `openai` SDK. A chat `image_url` part with a data URL gives HF
+transformers' greedy text (HF fed the ids, patches and grids jengine prepares, its own rope
+index), a second identical request reports cached tokens, and an undecodable image is a 400
+naming the part while the server goes on serving. The other image routes, URL schemes and limits
+are the same code for every vision family (tests/server/test_server_vision.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from local_server import serving  # tests/local_server.py
 from PIL import Image
-from tiny_models import qwen2_5_vl_tiny
+from tiny_models import qwen2_5_vl_tiny, qwen3_vl_tiny
 
 from jengine.async_engine import AsyncEngine
 from jengine.config import ServerConfig
@@ -29,10 +29,10 @@ pytestmark = pytest.mark.slow  # a whole engine (CI: tests/models/test_qwen2_5_v
 MAX_TOKENS = 5
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2_5_vl")
-    model = qwen2_5_vl_tiny(path)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vlm(tmp_path_factory, request):
+    path = tmp_path_factory.mktemp(request.param)
+    model = {"qwen2_5_vl": qwen2_5_vl_tiny, "qwen3_vl": qwen3_vl_tiny}[request.param](path)
     engine = AsyncEngine(str(path), config="test", progress=False)
     try:
         with serving(create_app(engine, ServerConfig(), model_name="vlm")) as url:
