@@ -217,9 +217,10 @@ class EngineCore:
             return EncodedImagePrompt(ready.token_ids, None)
         if self.vision is None:
             raise ValueError("this engine has no image tower on its devices")
-        rows = self.vision.encode(ready.tiles)
+        rows = self.vision.encode_images(ready)
         return EncodedImagePrompt(ready.token_ids, ImageRows(
-            rows=rows, row_at=ready.row_at, cache_ids=ready.cache_ids))
+            rows=rows, row_at=ready.row_at, cache_ids=ready.cache_ids, mrope=ready.mrope,
+            rope_delta=ready.rope_delta))
 
     def _add_pooled(self, request_id: str, prompt: str | list[int],
                     params: PoolingParams | None) -> RequestState:

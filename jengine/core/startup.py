@@ -10,6 +10,7 @@ and adds the request table, admission and the step loop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -40,14 +41,21 @@ from jengine.core.lora_cache import HostLoras
 from jengine.core.pooling import Pooling, resolve_pooling
 from jengine.models import KVCache, family_module
 from jengine.models.config import ModelConfig
-from jengine.models.idefics3 import VISION_MODEL_TYPES
+from jengine.models.idefics3 import VISION_MODEL_TYPES as IDEFICS3_TYPES
 from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
+from jengine.models.qwen2_5_vl import QWEN2_5_VL
+from jengine.models.qwen3_vl import QWEN3_VL, vision_config_from_hf
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import ExecutableStore, default_store_dir
 from jengine.runtime.lora_slots import LoraSlots
 from jengine.runtime.runner import Runner
-from jengine.runtime.vision import VisionEncoder
+from jengine.runtime.vision import (
+    MAX_TOWER_PATCHES,
+    QwenVisionEncoder,
+    VisionEncoder,
+    patch_buckets,
+)
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
@@ -56,8 +64,13 @@ from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_co
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
 from jengine.vision.idefics3_processor import Idefics3Processor
 from jengine.vision.inputs import ImagePrompter, parse_image_limit
+from jengine.vision.qwen2_vl_processor import Qwen2VLProcessor
+from jengine.vision.qwen_inputs import QwenImagePrompter
 
 log = logging.getLogger("jengine")
+
+QWEN_VL_TYPES = frozenset(QWEN2_5_VL.model_type_names + QWEN3_VL.model_type_names)
+VISION_MODEL_TYPES = IDEFICS3_TYPES | QWEN_VL_TYPES
 
 LORA_NETWORKS = ("llama", "gemma3")  # the networks whose projections add adapter updates
 
@@ -82,8 +95,10 @@ class CoreParts:
     runner: Runner
     pooling: Pooling | None  # task embed / score: how hidden states become a vector
     loras: HostLoras | None = None  # enable_lora: the adapters read on the host
-    vision: VisionEncoder | None = None  # a vision model's image tower (compiled per bucket)
-    images: ImagePrompter | None = None  # its prompts' images -> placeholders and tiles
+    # A vision model's image tower (compiled per bucket) and its prompts' images ->
+    # placeholders and tiles (or patches).
+    vision: VisionEncoder | QwenVisionEncoder | None = None
+    images: ImagePrompter | QwenImagePrompter | None = None
 
 
 def build_parts(
@@ -204,9 +219,33 @@ def _vision(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, d
     if model_config.model_type not in VISION_MODEL_TYPES or loaded.kind != "hf":
         return None, None
     vc, params = load_vision(loaded.source)
+    if model_config.model_type in QWEN_VL_TYPES:
+        return _qwen_vision(loaded, vc, params, dtype, real, limit)
     prompter = ImagePrompter(loaded.tokenizer, Idefics3Processor.from_dir(loaded.source), vc,
                              max_images=limit)
     return (VisionEncoder(vc, params, dtype) if real else None), prompter
+
+
+def _qwen_vision(loaded: LoadedModel, vc, params, dtype, real: bool, limit: int
+                 ) -> tuple[QwenVisionEncoder | None, QwenImagePrompter]:
+    """Qwen2.5-VL's tower, bucketed by patch count from the processor's smallest image to its
+    largest; a `max_pixels` past the tower's largest run is lowered to it (and logged), so a
+    large image is scaled down rather than refused."""
+    processor = Qwen2VLProcessor.from_dir(loaded.source)
+    area = processor.patch_size ** 2
+    if processor.max_pixels > MAX_TOWER_PATCHES * area:
+        log.warning("max_pixels %d lowered to %d: the image tower runs at most %d patches",
+                    processor.max_pixels, MAX_TOWER_PATCHES * area, MAX_TOWER_PATCHES)
+        processor = dataclasses.replace(processor, max_pixels=MAX_TOWER_PATCHES * area)
+    buckets = patch_buckets(processor.min_pixels // area, processor.max_pixels // area)
+    prompter = QwenImagePrompter(loaded.tokenizer, processor, vc, max_images=limit)
+    return (QwenVisionEncoder(vc, params, dtype, buckets) if real else None), prompter
+
+
+def _deepstack_rows(loaded: LoadedModel) -> int:
+    """Qwen3-VL: how many DeepStack rows each image token carries into the step."""
+    hf = json.loads((Path(loaded.source) / "config.json").read_text())
+    return len(vision_config_from_hf(hf).deepstack_visual_indexes)
 
 
 def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig) -> int:
@@ -259,12 +298,15 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
     if cfg.lora.enable_lora:
         loras = LoraSlots(model_config, dtype, max_loras=cfg.lora.max_loras,
                           max_rank=cfg.lora.max_lora_rank, rules=rules)
+    vision = model_config.model_type in VISION_MODEL_TYPES and loaded.kind == "hf"
     return Runner(
         model_config, params, num_pages=num_pages, page_size=cfg.cache.page_size, loras=loras,
         buckets=buckets, kv_cache_dtype=kv_cache_dtype, rules=rules,
         channel=StepChannel(distributed) if distributed.num_processes > 1 else None,
         store=ExecutableStore(default_store_dir()), embed=cfg.model.task != "generate",
         state_slots=state_slots,
-        image_width=(model_config.hidden_size if model_config.model_type in VISION_MODEL_TYPES
-                     and loaded.kind == "hf" else None),
+        image_width=model_config.hidden_size if vision else None,
+        mrope=vision and model_config.model_type in QWEN_VL_TYPES,  # its steps' rope positions
+        deepstack=_deepstack_rows(loaded) if vision and model_config.model_type == "qwen3_vl"
+        else 0,
     )

@@ -139,6 +139,12 @@ class AttentionMetadata:
     # of the query tokens whose `embeds_at` [T] int32 names a row (-1: keep the token's own).
     embeds: jax.Array | None = None
     embeds_at: jax.Array | None = None
+    # Multimodal rope (Qwen2.5-VL only, else None): each token's (time, row, column) rope
+    # positions; `positions` stays its index in the sequence (KV slots, masks).
+    mrope_positions: jax.Array | None = None  # [3, T] int32
+    # Qwen3-VL's DeepStack rows (else None): added to the first K layers' outputs at the
+    # tokens `embeds_at` names, row by row as `embeds`.
+    deepstack: jax.Array | None = None  # [K, M, E]
 
 
 def attend(

@@ -21,8 +21,10 @@ from typing import Any
 # so a cached key never needs turning again (`layers.rope_token_inv_freq`; docs/models.md says
 # where this equals HF).
 # "yarn": static YaRN (HF's `_compute_yarn_parameters`), attention factor included.
+# "mrope" (Qwen2-VL's older spelling of "default" with an `mrope_section`): three positions
+# per token, each turning its section of the frequencies (`layers.mrope_tables`).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "su", "yarn",
-                        "dynamic")
+                        "dynamic", "mrope")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +44,12 @@ class RopeConfig:
     beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated dims
     beta_slow: float = 1.0
     truncate: bool = True  # yarn: round the ramp's bounds outwards (HF's default)
+    # Multimodal rope (Qwen2.5-VL): how many of the D/2 frequencies the time, row and column
+    # positions each turn, in that order (cycled); None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: the row and column positions turn every third frequency (1, 4, ... and 2, 5,
+    # ...) within 3 x their section, the time position the rest; False: contiguous runs.
+    mrope_interleaved: bool = False
 
     @property
     def by_position(self) -> bool:
@@ -64,7 +72,12 @@ class RopeConfig:
             return cls._yarn(params, theta)
         if rope_type == "dynamic":  # HF grows the NTK base past max_position_embeddings
             params["original_max_position_embeddings"] = params["max_position_embeddings"]
+        section = params.get("mrope_section")
+        if rope_type == "mrope":
+            rope_type = "default"
         return cls(
+            mrope_section=tuple(int(s) for s in section) if section else None,
+            mrope_interleaved=bool(params.get("mrope_interleaved", False)),
             theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
             rope_type=rope_type,
             factor=float(params.get("factor", 1.0)),

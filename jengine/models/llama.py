@@ -150,6 +150,11 @@ def forward(
     if by_position:
         token_freq = layers.rope_token_inv_freq(cfg.rope, cfg.rotary_dim, md.positions)
         per_layer = per_layer + (jnp.asarray(_layer_uses_global_rope(cfg)),)
+    elif md.mrope_positions is not None:  # Qwen2.5-VL: three positions per token
+        axis = layers.mrope_axes(cfg.rope.mrope_section, cfg.rope.mrope_interleaved,
+                                 freq_rows.shape[1])
+        cos_tables, sin_tables = layers.mrope_tables(md.mrope_positions, jnp.asarray(freq_rows),
+                                                     axis)
     else:  # [U, T, R/2] each, for the U distinct rows of frequencies
         cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
     # Llama 4: chunked attention on the rope layers, q/k norm there, q's temperature elsewhere.
@@ -216,6 +221,7 @@ def forward(
         if cfg.post_norms:
             out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(out)
+        x = layers.add_deepstack(x, md.deepstack, md.embeds_at, index)  # Qwen3-VL's images
         return (x, kv), None
 
     x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, per_layer, cfg.num_layers)

@@ -79,6 +79,8 @@ class Runner:
         state_slots: int = 0,
         loras: LoraSlots | None = None,
         image_width: int | None = None,
+        mrope: bool = False,
+        deepstack: int = 0,
     ):
         """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
         is created on its kv-head sharding and each step's inputs are replicated on the mesh.
@@ -88,10 +90,13 @@ class Runner:
         score): every step runs the embed variant, never a sampling one. `loras`
         (`enable_lora`): the adapter slots; a batch with adapters runs the lora variants.
         `image_width` (a vision model's hidden size): every step carries image rows
-        (`step_io.image_rows`). `state_slots`: a hybrid model's recurrent-state slots in the
+        (`step_io.image_rows`); `mrope` (Qwen2.5-VL's) three rope positions per token
+        (`step_io.mrope_rows`), `deepstack` (Qwen3-VL's) its K DeepStack rows.
+        `state_slots`: a hybrid model's recurrent-state slots in the
         cache (running sequences + scratch)."""
         self.cfg, self.params, self.embed = cfg, params, embed
         self.loras, self.image_width, self.state_slots = loras, image_width, state_slots
+        self.mrope, self.deepstack = mrope, deepstack
         self.page_size, self.num_pages, self.buckets = page_size, num_pages, buckets
         self.kv_cache_dtype = kv_cache_dtype
         self._input_sharding = rules.replicated() if rules else None
@@ -184,7 +189,7 @@ class Runner:
             batch, rows, self.buckets, blocked_queries=self.cfg.attention_backend == "reference",
             vocab_size=self.cfg.vocab_size, history_width=self.buckets.pages[-1] * self.page_size,
             feed=feed, lora_slots=batch_slots(self.loras, batch), image_width=self.image_width,
-            state_slots=self.state_slots > 0)
+            state_slots=self.state_slots > 0, mrope=self.mrope, deepstack=self.deepstack)
         return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
 
     def _to_device(self, host):  # a pytree of NumPy arrays

@@ -170,6 +170,12 @@ class StepInputs:
     # Vision models only (every step, so one program per bucket serves text and images):
     # (rows [T, E] f32, at [T] int32): token t takes rows[t] where at[t] >= 0 (an image row).
     images: tuple[np.ndarray, np.ndarray] | None = None
+    # Multimodal-rope models with images only (Qwen2.5-VL; every step, as `images`): each
+    # token's (time, row, column) rope positions (`mrope_rows`).
+    mrope_positions: np.ndarray | None = None  # [3, T] int32
+    # Qwen3-VL only (every step, as `images`): the DeepStack rows of the tokens `images` names,
+    # added after the first K layers.
+    deepstack: np.ndarray | None = None  # [K, T, E] f32
 
     @property
     def feed(self):  # [T] the previous step's row whose sampled token this token is, or -1
@@ -185,6 +191,7 @@ class StepInputs:
             state_slots=self.state_slots,
             embeds=self.images[0] if self.images else None,
             embeds_at=self.images[1] if self.images else None,
+            mrope_positions=self.mrope_positions, deepstack=self.deepstack,
         )
 
 
@@ -193,7 +200,8 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                 feed: np.ndarray | None = None,
                 lora_slots: np.ndarray | None = None,
                 image_width: int | None = None,
-                state_slots: bool = False) -> tuple[StepInputs, Variant]:
+                state_slots: bool = False,
+                mrope: bool = False, deepstack: int = 0) -> tuple[StepInputs, Variant]:
     """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
     whose sampled token it takes (-1: its own id). `lora_slots` [num_tokens]: each token's
     adapter slot (-1: none), given for a batch with adapters (the lora variant's input).
@@ -203,7 +211,8 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
     `state_slots` (a hybrid model's steps, warm-up included): pass each row's recurrent-state
     slot.
     `image_width` (a vision model's hidden size): carry the image rows of the prompt tokens
-    this step computes (`image_rows`).
+    this step computes (`image_rows`). `mrope` (Qwen2.5-VL): carry three rope positions per
+    token (`mrope_rows`). `deepstack` (Qwen3-VL): the K DeepStack rows per image token too.
 
     Raises:
       ValueError: the batch has more sampled rows than its bucket's S.
@@ -243,18 +252,25 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
         slots[:n_tok] = lora_slots
     variant = Variant(features=features, prompt_logprobs=targets is not None,
                       lora=slots is not None)
-    images = image_rows(batch, t, image_width) if image_width else None
+    images = deep = None
+    if image_width:
+        rows, at = image_rows(batch, t, image_width, 1 + deepstack)
+        images, deep = (rows[0], at), (rows[1:] if deepstack else None)
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
                         sampling=sampling, blocks=blocks, targets=targets, lora_slots=slots,
-                        images=images, state_slots=state)
+                        images=images, state_slots=state,
+                        mrope_positions=mrope_rows(batch, t) if mrope else None,
+                        deepstack=deep)
     return inputs, variant
 
 
-def image_rows(batch: ScheduledBatch, t: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """([T, width] f32, [T] int32): the encoded image row of each prompt placeholder this step
-    computes (a prefill chunk may start or end inside an image), -1 / zeros elsewhere."""
-    rows = np.zeros((t, width), np.float32)
+def image_rows(batch: ScheduledBatch, t: int, width: int,
+               depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """([depth, T, width] f32, [T] int32): the encoded image row (and, depth > 1, its DeepStack
+    rows) of each prompt placeholder this step computes (a prefill chunk may start or end
+    inside an image), -1 / zeros elsewhere."""
+    rows = np.zeros((depth, t, width), np.float32)
     at = np.full((t,), -1, np.int32)
     starts = batch.cu_q_lens[:-1]
     for seq, start, q in zip(batch.seqs, starts.tolist(), batch.q_lens.tolist()):
@@ -265,9 +281,29 @@ def image_rows(batch: ScheduledBatch, t: int, width: int) -> tuple[np.ndarray, n
         prompt = pos < len(images.row_at)
         which = np.where(prompt, images.row_at[np.minimum(pos, len(images.row_at) - 1)], -1)
         hits = np.flatnonzero(which >= 0)
-        rows[start + hits] = images.rows[which[hits]]
+        encoded = images.rows if images.rows.ndim == 3 else images.rows[None]
+        rows[:, start + hits] = encoded[:, which[hits]]
         at[start + hits] = start + hits
     return rows, at
+
+
+def mrope_rows(batch: ScheduledBatch, t: int) -> np.ndarray:
+    """[3, T] int32: each token's (time, row, column) rope positions: a prompt token of a
+    sequence with images takes its precomputed ones (`ImageRows.mrope`), a later token its
+    index plus the sequence's `rope_delta` in all three, any other token its index."""
+    out = np.zeros((3, t), np.int32)
+    n = batch.num_tokens
+    out[:, :n] = batch.positions[:n]
+    starts = batch.cu_q_lens[:-1]
+    for seq, start, q in zip(batch.seqs, starts.tolist(), batch.q_lens.tolist()):
+        images = seq.images
+        if images is None or images.mrope is None:
+            continue
+        pos = batch.positions[start:start + q]
+        prompt = pos < images.mrope.shape[1]
+        table = images.mrope[:, np.minimum(pos, images.mrope.shape[1] - 1)]
+        out[:, start:start + q] = np.where(prompt[None], table, pos[None] + images.rope_delta)
+    return out
 
 
 def feed_rows(batch: ScheduledBatch,

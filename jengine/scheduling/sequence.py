@@ -24,9 +24,14 @@ class ImageRows:
     """A prompt's images as the text model takes them: the vision encoder's output rows and
     the prompt tokens they replace."""
 
-    rows: np.ndarray  # [M, E] float32, the placeholders' rows in prompt order
+    rows: np.ndarray  # [M, E] float32, the placeholders' rows in prompt order ([1 + K, M, E]
+    # with Qwen3-VL's DeepStack rows after them)
     row_at: np.ndarray  # [P] int32 per prompt token: its row of `rows`, -1 for text
     cache_ids: list[int]  # the prompt ids, placeholders keyed by image content (negative ids)
+    # Multimodal rope (Qwen2.5-VL): the prompt's [3, P] int32 (time, row, column) positions,
+    # and what a later token adds to its index (HF's rope_deltas); None: one position a token.
+    mrope: np.ndarray | None = None
+    rope_delta: int = 0
 
 
 @dataclasses.dataclass(eq=False)
