@@ -151,7 +151,8 @@ def forward(
         token_freq = layers.rope_token_inv_freq(cfg.rope, cfg.rotary_dim, md.positions)
         per_layer = per_layer + (jnp.asarray(_layer_uses_global_rope(cfg)),)
     else:  # [U, T, R/2] each, for the U distinct rows of frequencies
-        cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
+        cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows),
+                                                    barrier=cfg.branches)
     # Llama 4: chunked attention on the rope layers, q/k norm there, q's temperature elsewhere.
     chunked = cfg.attention_chunk_size is not None
     if chunked:
@@ -203,7 +204,7 @@ def forward(
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
-            kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
+            kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend, platform=cfg.platform,
             chunk=layer_chunk if chunked else None,
         )
         attn = lora.add_delta(layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm),
