@@ -18,6 +18,7 @@ import pytest
 
 from jengine.models import ModelConfig, family_module
 from jengine.models.config import RopeConfig
+from jengine.models.fused import fuse_projections
 from jengine.models.layers import random_params, unstack_layers
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.runner import Runner
@@ -28,8 +29,8 @@ TARGETS = {"cuda": ("gpu", "pallas_gpu"), "tpu": ("tpu", "pallas_tpu")}
 
 
 def tiny_runner(platform: str, attention_backend: str) -> Runner:
-    """A 2-layer Llama (8 q / 2 kv heads of 64, vocab 512) with random bf16 weights, per-layer,
-    whose steps are built for `platform`."""
+    """A 2-layer Llama (8 q / 2 kv heads of 64, vocab 512) with random bf16 weights, per-layer
+    (fused q/k/v and gate/up off the CPU), whose steps are built for `platform`."""
     cfg = ModelConfig(
         model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
         num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=256,
@@ -39,6 +40,8 @@ def tiny_runner(platform: str, attention_backend: str) -> Runner:
     family = family_module(cfg)
     params = random_params(family.param_specs(cfg), jnp.bfloat16)
     params = unstack_layers(params, family.layer_keys, cfg.num_layers)
+    if platform != "cpu":  # as the engine loads them there
+        params = fuse_projections(params, cfg)
     buckets = Buckets(tokens=(SHAPE[0],), seqs=(SHAPE[1],), pages=(SHAPE[2],))
     return Runner(cfg, params, num_pages=16, page_size=16, buckets=buckets,
                   kv_cache_dtype=jnp.bfloat16)
