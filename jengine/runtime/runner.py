@@ -397,6 +397,12 @@ class Runner:
         lora = self.loras.tree if variant.lora else None
         return self._program(host, variant, (self._to_device(host), self._no_tokens, lora))
 
+    def compiled_programs(self) -> list[jax.stages.Compiled]:
+        """Every step program built so far: what a profile maps device ops back to the named
+        scopes of (their HLO's op metadata)."""
+        with self._programs_lock:
+            return list(self._programs.values())
+
     def export(self, shape: tuple[int, int, int], variant: Variant,
                platforms: tuple[str, ...]) -> jax.export.Exported:
         """The step program of bucket `shape` (T, S, P) and `variant`, lowered for `platforms`
