@@ -197,19 +197,16 @@ def gpu_runner(runner):
     from jengine.models import family_module
     from jengine.models.fused import can_fuse, fuse_projections
     from jengine.models.layers import random_params, unstack_layers
-    from jengine.runtime.runner import Runner
 
     if not runner.cfg.branches:
         return runner
-    cfg = dataclasses.replace(runner.cfg, platform="gpu", attention_backend="pallas_gpu",
-                              matmul_backend="xla")
+    cfg = dataclasses.replace(runner.cfg, platform="gpu")
     network = family_module(cfg)
     params = unstack_layers(random_params(network.param_specs(cfg), jnp.bfloat16),
                             network.layer_keys, cfg.num_layers)
     if can_fuse(params, cfg, network):
         params = fuse_projections(params, cfg)
-    return Runner(cfg, params, num_pages=runner.num_pages, page_size=runner.page_size,
-                  buckets=runner.buckets, kv_cache_dtype=runner.kv_cache_dtype)
+    return runner.for_platform("gpu", "pallas_gpu", params)
 
 
 def program_name(shape: tuple[int, int, int], variant) -> str:

@@ -403,6 +403,15 @@ class Runner:
         with self._programs_lock:
             return list(self._programs.values())
 
+    def for_platform(self, platform: str, attention_backend: str, params: dict) -> Runner:
+        """A runner of this model, buckets and cache size whose programs are built for
+        `platform` with `attention_backend`, around `params` (laid out as that platform loads
+        them): what `export` lowers for an accelerator from this machine."""
+        cfg = dataclasses.replace(self.cfg, platform=platform, attention_backend=attention_backend,
+                                  matmul_backend="xla")
+        return Runner(cfg, params, num_pages=self.num_pages, page_size=self.page_size,
+                      buckets=self.buckets, kv_cache_dtype=self.kv_cache_dtype)
+
     def export(self, shape: tuple[int, int, int], variant: Variant,
                platforms: tuple[str, ...]) -> jax.export.Exported:
         """The step program of bucket `shape` (T, S, P) and `variant`, lowered for `platforms`
