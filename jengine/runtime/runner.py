@@ -37,6 +37,7 @@ from jengine.runtime.executables import (
     store_key,
 )
 from jengine.runtime.lora_slots import LoraSlots, batch_slots, with_slots
+from jengine.runtime.packed_inputs import PackedInputs
 from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
     EMBED_VARIANTS,
@@ -119,7 +120,10 @@ class Runner:
 
         max_seqs = buckets.seqs[-1]
 
-        def step(params, kv, inputs: StepInputs, prev_tokens, lora, variant: Variant):
+        def step(params, kv, inputs: StepInputs | PackedInputs, prev_tokens, lora,
+                 variant: Variant):
+            if isinstance(inputs, PackedInputs):  # accelerators: one transfer a step
+                inputs = inputs.unpack()
             params = with_slots(params, lora) if variant.lora else params
             md = inputs.attention_metadata()
             # Token rows the host could not fill yet (async scheduling) take the token that the
@@ -232,10 +236,16 @@ class Runner:
             steps += 1
         return steps
 
+    def _device_inputs(self, host: StepInputs) -> StepInputs | PackedInputs:
+        """What the step program takes: on accelerators the inputs packed into one buffer (one
+        host-to-device copy: `packed_inputs`), on XLA:CPU the arrays themselves."""
+        return host if self.branches else PackedInputs.of(host)
+
     def _run(self, host: StepInputs, variant: Variant,
              prev_tokens: jax.Array | None = None) -> StepOutputs:
         prev = self._no_tokens if prev_tokens is None else prev_tokens
-        args = (self._to_device(host), prev, self.loras.tree if variant.lora else None)
+        args = (self._to_device(self._device_inputs(host)), prev,
+                self.loras.tree if variant.lora else None)
         out, self.kv = self._program(host, variant, args)(self.params, self.kv, *args)
         return out
 
@@ -395,7 +405,8 @@ class Runner:
         builds, and what profiles read the HLO of."""
         host, variant = self.host_inputs(batch, rows)
         lora = self.loras.tree if variant.lora else None
-        return self._program(host, variant, (self._to_device(host), self._no_tokens, lora))
+        return self._program(host, variant, (self._to_device(self._device_inputs(host)),
+                                             self._no_tokens, lora))
 
     def compiled_programs(self) -> list[jax.stages.Compiled]:
         """Every step program built so far: what a profile maps device ops back to the named
@@ -422,7 +433,8 @@ class Runner:
         host, picked = self.host_inputs(*self._dummy(shape, variant))
         lora = self.loras.tree if picked.lora else None
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                (self.params, self.kv, host, self._no_tokens, lora))
+                                (self.params, self.kv, self._device_inputs(host),
+                                 self._no_tokens, lora))
         triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
         mesh = self._kernel_mesh
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():

@@ -2,7 +2,8 @@
 
 host -> device: `SamplingRows` (the sampler's per-row settings, unpadded) and a
 `ScheduledBatch` become one `StepInputs` (NumPy, padded to a bucket; sent whole to multi-host
-followers), which `Runner` transfers in one `device_put`; its `Variant` (static) picks the step
+followers), which `Runner` transfers in one `device_put` (on accelerators packed into one
+buffer first: `packed_inputs`); its `Variant` (static) picks the step
 program. device -> host: the program returns `StepOutputs` (on device; its `next_tokens` feed
 the step dispatched after it); `Runner.fetch` brings back a `StepResult` with only per-row
 values, never logits.

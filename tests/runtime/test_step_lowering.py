@@ -11,6 +11,7 @@ conditionals (the check can see them).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -23,6 +24,7 @@ from jengine.models.config import RopeConfig
 from jengine.models.fused import fuse_projections
 from jengine.models.layers import random_params, unstack_layers
 from jengine.runtime.buckets import Buckets
+from jengine.runtime.packed_inputs import PACK_MAX_BYTES, PackedInputs
 from jengine.runtime.runner import Runner
 from jengine.runtime.step_io import SamplingRows
 from jengine.scheduling.batch import ScheduledBatch
@@ -113,10 +115,11 @@ def generate(runner: Runner, prompts: list[list[int]], temperature: list[float],
     return out
 
 
+@pytest.mark.slow  # CI: the lowering above, and the sampler without branches against the CPU's
 def test_branch_free_step_generates_as_the_cpu_step():
     """The accelerators' program (no conditional: the greedy variant for an all-greedy batch,
-    selects and the full-vocabulary filter for a sampled one), run here on the reference
-    attention, gives the CPU program's tokens, greedy and seeded."""
+    selects and the full-vocabulary filter for a sampled one; its inputs in one packed buffer),
+    run here on the reference attention, gives the CPU program's tokens, greedy and seeded."""
     prompts = [[5, 9, 13, 2, 7], [11, 3, 60]]
     cpu = tiny_runner("cpu", "reference", jnp.float32, 3.0)
     accelerator = tiny_runner("gpu", "reference", jnp.float32, 3.0)
@@ -127,3 +130,22 @@ def test_branch_free_step_generates_as_the_cpu_step():
     assert accelerator.programs_built == 1  # the greedy variant
     assert generate(accelerator, prompts, [0.0, 1.0], 3) == sampled
     assert accelerator.programs_built == 2  # and the plain one
+
+
+def test_packed_inputs_round_trip():
+    """A features step's inputs (every dtype a step sends) come out of the one buffer as they
+    went in; the logit bias past PACK_MAX_BYTES travels apart."""
+    runner = tiny_runner("gpu", "reference")
+    variant = next(v for _, v in runner.warmup_programs() if v.features)
+    host, _ = runner.host_inputs(*runner._dummy(SHAPE, variant))
+    host.sampling = dataclasses.replace(
+        host.sampling, history_is_output=np.eye(*host.sampling.history.shape, dtype=bool),
+        temperature=np.linspace(0, 2, SHAPE[1], dtype=np.float32))
+    packed = PackedInputs.of(host)
+    assert packed.words.dtype == np.int32 and packed.apart == ()
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(jax.jit(PackedInputs.unpack)(packed)),
+                    strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, np.asarray(b))
+    big = PackedInputs.of({"bias": np.ones((PACK_MAX_BYTES // 4 + 1,), np.float32)})
+    assert big.words.size == 0 and len(big.apart) == 1
