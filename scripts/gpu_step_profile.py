@@ -119,6 +119,8 @@ def trace_split(trace_dir: Path, scopes: dict[tuple[str, str], str]) -> dict:
                 cat = category(scopes.get((module, op), ""), op)
                 start = ev.start_ns
                 runs[stats.get("run_id")].append((start, start + ev.duration_ns, cat, op))
+    if list(runs) == [None]:  # a tracer without run ids: a run starts at each first op
+        runs = _runs_by_first_op(runs[None])
     ordered = sorted(runs.values(), key=lambda evs: min(e[0] for e in evs))
     n = max(len(ordered), 1)
     per_cat, per_op = collections.Counter(), collections.Counter()
@@ -134,6 +136,18 @@ def trace_split(trace_dir: Path, scopes: dict[tuple[str, str], str]) -> dict:
                h2d_per_step=copies["h2d"] / n, d2h_per_step=copies["d2h"] / n,
                top_ops={op: round(ns / n / 1e6, 4) for op, ns in per_op.most_common(8)})
     return row
+
+
+def _runs_by_first_op(events: list[tuple]) -> dict[int, list[tuple]]:
+    """Events of several runs of one program split into runs: each starts where the op that
+    began the first run appears again."""
+    events = sorted(events)
+    first, runs = events[0][3], {}
+    for event in events:
+        if event[3] == first:
+            runs[len(runs)] = []
+        runs[len(runs) - 1].append(event)
+    return runs
 
 
 def profile_at(core, c: int, rng, trace_dir: Path) -> dict:

@@ -64,7 +64,6 @@ class Variant:
 
 
 VARIANTS = (Variant(), Variant(features=True), Variant(features=True, prompt_logprobs=True))
-LORA_VARIANTS = tuple(dataclasses.replace(v, lora=True) for v in VARIANTS)
 EMBED_VARIANTS = (Variant(embed=True),)
 GREEDY_VARIANT = Variant(greedy=True)  # accelerators' plain steps whose rows are all greedy
 

@@ -56,3 +56,10 @@ def test_dry_run_profiles_and_dumps(tmp_path):
     assert len(programs) == 4  # plain, features, prompt logprobs, greedy
     assert all(r["control_flow"] == [] for r in rows if "program" in r)
     assert "| 4 |" in (tmp_path / "gpu_step_profile.md").read_text()
+
+
+def test_runs_split_at_the_first_op_without_run_ids():
+    events = [(0, 2, "gemm", "a"), (3, 5, "norms", "b"), (9, 11, "gemm", "a"),
+              (12, 14, "norms", "b")]
+    runs = gpu_step_profile._runs_by_first_op(events)
+    assert [[e[3] for e in run] for run in runs.values()] == [["a", "b"], ["a", "b"]]
