@@ -28,6 +28,7 @@ from jengine.models.family import Network
 QKV = ("wq", "wk", "wv")
 GATE_UP = ("w_gate", "w_up")
 BIASES = ("bq", "bk", "bv", "b_gate", "b_up")
+_FLOAT = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def can_fuse(params: dict, cfg: ModelConfig, network: Network) -> bool:
@@ -44,7 +45,7 @@ def can_fuse(params: dict, cfg: ModelConfig, network: Network) -> bool:
             return False
         for name in QKV + GATE_UP:
             w = p.get(name)
-            if not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):
+            if not isinstance(w, jax.Array) or w.dtype not in _FLOAT:
                 return False
     return True
 
