@@ -41,6 +41,7 @@ from jengine.core.lora_cache import HostLoras
 from jengine.core.pooling import Pooling, resolve_pooling
 from jengine.models import KVCache, family_module
 from jengine.models.config import ModelConfig
+from jengine.models.fused import can_fuse, fuse_projections
 from jengine.models.idefics3 import VISION_MODEL_TYPES as IDEFICS3_TYPES
 from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
@@ -293,6 +294,11 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
         loaded, model_config, rules, dtype=dtype, quantization=quantization,
         layer_layout=layer_layout, quantize_lm_head=cfg.model.quantize_lm_head,
         smoothing_alpha=cfg.model.smoothing_alpha, progress=progress)
+    # Accelerators run q/k/v and gate/up as one GEMM each (jengine.models.fused); XLA:CPU's
+    # small dots run side by side instead, and LoRA adds its updates to the separate ones.
+    if (not model_config.branches and not cfg.lora.enable_lora
+            and can_fuse(params, model_config, family_module(model_config))):
+        params = fuse_projections(params, model_config)
     phases.end("weights")
     loras = None
     if cfg.lora.enable_lora:

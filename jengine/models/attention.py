@@ -161,6 +161,7 @@ def attend(
     kv_head_map: tuple[int, ...] | None = None,
     backend: str = "reference",  # reference | cpu | pallas_tpu | pallas_gpu (resolved)
     chunk: jax.Array | int | None = None,
+    platform: str | None = None,  # the kernels' target (`ModelConfig.platform`)
 ) -> tuple[jax.Array, KVCache]:
     """Writes this layer's new K/V into the pages, then attends over the cache.
 
@@ -181,7 +182,7 @@ def attend(
     with jax.named_scope("attention"):
         return _attention(q, kv, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
                           soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend,
-                          chunk=chunk), kv
+                          chunk=chunk, platform=platform), kv
 
 
 def attend_latent(
@@ -246,7 +247,7 @@ def _write(kv: KVCache, layer, slot_mapping, k, v, *, backend: str, kv_head_map)
 
 
 def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend,
-               chunk=None):
+               chunk=None, platform=None):
     args = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 kv_head_map=kv_head_map)
     if kv.quantized:
@@ -257,7 +258,7 @@ def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_
                              f"not {backend!r}")
         args["attention_chunk"] = chunk
     if backend != "reference":
-        return shard_for_context_mesh(attention_fn(backend))(
+        return shard_for_context_mesh(attention_fn(backend, platform))(
             q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table, **args)
     if md.block_tokens is not None:
         return blocked_paged_attention(

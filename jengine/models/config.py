@@ -246,6 +246,22 @@ class ModelConfig:
     # small-row kernel, one CPU device) | amx (native + bf16 projections on the AMX tiles);
     # jengine.models.matmul.resolve_matmul_backend.
     matmul_backend: str = "xla"
+    # The platform the step programs are built for: None is JAX's default backend (where the
+    # engine runs). Lowering for another one on this machine (`jax.export` to cuda or tpu from a
+    # CPU: tests/runtime/test_step_lowering.py, scripts/gpu_step_profile.py --dump) names it,
+    # so the Pallas kernels are built for it rather than interpreted, and `branches` is its own.
+    platform: str | None = None
+
+    @property
+    def branches(self) -> bool:
+        """Whether the step may branch on data (`lax.cond` / `lax.switch`): on XLA:CPU only,
+        where skipping unused work pays and a conditional costs nothing. On a GPU each one
+        copies its predicate to the host and waits, stalling the asynchronous dispatch, so the
+        accelerators' steps hold none: the host picks program variants (`step_io.Variant`)
+        and the rest is selects."""
+        import jax  # noqa: PLC0415 - the config module stays importable without a backend
+
+        return (self.platform or jax.default_backend()) == "cpu"
 
     @property
     def sm_scale(self) -> float:

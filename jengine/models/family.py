@@ -63,6 +63,9 @@ class Network:
     # (params, cfg, hidden [N, E]) -> the final norm's output [N, E], what an embedding pools;
     # None: RMSNorm by `final_norm` (Llama's); Gemma scales by 1 + weight.
     final_norm: Callable[..., Any] | None = None
+    # Whether `forward` reads the fused `w_qkv` / `w_gate_up` (`jengine.models.fused`) where a
+    # layer holds them instead of the separate weights.
+    fused_projections: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

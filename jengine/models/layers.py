@@ -175,23 +175,27 @@ def rope_rows(inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows, index.reshape(-1).astype(np.int32)
 
 
-def rope_tables(positions: jax.Array, inv_freq_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, inv_freq_rows: jax.Array, *,
+                barrier: bool = True) -> tuple[jax.Array, jax.Array]:
     """cos and sin [U, T, R/2] of each row of frequencies [U, R/2] at the step's positions [T],
     for `rotate`: made once a step for all layers that share frequencies.
 
-    XLA fuses an elementwise producer into each of its consumers, so left to itself it computes
-    the same sines and cosines again inside every layer's rope (~0.9 ms a layer of a 512-token
-    chunk on CPU, a tenth of the step; an optimization barrier is gone before fusion runs). A
-    conditional's result is a buffer its consumers read; the predicate is always true but is
-    data, so the conditional is not folded away."""
+    XLA:CPU fuses an elementwise producer into each of its consumers, so left to itself it
+    computes the same sines and cosines again inside every layer's rope (~0.9 ms a layer of a
+    512-token chunk on CPU, a tenth of the step; an optimization barrier is gone before fusion
+    runs). With `barrier` (`ModelConfig.branches`: XLA:CPU) the tables come out of a
+    conditional, whose result is a buffer its consumers read; the predicate is always true but
+    is data, so the conditional is not folded away. Elsewhere the tables are plain values: on a
+    GPU a conditional waits on the host for its predicate, and XLA:GPU's fusion decides alone."""
     def tables():
         angles = positions.astype(jnp.float32)[None, :, None] * inv_freq_rows[:, None, :]
         return jnp.cos(angles), jnp.sin(angles)
 
     with jax.named_scope("rope"):
-        shape = jax.ShapeDtypeStruct((inv_freq_rows.shape[0], positions.shape[0],
-                                      inv_freq_rows.shape[1]), jnp.float32)
-        zeros = lambda: (jnp.zeros(shape.shape, shape.dtype),) * 2  # noqa: E731
+        if not barrier:
+            return tables()
+        shape = (inv_freq_rows.shape[0], positions.shape[0], inv_freq_rows.shape[1])
+        zeros = lambda: (jnp.zeros(shape, jnp.float32),) * 2  # noqa: E731
         return jax.lax.cond(positions[0] > jnp.iinfo(jnp.int32).min, tables, zeros)
 
 

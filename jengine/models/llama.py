@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import layers, lora, matmul, moe
+from jengine.models import fused, layers, lora, matmul, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.family import Network
@@ -156,7 +156,8 @@ def forward(
         cos_tables, sin_tables = layers.mrope_tables(md.mrope_positions, jnp.asarray(freq_rows),
                                                      axis)
     else:  # [U, T, R/2] each, for the U distinct rows of frequencies
-        cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
+        cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows),
+                                                    barrier=cfg.branches)
     # Llama 4: chunked attention on the rope layers, q/k norm there, q's temperature elsewhere.
     chunked = cfg.attention_chunk_size is not None
     if chunked:
@@ -189,9 +190,13 @@ def forward(
 
         h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, backend=mm)
         adapters, slots = p.get("lora"), md.lora_slots  # LoRA slots (a step without: None)
-        q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
-        k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
-        v = project(h, p["wv"], "te,ehd->thd", p.get("bv"), backend=mm)
+        if "w_qkv" in p:  # one GEMM (jengine.models.fused)
+            q, k, v = fused.split_qkv(project(h, p["w_qkv"], "te,esgd->tsgd", backend=mm),
+                                      cfg.num_heads, cfg.num_kv_heads)
+        else:
+            q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
+            k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
+            v = project(h, p["wv"], "te,ehd->thd", p.get("bv"), backend=mm)
         if adapters is not None:
             q = lora.add_delta(q, h, adapters, "wq", slots)
             k = lora.add_delta(k, h, adapters, "wk", slots)
@@ -208,7 +213,7 @@ def forward(
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
-            kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
+            kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend, platform=cfg.platform,
             chunk=layer_chunk if chunked else None,
         )
         attn = lora.add_delta(layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm),
@@ -305,6 +310,9 @@ def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str,
         gate = lora.add_delta(gate, h, adapters, "w_gate", slots)
         up = lora.add_delta(up, h, adapters, "w_up", slots)
         act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
+    elif "w_gate_up" in p:  # one GEMM (jengine.models.fused), swiglu's rounding
+        gate, up = fused.split_gate_up(project(h, p["w_gate_up"], "te,esgf->tsgf", backend=mm))
+        act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
     else:  # the activation in f32 and rounded once, as torch does for a bf16 tensor
         with jax.named_scope("proj"):
             act = matmul.swiglu(h, p["w_gate"], p["w_up"], mm)
@@ -339,4 +347,4 @@ def layer_offsets(cfg: ModelConfig) -> dict[str, int]:
 
 NETWORK = Network(name="llama", param_specs=param_specs, forward=forward, logits=logits,
                   layer_keys=LAYER_KEYS, smoothing_folds=smoothing_folds,
-                  layer_offsets=layer_offsets)
+                  layer_offsets=layer_offsets, fused_projections=True)

@@ -37,10 +37,11 @@ from jengine.runtime.executables import (
     store_key,
 )
 from jengine.runtime.lora_slots import LoraSlots, batch_slots, with_slots
+from jengine.runtime.packed_inputs import PackedInputs
 from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
     EMBED_VARIANTS,
-    LORA_VARIANTS,
+    GREEDY_VARIANT,
     MAX_TOP_LOGPROBS,
     VARIANTS,
     PromptLogprobs,
@@ -50,6 +51,7 @@ from jengine.runtime.step_io import (
     StepResult,
     Variant,
     dummy_step,
+    host_variant,
     step_inputs,
 )
 from jengine.runtime.step_tail import embed_tail, head_and_sample
@@ -95,6 +97,7 @@ class Runner:
         `state_slots`: a hybrid model's recurrent-state slots in the
         cache (running sequences + scratch)."""
         self.cfg, self.params, self.embed = cfg, params, embed
+        self.branches = cfg.branches  # XLA:CPU's conditionals, or none (accelerators)
         self.loras, self.image_width, self.state_slots = loras, image_width, state_slots
         self.mrope, self.deepstack = mrope, deepstack
         self.page_size, self.num_pages, self.buckets = page_size, num_pages, buckets
@@ -122,7 +125,10 @@ class Runner:
 
         max_seqs = buckets.seqs[-1]
 
-        def step(params, kv, inputs: StepInputs, prev_tokens, lora, variant: Variant):
+        def step(params, kv, inputs: StepInputs | PackedInputs, prev_tokens, lora,
+                 variant: Variant):
+            if isinstance(inputs, PackedInputs):  # accelerators: one transfer a step
+                inputs = inputs.unpack()
             params = with_slots(params, lora) if variant.lora else params
             md = inputs.attention_metadata()
             # Token rows the host could not fill yet (async scheduling) take the token that the
@@ -142,10 +148,11 @@ class Runner:
             if not variant.prompt_logprobs:
                 hidden, kv = forward(params, cfg, kv, md, head=False)  # [S, E]
                 out = head_and_sample(lambda h: head(params, cfg, h), hidden, inputs.num_rows,
-                                      inputs.sampling, variant)
+                                      inputs.sampling, variant, branches=cfg.branches)
                 return (out, None), kv, None
             all_logits, kv = forward(params, cfg, kv, md, all_logits=True)  # [T, V]
-            out = sample(all_logits[md.logits_indices], inputs.sampling, num_top_logprobs=k)
+            out = sample(all_logits[md.logits_indices], inputs.sampling, num_top_logprobs=k,
+                         branches=cfg.branches)
             logprobs = jax.nn.log_softmax(all_logits, axis=-1)
             targets = jnp.maximum(inputs.targets, 0)[:, None]
             chosen = jnp.take_along_axis(logprobs, targets, axis=-1)[:, 0]
@@ -190,7 +197,9 @@ class Runner:
             vocab_size=self.cfg.vocab_size, history_width=self.buckets.pages[-1] * self.page_size,
             feed=feed, lora_slots=batch_slots(self.loras, batch), image_width=self.image_width,
             state_slots=self.state_slots > 0, mrope=self.mrope, deepstack=self.deepstack)
-        return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
+        if self.embed:
+            return inputs, EMBED_VARIANTS[0]
+        return inputs, host_variant(variant, rows.temperature, branches=self.branches)
 
     def _to_device(self, host):  # a pytree of NumPy arrays
         if self._input_sharding is None:
@@ -232,10 +241,16 @@ class Runner:
             steps += 1
         return steps
 
+    def _device_inputs(self, host: StepInputs) -> StepInputs | PackedInputs:
+        """What the step program takes: on accelerators the inputs packed into one buffer (one
+        host-to-device copy: `packed_inputs`), on XLA:CPU the arrays themselves."""
+        return host if self.branches else PackedInputs.of(host)
+
     def _run(self, host: StepInputs, variant: Variant,
              prev_tokens: jax.Array | None = None) -> StepOutputs:
         prev = self._no_tokens if prev_tokens is None else prev_tokens
-        args = (self._to_device(host), prev, self.loras.tree if variant.lora else None)
+        args = (self._to_device(self._device_inputs(host)), prev,
+                self.loras.tree if variant.lora else None)
         out, self.kv = self._program(host, variant, args)(self.params, self.kv, *args)
         return out
 
@@ -358,15 +373,23 @@ class Runner:
 
     def warmup_programs(self) -> list[tuple[tuple[int, int, int], Variant]]:
         """Every (bucket shape, variant) that `warmup` builds: all a step can need."""
-        variants = EMBED_VARIANTS if self.embed else VARIANTS
-        if self.loras is not None and not self.embed:
-            variants = VARIANTS + LORA_VARIANTS
+        if self.embed:
+            variants = EMBED_VARIANTS
+        else:
+            variants = VARIANTS + (() if self.branches else (GREEDY_VARIANT,))
+            if self.loras is not None:
+                variants += tuple(dataclasses.replace(v, lora=True) for v in variants)
         return [(shape, variant) for shape in self.buckets.shapes() for variant in variants]
+
+    def _dummy(self, shape: tuple[int, int, int], variant: Variant):
+        """`dummy_step` whose rows pick `variant` here (drawn rows for an accelerator's plain,
+        not greedy, program)."""
+        return dummy_step(shape, variant, sampled=not self.branches and not variant.greedy)
 
     def warmup_keys(self) -> list[str | None]:
         """The store key of each program `warmup` builds, in `warmup_programs()` order: what
         `jengine compile` stores and `serve --require-warm` needs (None without a store)."""
-        return [self.program_key(*dummy_step(shape, variant))
+        return [self.program_key(*self._dummy(shape, variant))
                 for shape, variant in self.warmup_programs()]
 
     def _check_stored(self, programs: list[tuple[tuple[int, int, int], Variant]]) -> None:
@@ -387,13 +410,48 @@ class Runner:
         builds, and what profiles read the HLO of."""
         host, variant = self.host_inputs(batch, rows)
         lora = self.loras.tree if variant.lora else None
-        return self._program(host, variant, (self._to_device(host), self._no_tokens, lora))
+        return self._program(host, variant, (self._to_device(self._device_inputs(host)),
+                                             self._no_tokens, lora))
+
+    def compiled_programs(self) -> list[jax.stages.Compiled]:
+        """Every step program built so far: what a profile maps device ops back to the named
+        scopes of (their HLO's op metadata)."""
+        with self._programs_lock:
+            return list(self._programs.values())
+
+    def for_platform(self, platform: str, attention_backend: str, params: dict) -> Runner:
+        """A runner of this model, buckets and cache size whose programs are built for
+        `platform` with `attention_backend`, around `params` (laid out as that platform loads
+        them): what `export` lowers for an accelerator from this machine."""
+        cfg = dataclasses.replace(self.cfg, platform=platform, attention_backend=attention_backend,
+                                  matmul_backend="xla")
+        return Runner(cfg, params, num_pages=self.num_pages, page_size=self.page_size,
+                      buckets=self.buckets, kv_cache_dtype=self.kv_cache_dtype)
+
+    def export(self, shape: tuple[int, int, int], variant: Variant,
+               platforms: tuple[str, ...]) -> jax.export.Exported:
+        """The step program of bucket `shape` (T, S, P) and `variant`, lowered for `platforms`
+        by `jax.export` and not compiled: how a step for an accelerator is checked and read on
+        any machine (tests/runtime/test_step_lowering.py, scripts/gpu_step_profile.py --dump).
+        The model config's `platform` must name the target, so the kernels are built for it
+        (Triton's custom call has no compatibility promise: that one check is off)."""
+        host, picked = self.host_inputs(*self._dummy(shape, variant))
+        lora = self.loras.tree if picked.lora else None
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                (self.params, self.kv, self._device_inputs(host),
+                                 self._no_tokens, lora))
+        triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+        mesh = self._kernel_mesh
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            return jax.export.export(jax.jit(self._step_fn, **self._jit_kwargs),
+                                     platforms=platforms, disabled_checks=[triton])(
+                *abstract, variant=picked)
 
     def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        self.program(*dummy_step(shape, variant))
+        self.program(*self._dummy(shape, variant))
 
     def _run_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        out = self._launch(*self.host_inputs(*dummy_step(shape, variant)))
+        out = self._launch(*self.host_inputs(*self._dummy(shape, variant)))
         jax.block_until_ready(out.sampled.tokens)
 
 

@@ -2,7 +2,8 @@
 
 host -> device: `SamplingRows` (the sampler's per-row settings, unpadded) and a
 `ScheduledBatch` become one `StepInputs` (NumPy, padded to a bucket; sent whole to multi-host
-followers), which `Runner` transfers in one `device_put`; its `Variant` (static) picks the step
+followers), which `Runner` transfers in one `device_put` (on accelerators packed into one
+buffer first: `packed_inputs`); its `Variant` (static) picks the step
 program. device -> host: the program returns `StepOutputs` (on device; its `next_tokens` feed
 the step dispatched after it); `Runner.fetch` brings back a `StepResult` with only per-row
 values, never logits.
@@ -19,6 +20,7 @@ from jengine.models import AttentionMetadata
 from jengine.pallas_kernels import query_blocks
 from jengine.runtime.buckets import QUERY_BLOCK, Buckets
 from jengine.runtime.sampler import SamplerOutput, SamplingArrays
+from jengine.sampling_params import GREEDY_TEMPERATURE
 from jengine.scheduling.batch import ScheduledBatch
 from jengine.scheduling.sequence import PENDING, Sequence
 
@@ -44,12 +46,17 @@ class Variant:
     `lora` (an engine with `enable_lora`) adds every projection's low-rank update from the
     adapter slots (`jengine.models.lora`); a step whose sequences use no adapter runs the
     program without it, so the base model pays nothing for the slots.
+
+    `greedy` (accelerators only: `ModelConfig.branches` False) is the plain variant for a batch
+    whose rows are all greedy: the argmax, no draw. XLA:CPU skips the draw with a conditional
+    inside the plain program instead, which on a GPU would wait on the host every step.
     """
 
     features: bool = False
     prompt_logprobs: bool = False
     embed: bool = False
     lora: bool = False
+    greedy: bool = False
 
     @property
     def num_top_logprobs(self) -> int:
@@ -57,8 +64,18 @@ class Variant:
 
 
 VARIANTS = (Variant(), Variant(features=True), Variant(features=True, prompt_logprobs=True))
-LORA_VARIANTS = tuple(dataclasses.replace(v, lora=True) for v in VARIANTS)
 EMBED_VARIANTS = (Variant(embed=True),)
+GREEDY_VARIANT = Variant(greedy=True)  # accelerators' plain steps whose rows are all greedy
+
+
+def host_variant(variant: Variant, temperature: np.ndarray, *, branches: bool) -> Variant:
+    """The program a batch runs: `variant`, or its greedy twin on an accelerator (no
+    `branches`) when it is the plain one and every row's `temperature` [n] is greedy."""
+    if branches or variant.features or variant.embed or variant.greedy:
+        return variant
+    if np.all(np.asarray(temperature) < GREEDY_TEMPERATURE):
+        return dataclasses.replace(variant, greedy=True)
+    return variant
 
 
 @dataclasses.dataclass
@@ -394,11 +411,17 @@ def dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
     )
 
 
-def dummy_step(shape: tuple[int, int, int], variant: Variant) -> tuple[ScheduledBatch,
-                                                                       SamplingRows]:
-    """A batch of bucket `shape` (T, S, P) whose rows run `variant`'s program (warm-up)."""
+def dummy_step(shape: tuple[int, int, int], variant: Variant, *,
+               sampled: bool = False) -> tuple[ScheduledBatch, SamplingRows]:
+    """A batch of bucket `shape` (T, S, P) whose rows run `variant`'s program (warm-up). A
+    plain variant's rows are greedy (the branch XLA:CPU's first run then sets up); `sampled`
+    gives them temperature 1, which is what picks the accelerators' plain program over its
+    greedy twin (`host_variant`)."""
     t, s, p = shape
     batch = dummy_batch(t, s, p)
     if variant.lora:  # adapter id 0 on every row: the lora program, no adapter applied
         batch.lora_ids = np.zeros((s,), np.int64)
-    return batch, SamplingRows.for_variant(s, t, variant)
+    rows = SamplingRows.for_variant(s, t, variant)
+    if sampled:
+        rows.temperature = np.ones((s,), np.float32)
+    return batch, rows
