@@ -53,6 +53,9 @@ class ScheduledBatch:
     spec_lens: np.ndarray | None = None
     # [S] int32 each sequence's recurrent-state slot (hybrid models), or None.
     state_slots: np.ndarray | None = None
+    # [2, 2, MAX_COPIES] int32 recurrent-state copies around the forward (`StateCopies`;
+    # hybrid models with prefix caching), or None.
+    state_copies: np.ndarray | None = None
     # [S] the LoRA adapter id of each sequence (0: the base model), or None when none uses one.
     lora_ids: np.ndarray | None = None
 

@@ -69,6 +69,10 @@ class Sequence:
     spec: Any = None
     # A hybrid model's recurrent-state slot (`jengine.scheduling.state_slots`) while it runs.
     state_slot: int | None = None
+    # Prefix caching on a hybrid model (`state_snapshots`): the snapshot slot it resumes from
+    # when admitted, and the one its current step's chunk snapshots into.
+    resume_from: int | None = None
+    snapshot_to: int | None = None
     # The LoRA adapter it runs under (`LoRARequest.lora_int_id`); 0: the base model.
     lora_id: int = 0
     # The prompt's encoded images (vision models); kept until the sequence ends, as a preempted
