@@ -53,7 +53,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         info["linear_layers"] = (
             f"{cfg.num_linear_layers} of {cfg.num_layers} Gated DeltaNet (KV pages for the "
             f"other {cfg.num_kv_layers}); recurrent state {per_seq / 2**10:.1f} KiB f32 per "
-            "running sequence, taken from kv_cache_memory before its pages")
+            "running sequence and per prefix-cache snapshot (up to max_num_seqs of them, at "
+            "most a quarter of what the running ones leave), taken from kv_cache_memory "
+            "before its pages")
     for k, v in info.items():
         print(f"{k:16} {v}")
     return 0

@@ -389,7 +389,7 @@ class Scheduler:
         """Gives the leader's waiting siblings its full prompt pages by reference; each then
         prefills only the prompt's last partial page (at least the last prompt token)."""
         shared = leader.pages[: (len(leader.prompt_ids) - 1) // self.allocator.page_size]
-        if self.state_slots is not None:  # pages hold no recurrent state: each prefills it all
+        if self.state_slots is not None:  # pages hold no state: each resumes via the cache
             shared = []
         for seq in reversed(leader.pending_forks):
             self.allocator.share(shared)
