@@ -1,11 +1,11 @@
 """Prefix caching on a Gated DeltaNet hybrid (tiny random Qwen3.5, CPU): hit rate and TTFT of a
-second request that shares a prefix with a first, with the cache on (state snapshots at page
-boundaries) and off.
+second and a third request that share a prefix with a first, with the cache on (state
+snapshots at page boundaries) and off.
 
-For each shared length L, request A is L shared tokens + 16 of its own, then request B is the
-same L + 16 others; TTFT is the wall time of a `max_tokens=1` generate (prefill + one sample),
+For each shared length L, requests A, B, C are L shared tokens + 16 of their own, one after
+another; TTFT is the wall time of a `max_tokens=1` generate (prefill + one sample),
 median over `--reps` fresh prefixes per L, after one unmeasured round that builds the step
-programs the lengths need. Hit rate: B's `num_cached_tokens` / its prompt length. A's own TTFT
+programs the lengths need. Hit rate: `num_cached_tokens` / prompt length. A's own TTFT
 shows what the cut at the last full page of every prompt costs a cold prompt.
 
     PYTHONPATH=. python -P experiments/hybrid_prefix_ttft.py [--lengths 32 100 500 1000]
@@ -53,11 +53,13 @@ def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, out.num_cached_tokens or 0
 
 
-def measure(engine: Engine, length: int, rng: np.random.Generator) -> tuple[float, float, int]:
+def measure(engine: Engine, length: int, rng: np.random.Generator) -> list[float]:
+    """[A's TTFT, B's, B's cached tokens, C's, C's cached tokens]."""
     shared = rng.integers(3, VOCAB, length).tolist()
     first, _ = ttft(engine, shared + rng.integers(3, VOCAB, OWN).tolist())
-    second, cached = ttft(engine, shared + rng.integers(3, VOCAB, OWN).tolist())
-    return first, second, cached
+    second, third = (ttft(engine, shared + rng.integers(3, VOCAB, OWN).tolist())
+                     for _ in range(2))
+    return [first, *second, *third]
 
 
 def main() -> None:
@@ -79,14 +81,16 @@ def main() -> None:
                 runs = [measure(engine, length, rng) for _ in range(args.reps)]
                 rows[caching, length] = [statistics.median(r) for r in zip(*runs)]
             del engine
-    print(f"medians of {args.reps}; TTFT in ms (prefill + one sample); B = L + {OWN} tokens")
-    print("| shared L | hit rate of B | B TTFT on | B TTFT off | A TTFT on | A TTFT off |")
-    print("|---|---|---|---|---|---|")
+    print(f"medians of {args.reps}; TTFT in ms (prefill + one sample); prompts L + {OWN}")
+    print("| shared L | hits B / C | TTFT B on / off | TTFT C on / off | TTFT A on / off |")
+    print("|---|---|---|---|---|")
     for length in args.lengths:
-        a_on, b_on, cached = rows[True, length]
-        a_off, b_off, _ = rows[False, length]
-        print(f"| {length} | {cached / (length + OWN):.0%} | {1e3 * b_on:.0f} | "
-              f"{1e3 * b_off:.0f} | {1e3 * a_on:.0f} | {1e3 * a_off:.0f} |")
+        a, b, b_hit, c, c_hit = rows[True, length]
+        a_off, b_off, _, c_off, _ = rows[False, length]
+        n = length + OWN
+        print(f"| {length} | {b_hit / n:.0%} / {c_hit / n:.0%} | {1e3 * b:.0f} / "
+              f"{1e3 * b_off:.0f} | {1e3 * c:.0f} / {1e3 * c_off:.0f} | {1e3 * a:.0f} / "
+              f"{1e3 * a_off:.0f} |")
 
 
 if __name__ == "__main__":

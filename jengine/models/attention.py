@@ -44,7 +44,8 @@ class KVCache:
     recurrent state per sequence slot N beside them: the last C-wide inputs of its causal conv
     and its [Dk, Dv] DeltaNet state per value head. Slot 0 is a scratch slot, as page 0 is;
     `AttentionMetadata.state_slots` names each row's slot. Pure-attention models keep both as
-    zero-byte leaves.
+    zero-byte leaves. Every state leaf keeps its slot axis at 2 (`copy_state_slots`, the prefix
+    cache's snapshots, relies on it and on nothing else of its shape).
     """
 
     k: jax.Array  # [L, K, P, O, D]

@@ -34,6 +34,7 @@ def reuse_cached(cache: PrefixCache | None, seq: Sequence, copies: StateCopies |
     pages = cache.match(seq.cache_tokens(0, max_pages * ps), max_pages, adapter=seq.lora_id)
     if cache.snapshots is not None:
         depth, seq.resume_from = cache.snapshots.deepest(pages)
+        seq.snapshot_cut = len(pages) * ps if depth < len(pages) else None
         pages = pages[:depth]
     if pages:
         cache.allocator.share(pages)
@@ -50,14 +51,20 @@ def chunk_limit(cache: PrefixCache | None, seq: Sequence, budget: int) -> int:
     kernels and keys on a cold cache as on a warm one, and one seed gives one output whatever
     the cache held (a 40-row chunk and the 8 rows a hit leaves take other kernel paths, whose
     sums part in the last bits). It costs a step on a cold prompt longer than a page (TTFT
-    1.2-1.8x, docs/engine.md), so only requests that ask to be reproduced (`seed`) pay it."""
+    1.2-1.8x, docs/engine.md), so only requests that ask to be reproduced (`seed`) pay it.
+    A hybrid's chunks (state snapshots) stop there too, and where a cached match without a
+    snapshot ended (`seq.snapshot_cut`), and end on page boundaries where they can."""
     n = min(seq.num_uncomputed, budget)
+    if seq.snapshot_cut is not None and seq.snapshot_cut <= seq.num_computed:
+        seq.snapshot_cut = None
     if cache is None or seq.params.prompt_logprobs is not None:
         return n
     if seq.params.seed is None and cache.snapshots is None:
         return n
     ps = cache.allocator.page_size
     last_page = (seq.num_tokens - 1) // ps * ps
+    if cache.snapshots is not None and (seq.snapshot_cut or 0) > seq.num_computed:
+        last_page = seq.snapshot_cut  # where its cached match ended: snapshot it for the next
     if seq.num_computed < last_page:
         n = min(n, last_page - seq.num_computed)
         if cache.snapshots is not None:

@@ -95,6 +95,29 @@ def test_a_shared_prefix_resumes_from_the_deepest_snapshot():
     assert _all_free(h)
 
 
+def test_a_match_without_a_snapshot_takes_one_where_it_ends():
+    """A system prompt of 10 tokens (2 pages and 2) before 6 tokens of each request's own:
+    the first request's one snapshot is at 12 (its chunk runs to its last full page), past
+    the shared part, so the second computes from 0 and stops at 8, where its match ended,
+    to take one; the third resumes there."""
+    h = _hybrid(page_size=4, max_num_batched_tokens=32)
+    ignore = params(max_tokens=2, ignore_eos=True)
+    system = prompt_of(10)
+    prompts = [system + prompt_of(6, salt) for salt in (1, 2, 3)]
+    a, = h.add("a", prompts[0], ignore)
+    assert h.step().q_lens.tolist() == [12]
+    h.run()
+    b, = h.add("b", prompts[1], ignore)
+    assert h.step().q_lens.tolist() == [8]  # no snapshot at 8: from 0 to there
+    h.run()
+    c, = h.add("c", prompts[2], ignore)
+    h.run()
+    assert (a.num_cached_tokens, b.num_cached_tokens, c.num_cached_tokens) == (0, 0, 8)
+    for rid, prompt in zip("abc", prompts):
+        assert h.result(rid)[0][0] == solo_tokens(prompt, 0, 2)
+    assert _all_free(h)
+
+
 def test_no_snapshot_no_hit_and_the_lru_snapshot_gives_way():
     snaps = StateSnapshots(first=3, count=2)
     assert snaps.deepest([10, 11]) == (0, None)
