@@ -3,10 +3,11 @@ second and a third request that share a prefix with a first, with the cache on (
 snapshots at page boundaries) and off.
 
 For each shared length L, requests A, B, C are L shared tokens + 16 of their own, one after
-another; TTFT is the wall time of a `max_tokens=1` generate (prefill + one sample),
-median over `--reps` fresh prefixes per L, after one unmeasured round that builds the step
-programs the lengths need. Hit rate: `num_cached_tokens` / prompt length. A's own TTFT
-shows what the cut at the last full page of every prompt costs a cold prompt.
+another; TTFT is the wall time of a `max_tokens=1` generate (prefill + one sample), median
+over `--reps` fresh prefixes per L (the engines with and without the cache alternate), after
+one unmeasured round that builds the step programs the lengths need. Hit rate:
+`num_cached_tokens` / prompt length. A's own TTFT shows what the cut at the last full page of
+every prompt costs a cold prompt.
 
     PYTHONPATH=. python -P experiments/hybrid_prefix_ttft.py [--lengths 32 100 500 1000]
 """
@@ -67,20 +68,21 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[32, 100, 500, 1000])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    rows = {}
+    runs = {}
+    rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as root:
         path = save(Path(root))
-        for caching in (True, False):
-            engine = Engine(path, config="cpu", dtype="float32", max_num_seqs=4,
-                            kv_cache_memory="256MiB", enable_prefix_caching=caching,
-                            progress=False)
-            rng = np.random.default_rng(0)
+        engines = {caching: Engine(path, config="cpu", dtype="float32", max_num_seqs=4,
+                                   kv_cache_memory="256MiB", enable_prefix_caching=caching,
+                                   progress=False) for caching in (True, False)}
+        for engine in engines.values():
             for length in args.lengths:  # builds the programs these lengths use
                 measure(engine, length, rng)
-            for length in args.lengths:
-                runs = [measure(engine, length, rng) for _ in range(args.reps)]
-                rows[caching, length] = [statistics.median(r) for r in zip(*runs)]
-            del engine
+        for _ in range(args.reps):  # the two engines alternate, so other load falls on both
+            for caching, engine in engines.items():
+                for length in args.lengths:
+                    runs.setdefault((caching, length), []).append(measure(engine, length, rng))
+    rows = {key: [statistics.median(r) for r in zip(*v)] for key, v in runs.items()}
     print(f"medians of {args.reps}; TTFT in ms (prefill + one sample); prompts L + {OWN}")
     print("| shared L | hits B / C | TTFT B on / off | TTFT C on / off | TTFT A on / off |")
     print("|---|---|---|---|---|")
