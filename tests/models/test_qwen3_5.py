@@ -229,9 +229,11 @@ def test_qwen3_5_info_reports_the_recurrent_state(qwen3_5, capsys):
     from jengine.cli.info import cmd_info
 
     assert cmd_info(argparse.Namespace(model=str(qwen3_5[0].source))) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("linear_layers"))
+    capsys_out = capsys.readouterr().out
+    line = next(x for x in capsys_out.splitlines() if x.startswith("linear_layers"))
     # 3 layers x (conv 3 taps x 80 channels + 4 heads x 8 x 12) x 4 bytes = 7488 bytes
     assert "3 of 4 Gated DeltaNet" in line and "7.3 KiB" in line
+    assert "state_snapshots  64 prefix-cache snapshots" in capsys_out
 
 
 def test_qwen3_5_multimodal_checkpoint_reads_its_text_model(tmp_path):
