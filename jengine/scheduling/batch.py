@@ -103,9 +103,11 @@ class ScheduledBatch:
         return np.repeat(np.arange(self.num_seqs, dtype=np.int32), self.rows_per_seq)
 
 
-def build_batch(chosen: list[tuple[Sequence, int]], page_size: int) -> ScheduledBatch:
+def build_batch(chosen: list[tuple[Sequence, int]], page_size: int,
+                state_copies: np.ndarray | None = None) -> ScheduledBatch:
     """The step's batch: `n` query tokens of each chosen (sequence, n), from its first
-    uncomputed token, a verifying sequence's proposals last."""
+    uncomputed token, a verifying sequence's proposals last. `state_copies`: a hybrid's
+    snapshot copies (`ScheduledBatch.state_copies`)."""
     tokens, positions, slots = [], [], []
     q_lens, kv_lens, sample = [], [], []
     width = max(len(seq.pages) for seq, _ in chosen)
@@ -138,5 +140,5 @@ def build_batch(chosen: list[tuple[Sequence, int]], page_size: int) -> Scheduled
         spec_lens=spec_lens if spec_lens.any() else None,
         state_slots=(np.asarray([seq.state_slot or 0 for seq, _ in chosen], np.int32)
                      if any(seq.state_slot is not None for seq, _ in chosen) else None),
-        lora_ids=lora_ids if lora_ids.any() else None,
+        lora_ids=lora_ids if lora_ids.any() else None, state_copies=state_copies,
     )

@@ -196,10 +196,8 @@ class Scheduler:
             self.speculator.extend(chosen, budget, self.max_num_seqs, self.allocator,
                                    self.max_model_len)
         plan_snapshots(self.prefix_cache, chosen, copies)
-        batch = build_batch(chosen, self.allocator.page_size)
-        if self.state_slots is not None and (copies.into or copies.out):
-            batch.state_copies = copies.array()
-        return batch
+        return build_batch(chosen, self.allocator.page_size,
+                           copies.array() if copies.into or copies.out else None)
 
     @property
     def spec_counters(self) -> SpecCounters:
