@@ -37,6 +37,7 @@ from jengine.core.build import (
     step_buckets,
 )
 from jengine.core.draft import proposer_for
+from jengine.core.kv_budget import host_kv_budget
 from jengine.core.lora_cache import HostLoras
 from jengine.core.pooling import Pooling, resolve_pooling
 from jengine.models import KVCache, family_module
@@ -61,6 +62,7 @@ from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
 from jengine.scheduling.state_slots import StateSlots
+from jengine.scheduling.state_snapshots import StateSnapshots
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
 from jengine.vision.idefics3_processor import Idefics3Processor
@@ -142,22 +144,23 @@ def build_parts(
     model_config = chunk_for_context(model_config, context)
     eos = eos_ids(loaded)
     state_slots = hybrid_state_slots(cfg, model_config)
-    num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
-                         kv_cache_dtype, context, state_slots=state_slots)
-    buckets = step_buckets(cfg, context, backends["attention_backend"])
-    allocator = PageAllocator(num_pages, cfg.cache.page_size)
     # An embedding pools every prompt token's hidden state, so none may come from the cache.
     caching = cfg.cache.enable_prefix_caching and cfg.model.task == "generate"
+    snapshots = (snapshot_slots(cfg, model_config, mesh_spec, loaded.config.num_kv_heads,
+                                state_slots) if caching and state_slots else 0)
+    num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
+                         kv_cache_dtype, context, state_slots=state_slots + snapshots)
+    buckets = step_buckets(cfg, context, backends["attention_backend"])
+    allocator = PageAllocator(num_pages, cfg.cache.page_size)
     if state_slots:
-        log.info("recurrent state: %d slots x %.2f MiB (%s's %d linear layers) from "
-                 "kv_cache_memory, %d KV pages left", state_slots,
-                 KVCache.bytes_per_state_slot(model_config) / 2**20, model_config.model_type,
-                 model_config.num_linear_layers, num_pages)
-    if caching and state_slots:
-        log.info("prefix caching off: %s keeps recurrent state that cached pages do not hold",
-                 model_config.model_type)
-        caching = False
-    prefix_cache = PrefixCache(allocator) if caching else None
+        log.info("recurrent state: %d slots + %d prefix-cache snapshots x %.2f MiB (%s's %d "
+                 "linear layers) from kv_cache_memory, %d KV pages left", state_slots,
+                 snapshots, KVCache.bytes_per_state_slot(model_config) / 2**20,
+                 model_config.model_type, model_config.num_linear_layers, num_pages)
+    prefix_cache = None
+    if caching:
+        prefix_cache = PrefixCache(allocator, StateSnapshots(state_slots, snapshots)
+                                   if snapshots else None)
     scheduler = Scheduler(
         allocator, max_num_seqs=cfg.scheduler.max_num_seqs,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=context,
@@ -174,7 +177,7 @@ def build_parts(
         runner = _runner(cfg, loaded, model_config, mesh, num_pages, buckets, distributed,
                          dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                          layer_layout=layer_layout, progress=progress, phases=phases,
-                         state_slots=state_slots)
+                         state_slots=state_slots + snapshots)
     phases.end("kv cache")
     vision, images = _vision(cfg, loaded, model_config, dtype, make_runner is None)
     return CoreParts(distributed=distributed, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -263,6 +266,25 @@ def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig) -> int:
         raise ValueError(f"speculative decoding is not supported for {model_config.model_type}: "
                          "its linear layers' recurrent state cannot roll back rejected tokens")
     return cfg.scheduler.max_num_seqs + 1
+
+
+def snapshot_slots(cfg: EngineConfig, model_config: ModelConfig, mesh_spec: MeshSpec,
+                   num_kv_heads: int, state_slots: int) -> int:
+    """The prefix cache's recurrent-state snapshots for a hybrid model: one per sequence that
+    may run, or as many as fit in a quarter of `kv_cache_memory` after the running ones'
+    states, whichever is fewer (at least one: a prefix hit needs one).
+
+    Raises:
+      ValueError: the budget holds no snapshot beside the running states.
+    """
+    per_slot = KVCache.bytes_per_state_slot(model_config)
+    budget = host_kv_budget(cfg.cache.kv_cache_memory, mesh_spec, num_kv_heads,
+                            cfg.parallel.num_processes) - state_slots * per_slot
+    count = min(cfg.scheduler.max_num_seqs, budget // 4 // per_slot)
+    if count < 1:
+        raise ValueError(f"kv_cache_memory {cfg.cache.kv_cache_memory} leaves no room for a "
+                         "prefix-cache state snapshot: raise it or --no-enable-prefix-caching")
+    return count
 
 
 def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str, *,

@@ -44,7 +44,8 @@ class KVCache:
     recurrent state per sequence slot N beside them: the last C-wide inputs of its causal conv
     and its [Dk, Dv] DeltaNet state per value head. Slot 0 is a scratch slot, as page 0 is;
     `AttentionMetadata.state_slots` names each row's slot. Pure-attention models keep both as
-    zero-byte leaves.
+    zero-byte leaves. Every state leaf keeps its slot axis at 2 (`copy_state_slots`, the prefix
+    cache's snapshots, relies on it and on nothing else of its shape).
     """
 
     k: jax.Array  # [L, K, P, O, D]
@@ -102,6 +103,20 @@ class KVCache:
             row += jnp.dtype(jnp.float32).itemsize  # the row's scale
         copies = 1 if cfg.latent_attention else 2  # latent rows only, else keys and values
         return copies * cfg.num_kv_layers * page_size * cfg.num_kv_heads * row
+
+    def copy_state_slots(self, pairs: jax.Array) -> KVCache:
+        """Each state leaf's slot `pairs[0, i]` copied to slot `pairs[1, i]` (axis 2, the slot
+        axis of every state leaf), skipped on the device when every pair is (0, 0): prefix
+        caching's snapshots on a hybrid model (`scheduling.state_snapshots`). `pairs`: [2, M]
+        int32 (source, destination), destinations distinct except the scratch 0."""
+        src, dst = pairs[0], pairs[1]
+
+        def copy(states):
+            return tuple(a.at[:, :, dst].set(jnp.take(a, src, axis=2)) for a in states)
+
+        conv, ssm = jax.lax.cond(jnp.any(dst > 0), copy, lambda states: states,
+                                 (self.conv, self.ssm))
+        return dataclasses.replace(self, conv=conv, ssm=ssm)
 
     @staticmethod
     def bytes_per_state_slot(cfg: ModelConfig) -> int:

@@ -136,7 +136,10 @@ class Runner:
             feed = inputs.feed
             fed = prev_tokens[jnp.maximum(feed, 0)]
             md = dataclasses.replace(md, token_ids=jnp.where(feed >= 0, fed, md.token_ids))
+            copies = inputs.state_copies  # prefix-cache snapshots in and out (hybrid models)
+            kv = kv.copy_state_slots(copies[0]) if copies is not None else kv
             (out, prompt), kv, hidden = _forward_and_sample(params, kv, md, inputs, variant)
+            kv = kv.copy_state_slots(copies[1]) if copies is not None else kv
             # The sampled tokens, padded to one shape, stay on device for the next step's `feed`.
             tokens = jnp.zeros((max_seqs,), jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
             return StepOutputs(sampled=out, prompt=prompt, next_tokens=tokens, hidden=hidden), kv

@@ -23,6 +23,7 @@ from jengine.runtime.sampler import SamplerOutput, SamplingArrays
 from jengine.sampling_params import GREEDY_TEMPERATURE
 from jengine.scheduling.batch import ScheduledBatch
 from jengine.scheduling.sequence import PENDING, Sequence
+from jengine.scheduling.state_snapshots import MAX_COPIES
 
 MAX_TOP_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit too)
 
@@ -183,6 +184,9 @@ class StepInputs:
     targets: np.ndarray | None = None  # [T] int32 prompt_logprobs' next prompt token, or -1
     # Hybrid models: [S] int32 each row's recurrent-state slot (padding rows: the scratch 0).
     state_slots: np.ndarray | None = None
+    # Hybrid models: [2, 2, M] int32 state slot copies before / after the forward (source,
+    # destination), for prefix caching's snapshots; (0, 0) pairs do nothing.
+    state_copies: np.ndarray | None = None
     lora_slots: np.ndarray | None = None  # [T] int32 LoRA slot per token, -1: none (lora only)
     # Vision models only (every step, so one program per bucket serves text and images):
     # (rows [T, E] f32, at [T] int32): token t takes rows[t] where at[t] >= 0 (an image row).
@@ -259,11 +263,13 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
         targets = np.full((t,), -1, np.int32)
         targets[:n_tok] = rows.prompt_targets
     slots = None
-    state = None
+    state = copies = None
     if state_slots:
         state = np.zeros((s,), np.int32)
         if batch.state_slots is not None:
             state[:n_seq] = batch.state_slots
+        copies = (batch.state_copies if batch.state_copies is not None
+                  else np.zeros((2, 2, MAX_COPIES), np.int32))
     if lora_slots is not None:
         slots = np.full((t,), -1, np.int32)
         slots[:n_tok] = lora_slots
@@ -276,7 +282,7 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
                         sampling=sampling, blocks=blocks, targets=targets, lora_slots=slots,
-                        images=images, state_slots=state,
+                        images=images, state_slots=state, state_copies=copies,
                         mrope_positions=mrope_rows(batch, t) if mrope else None,
                         deepstack=deep)
     return inputs, variant

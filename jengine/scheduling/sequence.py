@@ -74,6 +74,12 @@ class Sequence:
     spec: Any = None
     # A hybrid model's recurrent-state slot (`jengine.scheduling.state_slots`) while it runs.
     state_slot: int | None = None
+    # Prefix caching on a hybrid model (`state_snapshots`): the snapshot slot it resumes from
+    # when admitted, the one its current step's chunk snapshots into, and where the cached
+    # prefix it matched ended without a snapshot (its prefill stops there once, to take one).
+    resume_from: int | None = None
+    snapshot_to: int | None = None
+    snapshot_cut: int | None = None
     # The LoRA adapter it runs under (`LoRARequest.lora_int_id`); 0: the base model.
     lora_id: int = 0
     # The prompt's encoded images (vision models); kept until the sequence ends, as a preempted
