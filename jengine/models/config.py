@@ -223,6 +223,17 @@ class ModelConfig:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     attn_output_gate: bool = False
+    # Mamba2 hybrids (Granite 4, Nemotron-H; `models/mamba2.py`): `linear_mixer` "mamba2" makes
+    # the linear layers Mamba2 mixers, whose widths the fields above hold as: linear_k_heads =
+    # n_groups, linear_k_dim = d_state (B and C), linear_v_heads / linear_v_dim = the SSM heads
+    # and their width (x), so the conv's channels and the [Dk, Dv] state per head keep their
+    # shapes. `mamba_conv_bias`: the conv adds a bias; `mamba_dt_limit`: the time step clamped
+    # to it (None: not clamped). `mlp_layers`: Nemotron-H's layers that are only an MLP (no
+    # token mixer: neither pages nor state).
+    linear_mixer: str = "gated_deltanet"  # gated_deltanet | mamba2
+    mamba_conv_bias: bool = False
+    mamba_dt_limit: tuple[float, float] | None = None
+    mlp_layers: tuple[bool, ...] = ()
     # Set only under tensor parallelism with replicated kv heads (jengine.sharding): num_heads
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
@@ -248,8 +259,8 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """The layers that keep KV pages: all but the linear-attention ones."""
-        return self.num_layers - self.num_linear_layers
+        """The layers that keep KV pages: all but the linear-attention and MLP-only ones."""
+        return self.num_layers - self.num_linear_layers - sum(self.mlp_layers)
 
     @property
     def linear_conv_dim(self) -> int:
@@ -302,6 +313,9 @@ class ModelConfig:
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["rope_layers"] = tuple(d.get("rope_layers", ()))
         d["linear_layers"] = tuple(d.get("linear_layers", ()))
+        d["mlp_layers"] = tuple(d.get("mlp_layers", ()))
+        if d.get("mamba_dt_limit") is not None:
+            d["mamba_dt_limit"] = tuple(d["mamba_dt_limit"])
         if d.get("attn_temperature") is not None:
             d["attn_temperature"] = tuple(d["attn_temperature"])
         if d.get("kv_head_map") is not None:

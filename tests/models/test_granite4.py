@@ -1,0 +1,122 @@
+"""Granite 4 (`granitemoehybrid`): Mamba2 layers mixed with attention, MoE + shared expert (or
+the shared MLP alone), against HF transformers on tiny random models
+(tests/models/test_models_parity.py's recipe: chunked prefill of 7 over shuffled pages of 4,
+8 decode steps, float32 logits within `TOL`, and 16 greedy tokens of a mixed batch).
+
+The long prompt (`LONG` tokens) is longer than HF's Mamba2 chunk (`CHUNK`), so HF runs its
+chunked (SSD) form while jengine carries the state token by token across its prefill chunks.
+Negative controls: the conv's taps reversed, no decay (A_log), the D skip, the gated norm's
+groups taken as one; each must move the logits past `TOL`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from paged import run_paged
+from test_models_parity import TOL, VOCAB, _build, _max_diff
+
+from jengine.models import model_config_from_hf
+
+CHUNK = 16
+LONG = 40  # prompt + decode tokens, past HF's Mamba2 chunk
+TYPES = ["mamba", "attention", "mamba", "mamba"]
+
+
+def _config(**kw):
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=TYPES, mamba_n_heads=8,
+        mamba_n_groups=2, mamba_d_state=8, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=CHUNK, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=48, position_embedding_type="rope", max_position_embeddings=256,
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=3.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    return transformers.GraniteMoeHybridConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def granite4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("granite4")
+    loaded, ids, expected = _build(path, _config(), transformers.GraniteMoeHybridForCausalLM)
+    model = transformers.GraniteMoeHybridForCausalLM.from_pretrained(path).eval()
+    long_ids = np.random.default_rng(4).integers(3, VOCAB, LONG).tolist()
+    with torch.no_grad():
+        long_expected = model(torch.tensor([long_ids])).logits[0].float().numpy()
+    return loaded, (ids, expected), (long_ids, long_expected)
+
+
+def test_granite4_reads_the_hybrid_config(granite4):
+    cfg = granite4[0].config
+    assert cfg.linear_layers == (True, False, True, True) and cfg.linear_mixer == "mamba2"
+    assert (cfg.num_kv_layers, cfg.num_linear_layers) == (1, 3)
+    # groups, d_state, heads, head width; conv channels 128 + 2 * 2 * 8
+    assert (cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_heads, cfg.linear_v_dim) == (
+        2, 8, 8, 16)
+    assert cfg.linear_conv_dim == 160 and cfg.num_experts == 4
+    assert granite4[0].params["wq"].shape[0] == 1 and granite4[0].params["m_xbc"].shape[0] == 3
+
+
+def test_granite4_logits_match_hf(granite4):
+    loaded, (ids, expected), _ = granite4
+    assert _max_diff(loaded, ids, expected) < TOL
+
+
+def test_granite4_prompt_past_the_mamba_chunk(granite4):
+    loaded, _, (ids, expected) = granite4
+    assert _max_diff(loaded, ids, expected) < TOL
+    got = run_paged(loaded, ids, prefill_chunk=16, decode_steps=8, page_size=4,
+                    layer_layout="as_given")
+    assert np.abs(got - expected).max() < TOL
+
+
+@pytest.mark.parametrize("wrong", ["taps", "decay", "skip", "norm_groups"])
+def test_granite4_negative_controls(granite4, wrong):
+    import dataclasses
+
+    loaded, (ids, expected), _ = granite4
+    cfg, params = loaded.config, dict(loaded.params)
+    if wrong == "taps":
+        params["m_conv"] = np.asarray(params["m_conv"])[:, ::-1]
+    elif wrong == "decay":
+        params["m_a_log"] = np.full_like(params["m_a_log"], -30.0)  # no decay
+    elif wrong == "skip":
+        params["m_d"] = np.zeros_like(params["m_d"])
+    else:
+        cfg = dataclasses.replace(cfg, linear_k_heads=1, linear_k_dim=16)  # same widths
+    diff = _max_diff((cfg, params), ids, expected, decode_steps=0, layer_layout="as_given")
+    assert diff > TOL, wrong
+
+
+def test_granite4_dense_without_rope(tmp_path):
+    """The dense variant (no experts: the shared MLP alone) without rope, as Granite 4.0-H
+    Micro is published."""
+    config = _config(num_local_experts=0, position_embedding_type="nope")
+    loaded, ids, expected = _build(tmp_path, config, transformers.GraniteMoeHybridForCausalLM)
+    assert loaded.config.num_experts == 0 and loaded.config.rope_layers == (False,) * 4
+    assert _max_diff(loaded, ids, expected) < TOL
+
+
+@pytest.mark.parametrize("key,types", [
+    ("layer_types", ["mamba", "attention", "mamba", "mamba"]),
+    ("layers_block_type", ["mamba", "attention", "mamba", "mamba"]),
+    ("layer_types", ["linear_attention", "full_attention", "linear_attention",
+                     "linear_attention"]),
+])
+def test_granite4_config_spellings(key, types):
+    hf = json.loads(_config().to_json_string())
+    hf.pop("layer_types", None)
+    hf[key] = types
+    assert model_config_from_hf(hf).linear_layers == (True, False, True, True)
+
+
+def test_granite4_unknown_layer_type_is_refused():
+    hf = json.loads(_config().to_json_string())
+    hf["layer_types"] = ["mamba", "sliding_attention", "mamba", "mamba"]
+    with pytest.raises(ValueError, match="granitemoehybrid layer types"):
+        model_config_from_hf(hf)
