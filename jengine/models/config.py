@@ -228,12 +228,14 @@ class ModelConfig:
     # n_groups, linear_k_dim = d_state (B and C), linear_v_heads / linear_v_dim = the SSM heads
     # and their width (x), so the conv's channels and the [Dk, Dv] state per head keep their
     # shapes. `mamba_conv_bias`: the conv adds a bias; `mamba_dt_limit`: the time step clamped
-    # to it (None: not clamped). `mlp_layers`: Nemotron-H's layers that are only an MLP (no
-    # token mixer: neither pages nor state).
+    # to it (None: not clamped). `mlp_only_layers`: per layer, Nemotron-H's "mlp" or "moe" for
+    # a layer that is only an MLP (no token mixer: neither pages nor state), "" for the others;
+    # its experts' inputs go through a `moe_latent_size`-wide projection where that is > 0.
     linear_mixer: str = "gated_deltanet"  # gated_deltanet | mamba2
     mamba_conv_bias: bool = False
     mamba_dt_limit: tuple[float, float] | None = None
-    mlp_layers: tuple[bool, ...] = ()
+    mlp_only_layers: tuple[str, ...] = ()
+    moe_latent_size: int = 0
     # Set only under tensor parallelism with replicated kv heads (jengine.sharding): num_heads
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
@@ -260,7 +262,7 @@ class ModelConfig:
     @property
     def num_kv_layers(self) -> int:
         """The layers that keep KV pages: all but the linear-attention and MLP-only ones."""
-        return self.num_layers - self.num_linear_layers - sum(self.mlp_layers)
+        return self.num_layers - self.num_linear_layers - sum(map(bool, self.mlp_only_layers))
 
     @property
     def linear_conv_dim(self) -> int:
@@ -313,7 +315,7 @@ class ModelConfig:
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["rope_layers"] = tuple(d.get("rope_layers", ()))
         d["linear_layers"] = tuple(d.get("linear_layers", ()))
-        d["mlp_layers"] = tuple(d.get("mlp_layers", ()))
+        d["mlp_only_layers"] = tuple(d.get("mlp_only_layers", ()))
         if d.get("mamba_dt_limit") is not None:
             d["mamba_dt_limit"] = tuple(d["mamba_dt_limit"])
         if d.get("attn_temperature") is not None:

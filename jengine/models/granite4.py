@@ -107,7 +107,7 @@ def forward(params: dict[str, jax.Array], cfg: ModelConfig, kv: KVCache,
         if linear:
             out = mamba2.mixer(h, p, cfg, states, j, md, eps)
         else:
-            out, kv = _attention(h, p, cfg, kv, j, md, rope)
+            out, kv = attention(h, p, cfg, kv, j, md, rope)
         x = x + out * scale
         h = rms_norm(x, p["mlp_norm"], eps, backend=mm)
         x = x + (moe.moe_mlp(h, p, cfg) if cfg.num_experts else _mlp(h, p, mm)) * scale
@@ -124,9 +124,10 @@ def _layer_slices(params: dict, layer: int, ordinal: int, linear: bool) -> dict:
             **{key: params[key][ordinal] for key in mixer if key in params}}
 
 
-def _attention(h, p, cfg: ModelConfig, kv: KVCache, index: int, md: AttentionMetadata,
+def attention(h, p, cfg: ModelConfig, kv: KVCache, index: int, md: AttentionMetadata,
                rope) -> tuple[jax.Array, KVCache]:
-    """[T, E] -> [T, E]; writes attention layer `index`'s pages."""
+    """Llama's attention without biases or norms, rope where given ((cos, sin) [T, D/2]):
+    [T, E] -> [T, E]; writes attention layer `index`'s pages. Nemotron-H's too."""
     mm = cfg.matmul_backend
     q = project(h, p["wq"], "te,ehd->thd", backend=mm)
     k = project(h, p["wk"], "te,ehd->thd", backend=mm)

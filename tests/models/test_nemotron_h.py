@@ -1,0 +1,97 @@
+"""Nemotron-H (`nemotron_h`): Mamba2, attention, ReLU² MLP and MoE blocks, against HF
+transformers on a tiny random model (tests/models/test_models_parity.py's recipe: chunked
+prefill of 7 over shuffled pages of 4, 8 decode steps, float32 logits within `TOL`, 16 greedy
+tokens of a mixed batch). The pattern "M-*-ME" has every block kind; the MoE block has a
+latent projection and two expert groups. Negative controls: the expert correction bias and
+the MLP's square, each must move the logits past `TOL`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from test_models_parity import TOL, VOCAB, _build, _max_diff
+
+from jengine.models import model_config_from_hf
+
+PATTERN = "M-*-ME"
+
+
+def _config(**kw):
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, hybrid_override_pattern=PATTERN, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=48, mamba_num_heads=8,
+        mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=16,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=32, moe_latent_size=32, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    return transformers.NemotronHConfig(**{**base, **kw})
+
+
+def _biased_router(model) -> None:
+    """A correction bias that changes which experts are chosen (HF initialises it to 0)."""
+    gen = torch.Generator().manual_seed(6)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nemotron_h")
+    return _build(path, _config(), transformers.NemotronHForCausalLM, edit=_biased_router)
+
+
+def test_nemotron_h_reads_the_block_pattern(nemotron_h):
+    cfg = nemotron_h[0].config
+    assert cfg.linear_layers == (True, False, False, False, True, False)
+    assert cfg.mlp_only_layers == ("", "mlp", "", "mlp", "", "moe")
+    assert (cfg.num_kv_layers, cfg.num_linear_layers, cfg.moe_latent_size) == (1, 2, 32)
+    params = nemotron_h[0].params
+    assert params["wq"].shape[0] == 1 and params["w_up"].shape[0] == 2
+    assert params["we_up"].shape == (1, 4, 32, 24)
+
+
+def test_nemotron_h_logits_match_hf(nemotron_h):
+    loaded, ids, expected = nemotron_h
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL
+
+
+@pytest.mark.parametrize("wrong", ["correction_bias", "relu2"])
+def test_nemotron_h_negative_controls(nemotron_h, wrong):
+    loaded, ids, expected = nemotron_h
+    cfg, params = loaded.config, dict(loaded.params)
+    if wrong == "correction_bias":
+        params["router_bias"] = np.zeros_like(params["router_bias"])
+    else:
+        params["w_down"] = np.asarray(params["w_down"]) * 2.0  # not what the square gives
+    diff = _max_diff((cfg, params), ids, expected, decode_steps=0, layer_layout="as_given")
+    assert diff > TOL, wrong
+
+
+@pytest.mark.parametrize("spelling", [
+    {"hybrid_override_pattern": PATTERN},
+    {"layers_block_type": ["mamba", "mlp", "attention", "mlp", "mamba", "moe"]},
+    {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp",
+                           "linear_attention", "moe"]},
+])
+def test_nemotron_h_config_spellings(spelling):
+    hf = json.loads(_config().to_json_string())
+    hf.pop("layers_block_type", None)
+    hf.update(spelling)
+    cfg = model_config_from_hf(hf)
+    assert cfg.num_layers == 6 and cfg.linear_layers == (True, False, False, False, True, False)
+
+
+def test_nemotron_h_bad_pattern_is_refused():
+    hf = json.loads(_config().to_json_string())
+    hf.pop("layers_block_type", None)
+    hf["hybrid_override_pattern"] = "M-X"
+    with pytest.raises(ValueError, match="hybrid_override_pattern"):
+        model_config_from_hf(hf)
