@@ -17,9 +17,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from kv_pool import small_kv_pool
 from paged import run_paged
-from test_models_parity import TOL, VOCAB, _build, _max_diff
+from test_deepseek import ONE_BUCKET, _greedy_hf
+from test_models_parity import TOL, VOCAB, _build, _check_greedy, _max_diff
 
+from jengine import Engine, SamplingParams
 from jengine.models import model_config_from_hf
 
 CHUNK = 16
@@ -43,12 +46,13 @@ def _config(**kw):
 @pytest.fixture(scope="module")
 def granite4(tmp_path_factory):
     path = tmp_path_factory.mktemp("granite4")
-    loaded, ids, expected = _build(path, _config(), transformers.GraniteMoeHybridForCausalLM)
+    loaded, ids, expected = _build(path, _config(), transformers.GraniteMoeHybridForCausalLM,
+                                   greedy=False)
     model = transformers.GraniteMoeHybridForCausalLM.from_pretrained(path).eval()
     long_ids = np.random.default_rng(4).integers(3, VOCAB, LONG).tolist()
     with torch.no_grad():
         long_expected = model(torch.tensor([long_ids])).logits[0].float().numpy()
-    return loaded, (ids, expected), (long_ids, long_expected)
+    return loaded, (ids, expected), (long_ids, long_expected), model
 
 
 def test_granite4_reads_the_hybrid_config(granite4):
@@ -63,12 +67,13 @@ def test_granite4_reads_the_hybrid_config(granite4):
 
 
 def test_granite4_logits_match_hf(granite4):
-    loaded, (ids, expected), _ = granite4
+    loaded, (ids, expected), _, _ = granite4
     assert _max_diff(loaded, ids, expected) < TOL
 
 
+@pytest.mark.slow  # ~25 s; CI: test_granite4_logits_match_hf (a 22-token prefill past CHUNK)
 def test_granite4_prompt_past_the_mamba_chunk(granite4):
-    loaded, _, (ids, expected) = granite4
+    loaded, _, (ids, expected), _ = granite4
     assert _max_diff(loaded, ids, expected) < TOL
     got = run_paged(loaded, ids, prefill_chunk=16, decode_steps=8, page_size=4,
                     layer_layout="as_given")
@@ -79,7 +84,7 @@ def test_granite4_prompt_past_the_mamba_chunk(granite4):
 def test_granite4_negative_controls(granite4, wrong):
     import dataclasses
 
-    loaded, (ids, expected), _ = granite4
+    loaded, (ids, expected), _, _ = granite4
     cfg, params = loaded.config, dict(loaded.params)
     if wrong == "taps":
         params["m_conv"] = np.asarray(params["m_conv"])[:, ::-1]
@@ -93,6 +98,7 @@ def test_granite4_negative_controls(granite4, wrong):
     assert diff > TOL, wrong
 
 
+@pytest.mark.slow  # ~15 s; CI: the MoE model's parity (the same mixer and attention)
 def test_granite4_dense_without_rope(tmp_path):
     """The dense variant (no experts: the shared MLP alone) without rope, as Granite 4.0-H
     Micro is published."""
@@ -100,6 +106,37 @@ def test_granite4_dense_without_rope(tmp_path):
     loaded, ids, expected = _build(tmp_path, config, transformers.GraniteMoeHybridForCausalLM)
     assert loaded.config.num_experts == 0 and loaded.config.rope_layers == (False,) * 4
     assert _max_diff(loaded, ids, expected) < TOL
+
+
+@pytest.mark.slow  # ~20 s; CI: test_granite4_logits_match_hf (prefill chunks, 8 decodes)
+def test_granite4_greedy_batch_matches_hf(granite4):
+    """16 greedy tokens of three prompts decoded together over the paged cache."""
+    loaded, (ids, _), _, model = granite4
+    _check_greedy(model, loaded, [ids[:5], ids[:11], ids[:3]])
+
+
+@pytest.mark.slow  # ~40 s: a whole engine; CI: the greedy batch over the paged cache
+def test_granite4_engine_greedy_matches_hf(granite4):
+    """A mixed batch through the engine (one step shape, T=16): the 70-token prompt prefills
+    in chunks while the others decode beside it, each sequence in its own state slot; then
+    again with 11 KV pages of 16 (the four need 13), so sequences are preempted and recompute
+    their state from position 0."""
+    loaded, _, _, model = granite4
+    engine = Engine(str(loaded.source), config=ONE_BUCKET, dtype="float32",
+                    kv_cache_memory="4MiB", max_model_len=128)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 70, 11, 23)]
+    expected = _greedy_hf(model, prompts, 16)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    core = engine.core
+    assert core.prefix_cache is None and core.scheduler.state_slots.num_free == 16
+    before = core.scheduler.num_preemptions
+    with small_kv_pool(core, 12):
+        outs = engine.generate(prompts, params)
+        assert core.scheduler.num_preemptions > before
+    assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 @pytest.mark.parametrize("key,types", [

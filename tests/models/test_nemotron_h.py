@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_models_parity import TOL, VOCAB, _build, _max_diff
+from test_deepseek import ONE_BUCKET, _greedy_hf
+from test_models_parity import TOL, VOCAB, _build, _check_greedy, _max_diff
 
+from jengine import Engine, SamplingParams
 from jengine.models import model_config_from_hf
 
 PATTERN = "M-*-ME"
@@ -44,7 +46,11 @@ def _biased_router(model) -> None:
 @pytest.fixture(scope="module")
 def nemotron_h(tmp_path_factory):
     path = tmp_path_factory.mktemp("nemotron_h")
-    return _build(path, _config(), transformers.NemotronHForCausalLM, edit=_biased_router)
+    captured = []
+    loaded, ids, expected = _build(path, _config(), transformers.NemotronHForCausalLM,
+                                   edit=lambda m: (_biased_router(m), captured.append(m)),
+                                   greedy=False)
+    return loaded, ids, expected, captured[0]
 
 
 def test_nemotron_h_reads_the_block_pattern(nemotron_h):
@@ -58,14 +64,14 @@ def test_nemotron_h_reads_the_block_pattern(nemotron_h):
 
 
 def test_nemotron_h_logits_match_hf(nemotron_h):
-    loaded, ids, expected = nemotron_h
+    loaded, ids, expected, _ = nemotron_h
     assert _max_diff(loaded, ids, expected) < TOL
     assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL
 
 
 @pytest.mark.parametrize("wrong", ["correction_bias", "relu2"])
 def test_nemotron_h_negative_controls(nemotron_h, wrong):
-    loaded, ids, expected = nemotron_h
+    loaded, ids, expected, _ = nemotron_h
     cfg, params = loaded.config, dict(loaded.params)
     if wrong == "correction_bias":
         params["router_bias"] = np.zeros_like(params["router_bias"])
@@ -73,6 +79,28 @@ def test_nemotron_h_negative_controls(nemotron_h, wrong):
         params["w_down"] = np.asarray(params["w_down"]) * 2.0  # not what the square gives
     diff = _max_diff((cfg, params), ids, expected, decode_steps=0, layer_layout="as_given")
     assert diff > TOL, wrong
+
+
+@pytest.mark.slow  # ~20 s; CI: test_nemotron_h_logits_match_hf (prefill chunks, 8 decodes)
+def test_nemotron_h_greedy_batch_matches_hf(nemotron_h):
+    """16 greedy tokens of three prompts decoded together over the paged cache."""
+    loaded, ids, _, model = nemotron_h
+    _check_greedy(model, loaded, [ids[:5], ids[:11], ids[:3]])
+
+
+@pytest.mark.slow  # ~40 s: a whole engine; CI: the parity over the paged cache
+def test_nemotron_h_engine_greedy_matches_hf(nemotron_h):
+    """A mixed batch through the engine (one step shape): a 40-token prompt prefills in
+    chunks while the others decode, each sequence in its own state slot."""
+    loaded, _, _, model = nemotron_h
+    engine = Engine(str(loaded.source), config=ONE_BUCKET, dtype="float32",
+                    kv_cache_memory="4MiB", max_model_len=128)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 40, 11)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0,
+                                                   ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(model, prompts, 16)
+    assert engine.core.scheduler.state_slots.num_free == 16
 
 
 @pytest.mark.parametrize("spelling", [
