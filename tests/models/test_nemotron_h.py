@@ -8,6 +8,7 @@ the MLP's square, each must move the logits past `TOL`.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -67,6 +68,15 @@ def test_nemotron_h_logits_match_hf(nemotron_h):
     loaded, ids, expected, _ = nemotron_h
     assert _max_diff(loaded, ids, expected) < TOL
     assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL
+
+
+def test_nemotron_h_info_reports_the_recurrent_state(nemotron_h, capsys):
+    from jengine.cli.info import cmd_info
+
+    assert cmd_info(argparse.Namespace(model=str(nemotron_h[0].source))) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("linear_layers"))
+    # 2 layers x (conv 3 taps x (64 + 2 x 2 x 8) channels + 8 heads x 8 x 8) x 4 bytes = 6400
+    assert "2 of 6 Mamba2 (KV pages for 1 attention layers)" in line and "6.2 KiB" in line
 
 
 @pytest.mark.parametrize("wrong", ["correction_bias", "relu2"])
