@@ -139,6 +139,21 @@ def test_granite4_engine_greedy_matches_hf(granite4):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+@pytest.mark.slow  # ~40 s: a whole engine on two devices; CI: Qwen3.5's tp=2 run (same state)
+def test_granite4_tp2_matches_hf(granite4):
+    """Under tp=2 the attention heads, the experts' and the shared MLP's columns split; the
+    Mamba2 weights and every recurrent state stay replicated on both devices."""
+    loaded, _, _, model = granite4
+    engine = Engine(str(loaded.source), config=ONE_BUCKET, dtype="float32",
+                    kv_cache_memory="4MiB", max_model_len=128, mesh="tp=2",
+                    attention_backend="cpu")
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 40, 11)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0,
+                                                   ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(model, prompts, 16)
+
+
 @pytest.mark.parametrize("key,types", [
     ("layer_types", ["mamba", "attention", "mamba", "mamba"]),
     ("layers_block_type", ["mamba", "attention", "mamba", "mamba"]),
