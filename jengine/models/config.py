@@ -295,6 +295,8 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else e * v
         if self.latent_attention:
             return v * e + _mla_layers_params(self) + e + head
+        if self.linear_mixer == "mamba2":
+            return v * e + _mamba2_layers_params(self) + e + head
         if self.num_linear_layers:
             return v * e + _hybrid_layers_params(self) + e + head
         return v * e + n * attn + mlps + e + head
@@ -353,3 +355,28 @@ def _hybrid_layers_params(cfg: ModelConfig) -> int:
     every = 2 * e + 3 * e * cfg.intermediate_size
     n_lin = cfg.num_linear_layers
     return cfg.num_layers * every + n_lin * linear + (cfg.num_layers - n_lin) * attn
+
+
+def _mamba2_layers_params(cfg: ModelConfig) -> int:
+    """Weights of a Mamba2 hybrid's layers (Granite 4: a norm + mixer and a norm + MLP each;
+    Nemotron-H: a norm + one of Mamba2, attention, MLP or MoE each)."""
+    e, d, h = cfg.hidden_size, cfg.head_dim, cfg.linear_v_heads
+    inner, conv = h * cfg.linear_v_dim, cfg.linear_conv_dim
+    mamba = e * (inner + conv + h) + conv * cfg.linear_conv_kernel + 3 * h + inner + inner * e
+    mamba += conv if cfg.mamba_conv_bias else 0
+    attn = 2 * e * (cfg.num_heads + cfg.num_kv_heads) * d
+    n_lin, n_attn = cfg.num_linear_layers, cfg.num_kv_layers
+    mixers = n_lin * mamba + n_attn * attn
+    x, shared = cfg.num_experts, cfg.shared_expert_intermediate_size
+    if cfg.mlp_only_layers:  # Nemotron-H: ReLU² MLPs (up, down), latent experts
+        kinds = cfg.mlp_only_layers
+        lat = cfg.moe_latent_size or e
+        experts = x * (e + 2 * lat * cfg.moe_intermediate_size) + 2 * e * shared
+        experts += 2 * e * cfg.moe_latent_size
+        mlps = kinds.count("mlp") * 2 * e * cfg.intermediate_size + kinds.count("moe") * experts
+        return cfg.num_layers * e + mixers + mlps
+    if x:  # Granite 4: SwiGLU experts + the shared expert
+        mlp = x * (e + 3 * e * cfg.moe_intermediate_size) + 3 * e * shared
+    else:
+        mlp = 3 * e * cfg.intermediate_size
+    return cfg.num_layers * (2 * e + mlp) + mixers

@@ -63,6 +63,7 @@ def test_granite4_reads_the_hybrid_config(granite4):
     assert (cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_heads, cfg.linear_v_dim) == (
         2, 8, 8, 16)
     assert cfg.linear_conv_dim == 160 and cfg.num_experts == 4
+    assert cfg.num_params == sum(p.numel() for p in granite4[3].parameters())
     assert granite4[0].params["wq"].shape[0] == 1 and granite4[0].params["m_xbc"].shape[0] == 3
 
 

@@ -62,6 +62,7 @@ def test_nemotron_h_reads_the_block_pattern(nemotron_h):
     params = nemotron_h[0].params
     assert params["wq"].shape[0] == 1 and params["w_up"].shape[0] == 2
     assert params["we_up"].shape == (1, 4, 32, 24)
+    assert cfg.num_params == sum(p.numel() for p in nemotron_h[3].parameters())
 
 
 def test_nemotron_h_logits_match_hf(nemotron_h):
