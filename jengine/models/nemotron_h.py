@@ -223,10 +223,13 @@ def block_types(hf: dict[str, Any]) -> list[str]:
 
 def _normalized(hf: dict[str, Any]) -> dict[str, Any]:
     """The keys the shared reader expects: the layer count from the block types (the config
-    class derives it so), the norm epsilon under its usual name."""
+    class derives it so), the norm epsilon under its usual name, the head width from
+    `head_dim`, the published `attention_head_dim`, or HF's default 128 (not hidden / heads:
+    Nemotron-H 4B's heads are 128 wide at hidden 3072 and 32 heads)."""
     types = block_types(hf)
     return {**hf, "layers_block_type": types, "num_hidden_layers": len(types),
-            "rms_norm_eps": hf.get("layer_norm_epsilon", hf.get("rms_norm_eps", 1e-5))}
+            "rms_norm_eps": hf.get("layer_norm_epsilon", hf.get("rms_norm_eps", 1e-5)),
+            "head_dim": _first(hf, "head_dim", "attention_head_dim", default=128)}
 
 
 def _first(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -256,7 +259,7 @@ def _fields(hf: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
             int(hf.get("ssm_state_size", 128)),
             int(_first(hf, "mamba_d_conv", "conv_kernel", default=4)),
             conv_bias=_first(hf, "mamba_conv_bias", "use_conv_bias", default=True),
-            proj_bias=hf.get("use_bias", False),
+            proj_bias=hf.get("use_bias") or hf.get("mamba_proj_bias"),
             dt_limit=_first(hf, "mamba_dt_limit", "time_step_limit")),
     }
     if "moe" in types:

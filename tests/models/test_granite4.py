@@ -168,6 +168,34 @@ def test_granite4_config_spellings(key, types):
     assert model_config_from_hf(hf).linear_layers == (True, False, True, True)
 
 
+def test_granite4_published_config():
+    """Granite 4.0-H Tiny's config.json as published: "mamba" / "attention" layer names,
+    no rope ("nope"), 64 experts + a shared expert, tied embeddings."""
+    types = ["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"]
+    hf = {"model_type": "granitemoehybrid", "vocab_size": 100352, "hidden_size": 1536,
+          "intermediate_size": 512, "num_hidden_layers": 16, "num_attention_heads": 12,
+          "num_key_value_heads": 4, "layer_types": types, "position_embedding_type": "nope",
+          "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+          "mamba_d_conv": 4, "mamba_expand": 2, "mamba_conv_bias": True,
+          "mamba_proj_bias": False, "num_local_experts": 64, "num_experts_per_tok": 6,
+          "shared_intermediate_size": 1024, "embedding_multiplier": 12,
+          "attention_multiplier": 0.0078125, "residual_multiplier": 0.22, "logits_scaling": 6,
+          "rope_theta": 10000, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+          "tie_word_embeddings": True}
+    cfg = model_config_from_hf(hf)
+    assert (cfg.num_linear_layers, cfg.num_kv_layers, cfg.rope_layers) == (14, 2, (False,) * 16)
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size) == (64, 512, 1024)
+    assert cfg.shared_expert_intermediate_size == 1024 and not cfg.shared_expert_gate
+    assert cfg.linear_conv_dim == 48 * 64 + 2 * 128 and cfg.sm_scale == 0.0078125
+
+
+def test_granite4_biased_projections_are_refused():
+    hf = json.loads(_config().to_json_string())
+    hf["mamba_proj_bias"] = True
+    with pytest.raises(ValueError, match="biases are not supported"):
+        model_config_from_hf(hf)
+
+
 def test_granite4_unknown_layer_type_is_refused():
     hf = json.loads(_config().to_json_string())
     hf["layer_types"] = ["mamba", "sliding_attention", "mamba", "mamba"]

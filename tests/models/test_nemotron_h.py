@@ -129,6 +129,27 @@ def test_nemotron_h_config_spellings(spelling):
     assert cfg.num_layers == 6 and cfg.linear_layers == (True, False, False, False, True, False)
 
 
+def test_nemotron_h_published_config():
+    """Nemotron-H 4B's config.json as published (older keys: `hybrid_override_pattern`,
+    `attention_head_dim` 128 at hidden 3072 / 32 heads, `layer_norm_epsilon`, an infinite
+    `time_step_limit`)."""
+    pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    hf = json.loads("""{"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+        "vocab_size": 131072, "hidden_size": 3072, "intermediate_size": 12288,
+        "num_hidden_layers": 52, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "attention_head_dim": 128, "mamba_num_heads": 112, "mamba_head_dim": 64,
+        "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "expand": 2,
+        "chunk_size": 128, "use_conv_bias": true, "use_bias": false, "mlp_bias": false,
+        "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "layer_norm_epsilon": 1e-05,
+        "time_step_limit": [0.0, Infinity], "sliding_window": null,
+        "max_position_embeddings": 8192, "tie_word_embeddings": false}""")
+    hf["hybrid_override_pattern"] = pattern
+    cfg = model_config_from_hf(hf)
+    assert (cfg.num_layers, cfg.num_linear_layers, cfg.num_kv_layers) == (52, 24, 4)
+    assert cfg.head_dim == 128 and cfg.rms_norm_eps == 1e-5 and cfg.mamba_dt_limit is None
+    assert cfg.linear_conv_dim == 112 * 64 + 2 * 8 * 128 and cfg.mlp_only_layers.count("mlp") == 24
+
+
 def test_nemotron_h_bad_pattern_is_refused():
     hf = json.loads(_config().to_json_string())
     hf.pop("layers_block_type", None)
