@@ -55,10 +55,11 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         "attn_norm": ParamSpec((n, e), ("layers", "embed"), "ones"),
         "mlp_norm": ParamSpec((n, e), ("layers", "embed"), "ones"),
         "final_norm": ParamSpec((e,), ("embed",), "ones"),
-        "wq": ParamSpec((na, e, h, d), ("layers", "embed", "q_heads", "head_dim")),
-        "wk": ParamSpec((na, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
-        "wv": ParamSpec((na, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
-        "wo": ParamSpec((na, h, d, e), ("layers", "q_heads", "head_dim", "embed")),
+        "wq": ParamSpec((na, e, h, d), ("layers", "embed", "q_heads", "head_dim"), contract=(1,)),
+        "wk": ParamSpec((na, e, k, d), ("layers", "embed", "kv_heads", "head_dim"), contract=(1,)),
+        "wv": ParamSpec((na, e, k, d), ("layers", "embed", "kv_heads", "head_dim"), contract=(1,)),
+        "wo": ParamSpec((na, h, d, e), ("layers", "q_heads", "head_dim", "embed"),
+                        contract=(1, 2)),
         **mamba2.mixer_specs(cfg),
     }
     if cfg.num_experts:

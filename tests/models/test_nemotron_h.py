@@ -115,6 +115,17 @@ def test_nemotron_h_engine_greedy_matches_hf(nemotron_h):
     assert engine.core.scheduler.state_slots.num_free == 16
 
 
+@pytest.mark.slow  # ~20 s: a whole engine; CI: the f32 parity (the same forward)
+def test_nemotron_h_bfloat16_engine_serves(nemotron_h):
+    """bf16 weights on this CPU's default projections (AMX-packed where the CPU has AMX: only
+    weights that declare contracted axes are packed; the Mamba2 ones stay XLA's)."""
+    engine = Engine(str(nemotron_h[0].source), config=ONE_BUCKET, dtype="bfloat16",
+                    kv_cache_memory="4MiB", max_model_len=128)
+    [out] = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0,
+                                                            ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("spelling", [
     {"hybrid_override_pattern": PATTERN},
     {"layers_block_type": ["mamba", "mlp", "attention", "mlp", "mamba", "moe"]},
