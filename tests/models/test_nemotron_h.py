@@ -115,6 +115,16 @@ def test_nemotron_h_engine_greedy_matches_hf(nemotron_h):
     assert engine.core.scheduler.state_slots.num_free == 16
 
 
+@pytest.mark.slow  # ~20 s; CI: the MoE model's parity (the same Mamba2, attention, MLP blocks)
+def test_nemotron_h_dense(tmp_path):
+    """No MoE blocks, as Nemotron-H 8B and 4B are published; conv without bias."""
+    config = _config(hybrid_override_pattern="M-*-M-", use_conv_bias=False)
+    loaded, ids, expected = _build(tmp_path, config, transformers.NemotronHForCausalLM,
+                                   greedy=False)
+    assert loaded.config.num_experts == 0 and "m_conv_bias" not in loaded.params
+    assert _max_diff(loaded, ids, expected) < TOL
+
+
 @pytest.mark.slow  # ~20 s: a whole engine; CI: the f32 parity (the same forward)
 def test_nemotron_h_bfloat16_engine_serves(nemotron_h):
     """bf16 weights on this CPU's default projections (AMX-packed where the CPU has AMX: only
