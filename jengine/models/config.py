@@ -236,6 +236,19 @@ class ModelConfig:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     attn_output_gate: bool = False
+    # Mamba2 hybrids (Granite 4, Nemotron-H; `models/mamba2.py`): `linear_mixer` "mamba2" makes
+    # the linear layers Mamba2 mixers, whose widths the fields above hold as: linear_k_heads =
+    # n_groups, linear_k_dim = d_state (B and C), linear_v_heads / linear_v_dim = the SSM heads
+    # and their width (x), so the conv's channels and the [Dk, Dv] state per head keep their
+    # shapes. `mamba_conv_bias`: the conv adds a bias; `mamba_dt_limit`: the time step clamped
+    # to it (None: not clamped). `mlp_only_layers`: per layer, Nemotron-H's "mlp" or "moe" for
+    # a layer that is only an MLP (no token mixer: neither pages nor state), "" for the others;
+    # its experts' inputs go through a `moe_latent_size`-wide projection where that is > 0.
+    linear_mixer: str = "gated_deltanet"  # gated_deltanet | mamba2
+    mamba_conv_bias: bool = False
+    mamba_dt_limit: tuple[float, float] | None = None
+    mlp_only_layers: tuple[str, ...] = ()
+    moe_latent_size: int = 0
     # Set only under tensor parallelism with replicated kv heads (jengine.sharding): num_heads
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
@@ -277,8 +290,8 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """The layers that keep KV pages: all but the linear-attention ones."""
-        return self.num_layers - self.num_linear_layers
+        """The layers that keep KV pages: all but the linear-attention and MLP-only ones."""
+        return self.num_layers - self.num_linear_layers - sum(map(bool, self.mlp_only_layers))
 
     @property
     def linear_conv_dim(self) -> int:
@@ -311,6 +324,8 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else e * v
         if self.latent_attention:
             return v * e + _mla_layers_params(self) + e + head
+        if self.linear_mixer == "mamba2":
+            return v * e + _mamba2_layers_params(self) + e + head
         if self.num_linear_layers:
             return v * e + _hybrid_layers_params(self) + e + head
         return v * e + n * attn + mlps + e + head
@@ -331,6 +346,9 @@ class ModelConfig:
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["rope_layers"] = tuple(d.get("rope_layers", ()))
         d["linear_layers"] = tuple(d.get("linear_layers", ()))
+        d["mlp_only_layers"] = tuple(d.get("mlp_only_layers", ()))
+        if d.get("mamba_dt_limit") is not None:
+            d["mamba_dt_limit"] = tuple(d["mamba_dt_limit"])
         if d.get("attn_temperature") is not None:
             d["attn_temperature"] = tuple(d["attn_temperature"])
         if d.get("kv_head_map") is not None:
@@ -366,3 +384,28 @@ def _hybrid_layers_params(cfg: ModelConfig) -> int:
     every = 2 * e + 3 * e * cfg.intermediate_size
     n_lin = cfg.num_linear_layers
     return cfg.num_layers * every + n_lin * linear + (cfg.num_layers - n_lin) * attn
+
+
+def _mamba2_layers_params(cfg: ModelConfig) -> int:
+    """Weights of a Mamba2 hybrid's layers (Granite 4: a norm + mixer and a norm + MLP each;
+    Nemotron-H: a norm + one of Mamba2, attention, MLP or MoE each)."""
+    e, d, h = cfg.hidden_size, cfg.head_dim, cfg.linear_v_heads
+    inner, conv = h * cfg.linear_v_dim, cfg.linear_conv_dim
+    mamba = e * (inner + conv + h) + conv * cfg.linear_conv_kernel + 3 * h + inner + inner * e
+    mamba += conv if cfg.mamba_conv_bias else 0
+    attn = 2 * e * (cfg.num_heads + cfg.num_kv_heads) * d
+    n_lin, n_attn = cfg.num_linear_layers, cfg.num_kv_layers
+    mixers = n_lin * mamba + n_attn * attn
+    x, shared = cfg.num_experts, cfg.shared_expert_intermediate_size
+    if cfg.mlp_only_layers:  # Nemotron-H: ReLU² MLPs (up, down), latent experts
+        kinds = cfg.mlp_only_layers
+        lat = cfg.moe_latent_size or e
+        experts = x * (e + 2 * lat * cfg.moe_intermediate_size) + 2 * e * shared
+        experts += 2 * e * cfg.moe_latent_size
+        mlps = kinds.count("mlp") * 2 * e * cfg.intermediate_size + kinds.count("moe") * experts
+        return cfg.num_layers * e + mixers + mlps
+    if x:  # Granite 4: SwiGLU experts + the shared expert
+        mlp = x * (e + 3 * e * cfg.moe_intermediate_size) + 3 * e * shared
+    else:
+        mlp = 3 * e * cfg.intermediate_size
+    return cfg.num_layers * (2 * e + mlp) + mixers

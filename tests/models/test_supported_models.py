@@ -10,9 +10,11 @@ from pathlib import Path
 import test_deepseek
 import test_deepseek_v3
 import test_glm4_moe
+import test_granite4
 import test_idefics3
 import test_llama4
 import test_models_parity
+import test_nemotron_h
 import test_qwen2_5_vl
 import test_qwen3_5
 import test_qwen3_vl
@@ -41,6 +43,6 @@ def test_table_is_generated_and_complete():
     for name in tested:
         homes = (test_models_parity, test_deepseek, test_deepseek_v3, test_glm4_moe,
                  test_idefics3, test_llama4, test_qwen2_5_vl, test_qwen3_5,
-                 test_qwen3_vl)
+                 test_qwen3_vl, test_granite4, test_nemotron_h)
         assert any(callable(getattr(home, name, None)) for home in homes), name
     assert len(tested) >= 15
