@@ -1,6 +1,7 @@
 """One question: how long does a SmolLM2 layer stack's 4-bit projections take per call, by
 path (each forced), against the weight dequantized to bf16 for XLA's dot (AMX where the CPU
-has it; `xla_f32`: to f32), at decode and prefill row counts? Medians of interleaved repeats, one process.
+has it; `xla_f32`: to f32), at decode and prefill row counts? Medians of interleaved
+repeats, one process.
 
     PYTHONPATH=. python -P experiments/w4_matmul_bench.py [--rows 1 8 32 64 512] [--reps 7]
 """

@@ -101,9 +101,9 @@ def w4_matmul(
 ) -> jax.Array:  # [R, N] float32
     """`x @ w` by the native kernel: per group of 32 k the x * q sums, then s * sums + m *
     sum(x over the group); each packed byte is read once for all R rows. On `avx512_vnni` or
-    `avx_vnni` (what `auto` picks where the CPU has one) x is rounded to int8 per row and group first
-    (scale max |x| / 127) and the sums are exact int32 (W4A8); the other paths sum x * q in
-    f32 (W4A16)."""
+    `avx_vnni` (what `auto` picks where the CPU has one) x is rounded to int8 per row and group
+    first (scale max |x| / 127) and the sums are exact int32 (W4A8); the other paths sum x * q
+    in f32 (W4A16)."""
     library.require("the w4a16 native matmul", "the jnp reference (matmul_backend 'xla')")
     if (x.dtype != jnp.float32 or x.ndim != 2 or q.dtype != jnp.uint8 or q.ndim != 4
             or x.shape[1] != q.shape[1] * GROUP or s.shape != q.shape[:2] + (COLS,)

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import KVCache, ModelConfig, family_module
+from jengine.models import KVCache, ModelConfig
+from jengine.runtime import lowering
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import (
     ExecutableStore,
@@ -36,15 +36,12 @@ from jengine.runtime.executables import (
     compile_fresh,
     store_key,
 )
-from jengine.runtime.lora_slots import LoraSlots, batch_slots, with_slots
+from jengine.runtime.lora_slots import LoraSlots, batch_slots
 from jengine.runtime.packed_inputs import PackedInputs
-from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
     EMBED_VARIANTS,
     GREEDY_VARIANT,
-    MAX_TOP_LOGPROBS,
     VARIANTS,
-    PromptLogprobs,
     SamplingRows,
     StepInputs,
     StepOutputs,
@@ -54,7 +51,7 @@ from jengine.runtime.step_io import (
     host_variant,
     step_inputs,
 )
-from jengine.runtime.step_tail import embed_tail, head_and_sample
+from jengine.runtime.step_program import step_function
 from jengine.scheduling.batch import ScheduledBatch
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
@@ -92,8 +89,8 @@ class Runner:
         score): every step runs the embed variant, never a sampling one. `loras`
         (`enable_lora`): the adapter slots; a batch with adapters runs the lora variants.
         `image_width` (a vision model's hidden size): every step carries image rows
-        (`step_io.image_rows`); `mrope` (Qwen2.5-VL's) three rope positions per token
-        (`step_io.mrope_rows`), `deepstack` (Qwen3-VL's) its K DeepStack rows.
+        (`image_inputs.image_rows`); `mrope` (Qwen2.5-VL's) three rope positions per token
+        (`image_inputs.mrope_rows`), `deepstack` (Qwen3-VL's) its K DeepStack rows.
         `state_slots`: a hybrid model's recurrent-state slots in the
         cache (running sequences + scratch)."""
         self.cfg, self.params, self.embed = cfg, params, embed
@@ -120,49 +117,8 @@ class Runner:
                                   state_slots=state_slots),
             out_shardings=KVCache.of_each(kv_sharding, rules.replicated()) if rules else None,
         )()
-        family = family_module(cfg)
-        forward, head = family.forward, family.logits
-
         max_seqs = buckets.seqs[-1]
-
-        def step(params, kv, inputs: StepInputs | PackedInputs, prev_tokens, lora,
-                 variant: Variant):
-            if isinstance(inputs, PackedInputs):  # accelerators: one transfer a step
-                inputs = inputs.unpack()
-            params = with_slots(params, lora) if variant.lora else params
-            md = inputs.attention_metadata()
-            # Token rows the host could not fill yet (async scheduling) take the token that the
-            # previous step sampled for their sequence: feed[t] is its row there, else -1.
-            feed = inputs.feed
-            fed = prev_tokens[jnp.maximum(feed, 0)]
-            md = dataclasses.replace(md, token_ids=jnp.where(feed >= 0, fed, md.token_ids))
-            copies = inputs.state_copies  # prefix-cache snapshots in and out (hybrid models)
-            kv = kv.copy_state_slots(copies[0]) if copies is not None else kv
-            (out, prompt), kv, hidden = _forward_and_sample(params, kv, md, inputs, variant)
-            kv = kv.copy_state_slots(copies[1]) if copies is not None else kv
-            # The sampled tokens, padded to one shape, stay on device for the next step's `feed`.
-            tokens = jnp.zeros((max_seqs,), jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
-            return StepOutputs(sampled=out, prompt=prompt, next_tokens=tokens, hidden=hidden), kv
-
-        def _forward_and_sample(params, kv, md, inputs: StepInputs, variant: Variant):
-            if variant.embed:
-                return embed_tail(family, params, cfg, kv, md, inputs.logits_indices.shape[0])
-            k = variant.num_top_logprobs
-            if not variant.prompt_logprobs:
-                hidden, kv = forward(params, cfg, kv, md, head=False)  # [S, E]
-                out = head_and_sample(lambda h: head(params, cfg, h), hidden, inputs.num_rows,
-                                      inputs.sampling, variant, branches=cfg.branches)
-                return (out, None), kv, None
-            all_logits, kv = forward(params, cfg, kv, md, all_logits=True)  # [T, V]
-            out = sample(all_logits[md.logits_indices], inputs.sampling, num_top_logprobs=k,
-                         branches=cfg.branches)
-            logprobs = jax.nn.log_softmax(all_logits, axis=-1)
-            targets = jnp.maximum(inputs.targets, 0)[:, None]
-            chosen = jnp.take_along_axis(logprobs, targets, axis=-1)[:, 0]
-            top_lp, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
-            prompt = PromptLogprobs(chosen=chosen, top_ids=top_ids.astype(jnp.int32),
-                                    top_logprobs=top_lp)
-            return (out, prompt), kv, None
+        step = step_function(cfg, max_seqs)
 
         # Under a mesh the sampled tokens come back replicated, so every process can read them.
         out_shardings = None
@@ -423,32 +379,10 @@ class Runner:
             return list(self._programs.values())
 
     def for_platform(self, platform: str, attention_backend: str, params: dict) -> Runner:
-        """A runner of this model, buckets and cache size whose programs are built for
-        `platform` with `attention_backend`, around `params` (laid out as that platform loads
-        them): what `export` lowers for an accelerator from this machine."""
-        cfg = dataclasses.replace(self.cfg, platform=platform, attention_backend=attention_backend,
-                                  matmul_backend="xla")
-        return Runner(cfg, params, num_pages=self.num_pages, page_size=self.page_size,
-                      buckets=self.buckets, kv_cache_dtype=self.kv_cache_dtype)
+        return lowering.for_platform(self, platform, attention_backend, params)
 
-    def export(self, shape: tuple[int, int, int], variant: Variant,
-               platforms: tuple[str, ...]) -> jax.export.Exported:
-        """The step program of bucket `shape` (T, S, P) and `variant`, lowered for `platforms`
-        by `jax.export` and not compiled: how a step for an accelerator is checked and read on
-        any machine (tests/runtime/test_step_lowering.py, scripts/gpu_step_profile.py --dump).
-        The model config's `platform` must name the target, so the kernels are built for it
-        (Triton's custom call has no compatibility promise: that one check is off)."""
-        host, picked = self.host_inputs(*self._dummy(shape, variant))
-        lora = self.loras.tree if picked.lora else None
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                (self.params, self.kv, self._device_inputs(host),
-                                 self._no_tokens, lora))
-        triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-        mesh = self._kernel_mesh
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            return jax.export.export(jax.jit(self._step_fn, **self._jit_kwargs),
-                                     platforms=platforms, disabled_checks=[triton])(
-                *abstract, variant=picked)
+    def export(self, shape, variant: Variant, platforms: tuple[str, ...]) -> jax.export.Exported:
+        return lowering.export(self, shape, variant, platforms)
 
     def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
         self.program(*self._dummy(shape, variant))

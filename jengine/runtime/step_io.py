@@ -19,6 +19,7 @@ import numpy as np
 from jengine.models import AttentionMetadata
 from jengine.pallas_kernels import query_blocks
 from jengine.runtime.buckets import QUERY_BLOCK, Buckets
+from jengine.runtime.image_inputs import image_rows, mrope_rows
 from jengine.runtime.sampler import SamplerOutput, SamplingArrays
 from jengine.sampling_params import GREEDY_TEMPERATURE
 from jengine.scheduling.batch import ScheduledBatch
@@ -286,47 +287,6 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                         mrope_positions=mrope_rows(batch, t) if mrope else None,
                         deepstack=deep)
     return inputs, variant
-
-
-def image_rows(batch: ScheduledBatch, t: int, width: int,
-               depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """([depth, T, width] f32, [T] int32): the encoded image row (and, depth > 1, its DeepStack
-    rows) of each prompt placeholder this step computes (a prefill chunk may start or end
-    inside an image), -1 / zeros elsewhere."""
-    rows = np.zeros((depth, t, width), np.float32)
-    at = np.full((t,), -1, np.int32)
-    starts = batch.cu_q_lens[:-1]
-    for seq, start, q in zip(batch.seqs, starts.tolist(), batch.q_lens.tolist()):
-        images = seq.images
-        if images is None:
-            continue
-        pos = batch.positions[start:start + q]
-        prompt = pos < len(images.row_at)
-        which = np.where(prompt, images.row_at[np.minimum(pos, len(images.row_at) - 1)], -1)
-        hits = np.flatnonzero(which >= 0)
-        encoded = images.rows if images.rows.ndim == 3 else images.rows[None]
-        rows[:, start + hits] = encoded[:, which[hits]]
-        at[start + hits] = start + hits
-    return rows, at
-
-
-def mrope_rows(batch: ScheduledBatch, t: int) -> np.ndarray:
-    """[3, T] int32: each token's (time, row, column) rope positions: a prompt token of a
-    sequence with images takes its precomputed ones (`ImageRows.mrope`), a later token its
-    index plus the sequence's `rope_delta` in all three, any other token its index."""
-    out = np.zeros((3, t), np.int32)
-    n = batch.num_tokens
-    out[:, :n] = batch.positions[:n]
-    starts = batch.cu_q_lens[:-1]
-    for seq, start, q in zip(batch.seqs, starts.tolist(), batch.q_lens.tolist()):
-        images = seq.images
-        if images is None or images.mrope is None:
-            continue
-        pos = batch.positions[start:start + q]
-        prompt = pos < images.mrope.shape[1]
-        table = images.mrope[:, np.minimum(pos, images.mrope.shape[1] - 1)]
-        out[:, start:start + q] = np.where(prompt[None], table, pos[None] + images.rope_delta)
-    return out
 
 
 def feed_rows(batch: ScheduledBatch,

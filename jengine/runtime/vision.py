@@ -5,7 +5,7 @@ Tiles of one image size go through the tower in batches of a few declared sizes
 anything while the engine serves: a prompt's tiles are cut into batches of the largest
 bucket and a last one padded to the next bucket up. The rows come back to the host, where
 the scheduler hands each prefill chunk the rows of the placeholders it computes
-(`step_io.image_rows`): encoding once per request, not per chunk, and nothing held on the
+(`image_inputs.image_rows`): encoding once per request, not per chunk, and nothing held on the
 device between steps.
 
 `QwenVisionEncoder` is Qwen2.5-VL's: its images are grids of any size, so its programs are

@@ -24,6 +24,7 @@ from jengine.models.config import RopeConfig
 from jengine.models.fused import fuse_projections
 from jengine.models.layers import random_params, unstack_layers
 from jengine.runtime.buckets import Buckets
+from jengine.runtime.lowering import export
 from jengine.runtime.packed_inputs import PACK_MAX_BYTES, PackedInputs
 from jengine.runtime.runner import Runner
 from jengine.runtime.step_io import SamplingRows
@@ -65,7 +66,7 @@ def test_accelerator_steps_hold_no_control_flow(target):
     variants = [variant for _, variant in runner.warmup_programs()]
     assert any(v.greedy for v in variants)  # the host's pick for all-greedy batches
     for variant in variants:
-        module = runner.export(SHAPE, variant, (platform,)).mlir_module()
+        module = export(runner, SHAPE, variant, (platform,)).mlir_module()
         found = sorted(set(CONTROL_FLOW.findall(module)))
         assert not found, f"{platform} step {variant} holds {found}"
         kernel = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
@@ -78,7 +79,7 @@ def test_cpu_step_keeps_its_branches():
     runner = tiny_runner("cpu", "reference")
     variants = [variant for _, variant in runner.warmup_programs()]
     assert not any(v.greedy for v in variants)
-    module = runner.export(SHAPE, variants[0], ("cpu",)).mlir_module()
+    module = export(runner, SHAPE, variants[0], ("cpu",)).mlir_module()
     assert "case" in CONTROL_FLOW.findall(module)
 
 
