@@ -24,6 +24,7 @@ from jengine.config import EngineConfig
 from jengine.core import auto_dtype
 from jengine.core.build import (
     Phases,
+    check_sinks,
     chunk_for_context,
     eos_ids,
     kv_pages,
@@ -124,6 +125,8 @@ def build_parts(
     loras = host_loras(cfg, model_config, quantization)
     context = max_model_len(loaded, cfg.model.max_model_len)
     model_config = chunk_for_context(model_config, context)
+    model_config = check_sinks(model_config, cfg.model.attention_backend)
+    backends["attention_backend"] = model_config.attention_backend
     eos = eos_ids(loaded)
     state_slots = hybrid_state_slots(cfg, model_config)
     num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,

@@ -1,0 +1,95 @@
+"""gpt-oss (`gpt_oss`) against HF transformers on a tiny random model (tests/models/
+test_models_parity.py's recipe: chunked prefill over shuffled pages, 8 decode steps, float32
+logits within `TOL`, 16 greedy tokens of a mixed batch), with a sliding window of 5 tokens on
+the first of two layers (the 30-token sequence and the 11-token prompt pass it), YaRN rope
+past its original 16 positions, sinks of a size that matters and a SwiGLU limit of 1.0 that
+the random activations cross. The logits match on the `reference` and the native `cpu`
+attention backends. Negative controls, each pushing the logits past `TOL`: no sinks, no clamp,
+no window, the rope without YaRN, the experts' gate and up columns taken as halves instead of
+interleaved. Through the engine (slow tier): greedy tokens equal HF's on both backends and
+under tp=2; the Pallas backends are refused at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+import torch
+import transformers
+from test_deepseek import ONE_BUCKET, _num_params
+from test_deepseek_v3 import engine_greedy_matches_hf
+from test_models_parity import TOL, VOCAB, WINDOW, _build, _max_diff
+
+from jengine import Engine
+from jengine.models import moe
+from jengine.models.config import RopeConfig
+
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
+
+
+def gpt_oss_config(**kw):
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=WINDOW, rope_parameters=YARN,
+        max_position_embeddings=64, rms_norm_eps=1e-5, swiglu_limit=1.0,
+        tie_word_embeddings=False,
+    )
+    return transformers.GptOssConfig(**{**base, **kw})
+
+
+def big_sinks(model) -> None:
+    """Sink logits of the scores' size (randomize's are ~0.5), some heads' above most scores."""
+    gen = torch.Generator().manual_seed(4)
+    for layer in model.model.layers:
+        sinks = layer.self_attn.sinks
+        sinks.copy_(2.0 * torch.randn(sinks.shape, generator=gen))
+
+
+def _control(cfg, params, ids, expected) -> float:
+    return _max_diff((cfg, params), ids, expected, decode_steps=0)
+
+
+_clamped_swiglu = moe.clamped_swiglu
+
+
+def _halves(gate_up, cfg):
+    """The wrong reading of the fused weight: gate the first F columns, up the last F."""
+    f = gate_up.shape[-1] // 2
+    return _clamped_swiglu(
+        jnp.stack([gate_up[..., :f], gate_up[..., f:]], -1).reshape(gate_up.shape), cfg)
+
+
+def test_gpt_oss(tmp_path, monkeypatch):
+    models: list = []
+    loaded, ids, expected = _build(tmp_path, gpt_oss_config(), transformers.GptOssForCausalLM,
+                                   edit=lambda m: (big_sinks(m), models.append(m)))
+    cfg, params = loaded.config, loaded.params
+    assert cfg.model_type == "gpt_oss" and cfg.num_params == _num_params(models[0])
+    assert cfg.sliding_layers == (True, False) and cfg.rope.rope_type == "yarn"
+    assert _max_diff(loaded, ids, expected) < TOL
+    native = dataclasses.replace(cfg, attention_backend="cpu")
+    assert _max_diff((native, params), ids, expected) < TOL
+    no_sinks = {k: v for k, v in params.items() if k != "sinks"}
+    assert _control(cfg, no_sinks, ids, expected) > TOL
+    assert _control(dataclasses.replace(native, max_position_embeddings=129), no_sinks, ids,
+                    expected) > TOL
+    for wrong in (dict(swiglu_limit=100.0), dict(sliding_window=None),
+                  dict(rope=RopeConfig(theta=1e4))):
+        assert _control(dataclasses.replace(cfg, **wrong), params, ids, expected) > TOL, wrong
+    monkeypatch.setattr(moe, "clamped_swiglu", _halves)
+    retraced = dataclasses.replace(cfg, max_position_embeddings=130)  # not the cached program
+    assert _control(retraced, params, ids, expected) > TOL
+
+
+@pytest.mark.slow
+def test_gpt_oss_engine_greedy_and_backends(tmp_path):
+    engine_greedy_matches_hf(tmp_path, gpt_oss_config(), transformers.GptOssForCausalLM,
+                             ({"attention_backend": "reference"}, {"attention_backend": "cpu"},
+                              {"attention_backend": "cpu", "mesh": "tp=2"}))
+    with pytest.raises(ValueError, match="sinks"):
+        Engine(str(tmp_path), config=ONE_BUCKET, dtype="float32", kv_cache_memory="4MiB",
+               max_model_len=64, attention_backend="pallas_gpu")
