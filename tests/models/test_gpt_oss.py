@@ -13,15 +13,20 @@ under tp=2, while a Pallas backend asked for by name is refused at start.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.numpy import load_file, save_file
 from test_deepseek import ONE_BUCKET, _num_params
 from test_deepseek_v3 import engine_greedy_matches_hf
 from test_models_parity import TOL, VOCAB, WINDOW, _build, _max_diff
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from converters import load_source, mxfp4
 from jengine import Engine
 from jengine.models import moe
 from jengine.models.config import RopeConfig
@@ -102,3 +107,63 @@ def test_gpt_oss_engine_greedy_and_backends(tmp_path):
     with pytest.raises(ValueError, match="sinks"):
         Engine(str(tmp_path), config=ONE_BUCKET, dtype="float32", kv_cache_memory="4MiB",
                max_model_len=64, attention_backend="pallas_gpu")
+
+
+def pack_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Our own MXFP4 packer: float [..., R, I] (I a multiple of 32) -> blocks uint8
+    [..., R, I / 32, 16] (two e2m1 codes a byte, the low nibble first) and e8m0 scales uint8
+    [..., R, I / 32]; each group's scale the least power of two that fits its largest value
+    into e2m1's 6, each value rounded to the nearest code."""
+    groups = w.reshape(*w.shape[:-1], -1, mxfp4.GROUP).astype(np.float64)
+    amax = np.abs(groups).max(-1)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127)
+    exp = np.clip(exp, -127, 127).astype(np.int32)
+    scaled = groups / np.ldexp(1.0, exp)[..., None]
+    codes = np.abs(np.abs(scaled)[..., None] - mxfp4.E2M1[:8]).argmin(-1)
+    codes = (codes + 8 * (scaled < 0)).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    # C order: safetensors' numpy writer copies an array's buffer whatever its strides.
+    return np.ascontiguousarray(blocks), np.ascontiguousarray(exp + 127, np.uint8)
+
+
+def _as_mxfp4_checkpoint(path) -> dict[str, np.ndarray]:
+    """Rewrites the saved model's expert weights [X, in, out] as MXFP4 pairs of their [X, out,
+    in] rows, the way the published checkpoints store them; returns the float originals."""
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    originals = {}
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        originals[key] = tensors.pop(key)
+        blocks, scales = pack_mxfp4(np.swapaxes(originals[key], 1, 2))
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return originals
+
+
+def test_gpt_oss_mxfp4_experts(tmp_path):
+    """The experts stored as MXFP4 load as transformers' own dequantization of them, on the
+    eager and the lazy (sharded) paths, and the logits match HF's model holding those
+    dequantized experts."""
+    model, _, ids, _ = _built(tmp_path, greedy=False)
+    originals = _as_mxfp4_checkpoint(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    loaded = load_source(str(tmp_path), dtype="float32", progress=False)
+    lazy = load_source(str(tmp_path), dtype="float32", progress=False, lazy=True)
+    with torch.no_grad():
+        for key, original in originals.items():
+            layer = int(key.split(".")[2])
+            theirs = convert_moe_packed_tensors(
+                torch.from_numpy(tensors[key + "_blocks"]),
+                torch.from_numpy(tensors[key + "_scales"]), dtype=torch.float32)
+            name = "we_gate_up" if "gate_up" in key else "we_down"
+            np.testing.assert_array_equal(np.asarray(loaded.params[name])[layer], theirs.numpy())
+            np.testing.assert_array_equal(np.asarray(lazy.params[name][layer:layer + 1, 1:3, 5:40]),
+                                          theirs.numpy()[None, 1:3, 5:40])
+            assert 0 < np.abs(theirs.numpy() - original).max() < 0.5 * np.abs(original).max()
+            model.get_parameter(key).copy_(theirs)
+        expected = model(torch.tensor([ids])).logits[0].float().numpy()
+    assert _max_diff(loaded, ids, expected) < TOL
