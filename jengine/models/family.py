@@ -114,6 +114,9 @@ class Family:
     # llama.cpp block tensor names of this family's own, or named otherwise than the shared
     # table (`converters.gguf_file`): base name -> HF name.
     gguf_tensor_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # llama.cpp tensors an HF checkpoint holds as one, their rows interleaved (gpt-oss's expert
+    # gate and up): first base name -> (second base name, HF name of the joined tensor).
+    gguf_interleaved: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     gguf_permuted_qk: bool = False  # llama.cpp's LlamaModel converter permuted q/k rows
     gguf_norm_offset: float = 0.0  # norms stored as (offset + w) (Gemma's 1 + w)
 

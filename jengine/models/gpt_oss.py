@@ -12,16 +12,21 @@
   and matches the split of `down_proj`'s F rows.
 - The published checkpoints store the experts as MXFP4 (`*_blocks` / `*_scales`):
   `converters.mxfp4` dequantizes them at load.
+- llama.cpp's `gpt-oss` GGUF files split the experts' gate and up (each [X, F, E], out-first,
+  their MXFP4 blocks dequantized by the GGUF reader) and store the sinks as `attn_sinks.weight`;
+  the reader joins gate and up back into HF's interleaved rows (`Family.gguf_interleaved`).
+  Its converter writes no SwiGLU keys (llama.cpp takes HF's defaults, 1.702 and 7.0), no layer
+  types (sliding on even layers, as HF's default) and an untruncated YaRN.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jengine.models.family import Family, ModelType
+from jengine.models.family import Family, GGUFHeader, ModelType
 from jengine.models.llama import NETWORK
 from jengine.models.llama_variants import LLAMA_RULES
-from jengine.models.weight_rules import LAYER, Rule, same, transposed
+from jengine.models.weight_rules import LAYER, Rule, experts_t, same, transposed
 
 _RULES: tuple[Rule, ...] = (
     (LAYER + r"self_attn\.sinks", "sinks", same),
@@ -31,6 +36,12 @@ _RULES: tuple[Rule, ...] = (
     (LAYER + r"mlp\.experts\.gate_up_proj_bias", "be_gate_up", same),
     (LAYER + r"mlp\.experts\.down_proj", "we_down", same),
     (LAYER + r"mlp\.experts\.down_proj_bias", "be_down", same),
+    # The names GGUF files read as (`gguf_tensor_names`, `gguf_interleaved`): out-first.
+    (LAYER + r"self_attn\.sinks\.weight", "sinks", same),
+    (LAYER + r"mlp\.experts\.gate_up_proj\.weight", "we_gate_up", experts_t),
+    (LAYER + r"mlp\.experts\.gate_up_proj\.bias", "be_gate_up", same),
+    (LAYER + r"mlp\.experts\.down_proj\.weight", "we_down", experts_t),
+    (LAYER + r"mlp\.experts\.down_proj\.bias", "be_down", same),
 ) + LLAMA_RULES
 
 
@@ -55,6 +66,19 @@ def _fields(hf: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gguf_config(gguf: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """llama.cpp's `gpt-oss` keys as HF's."""
+    cfg.update(
+        num_local_experts=int(gguf.get("expert_count")),
+        num_experts_per_tok=int(gguf.get("expert_used_count")),
+        intermediate_size=int(gguf.get("expert_feed_forward_length")),
+        sliding_window=int(gguf.get("attention.sliding_window")),
+        attention_bias=True,
+    )
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "yarn":
+        cfg["rope_scaling"]["truncate"] = False
+
+
 GPT_OSS = Family(
     name="gpt_oss",
     network=NETWORK,
@@ -67,4 +91,9 @@ GPT_OSS = Family(
     hf_fields=_fields,
     default_sliding=_default_sliding,
     hf_weights=_RULES,
+    gguf_archs=(("gpt-oss", "gpt_oss"),),
+    gguf_config=_gguf_config,
+    gguf_tensor_names={"attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
+                       "ffn_down_exps": "mlp.experts.down_proj"},
+    gguf_interleaved={"ffn_gate_exps": ("ffn_up_exps", "mlp.experts.gate_up_proj")},
 )

@@ -69,11 +69,13 @@ def _blocked(case, sinks, window, block=4, kv_head_map=None):
     q_lens = [n for _, n in case.seqs]
     tokens, seqs = query_blocks(q_lens, len(x["slots"]),
                                 num_query_blocks(len(x["slots"]), len(q_lens), block), block)
-    out = blocked_paged_attention(
+    blocked = jax.jit(functools.partial(blocked_paged_attention, sm_scale=SCALE,
+                                        kv_head_map=kv_head_map, pages_per_chunk=2))
+    out = blocked(
         jnp.asarray(x["q"]), k, v, jnp.int32(LAYER), jnp.asarray(x["positions"]),
-        jnp.asarray(case.page_table), jnp.asarray(tokens), jnp.asarray(seqs), sm_scale=SCALE,
-        sliding_window=None if window is None else jnp.int32(window), kv_head_map=kv_head_map,
-        sinks=jnp.asarray(sinks, jnp.float32), pages_per_chunk=2)
+        jnp.asarray(case.page_table), jnp.asarray(tokens), jnp.asarray(seqs),
+        sliding_window=None if window is None else jnp.int32(window),
+        sinks=jnp.asarray(sinks, jnp.float32))
     return np.asarray(out)
 
 
