@@ -92,6 +92,8 @@ class GGUFModel:
             )
         self.family, self._model_type = gguf_family(self.arch)
         self._blocks = _BLOCK_NAMES | dict(self.family.gguf_tensor_names)
+        self._blocks |= {base: hf for base, (_, hf) in self.family.gguf_interleaved.items()}
+        self._second = {second: base for base, (second, _) in self.family.gguf_interleaved.items()}
 
     def get(self, key: str, default: Any = None) -> Any:
         """The metadata value `{arch}.{key}`."""
@@ -203,7 +205,7 @@ class GGUFModel:
         eligible = set(quantized_names(specs, cfg.tie_word_embeddings, lm_head))
         placed = {}
         for t in self._weight_tensors():
-            if not t.name.endswith(".attn_k_b.weight"):
+            if not (t.name.endswith(".attn_k_b.weight") or self._joins(t.name)):
                 foldable = t.tensor_type.name == "Q8_0" and len(t.shape) >= 2
                 placed[t.name] = (tables.place(cfg, specs, self._hf_name(t.name), t.shape),
                                   foldable)
@@ -220,7 +222,7 @@ class GGUFModel:
         specs = family_module(cfg).param_specs(cfg)
         placed = []
         for t in self._weight_tensors():
-            if t.name.endswith(".attn_k_b.weight"):  # DeepSeek's split kv_b: read as float
+            if t.name.endswith(".attn_k_b.weight") or self._joins(t.name):  # read as float
                 continue
             targets = tables.place(cfg, specs, self._hf_name(t.name), t.shape)
             placed.append((t.name, targets, t.tensor_type.name in FOUR_BIT and len(t.shape) == 2))
@@ -261,8 +263,9 @@ class GGUFModel:
 
     def _read_with_another(self, name: str) -> bool:
         """DeepSeek-V2's kv_b_proj halves: `attn_v_b` is read with `attn_k_b`, and neither
-        where the file also keeps the whole `attn_kv_b` (some converters wrote all three)."""
-        if name.endswith(".attn_v_b.weight"):
+        where the file also keeps the whole `attn_kv_b` (some converters wrote all three); the
+        second of an interleaved pair (`Family.gguf_interleaved`) with the first."""
+        if name.endswith(".attn_v_b.weight") or self._base(name) in self._second:
             return True
         return (name.endswith(".attn_k_b.weight")
                 and name.replace("attn_k_b", "attn_kv_b") in self._by_name)
@@ -279,6 +282,8 @@ class GGUFModel:
             return self._hf_name(t.name), prequant.Int8Tensor(self._hf_rows(t.name, w.q, cfg),
                                                               self._hf_rows(t.name, w.scale, cfg))
         w = self._dequantize(t)
+        if self._joins(t.name):
+            w = self._interleaved(t, w)
         if t.name.endswith(".attn_k_b.weight"):
             v_b = self._tensor(t.name.replace("attn_k_b", "attn_v_b"))
             if v_b is None:
@@ -288,6 +293,30 @@ class GGUFModel:
         if self.family.gguf_norm_offset and t.name.endswith("norm.weight"):
             w = w - self.family.gguf_norm_offset
         return self._hf_name(t.name), w
+
+    def _joins(self, name: str) -> bool:
+        """Whether the tensor is the first of an interleaved pair (read as float, joined)."""
+        return self._base(name) in self.family.gguf_interleaved
+
+    @staticmethod
+    def _base(name: str) -> str | None:
+        """`attn_q` of `blk.3.attn_q.weight`; None for a tensor outside the blocks."""
+        parts = name.split(".")
+        return parts[2] if parts[0] == "blk" and len(parts) == 4 else None
+
+    def _interleaved(self, t: TensorInfo, first: np.ndarray) -> np.ndarray:
+        """The first of an interleaved pair joined with its second: their rows alternate
+        along the output axis ([..., F, in] x 2 -> [..., 2F, in]; biases [..., F] -> [..., 2F])."""
+        second_base = self.family.gguf_interleaved[self._base(t.name)][0]
+        name = t.name.replace(f".{self._base(t.name)}.", f".{second_base}.")
+        second = self._tensor(name)
+        if second is None:
+            raise ModelLoadError(f"{self.path.name} has {t.name} without its {second_base}")
+        axis = -1 if t.name.endswith(".bias") else -2
+        pair = np.stack([first, self._dequantize(second)], axis=axis)  # [..., F, 2(, in)]
+        shape = list(first.shape)
+        shape[axis] *= 2
+        return pair.reshape(shape)
 
     def _hf_rows(self, name: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
         """`w` (or its per-row scales) with the q/k rows llama.cpp permuted back in HF's order."""

@@ -139,6 +139,36 @@ def qwen3_thinking(path: Path) -> Path:
     return path
 
 
+# Harmony's special tokens (the first, `<|return|>`, ends the answer: EOS) and a chat template
+# of its layout (openai/harmony docs/format.md): each message `<|start|>ROLE<|message|>...<|end|>`,
+# an assistant turn on its final channel, the generation prompt `<|start|>assistant`.
+HARMONY_SPECIAL = ["<|return|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                   "<|call|>", "<|constrain|>"]
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}"
+                    "{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+                    "<|message|>{{ m.content }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def gpt_oss_harmony(path: Path) -> Path:
+    """A tiny random gpt-oss with a byte-level tokenizer, harmony's special tokens and a
+    harmony chat template: the harmony reasoning tests' model."""
+    vocab = save_byte_tokenizer(path, added=[], special=HARMONY_SPECIAL,
+                                chat_template=HARMONY_TEMPLATE)
+    eos = transformers.AutoTokenizer.from_pretrained(path).eos_token_id
+    config = transformers.GptOssConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 128},
+        tie_word_embeddings=False, eos_token_id=eos, bos_token_id=None)
+    random_hf_model(path, config, transformers.GptOssForCausalLM)
+    save_byte_tokenizer(path, added=[], special=HARMONY_SPECIAL,
+                        chat_template=HARMONY_TEMPLATE)  # random_hf_model wrote words
+    return path
+
+
 IDEFICS3_SPECIAL = (["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
                     + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
 IDEFICS3_WORDS = 64  # t0..t63, then the special tokens

@@ -25,6 +25,7 @@ from jengine.config import EngineConfig
 from jengine.core import auto_dtype
 from jengine.core.build import (
     Phases,
+    check_sinks,
     chunk_for_context,
     eos_ids,
     kv_pages,
@@ -142,6 +143,8 @@ def build_parts(
     loras = host_loras(cfg, model_config, quantization)
     context = max_model_len(loaded, cfg.model.max_model_len)
     model_config = chunk_for_context(model_config, context)
+    model_config = check_sinks(model_config, cfg.model.attention_backend)
+    backends["attention_backend"] = model_config.attention_backend
     eos = eos_ids(loaded)
     state_slots = hybrid_state_slots(cfg, model_config)
     # An embedding pools every prompt token's hidden state, so none may come from the cache.

@@ -177,8 +177,13 @@ def attend(
     backend: str = "reference",  # reference | cpu | pallas_tpu | pallas_gpu (resolved)
     chunk: jax.Array | int | None = None,
     platform: str | None = None,  # the kernels' target (`ModelConfig.platform`)
+    sinks: jax.Array | None = None,  # [H] gpt-oss's sink logits
 ) -> tuple[jax.Array, KVCache]:
     """Writes this layer's new K/V into the pages, then attends over the cache.
+
+    `sinks` (gpt-oss): a learned logit per q head joins each softmax's denominator; the
+    `reference` and `cpu` backends take it, the Pallas ones are refused at start
+    (`core.build.check_sinks`).
 
     `chunk` (Llama 4's chunked attention: a query sees the keys of its own `chunk`-token
     chunk only) runs on the reference backend; the engine drops it where the context fits in
@@ -197,7 +202,7 @@ def attend(
     with jax.named_scope("attention"):
         return _attention(q, kv, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
                           soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend,
-                          chunk=chunk, platform=platform), kv
+                          chunk=chunk, platform=platform, sinks=sinks), kv
 
 
 def attend_latent(
@@ -262,9 +267,14 @@ def _write(kv: KVCache, layer, slot_mapping, k, v, *, backend: str, kv_head_map)
 
 
 def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend,
-               chunk=None, platform=None):
+               chunk=None, platform=None, sinks=None):
     args = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 kv_head_map=kv_head_map)
+    if sinks is not None:
+        if backend not in ("reference", "cpu"):
+            raise ValueError(f"attention sinks run on the 'reference' and 'cpu' attention "
+                             f"backends, not {backend!r}")
+        args["sinks"] = sinks
     if kv.quantized:
         args.update(k_scale=kv.k_scale, v_scale=kv.v_scale)
     if chunk is not None:

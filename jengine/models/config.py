@@ -210,6 +210,14 @@ class ModelConfig:
     # `norm_topk_prob`). "softmax": DeepSeek-V2's. "llama4": the top k of the logits, each
     # expert's input scaled by sigmoid(its logit) (not its output).
     router_scoring: str = "softmax"
+    # gpt-oss: a learned sink logit per q head in every attention softmax's denominator
+    # (`attention_sinks`); its router ("gpt_oss": softmax over the top k of the biased logits)
+    # feeds experts with biases and the clamped SwiGLU (`swiglu_limit` > 0): gate clamped above
+    # at the limit, up within +-limit, (up + 1) * gate * sigmoid(`swiglu_alpha` * gate), from one
+    # fused gate/up weight whose columns interleave gate and up as the checkpoint stores them.
+    attention_sinks: bool = False
+    swiglu_limit: float = 0.0  # 0: Llama's SwiGLU experts
+    swiglu_alpha: float = 1.0
     # DeepSeek-V3's multi-token-prediction layers after the last layer: their weights skipped.
     mtp_layers: int = 0
     # Granite's scalars: embeddings x embedding_multiplier, each residual branch x
@@ -317,10 +325,13 @@ class ModelConfig:
             shared = self.shared_expert_intermediate_size
             sparse = self.num_experts * (3 * e * self.moe_intermediate_size + e) + 3 * e * shared
             sparse += e if shared and self.shared_expert_gate else 0
+            if self.swiglu_limit:  # gpt-oss: the experts' biases and the router's
+                sparse += self.num_experts * (2 * self.moe_intermediate_size + e + 1)
             mlps = self.first_dense_layers * dense + (n - self.first_dense_layers) * sparse
         attn = e * (q + 2 * kv) + q * e + 2 * e
         attn += (q + 2 * kv if self.qkv_bias else 0) + (e if self.o_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += self.num_heads if self.attention_sinks else 0
         head = 0 if self.tie_word_embeddings else e * v
         if self.latent_attention:
             return v * e + _mla_layers_params(self) + e + head

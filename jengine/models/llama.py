@@ -65,6 +65,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs["bv"] = ParamSpec((n, k, d), ("layers", "kv_heads", "head_dim"), "zeros")
     if cfg.o_bias:
         specs["bo"] = ParamSpec((n, e), ("layers", "embed"), "zeros")
+    if cfg.attention_sinks:  # gpt-oss: one logit per q head in the softmax's denominator
+        specs["sinks"] = ParamSpec((n, h), ("layers", "q_heads"), "zeros")
     if cfg.mlp_bias:
         specs["b_gate"] = ParamSpec((n, f), ("layers", "mlp"), "zeros")
         specs["b_up"] = ParamSpec((n, f), ("layers", "mlp"), "zeros")
@@ -85,7 +87,7 @@ DENSE_KEYS = ("w_gate", "w_up", "w_down")
 LAYER_KEYS = (
     "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
     "bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "q_norm", "k_norm",
-    "post_attn_norm", "post_mlp_norm", *moe.LAYER_KEYS,
+    "post_attn_norm", "post_mlp_norm", "sinks", *moe.LAYER_KEYS,
     "lora",  # the step's adapter slots, when it has any (jengine.models.lora)
 )
 
@@ -214,7 +216,7 @@ def forward(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
             kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend, platform=cfg.platform,
-            chunk=layer_chunk if chunked else None,
+            chunk=layer_chunk if chunked else None, sinks=p.get("sinks"),
         )
         attn = lora.add_delta(layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm),
                               attn, adapters, "wo", slots)

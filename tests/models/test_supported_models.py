@@ -10,6 +10,7 @@ from pathlib import Path
 import test_deepseek
 import test_deepseek_v3
 import test_glm4_moe
+import test_gpt_oss
 import test_granite4
 import test_idefics3
 import test_llama4
@@ -43,6 +44,6 @@ def test_table_is_generated_and_complete():
     for name in tested:
         homes = (test_models_parity, test_deepseek, test_deepseek_v3, test_glm4_moe,
                  test_idefics3, test_llama4, test_qwen2_5_vl, test_qwen3_5,
-                 test_qwen3_vl, test_granite4, test_nemotron_h)
+                 test_qwen3_vl, test_granite4, test_nemotron_h, test_gpt_oss)
         assert any(callable(getattr(home, name, None)) for home in homes), name
     assert len(tested) >= 15
