@@ -26,6 +26,7 @@ import numpy as np
 
 from converters import prequant, tables
 from converters.errors import ModelLoadError
+from converters.gguf_layouts import join_kv_b, unpermute_rope
 from converters.gguf_reader import (
     FOUR_BIT,
     GGUFFormatError,
@@ -288,7 +289,7 @@ class GGUFModel:
             v_b = self._tensor(t.name.replace("attn_k_b", "attn_v_b"))
             if v_b is None:
                 raise ModelLoadError(f"{self.path.name} has {t.name} without its attn_v_b")
-            w = _join_kv_b(w, self._dequantize(v_b))
+            w = join_kv_b(w, self._dequantize(v_b))
         w = self._hf_rows(t.name, w, cfg)
         if self.family.gguf_norm_offset and t.name.endswith("norm.weight"):
             w = w - self.family.gguf_norm_offset
@@ -322,7 +323,7 @@ class GGUFModel:
         """`w` (or its per-row scales) with the q/k rows llama.cpp permuted back in HF's order."""
         if self.family.gguf_permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
             n = cfg["num_attention_heads"] if "attn_q" in name else cfg["num_key_value_heads"]
-            return _unpermute_rope(w, n)
+            return unpermute_rope(w, n)
         return w
 
     def _hf_name(self, name: str) -> str:
@@ -382,23 +383,3 @@ class GGUFModel:
 
 # Tensors that hf_config reads into the rope settings.
 _CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-
-
-
-def _join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
-    """DeepSeek-V2's kv_b_proj [H * (N + V), C] from llama.cpp's per-head halves: k_b
-    [H, C, N] (transposed for the absorbed q) and v_b [H, V, C]."""
-    heads, latent = k_b.shape[0], k_b.shape[1]
-    if v_b.shape[0] != heads or v_b.shape[2] != latent:
-        raise ModelLoadError(f"attn_k_b {k_b.shape} and attn_v_b {v_b.shape} do not pair")
-    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, latent)
-
-
-def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's q/k row permutation (interleaved rope pairs -> HF's halves)."""
-    rows = w.shape[0]
-    return (
-        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
