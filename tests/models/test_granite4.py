@@ -121,7 +121,8 @@ def test_granite4_engine_greedy_matches_hf(granite4):
     """A mixed batch through the engine (one step shape, T=16): the 70-token prompt prefills
     in chunks while the others decode beside it, each sequence in its own state slot; then
     again with 11 KV pages of 16 (the four need 13), so sequences are preempted and recompute
-    their state from position 0."""
+    their state from position 0 (or from a snapshot of their own); a shared prefix hits the
+    prefix cache and resumes from a state snapshot."""
     loaded, _, _, model = granite4
     engine = Engine(str(loaded.source), config=ONE_BUCKET, dtype="float32",
                     kv_cache_memory="4MiB", max_model_len=128)
@@ -132,7 +133,14 @@ def test_granite4_engine_greedy_matches_hf(granite4):
     outs = engine.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     core = engine.core
-    assert core.prefix_cache is None and core.scheduler.state_slots.num_free == 16
+    assert core.scheduler.state_slots.num_free == 16
+    # A prompt sharing the 70-token one's first 50 resumes from the Mamba2 state snapshot
+    # taken at a page boundary (the prefix cache's snapshots are generic over the state).
+    second = prompts[1][:50] + rng.integers(3, VOCAB, 9).tolist()
+    [hit] = engine.generate([second], params)
+    assert hit.num_cached_tokens >= 32
+    assert hit.outputs[0].token_ids == _greedy_hf(model, [second], 16)[0]
+    core.reset_prefix_cache()
     before = core.scheduler.num_preemptions
     with small_kv_pool(core, 12):
         outs = engine.generate(prompts, params)
