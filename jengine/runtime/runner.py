@@ -36,7 +36,7 @@ from jengine.runtime.executables import (
     compile_fresh,
     store_key,
 )
-from jengine.runtime.lora_slots import LoraSlots, batch_slots, with_slots
+from jengine.runtime.lora_slots import LoraSlots, batch_slots, pick_slots, with_slots
 from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
     EMBED_VARIANTS,
@@ -118,6 +118,8 @@ class Runner:
         max_seqs = buckets.seqs[-1]
 
         def step(params, kv, inputs: StepInputs, prev_tokens, lora, variant: Variant):
+            if variant.lora_width:  # a narrow lora step: only the slots its batch uses
+                lora = pick_slots(lora, inputs.lora_pick)
             params = with_slots(params, lora) if variant.lora else params
             md = inputs.attention_metadata()
             # Token rows the host could not fill yet (async scheduling) take the token that the
@@ -180,10 +182,11 @@ class Runner:
     def host_inputs(self, batch: ScheduledBatch, rows: SamplingRows,
                     feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
         """`batch`'s padded inputs as NumPy (what a multi-host leader broadcasts)."""
+        slots, pick = batch_slots(self.loras, batch) or (None, None)
         inputs, variant = step_inputs(
             batch, rows, self.buckets, blocked_queries=self.cfg.attention_backend == "reference",
             vocab_size=self.cfg.vocab_size, history_width=self.buckets.pages[-1] * self.page_size,
-            feed=feed, lora_slots=batch_slots(self.loras, batch), image_width=self.image_width,
+            feed=feed, lora_slots=slots, lora_pick=pick, image_width=self.image_width,
             state_slots=self.state_slots > 0)
         return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
 
@@ -355,13 +358,17 @@ class Runner:
         """Every (bucket shape, variant) that `warmup` builds: all a step can need."""
         variants = EMBED_VARIANTS if self.embed else VARIANTS
         if self.loras is not None and not self.embed:
-            variants = VARIANTS + LORA_VARIANTS
+            narrow = tuple(dataclasses.replace(v, lora_width=w) for v in LORA_VARIANTS
+                           for w in self.loras.widths if w < self.loras.max_loras)
+            variants = VARIANTS + LORA_VARIANTS + narrow
         return [(shape, variant) for shape in self.buckets.shapes() for variant in variants]
 
     def warmup_keys(self) -> list[str | None]:
         """The store key of each program `warmup` builds, in `warmup_programs()` order: what
         `jengine compile` stores and `serve --require-warm` needs (None without a store)."""
-        return [self.program_key(*dummy_step(shape, variant))
+        if self.store is None:
+            return [None] * len(self.warmup_programs())
+        return [self._key(self._signature(*self._dummy_inputs(shape, variant)))
                 for shape, variant in self.warmup_programs()]
 
     def _check_stored(self, programs: list[tuple[tuple[int, int, int], Variant]]) -> None:
@@ -384,11 +391,25 @@ class Runner:
         lora = self.loras.tree if variant.lora else None
         return self._program(host, variant, (self._to_device(host), self._no_tokens, lora))
 
+    def _dummy_inputs(self, shape: tuple[int, int, int],
+                      variant: Variant) -> tuple[StepInputs, Variant]:
+        """A warm-up step's inputs for (`shape`, `variant`); a narrow lora variant's slot
+        pick is forced to its width (the dummy batch uses no adapter)."""
+        host, got = self.host_inputs(*dummy_step(shape, variant))
+        if variant.lora_width:
+            host = dataclasses.replace(host, lora_pick=np.zeros((variant.lora_width,), np.int32))
+        elif variant.lora and self.loras.widths[0] < self.loras.max_loras:
+            # every slot in place (the dummy batch, using none, would gather the narrowest)
+            host = dataclasses.replace(host, lora_pick=None)
+        return host, variant if variant.lora else got
+
     def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        self.program(*dummy_step(shape, variant))
+        host, variant = self._dummy_inputs(shape, variant)
+        lora = self.loras.tree if variant.lora else None
+        self._program(host, variant, (self._to_device(host), self._no_tokens, lora))
 
     def _run_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        out = self._launch(*self.host_inputs(*dummy_step(shape, variant)))
+        out = self._launch(*self._dummy_inputs(shape, variant))
         jax.block_until_ready(out.sampled.tokens)
 
 
