@@ -175,3 +175,23 @@ def test_runtime_updating_is_off_by_default(served):
                        json={"lora_name": "x", "lora_path": str(root / "a1")})
         assert r.status_code == 404
         assert "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+
+
+def test_bench_serve_spreads_prompts_over_adapters(served):
+    """`jengine bench serve --served-model base a1` sends prompt i to name i mod 2 (the
+    multi-adapter served benchmark, docs/lora.md); an unknown name among them is the server's
+    404, so every name is really requested."""
+    import argparse
+
+    from jengine.bench.serve import run_serve_bench
+
+    def bench(names):
+        return run_serve_bench(argparse.Namespace(
+            url=served[0], api_key="x", served_model=names, concurrency=2, num_prompts=4,
+            output_len=3, temperature=0.0))
+
+    result = bench(["base", "a1"])
+    assert result["model"] == ["base", "a1"]
+    assert result["requests"] == 4 and result["output_tokens"] == 12
+    with pytest.raises(openai.NotFoundError):
+        bench(["base", "no-such-adapter"])
