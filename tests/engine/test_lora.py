@@ -154,3 +154,26 @@ def test_tensor_parallel_equals_one_device(tmp_path):
             assert tuple(slots["wq"]["b"].sharding.spec)[2] == "tp"  # [N, R, H*D]: by heads
             assert tuple(slots["w_down"]["a"].sharding.spec)[0] == "tp"  # [F, N, R]: mlp
         del engine
+
+
+def test_an_adapter_directory_deleted_after_load_fails_no_step(four_adapters, tmp_path):
+    """One slot and one host copy, two adapters queued, then their directories deleted: the
+    host copies of adapters that queued requests use are kept past max_cpu_loras, so the
+    second adapter's slot fill needs no disk, and both requests get their solo tokens."""
+    import shutil
+
+    root, prompts, cases = four_adapters
+    engine = Engine(str(root / "base"), config=ONE_BUCKET, enable_lora=True, max_loras=1,
+                    max_lora_rank=8, max_cpu_loras=1, progress=False)
+    core = engine.core
+    for name in ("a1", "a3"):
+        shutil.copytree(root / name, tmp_path / name)
+        core.add_request(name, prompts[2], GREEDY, lora_request=LoRARequest(
+            name, cases[name][0].lora_int_id, str(tmp_path / name)))
+        shutil.rmtree(tmp_path / name)
+    tokens = {"a1": [], "a3": []}
+    while core.has_unfinished:
+        for out in core.step():  # each output: the step's new tokens
+            tokens[out.request_id] += out.outputs[0].token_ids
+    assert tokens == {"a1": cases["a1"][1][2], "a3": cases["a3"][1][2]}
+    assert core.loras.reads == 2
