@@ -3,13 +3,17 @@
 # 32 prompts x 128 tokens, EOS ignored) with the prompts spread over 0 / 1 / 4 / 8 distinct
 # adapters (rank 16 on every q/k/v/o/gate/up/down projection, random non-zero B; written once
 # as PEFT directories and served by both engines), one server at a time on 127.0.0.1:
-# jengine without LoRA (the base alone), jengine with the 8 adapters, vLLM CPU with the same
-# adapters, vLLM CPU without LoRA. Writes one JSON per (server, adapters) and a table to OUT.
+# jengine with the 8 adapters, then vLLM CPU (bf16) with the same adapters; 0 adapters is the
+# base model on the same server (a jengine step without adapters runs the program without
+# LoRA work). BASE_ALONE=1 (environment) also serves each without LoRA first. Writes one JSON
+# per (server, adapters) and a table to OUT.
 #
 #   scripts/lora_served.sh OUT HF_DIR [VLLM_PYTHON]
 #
 # HF_DIR: the model as an HF directory (vLLM cannot read the GGUF; its config sizes the
-# adapters). jengine serves its default model, the same SmolLM2 weights.
+# adapters). jengine serves its default model (the same SmolLM2 weights, default dtype) with
+# the buckets this load needs (32 rows; decode and 512-token prefill chunks), so that warm-up
+# builds 2 shapes x 15 programs, not the default buckets' 10 x 15.
 set -euo pipefail
 out=$(realpath -m "$1"); hf_dir=$2; vllm_python=${3:-}
 mkdir -p "$out/adapters"
@@ -75,25 +79,35 @@ serve() {  # $1 name, $2 "lora" or "base", then the command
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
+cat >"$out/buckets.yaml" <<'YAML'
+scheduler:
+  max_num_seqs: 32
+  max_num_batched_tokens: 512
+  token_buckets: [32, 512]
+  seq_buckets: [32]
+  page_buckets: [16]
+YAML
 lora_flags=(--enable-lora --lora-modules "${modules[@]}" --max-loras 8 --max-lora-rank 16)
-serve jengine base "${jengine[@]}" serve --port $port
-serve jengine-lora lora "${jengine[@]}" serve --port $port "${lora_flags[@]}"
+jserve=("${jengine[@]}" serve --port $port --config "$out/buckets.yaml")
+[[ -z ${BASE_ALONE:-} ]] || serve jengine base "${jserve[@]}"
+serve jengine-lora lora "${jserve[@]}" "${lora_flags[@]}"
 if [[ -n $vllm_python ]]; then
   vllm=(env -u PYTHONPATH VLLM_CPU_KVCACHE_SPACE=2 "$vllm_python" -m vllm.entrypoints.openai.api_server
         --model "$hf_dir" --dtype bfloat16 --host 127.0.0.1 --port $port)
+  [[ -z ${BASE_ALONE:-} ]] || serve vllm base "${vllm[@]}"
   serve vllm-lora lora "${vllm[@]}" "${lora_flags[@]}" --max-cpu-loras 8
-  serve vllm base "${vllm[@]}"
 fi
 
 python - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rate = {p.stem: json.loads(p.read_text())["output_tok_per_s"] for p in out.glob("*.json")}
-print("| server | base alone | 0 adapters | 1 | 4 | 8 |")
+print("| server | base alone | 0 adapters (base model) | 1 | 4 | 8 |")
 print("|---|---|---|---|---|---|")
 for name in ("jengine", "vllm"):
-    base = rate.get(f"{name}-base")
-    cells = [f"{base:.0f}" if base else "-"]
+    alone = rate.get(f"{name}-base")
+    base = rate.get(f"{name}-lora-0")
+    cells = [f"{alone:.0f}" if alone else "-"]
     for k in (0, 1, 4, 8):
         r = rate.get(f"{name}-lora-{k}")
         cells.append(f"{r:.0f} ({r / base:.2f}x)" if r and base else (f"{r:.0f}" if r else "-"))

@@ -113,10 +113,18 @@ def test_prefix_cache_keys_pages_by_adapter(four_adapters):
     assert run(a2)[0] == 32
 
 
-def test_bad_adapters_are_value_errors_and_the_engine_keeps_serving(four_adapters, tmp_path):
+@pytest.fixture(scope="module")
+def one_slot(four_adapters):
+    """One slot of rank 4 and one host copy (max_cpu_loras defaults to max_loras)."""
+    root = four_adapters[0]
+    return Engine(str(root / "base"), config=ONE_BUCKET, enable_lora=True, max_loras=1,
+                  max_lora_rank=4, progress=False)
+
+
+def test_bad_adapters_are_value_errors_and_the_engine_keeps_serving(four_adapters, one_slot,
+                                                                    tmp_path):
     root, prompts, cases = four_adapters
-    engine = Engine(str(root / "base"), config=ONE_BUCKET, enable_lora=True, max_loras=1,
-                    max_lora_rank=4, progress=False)
+    engine = one_slot
     with pytest.raises(ValueError, match="rank 8, over max_lora_rank 4"):
         engine.generate(prompts, GREEDY, lora_request=cases["a1"][0])
     with pytest.raises(ValueError, match="does not exist"):
@@ -156,24 +164,24 @@ def test_tensor_parallel_equals_one_device(tmp_path):
         del engine
 
 
-def test_an_adapter_directory_deleted_after_load_fails_no_step(four_adapters, tmp_path):
+def test_an_adapter_directory_deleted_after_load_fails_no_step(four_adapters, one_slot,
+                                                               tmp_path):
     """One slot and one host copy, two adapters queued, then their directories deleted: the
     host copies of adapters that queued requests use are kept past max_cpu_loras, so the
     second adapter's slot fill needs no disk, and both requests get their solo tokens."""
     import shutil
 
     root, prompts, cases = four_adapters
-    engine = Engine(str(root / "base"), config=ONE_BUCKET, enable_lora=True, max_loras=1,
-                    max_lora_rank=8, max_cpu_loras=1, progress=False)
-    core = engine.core
-    for name in ("a1", "a3"):
+    core = one_slot.core
+    reads = core.loras.reads
+    for name in ("a2", "a3"):  # ranks 2 and 4
         shutil.copytree(root / name, tmp_path / name)
         core.add_request(name, prompts[2], GREEDY, lora_request=LoRARequest(
-            name, cases[name][0].lora_int_id, str(tmp_path / name)))
+            name, 100 + cases[name][0].lora_int_id, str(tmp_path / name)))
         shutil.rmtree(tmp_path / name)
-    tokens = {"a1": [], "a3": []}
+    tokens = {"a2": [], "a3": []}
     while core.has_unfinished:
         for out in core.step():  # each output: the step's new tokens
             tokens[out.request_id] += out.outputs[0].token_ids
-    assert tokens == {"a1": cases["a1"][1][2], "a3": cases["a3"][1][2]}
-    assert core.loras.reads == 2
+    assert tokens == {"a2": cases["a2"][1][2], "a3": cases["a3"][1][2]}
+    assert core.loras.reads == reads + 2
