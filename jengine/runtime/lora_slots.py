@@ -10,11 +10,14 @@ already in flight keeps reading the arrays it was launched with (JAX arrays are 
 fill makes new ones). Slots are reused least recently used first, never one the batch being
 launched needs.
 
-A step computes only the slots its batch uses, rounded up to a width (`widths`: powers of two
-below `max_loras`, and `max_loras`): each width is its own program variant, built at warm-up,
-and a step narrower than all slots gathers the ones it uses (`pick_slots`) and numbers its
-tokens by their place among them. The update's cost follows the distinct adapters in the
-batch, not the slots configured, and still nothing compiles after ready.
+A plain-sampling step computes only the slots its batch uses, rounded up to a width (`widths`:
+powers of two below `max_loras`, and `max_loras`): each width is its own program variant,
+built at warm-up, and a step narrower than all slots gathers the ones it uses (`pick_slots`)
+and numbers its tokens by their place among them. Steps with sampling features or prompt
+logprobs (rarer under adapters) compute every slot, which keeps warm-up at 3 + 3 +
+(widths - 1) programs per bucket instead of 3 x (widths + 1). The update's cost follows the
+distinct adapters in the batch, not the slots configured, and still nothing compiles after
+ready.
 """
 
 from __future__ import annotations
@@ -83,9 +86,10 @@ class LoraSlots:
         self._last_use = [0] * max_loras
         self._clock = itertools.count(1)
 
-    def token_slots(self, lora_ids: np.ndarray,
-                    q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """Each token's slot for the step, and the slots the step computes.
+    def token_slots(self, lora_ids: np.ndarray, q_lens: np.ndarray,
+                    narrow: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each token's slot for the step, and the slots the step computes (every slot when
+        not `narrow`: the features and prompt-logprobs programs have no narrow variants).
 
         Returns:
           ([num_tokens] int32 each token's place among the computed slots, `NO_SLOT` for id 0;
@@ -96,7 +100,7 @@ class LoraSlots:
         slot_of = {i: s for s, i in enumerate(self.ids) if i is not None}
         per_seq = [slot_of[i] if i else NO_SLOT for i in lora_ids.tolist()]
         used = sorted({s for s in per_seq if s != NO_SLOT})
-        width = next(w for w in self.widths if w >= len(used))
+        width = next(w for w in self.widths if w >= len(used)) if narrow else self.max_loras
         pick = None
         if width < self.max_loras:
             place = {s: k for k, s in enumerate(used)}
@@ -174,8 +178,8 @@ def pick_slots(tree: Tree, pick: jax.Array) -> Tree:
             for layer in tree]
 
 
-def batch_slots(loras: LoraSlots | None,
-                batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray | None] | None:
+def batch_slots(loras: LoraSlots | None, batch: ScheduledBatch,
+                narrow: bool = True) -> tuple[np.ndarray, np.ndarray | None] | None:
     """For a batch with adapters (theirs resident), `LoraSlots.token_slots`: each token's
     slot and the slots the step gathers; else None.
 
@@ -186,4 +190,4 @@ def batch_slots(loras: LoraSlots | None,
         return None
     if loras is None:
         raise ValueError("a batch with LoRA adapters on an engine without enable_lora")
-    return loras.token_slots(batch.lora_ids, batch.q_lens)
+    return loras.token_slots(batch.lora_ids, batch.q_lens, narrow)

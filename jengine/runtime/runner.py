@@ -182,7 +182,8 @@ class Runner:
     def host_inputs(self, batch: ScheduledBatch, rows: SamplingRows,
                     feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
         """`batch`'s padded inputs as NumPy (what a multi-host leader broadcasts)."""
-        slots, pick = batch_slots(self.loras, batch) or (None, None)
+        plain = not rows.has_features and rows.prompt_targets is None  # narrow lora variants
+        slots, pick = batch_slots(self.loras, batch, plain) or (None, None)
         inputs, variant = step_inputs(
             batch, rows, self.buckets, blocked_queries=self.cfg.attention_backend == "reference",
             vocab_size=self.cfg.vocab_size, history_width=self.buckets.pages[-1] * self.page_size,
@@ -358,7 +359,7 @@ class Runner:
         """Every (bucket shape, variant) that `warmup` builds: all a step can need."""
         variants = EMBED_VARIANTS if self.embed else VARIANTS
         if self.loras is not None and not self.embed:
-            narrow = tuple(dataclasses.replace(v, lora_width=w) for v in LORA_VARIANTS
+            narrow = tuple(dataclasses.replace(LORA_VARIANTS[0], lora_width=w)
                            for w in self.loras.widths if w < self.loras.max_loras)
             variants = VARIANTS + LORA_VARIANTS + narrow
         return [(shape, variant) for shape in self.buckets.shapes() for variant in variants]

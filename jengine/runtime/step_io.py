@@ -43,9 +43,10 @@ class Variant:
 
     `lora` (an engine with `enable_lora`) adds every projection's low-rank update from the
     adapter slots (`jengine.models.lora`); a step whose sequences use no adapter runs the
-    program without it, so the base model pays nothing for the slots. `lora_width` W > 0:
-    the step computes only W slots, gathered by `StepInputs.lora_pick` (a batch using few
-    adapters pays for those, not for every slot); 0: all slots, in place.
+    program without it, so the base model pays nothing for the slots. `lora_width` W > 0
+    (plain sampling only): the step computes only W slots, gathered by
+    `StepInputs.lora_pick` (a batch using few adapters pays for those, not for every slot);
+    0: all slots, in place.
     """
 
     features: bool = False

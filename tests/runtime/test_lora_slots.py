@@ -53,6 +53,8 @@ def test_a_batch_computes_the_narrowest_width_holding_its_adapters(slots):
     ids = np.asarray([1, 2, 3, 4, 5, 6, 7, 8])  # every slot: computed in place, no gather
     tokens, pick = slots.token_slots(ids, np.ones(8, np.int64))
     assert pick is None and tokens.tolist() == [slot_of[i] for i in ids.tolist()]
+    tokens, pick = slots.token_slots(np.asarray([5, 0]), np.asarray([1, 1]), narrow=False)
+    assert pick is None and tokens.tolist() == [slot_of[5], NO_SLOT]  # a features step
 
 
 def test_the_narrow_update_equals_the_update_over_every_slot(slots):
