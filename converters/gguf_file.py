@@ -26,6 +26,7 @@ import numpy as np
 
 from converters import prequant, tables
 from converters.errors import ModelLoadError
+from converters.gguf_layouts import join_kv_b, unpermute_rope
 from converters.gguf_reader import (
     FOUR_BIT,
     GGUFFormatError,
@@ -92,6 +93,8 @@ class GGUFModel:
             )
         self.family, self._model_type = gguf_family(self.arch)
         self._blocks = _BLOCK_NAMES | dict(self.family.gguf_tensor_names)
+        self._blocks |= {base: hf for base, (_, hf) in self.family.gguf_interleaved.items()}
+        self._second = {second: base for base, (second, _) in self.family.gguf_interleaved.items()}
 
     def get(self, key: str, default: Any = None) -> Any:
         """The metadata value `{arch}.{key}`."""
@@ -203,7 +206,7 @@ class GGUFModel:
         eligible = set(quantized_names(specs, cfg.tie_word_embeddings, lm_head))
         placed = {}
         for t in self._weight_tensors():
-            if not t.name.endswith(".attn_k_b.weight"):
+            if not (t.name.endswith(".attn_k_b.weight") or self._joins(t.name)):
                 foldable = t.tensor_type.name == "Q8_0" and len(t.shape) >= 2
                 placed[t.name] = (tables.place(cfg, specs, self._hf_name(t.name), t.shape),
                                   foldable)
@@ -220,7 +223,7 @@ class GGUFModel:
         specs = family_module(cfg).param_specs(cfg)
         placed = []
         for t in self._weight_tensors():
-            if t.name.endswith(".attn_k_b.weight"):  # DeepSeek's split kv_b: read as float
+            if t.name.endswith(".attn_k_b.weight") or self._joins(t.name):  # read as float
                 continue
             targets = tables.place(cfg, specs, self._hf_name(t.name), t.shape)
             placed.append((t.name, targets, t.tensor_type.name in FOUR_BIT and len(t.shape) == 2))
@@ -261,8 +264,9 @@ class GGUFModel:
 
     def _read_with_another(self, name: str) -> bool:
         """DeepSeek-V2's kv_b_proj halves: `attn_v_b` is read with `attn_k_b`, and neither
-        where the file also keeps the whole `attn_kv_b` (some converters wrote all three)."""
-        if name.endswith(".attn_v_b.weight"):
+        where the file also keeps the whole `attn_kv_b` (some converters wrote all three); the
+        second of an interleaved pair (`Family.gguf_interleaved`) with the first."""
+        if name.endswith(".attn_v_b.weight") or self._base(name) in self._second:
             return True
         return (name.endswith(".attn_k_b.weight")
                 and name.replace("attn_k_b", "attn_kv_b") in self._by_name)
@@ -279,21 +283,47 @@ class GGUFModel:
             return self._hf_name(t.name), prequant.Int8Tensor(self._hf_rows(t.name, w.q, cfg),
                                                               self._hf_rows(t.name, w.scale, cfg))
         w = self._dequantize(t)
+        if self._joins(t.name):
+            w = self._interleaved(t, w)
         if t.name.endswith(".attn_k_b.weight"):
             v_b = self._tensor(t.name.replace("attn_k_b", "attn_v_b"))
             if v_b is None:
                 raise ModelLoadError(f"{self.path.name} has {t.name} without its attn_v_b")
-            w = _join_kv_b(w, self._dequantize(v_b))
+            w = join_kv_b(w, self._dequantize(v_b))
         w = self._hf_rows(t.name, w, cfg)
         if self.family.gguf_norm_offset and t.name.endswith("norm.weight"):
             w = w - self.family.gguf_norm_offset
         return self._hf_name(t.name), w
 
+    def _joins(self, name: str) -> bool:
+        """Whether the tensor is the first of an interleaved pair (read as float, joined)."""
+        return self._base(name) in self.family.gguf_interleaved
+
+    @staticmethod
+    def _base(name: str) -> str | None:
+        """`attn_q` of `blk.3.attn_q.weight`; None for a tensor outside the blocks."""
+        parts = name.split(".")
+        return parts[2] if parts[0] == "blk" and len(parts) == 4 else None
+
+    def _interleaved(self, t: TensorInfo, first: np.ndarray) -> np.ndarray:
+        """The first of an interleaved pair joined with its second: their rows alternate
+        along the output axis ([..., F, in] x 2 -> [..., 2F, in]; biases [..., F] -> [..., 2F])."""
+        second_base = self.family.gguf_interleaved[self._base(t.name)][0]
+        name = t.name.replace(f".{self._base(t.name)}.", f".{second_base}.")
+        second = self._tensor(name)
+        if second is None:
+            raise ModelLoadError(f"{self.path.name} has {t.name} without its {second_base}")
+        axis = -1 if t.name.endswith(".bias") else -2
+        pair = np.stack([first, self._dequantize(second)], axis=axis)  # [..., F, 2(, in)]
+        shape = list(first.shape)
+        shape[axis] *= 2
+        return pair.reshape(shape)
+
     def _hf_rows(self, name: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
         """`w` (or its per-row scales) with the q/k rows llama.cpp permuted back in HF's order."""
         if self.family.gguf_permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
             n = cfg["num_attention_heads"] if "attn_q" in name else cfg["num_key_value_heads"]
-            return _unpermute_rope(w, n)
+            return unpermute_rope(w, n)
         return w
 
     def _hf_name(self, name: str) -> str:
@@ -353,23 +383,3 @@ class GGUFModel:
 
 # Tensors that hf_config reads into the rope settings.
 _CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-
-
-
-def _join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
-    """DeepSeek-V2's kv_b_proj [H * (N + V), C] from llama.cpp's per-head halves: k_b
-    [H, C, N] (transposed for the absorbed q) and v_b [H, V, C]."""
-    heads, latent = k_b.shape[0], k_b.shape[1]
-    if v_b.shape[0] != heads or v_b.shape[2] != latent:
-        raise ModelLoadError(f"attn_k_b {k_b.shape} and attn_v_b {v_b.shape} do not pair")
-    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, latent)
-
-
-def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's q/k row permutation (interleaved rope pairs -> HF's halves)."""
-    rows = w.shape[0]
-    return (
-        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )

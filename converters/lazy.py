@@ -19,7 +19,7 @@ from pathlib import Path
 import ml_dtypes  # noqa: F401 (registers bfloat16 with numpy, so bf16 safetensors can be sliced)
 import numpy as np
 
-from converters import prequant, tables
+from converters import mxfp4, prequant, tables
 from converters.errors import ModelLoadError
 from jengine.models import ModelConfig, family_module
 from jengine.models.quant import QArray, scale_shape
@@ -119,7 +119,7 @@ def open_hf_params(cfg: ModelConfig, files: list[Path], dtype: np.dtype,
     handles, headers = {}, {}
     for file in files:
         try:
-            handle = safe_open(str(file), framework="numpy")
+            handle = mxfp4.wrap(safe_open(str(file), framework="numpy"))
             # An empty read gives the dtype without touching any data.
             for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 handles[key] = handle

@@ -94,7 +94,7 @@ def hf_quantization(hf: dict[str, Any]) -> str:
         quantization.
     """
     qc = hf.get("quantization_config")
-    if not qc:
+    if not qc or qc.get("quant_method") == "mxfp4":  # dequantized as read: `converters.mxfp4`
         return "none"
     method = qc.get("quant_method")
     if method != "compressed-tensors":

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from converters import prequant, tables
+from converters import mxfp4, prequant, tables
 from converters.errors import ModelLoadError
 from converters.loaded import CHECKPOINT_MARKER, LoadedModel, numpy_dtype
 from converters.prequant import Int8Tensor
@@ -246,7 +246,7 @@ def _hf_tensors(files: list[Path], mode: str) -> Iterator[tuple[str, np.ndarray 
     handles = {}
     for file in files:
         try:
-            f = safe_open(str(file), framework="numpy")
+            f = mxfp4.wrap(safe_open(str(file), framework="numpy"))
             handles.update((key, (f, file)) for key in f.keys())  # noqa: SIM118
         except Exception as e:
             raise ModelLoadError(f"corrupt or truncated safetensors file {file}: {e}") from e

@@ -1,6 +1,7 @@
 """One question: how long does a SmolLM2 layer stack's 4-bit projections take per call, by
 path (each forced), against the weight dequantized to bf16 for XLA's dot (AMX where the CPU
-has it), at decode and prefill row counts? Medians of interleaved repeats, one process.
+has it; `xla_f32`: to f32), at decode and prefill row counts? Medians of interleaved
+repeats, one process.
 
     PYTHONPATH=. python -P experiments/w4_matmul_bench.py [--rows 1 8 32 64 512] [--reps 7]
 """
@@ -40,9 +41,10 @@ def main() -> None:
         def run(xs, packs):  # weights as arguments: as constants XLA folds the dequantize
             outs = []
             for (_, n), packed, x in zip(weights, packs, xs * LAYERS):
-                if isa == "xla_bf16":
-                    wd = w4.dequantize(*packed, n, jnp.bfloat16)
-                    outs.append(jnp.dot(x.astype(jnp.bfloat16), wd,
+                if isa in ("xla_bf16", "xla_f32"):
+                    dtype = jnp.bfloat16 if isa == "xla_bf16" else jnp.float32
+                    wd = w4.dequantize(*packed, n, dtype)
+                    outs.append(jnp.dot(x.astype(dtype), wd,
                                         preferred_element_type=jnp.float32)[0, 0])
                 else:
                     outs.append(w4.w4_matmul(x, *packed, n, isa=isa)[0, 0])

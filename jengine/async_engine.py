@@ -51,6 +51,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.error: BaseException | None = None
         self._stopped = False
+        # Image towers run here, one prompt at a time, never on the engine thread.
+        self._tower = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jengine-vision")
         self._thread = threading.Thread(target=self._loop, name="jengine-engine", daemon=True)
         self._thread.start()
 
@@ -82,6 +84,11 @@ class AsyncEngine:
             grammar = await self._compile(spec)
         if lora_request is not None:  # read from disk here, never in the engine thread
             await self.add_lora(lora_request)
+        if isinstance(prompt, ImagePrompt) and prompt.images:
+            # Encoded on the tower thread: the running requests keep stepping meanwhile (on
+            # the engine thread it held every step for the tower's whole run).
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                self._tower, self.core.encode_images, prompt)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
@@ -153,6 +160,7 @@ class AsyncEngine:
         with self._lock:
             self._stopped = True
             self._lock.notify()
+        self._tower.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=30)
 
     # -- the engine thread ----------------------------------------------------------------------

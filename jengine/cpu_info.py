@@ -49,6 +49,7 @@ ISA_FLAGS = {
     "avx2": ("avx2", "fma"),
     "avx512": ("avx512f",),
     "avx512_vnni": ("avx512f", "avx512_vnni"),
+    "avx_vnni": ("avx2", "fma", "avx_vnni"),
     "avx512_bf16": ("avx512f", "avx512_bf16"),
     "amx": ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"),
     "amx_int8": ("avx512f", "amx_tile", "amx_int8"),

@@ -146,11 +146,16 @@ def run_attention(log: Log) -> None:
         log(**row)
 
 
+BENCH_SCHEDULER = ("scheduler: {max_num_seqs: 256, max_num_batched_tokens: 2048,\n"
+                   "            token_buckets: [8, 32, 256, 2048], page_buckets: [32]}\n")
+
+
 def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked",
-               quant: str = "none"):
+               quant: str = "none", scheduler: str = BENCH_SCHEDULER):
     """An engine at Llama-3-8B shapes with random bf16 weights made on the device
     (`load_format="dummy"`: only the config and a tokenizer are on disk); its core, through the
-    engine contract, and the seconds the engine took to build."""
+    engine contract, and the seconds the engine took to build. `scheduler`: the preset's
+    scheduler section (scripts/gpu_step_profile.py's dry run builds one bucket)."""
     from tiny_models import save_tokenizer
 
     from jengine import Engine
@@ -160,11 +165,7 @@ def _engine_8b(root: Path, backend: str, kv_memory: str, layout: str = "stacked"
     (path / "config.json").write_text(json.dumps(LLAMA3_8B))
     save_tokenizer(path, LLAMA3_8B["vocab_size"])
     preset = root / f"bench-{layout}.yaml"
-    preset.write_text(
-        f"model: {{max_model_len: 512, layer_layout: {layout}}}\n"
-        "scheduler: {max_num_seqs: 256, max_num_batched_tokens: 2048,\n"
-        "            token_buckets: [8, 32, 256, 2048], page_buckets: [32]}\n"
-    )
+    preset.write_text(f"model: {{max_model_len: 512, layer_layout: {layout}}}\n" + scheduler)
     t = time.perf_counter()
     engine = Engine(str(path), config=str(preset), load_format="dummy", dtype="bfloat16",
                     attention_backend=backend, kv_cache_memory=kv_memory,

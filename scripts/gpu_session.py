@@ -6,9 +6,12 @@ engine's greedy tokens against the reference backend and HF transformers), then 
     python3 scripts/gpu_session.py --out "$OUT"                  # on the GPU machine
     python3 scripts/gpu_session.py --out "$OUT" --tests 200 -- --section throughput,hf
     python scripts/gpu_session.py --out /tmp/x --dry             # anywhere: the CPU dry run
+    python3 scripts/gpu_session.py --out "$OUT" --profile        # the step split alone
 
 Writes OUT/accelerator.xml (JUnit), OUT/gpu_session.jsonl and OUT/gpu_table.md. Arguments after
-`--` go to gpu_bench.py.
+`--` go to gpu_bench.py. `--profile` runs scripts/gpu_step_profile.py instead (where a decode
+step's time goes at C = 1, 32, 256, and every step program lowered for CUDA, OUT/programs):
+under 10 minutes, so a 15-minute lease holds it with room for a rerun.
 """
 
 from __future__ import annotations
@@ -51,9 +54,15 @@ def main() -> int:
     parser.add_argument("--tests", type=float, default=300, metavar="SECONDS",
                         help="the accelerator suite's time limit (0: skip it)")
     parser.add_argument("--dry", action="store_true", help="the CPU dry run (tiny shapes)")
+    parser.add_argument("--profile", action="store_true",
+                        help="the step profile (scripts/gpu_step_profile.py) alone")
     args, bench_args = parser.parse_known_args()
     bench_args = [a for a in bench_args if a != "--"]
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_step_profile.py"),
+                               "--out", str(args.out), *(["--dry"] if args.dry else [])],
+                              cwd=ROOT).returncode
     text = run_tests(args.out, args.tests * (4 if args.dry else 1), args.dry) if args.tests else ""
     bench = [sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--out", str(args.out),
              *(["--dry"] if args.dry else []), *bench_args]

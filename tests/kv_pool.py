@@ -32,13 +32,16 @@ def _swapped(core, allocator: PageAllocator, cache: PrefixCache | None) -> Itera
 def small_kv_pool(core, num_pages: int) -> Iterator[PageAllocator]:
     """`num_pages` pages (to force preemption and eviction); prefix caching as the engine has it."""
     small = PageAllocator(num_pages, core.allocator.page_size)
-    with _swapped(core, small, PrefixCache(small) if core.prefix_cache is not None else None):
+    cache = core.prefix_cache
+    with _swapped(core, small, PrefixCache(small, cache.snapshots) if cache is not None else None):
         yield small
 
 
 @contextlib.contextmanager
 def prefix_caching(core, on: bool) -> Iterator[PrefixCache | None]:
-    """The prefix cache on (a fresh, empty one) or off."""
-    cache = PrefixCache(core.allocator) if on else None
+    """The prefix cache on (a fresh, empty one; a hybrid's with the engine's snapshot slots) or
+    off."""
+    snapshots = core.prefix_cache.snapshots if core.prefix_cache is not None else None
+    cache = PrefixCache(core.allocator, snapshots) if on else None
     with _swapped(core, core.allocator, cache):
         yield cache

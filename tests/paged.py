@@ -92,12 +92,13 @@ class _PagedBatch:
 
 def _prefill(
     params, cfg, batch: _PagedBatch, seq: int, prompt: list[int], chunk: int, all_logits: bool,
-    images: tuple[np.ndarray, np.ndarray] | None = None,
+    images: tuple[np.ndarray, np.ndarray] | None = None, mrope: np.ndarray | None = None,
 ) -> np.ndarray:
     """Prefills sequence `seq` in chunks; returns its [len(prompt), V] logits with `all_logits`,
     else the [V] logits of its last token (the engine's `logits_indices` path). `images`:
-    encoded image rows [M, E] and, per prompt token, the row it takes or -1 (chunks may cut
-    an image anywhere)."""
+    encoded image rows [M, E] ([1 + K, M, E] with DeepStack's) and, per prompt token, the row it
+    takes or -1 (chunks may cut an image anywhere). `mrope`: the prompt's [3, P] multimodal
+    rope positions."""
     rows = []
     for start in range(0, len(prompt), chunk):
         tokens = prompt[start:start + chunk]
@@ -106,6 +107,12 @@ def _prefill(
             at = np.full(chunk, -1, np.int32)
             at[: len(tokens)] = images[1][start:start + len(tokens)]
             md.embeds, md.embeds_at = jnp.asarray(images[0]), jnp.asarray(at)
+            if images[0].ndim == 3:  # [1 + K, M, E]: Qwen3-VL's rows, then its DeepStack rows
+                md.embeds, md.deepstack = jnp.asarray(images[0][0]), jnp.asarray(images[0][1:])
+        if mrope is not None:
+            rope = np.zeros((3, chunk), np.int32)
+            rope[:, : len(tokens)] = mrope[:, start:start + len(tokens)]
+            md.mrope_positions = jnp.asarray(rope)
         logits, batch.kv = _step(params, batch.kv, md, cfg=cfg, all_logits=all_logits)
         rows.append(np.asarray(logits[: len(tokens)]))
     return np.concatenate(rows) if all_logits else rows[-1][0]
@@ -121,6 +128,7 @@ def run_paged(
     seed: int = 0,
     layer_layout: str = "as_given",
     images: tuple[np.ndarray, np.ndarray] | None = None,
+    mrope: tuple[np.ndarray, int] | None = None,
 ) -> np.ndarray:
     """Float32 logits [N, V] for every position of `token_ids` through the paged path.
 
@@ -132,6 +140,8 @@ def run_paged(
       seed: shuffles the sequence's page ids.
       layer_layout: "unstacked" runs the per-layer loop instead of the scan (see `_unpack`).
       images: encoded image rows and the row each prompt token takes (see `_prefill`).
+      mrope: multimodal rope positions [3, N - decode_steps] of the prompt and the offset a
+        decoded token's three positions take over its index (Qwen2.5-VL's rope_deltas).
     """
     cfg, params = _unpack(model, layer_layout)
     token_ids = [int(t) for t in token_ids]
@@ -139,9 +149,12 @@ def run_paged(
     if num_prompt < 1:
         raise ValueError("decode_steps must leave at least one prompt token")
     batch = _PagedBatch(cfg, [len(token_ids)], page_size, seed)
-    rows = [_prefill(params, cfg, batch, 0, token_ids[:num_prompt], prefill_chunk, True, images)]
+    rows = [_prefill(params, cfg, batch, 0, token_ids[:num_prompt], prefill_chunk, True, images,
+                     mrope[0] if mrope else None)]
     for pos in range(num_prompt, len(token_ids)):
         md = batch.metadata([(0, [token_ids[pos]], pos)], 1)
+        if mrope is not None:
+            md.mrope_positions = jnp.full((3, 1), pos + mrope[1], jnp.int32)
         logits, batch.kv = _step(params, batch.kv, md, cfg=cfg, all_logits=False)
         rows.append(np.asarray(logits))
     return np.concatenate(rows).astype(np.float32)

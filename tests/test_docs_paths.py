@@ -62,7 +62,7 @@ def test_paths_named_in_sources_exist():
 INTERNAL = ("jengine.core", "jengine.runtime", "jengine.scheduling")
 CONTRACT = ("jengine.core.contract",)
 NOT_YET_ON_THE_API: set[str] = set()
-MAX_SCRIPTS = 10
+MAX_SCRIPTS = 11  # gpu_step_profile.py: issue 51 asks for it by name
 
 
 def _tools() -> list[Path]:

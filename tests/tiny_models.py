@@ -139,6 +139,36 @@ def qwen3_thinking(path: Path) -> Path:
     return path
 
 
+# Harmony's special tokens (the first, `<|return|>`, ends the answer: EOS) and a chat template
+# of its layout (openai/harmony docs/format.md): each message `<|start|>ROLE<|message|>...<|end|>`,
+# an assistant turn on its final channel, the generation prompt `<|start|>assistant`.
+HARMONY_SPECIAL = ["<|return|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                   "<|call|>", "<|constrain|>"]
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}"
+                    "{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+                    "<|message|>{{ m.content }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def gpt_oss_harmony(path: Path) -> Path:
+    """A tiny random gpt-oss with a byte-level tokenizer, harmony's special tokens and a
+    harmony chat template: the harmony reasoning tests' model."""
+    vocab = save_byte_tokenizer(path, added=[], special=HARMONY_SPECIAL,
+                                chat_template=HARMONY_TEMPLATE)
+    eos = transformers.AutoTokenizer.from_pretrained(path).eos_token_id
+    config = transformers.GptOssConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 128},
+        tie_word_embeddings=False, eos_token_id=eos, bos_token_id=None)
+    random_hf_model(path, config, transformers.GptOssForCausalLM)
+    save_byte_tokenizer(path, added=[], special=HARMONY_SPECIAL,
+                        chat_template=HARMONY_TEMPLATE)  # random_hf_model wrote words
+    return path
+
+
 IDEFICS3_SPECIAL = (["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
                     + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
 IDEFICS3_WORDS = 64  # t0..t63, then the special tokens
@@ -188,4 +218,132 @@ def idefics3_tiny(path: Path):
         "max_image_size": {"longest_edge": IDEFICS3_TILE}, "do_image_splitting": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "rescale_factor": 1 / 255}))
+    return model
+
+
+QWEN_VL_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                   "<|image_pad|>", "<|video_pad|>"]
+QWEN_VL_WORDS = 64  # t0..t63, then the special tokens
+QWEN_VL_PATCH = 4  # pixels; merged 2x2, so an image's sides come in multiples of 8
+# Qwen2.5-VL's chat template, cut to what the tests send (text and image parts).
+QWEN_VL_CHAT = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen2_5_vl_published(vocab: int) -> dict:
+    """A tiny Qwen2.5-VL `config.json` in the published checkpoints' layout: the text fields at
+    the top level, `rope_scaling` of type "mrope", a nested `vision_config` with `in_chans`."""
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_act": "silu", "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "sliding_window": 512, "use_sliding_window": False, "max_window_layers": 2,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        "image_token_id": QWEN_VL_WORDS + 4, "video_token_id": QWEN_VL_WORDS + 5,
+        "vision_start_token_id": QWEN_VL_WORDS + 2, "vision_end_token_id": QWEN_VL_WORDS + 3,
+        "vision_config": {
+            "depth": 3, "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 48,
+            "num_heads": 4, "in_chans": 3, "out_hidden_size": 64, "patch_size": QWEN_VL_PATCH,
+            "spatial_merge_size": 2, "spatial_patch_size": QWEN_VL_PATCH,
+            "temporal_patch_size": 2, "window_size": 16, "fullatt_block_indexes": [1],
+            "tokens_per_second": 2},
+    }
+
+
+def qwen2_5_vl_tiny(path: Path):
+    """A random Qwen2.5-VL (3-block tower of 32 wide, windows of 2x2 merged blocks, block 1
+    full attention; 2-layer Qwen2 text model of 64 wide) whose `config.json` is in the published
+    layout, with a word-level tokenizer holding the special tokens, a cut chat template and a
+    preprocessor config for 4-pixel patches. Returns the torch model (eager), the oracle."""
+    import json
+
+    vocab = {f"t{i}": i for i in range(QWEN_VL_WORDS)}
+    vocab.update({t: QWEN_VL_WORDS + i for i, t in enumerate(QWEN_VL_SPECIAL)})
+    published = qwen2_5_vl_published(len(vocab))
+    config = transformers.Qwen2_5_VLConfig(**published)
+    config._attn_implementation = "eager"
+    config.vision_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    randomize(model, norm_offset=1.0)
+    with torch.no_grad():  # the conv's fan-in is all its pixels, not its last axis
+        w = model.model.visual.patch_embed.proj.weight
+        w.mul_((w.shape[-1] / w[0].numel()) ** 0.5)
+    model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(published))
+    _qwen_vl_files(path, vocab)
+    return model
+
+
+def _qwen_vl_files(path: Path, vocab: dict[str, int]) -> None:
+    """The word-level tokenizer with Qwen's special tokens, the cut chat template and a
+    preprocessor config for 4-pixel patches (images of 4 to 24 merged blocks)."""
+    import json
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+        additional_special_tokens=QWEN_VL_SPECIAL)
+    fast.chat_template = QWEN_VL_CHAT
+    fast.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": 8 * 8 * 4, "max_pixels": 8 * 8 * 24, "patch_size": QWEN_VL_PATCH,
+        "temporal_patch_size": 2, "merge_size": 2}))
+
+
+def qwen3_vl_published(vocab: int) -> dict:
+    """A tiny Qwen3-VL `config.json` in the published checkpoints' layout: a nested
+    `text_config` with `rope_scaling` (interleaved mrope), a nested `vision_config`."""
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+        "image_token_id": QWEN_VL_WORDS + 4, "video_token_id": QWEN_VL_WORDS + 5,
+        "vision_start_token_id": QWEN_VL_WORDS + 2, "vision_end_token_id": QWEN_VL_WORDS + 3,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_vl_text", "vocab_size": vocab, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+            "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "attention_bias": False,
+            "rope_theta": 10000.0, "rope_scaling": {"rope_type": "default",
+                                                    "mrope_section": [2, 3, 3],
+                                                    "mrope_interleaved": True},
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+        "vision_config": {
+            "model_type": "qwen3_vl", "depth": 3, "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 32, "intermediate_size": 48, "num_heads": 4, "in_channels": 3,
+            "out_hidden_size": 64, "patch_size": QWEN_VL_PATCH, "spatial_merge_size": 2,
+            "temporal_patch_size": 2, "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0, 1]},
+    }
+
+
+def qwen3_vl_tiny(path: Path):
+    """A random Qwen3-VL (3-block tower of 32 wide, a 4x4 learned position table, DeepStack
+    after blocks 0 and 1; 3-layer Qwen3 text model of 64 wide) whose `config.json` is in the
+    published layout, with Qwen2.5-VL's tiny tokenizer, template and preprocessor config.
+    Returns the torch model (eager), the oracle."""
+    import json
+
+    vocab = {f"t{i}": i for i in range(QWEN_VL_WORDS)}
+    vocab.update({t: QWEN_VL_WORDS + i for i, t in enumerate(QWEN_VL_SPECIAL)})
+    published = qwen3_vl_published(len(vocab))
+    config = transformers.Qwen3VLConfig(**published)
+    config._attn_implementation = "eager"
+    config.vision_config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    randomize(model, norm_offset=1.0)
+    model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(published))
+    _qwen_vl_files(path, vocab)
     return model

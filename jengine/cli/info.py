@@ -50,10 +50,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     if cfg.num_linear_layers:
         from jengine.models import KVCache
         per_seq = KVCache.bytes_per_state_slot(cfg)
+        mixer = "Mamba2" if cfg.linear_mixer == "mamba2" else "Gated DeltaNet"
         info["linear_layers"] = (
-            f"{cfg.num_linear_layers} of {cfg.num_layers} Gated DeltaNet (KV pages for the "
-            f"other {cfg.num_kv_layers}); recurrent state {per_seq / 2**10:.1f} KiB f32 per "
-            "running sequence, taken from kv_cache_memory before its pages")
+            f"{cfg.num_linear_layers} of {cfg.num_layers} {mixer} (KV pages for "
+            f"{cfg.num_kv_layers} attention layers); recurrent state {per_seq / 2**10:.1f} KiB "
+            "f32 per running sequence, taken from kv_cache_memory before its pages")
+        # The prefix cache's snapshots (jengine.core.startup.snapshot_slots) under the defaults.
+        snapshots = min(64, (2 * 2**30 - 65 * per_seq) // 4 // per_seq)
+        info["state_snapshots"] = (
+            f"{snapshots} prefix-cache snapshots of that size under the defaults (max_num_seqs "
+            "64, kv_cache_memory 2GiB): max_num_seqs, or a quarter of what the running "
+            "states leave, whichever is fewer")
     for k, v in info.items():
         print(f"{k:16} {v}")
     return 0

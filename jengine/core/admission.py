@@ -4,6 +4,7 @@ detokenizers. Every check raises ValueError before anything is queued."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -14,6 +15,16 @@ from jengine.sampling_params import SamplingParams, check_text
 from jengine.scheduling.sequence import ImageRows, Sequence
 from jengine.structured import Grammar
 from jengine.text.detokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedImagePrompt:
+    """An image prompt after its preparation and the tower (`EngineCore.encode_images`): the
+    token ids with the placeholders expanded and the encoded rows they take. The core admits
+    it without touching the tower, so the encoding can run off the engine thread."""
+
+    token_ids: list[int]
+    images: ImageRows | None  # None: a prompt that turned out to hold no image
 
 
 class Admission:

@@ -162,6 +162,25 @@ def chunk_for_context(cfg: ModelConfig, context: int) -> ModelConfig:
     return cfg
 
 
+def check_sinks(cfg: ModelConfig, requested: str) -> ModelConfig:
+    """gpt-oss's attention sinks are built into the `reference` and `cpu` backends only: a
+    Pallas backend that `auto` picked (TPU, GPU) gives way to `reference`, with a warning.
+
+    Raises:
+      ValueError: a Pallas backend asked for by name.
+    """
+    backend = cfg.attention_backend
+    if not cfg.attention_sinks or backend in ("reference", "cpu"):
+        return cfg
+    if requested != "auto":
+        raise ValueError(f"{cfg.model_type} has attention sinks, which the {backend!r} attention "
+                         "backend does not take: use attention_backend cpu or reference")
+    logging.getLogger("jengine").warning(
+        "%s has attention sinks, which %r does not take; using the 'reference' attention "
+        "backend", cfg.model_type, backend)
+    return dataclasses.replace(cfg, attention_backend="reference")
+
+
 def eos_ids(loaded: LoadedModel) -> tuple[int, ...]:
     """Every id that ends a sequence: the config's, generation_config's and the tokenizer's."""
     ids = set(loaded.config.eos_token_ids)

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Protocol
 
 from jengine.config import EngineConfig
+from jengine.core.admission import EncodedImagePrompt
 from jengine.core.pooling import Pooling
 from jengine.core.request import RequestState
 from jengine.core.stats import EngineStats
@@ -19,6 +20,7 @@ from jengine.pooling_params import PoolingParams
 from jengine.runtime.executables import ProgramReport
 from jengine.sampling_params import SamplingParams
 from jengine.structured import Grammar, GrammarCompiler
+from jengine.vision.inputs import ImagePrompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,10 @@ class CoreContract(Protocol):
                     lora_request: LoRARequest | None = None) -> RequestState:
         """Validates and queues one request (ValueError, and nothing queued, on bad input);
         `lora_request`: the LoRA adapter it runs under."""
+
+    def encode_images(self, prompt: ImagePrompt) -> EncodedImagePrompt:
+        """An image prompt prepared and through the tower (any thread; ValueError for a bad
+        one), for `add_request` to admit without encoding on the engine thread."""
 
     def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
         """Reads and checks a LoRA adapter (any thread); ValueError for a bad one."""

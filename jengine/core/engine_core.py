@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from converters import LoadedModel
 from jengine.config import EngineConfig
-from jengine.core.admission import Admission
+from jengine.core.admission import Admission, EncodedImagePrompt
 from jengine.core.build import Phases, warm_up
 from jengine.core.contract import ModelInfo
 from jengine.core.grammars import LazyGrammars
@@ -179,7 +179,9 @@ class EngineCore:
         lora_id = self.add_lora(lora_request).lora_int_id if lora_request is not None else 0
         images = None
         if isinstance(prompt, ImagePrompt):
-            prompt, images = self._prepare_images(prompt)
+            prompt = self.encode_images(prompt)
+        if isinstance(prompt, EncodedImagePrompt):
+            prompt, images = prompt.token_ids, prompt.images
         state = self.admission.request(request_id, prompt, params, grammar, images=images)
         for sample in state.samples:
             sample.seq.lora_id = lora_id
@@ -209,21 +211,24 @@ class EngineCore:
         return {s.seq.lora_id for state in tuple(self.requests.values())
                 for s in state.samples if s.seq.lora_id}
 
-    def _prepare_images(self, prompt: ImagePrompt) -> tuple[list[int], ImageRows | None]:
-        """An image prompt's token ids and its images encoded by the tower (on this thread:
-        the step loop waits for it, once per request)."""
+    def encode_images(self, prompt: ImagePrompt) -> EncodedImagePrompt:
+        """An image prompt's token ids and its images through the tower (ValueError for a bad
+        prompt). Safe from any thread: `AsyncEngine` calls it on its own tower thread, so the
+        engine thread goes on stepping while an image encodes; `add_request` calls it for an
+        `ImagePrompt` handed to it directly (offline `Engine.generate`)."""
         if self.images is None:
             if prompt.images:
                 raise ValueError(f"model {self.model.source!r} does not take images")
-            return self.admission.encode_prompt(prompt.text)[1], None
+            return EncodedImagePrompt(self.admission.encode_prompt(prompt.text)[1], None)
         ready = self.images.prepare(prompt)
         if not prompt.images:
-            return ready.token_ids, None
+            return EncodedImagePrompt(ready.token_ids, None)
         if self.vision is None:
             raise ValueError("this engine has no image tower on its devices")
-        rows = self.vision.encode(ready.tiles)
-        return ready.token_ids, ImageRows(rows=rows, row_at=ready.row_at,
-                                          cache_ids=ready.cache_ids)
+        rows = self.vision.encode_images(ready)
+        return EncodedImagePrompt(ready.token_ids, ImageRows(
+            rows=rows, row_at=ready.row_at, cache_ids=ready.cache_ids, mrope=ready.mrope,
+            rope_delta=ready.rope_delta))
 
     def _add_pooled(self, request_id: str, prompt: str | list[int],
                     params: PoolingParams | None) -> RequestState:

@@ -144,6 +144,9 @@ class ReplicaSet:
             cached = [r.prefix_cache.match_length(ids) for r in self.replicas]
         return choose_replica(cached, loads, self.cfg.scheduler.max_num_batched_tokens)
 
+    def encode_images(self, prompt):
+        return self.replicas[0].encode_images(prompt)  # where `route` sends image prompts
+
     def add_lora(self, lora_request):
         for replica in self.replicas:
             replica.add_lora(lora_request)

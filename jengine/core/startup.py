@@ -10,6 +10,7 @@ and adds the request table, admission and the step loop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from jengine.config import EngineConfig
 from jengine.core import auto_dtype
 from jengine.core.build import (
     Phases,
+    check_sinks,
     chunk_for_context,
     eos_ids,
     kv_pages,
@@ -36,28 +38,43 @@ from jengine.core.build import (
     step_buckets,
 )
 from jengine.core.draft import proposer_for
+from jengine.core.kv_budget import host_kv_budget
 from jengine.core.lora_cache import HostLoras
 from jengine.core.pooling import Pooling, resolve_pooling
 from jengine.models import KVCache, family_module
 from jengine.models.config import ModelConfig
-from jengine.models.idefics3 import VISION_MODEL_TYPES
+from jengine.models.fused import can_fuse, fuse_projections
+from jengine.models.idefics3 import VISION_MODEL_TYPES as IDEFICS3_TYPES
 from jengine.models.layers import resolve_layer_layout
 from jengine.models.quant import resolve_quantization
+from jengine.models.qwen2_5_vl import QWEN2_5_VL
+from jengine.models.qwen3_vl import QWEN3_VL, vision_config_from_hf
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import ExecutableStore, default_store_dir
 from jengine.runtime.lora_slots import LoraSlots
 from jengine.runtime.runner import Runner
-from jengine.runtime.vision import VisionEncoder
+from jengine.runtime.vision import (
+    MAX_TOWER_PATCHES,
+    QwenVisionEncoder,
+    VisionEncoder,
+    patch_buckets,
+)
 from jengine.scheduling.page_allocator import PageAllocator
 from jengine.scheduling.prefix_cache import PrefixCache
 from jengine.scheduling.scheduler import Scheduler
 from jengine.scheduling.state_slots import StateSlots
+from jengine.scheduling.state_snapshots import StateSnapshots
 from jengine.sharding import MeshSpec, ShardingRules, check_divisible, padded_config
 from jengine.sharding.distributed import DistributedSpec, StepChannel, initialize
 from jengine.vision.idefics3_processor import Idefics3Processor
 from jengine.vision.inputs import ImagePrompter, parse_image_limit
+from jengine.vision.qwen2_vl_processor import Qwen2VLProcessor
+from jengine.vision.qwen_inputs import QwenImagePrompter
 
 log = logging.getLogger("jengine")
+
+QWEN_VL_TYPES = frozenset(QWEN2_5_VL.model_type_names + QWEN3_VL.model_type_names)
+VISION_MODEL_TYPES = IDEFICS3_TYPES | QWEN_VL_TYPES
 
 LORA_NETWORKS = ("llama", "gemma3")  # the networks whose projections add adapter updates
 
@@ -82,8 +99,10 @@ class CoreParts:
     runner: Runner
     pooling: Pooling | None  # task embed / score: how hidden states become a vector
     loras: HostLoras | None = None  # enable_lora: the adapters read on the host
-    vision: VisionEncoder | None = None  # a vision model's image tower (compiled per bucket)
-    images: ImagePrompter | None = None  # its prompts' images -> placeholders and tiles
+    # A vision model's image tower (compiled per bucket) and its prompts' images ->
+    # placeholders and tiles (or patches).
+    vision: VisionEncoder | QwenVisionEncoder | None = None
+    images: ImagePrompter | QwenImagePrompter | None = None
 
 
 def build_parts(
@@ -124,24 +143,27 @@ def build_parts(
     loras = host_loras(cfg, model_config, quantization)
     context = max_model_len(loaded, cfg.model.max_model_len)
     model_config = chunk_for_context(model_config, context)
+    model_config = check_sinks(model_config, cfg.model.attention_backend)
+    backends["attention_backend"] = model_config.attention_backend
     eos = eos_ids(loaded)
     state_slots = hybrid_state_slots(cfg, model_config)
-    num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
-                         kv_cache_dtype, context, state_slots=state_slots)
-    buckets = step_buckets(cfg, context, backends["attention_backend"])
-    allocator = PageAllocator(num_pages, cfg.cache.page_size)
     # An embedding pools every prompt token's hidden state, so none may come from the cache.
     caching = cfg.cache.enable_prefix_caching and cfg.model.task == "generate"
+    snapshots = (snapshot_slots(cfg, model_config, mesh_spec, loaded.config.num_kv_heads,
+                                state_slots) if caching and state_slots else 0)
+    num_pages = kv_pages(cfg, mesh_spec, model_config, loaded.config.num_kv_heads,
+                         kv_cache_dtype, context, state_slots=state_slots + snapshots)
+    buckets = step_buckets(cfg, context, backends["attention_backend"])
+    allocator = PageAllocator(num_pages, cfg.cache.page_size)
     if state_slots:
-        log.info("recurrent state: %d slots x %.2f MiB (%s's %d linear layers) from "
-                 "kv_cache_memory, %d KV pages left", state_slots,
-                 KVCache.bytes_per_state_slot(model_config) / 2**20, model_config.model_type,
-                 model_config.num_linear_layers, num_pages)
-    if caching and state_slots:
-        log.info("prefix caching off: %s keeps recurrent state that cached pages do not hold",
-                 model_config.model_type)
-        caching = False
-    prefix_cache = PrefixCache(allocator) if caching else None
+        log.info("recurrent state: %d slots + %d prefix-cache snapshots x %.2f MiB (%s's %d "
+                 "linear layers) from kv_cache_memory, %d KV pages left", state_slots,
+                 snapshots, KVCache.bytes_per_state_slot(model_config) / 2**20,
+                 model_config.model_type, model_config.num_linear_layers, num_pages)
+    prefix_cache = None
+    if caching:
+        prefix_cache = PrefixCache(allocator, StateSnapshots(state_slots, snapshots)
+                                   if snapshots else None)
     scheduler = Scheduler(
         allocator, max_num_seqs=cfg.scheduler.max_num_seqs,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens, max_model_len=context,
@@ -158,7 +180,7 @@ def build_parts(
         runner = _runner(cfg, loaded, model_config, mesh, num_pages, buckets, distributed,
                          dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                          layer_layout=layer_layout, progress=progress, phases=phases,
-                         state_slots=state_slots)
+                         state_slots=state_slots + snapshots)
     phases.end("kv cache")
     vision, images = _vision(cfg, loaded, model_config, dtype, make_runner is None)
     return CoreParts(distributed=distributed, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -204,9 +226,33 @@ def _vision(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, d
     if model_config.model_type not in VISION_MODEL_TYPES or loaded.kind != "hf":
         return None, None
     vc, params = load_vision(loaded.source)
+    if model_config.model_type in QWEN_VL_TYPES:
+        return _qwen_vision(loaded, vc, params, dtype, real, limit)
     prompter = ImagePrompter(loaded.tokenizer, Idefics3Processor.from_dir(loaded.source), vc,
                              max_images=limit)
     return (VisionEncoder(vc, params, dtype) if real else None), prompter
+
+
+def _qwen_vision(loaded: LoadedModel, vc, params, dtype, real: bool, limit: int
+                 ) -> tuple[QwenVisionEncoder | None, QwenImagePrompter]:
+    """Qwen2.5-VL's tower, bucketed by patch count from the processor's smallest image to its
+    largest; a `max_pixels` past the tower's largest run is lowered to it (and logged), so a
+    large image is scaled down rather than refused."""
+    processor = Qwen2VLProcessor.from_dir(loaded.source)
+    area = processor.patch_size ** 2
+    if processor.max_pixels > MAX_TOWER_PATCHES * area:
+        log.warning("max_pixels %d lowered to %d: the image tower runs at most %d patches",
+                    processor.max_pixels, MAX_TOWER_PATCHES * area, MAX_TOWER_PATCHES)
+        processor = dataclasses.replace(processor, max_pixels=MAX_TOWER_PATCHES * area)
+    buckets = patch_buckets(processor.min_pixels // area, processor.max_pixels // area)
+    prompter = QwenImagePrompter(loaded.tokenizer, processor, vc, max_images=limit)
+    return (QwenVisionEncoder(vc, params, dtype, buckets) if real else None), prompter
+
+
+def _deepstack_rows(loaded: LoadedModel) -> int:
+    """Qwen3-VL: how many DeepStack rows each image token carries into the step."""
+    hf = json.loads((Path(loaded.source) / "config.json").read_text())
+    return len(vision_config_from_hf(hf).deepstack_visual_indexes)
 
 
 def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig) -> int:
@@ -223,6 +269,25 @@ def hybrid_state_slots(cfg: EngineConfig, model_config: ModelConfig) -> int:
         raise ValueError(f"speculative decoding is not supported for {model_config.model_type}: "
                          "its linear layers' recurrent state cannot roll back rejected tokens")
     return cfg.scheduler.max_num_seqs + 1
+
+
+def snapshot_slots(cfg: EngineConfig, model_config: ModelConfig, mesh_spec: MeshSpec,
+                   num_kv_heads: int, state_slots: int) -> int:
+    """The prefix cache's recurrent-state snapshots for a hybrid model: one per sequence that
+    may run, or as many as fit in a quarter of `kv_cache_memory` after the running ones'
+    states, whichever is fewer (at least one: a prefix hit needs one).
+
+    Raises:
+      ValueError: the budget holds no snapshot beside the running states.
+    """
+    per_slot = KVCache.bytes_per_state_slot(model_config)
+    budget = host_kv_budget(cfg.cache.kv_cache_memory, mesh_spec, num_kv_heads,
+                            cfg.parallel.num_processes) - state_slots * per_slot
+    count = min(cfg.scheduler.max_num_seqs, budget // 4 // per_slot)
+    if count < 1:
+        raise ValueError(f"kv_cache_memory {cfg.cache.kv_cache_memory} leaves no room for a "
+                         "prefix-cache state snapshot: raise it or --no-enable-prefix-caching")
+    return count
 
 
 def model_dtype(cfg: EngineConfig, loaded: LoadedModel | None, matmul_backend: str, *,
@@ -254,17 +319,25 @@ def _runner(cfg: EngineConfig, loaded: LoadedModel, model_config: ModelConfig, m
         loaded, model_config, rules, dtype=dtype, quantization=quantization,
         layer_layout=layer_layout, quantize_lm_head=cfg.model.quantize_lm_head,
         smoothing_alpha=cfg.model.smoothing_alpha, progress=progress)
+    # Accelerators run q/k/v and gate/up as one GEMM each (jengine.models.fused); XLA:CPU's
+    # small dots run side by side instead, and LoRA adds its updates to the separate ones.
+    if (not model_config.branches and not cfg.lora.enable_lora
+            and can_fuse(params, model_config, family_module(model_config))):
+        params = fuse_projections(params, model_config)
     phases.end("weights")
     loras = None
     if cfg.lora.enable_lora:
         loras = LoraSlots(model_config, dtype, max_loras=cfg.lora.max_loras,
                           max_rank=cfg.lora.max_lora_rank, rules=rules)
+    vision = model_config.model_type in VISION_MODEL_TYPES and loaded.kind == "hf"
     return Runner(
         model_config, params, num_pages=num_pages, page_size=cfg.cache.page_size, loras=loras,
         buckets=buckets, kv_cache_dtype=kv_cache_dtype, rules=rules,
         channel=StepChannel(distributed) if distributed.num_processes > 1 else None,
         store=ExecutableStore(default_store_dir()), embed=cfg.model.task != "generate",
         state_slots=state_slots,
-        image_width=(model_config.hidden_size if model_config.model_type in VISION_MODEL_TYPES
-                     and loaded.kind == "hf" else None),
+        image_width=model_config.hidden_size if vision else None,
+        mrope=vision and model_config.model_type in QWEN_VL_TYPES,  # its steps' rope positions
+        deepstack=_deepstack_rows(loaded) if vision and model_config.model_type == "qwen3_vl"
+        else 0,
     )

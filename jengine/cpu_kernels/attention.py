@@ -86,6 +86,7 @@ def ragged_paged_attention_cpu(
     kv_head_map: tuple[int, ...] | jax.Array | None = None,  # [H] (else h // G)
     k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
     v_scale: jax.Array | None = None,  # (an fp8 cache: ValueError, see `CACHE_DTYPES`)
+    sinks: jax.Array | None = None,  # [H] f32: gpt-oss's sink logits, in the denominator
     block_q: int = 32,
     isa: str = "auto",
     max_threads: int = 0,  # 0: all of XLA's intra-op threads
@@ -125,6 +126,7 @@ def ragged_paged_attention_cpu(
         jnp.asarray(layer, jnp.int32).reshape(()),
         token_seq.astype(jnp.int32), positions.astype(jnp.int32), page_table.astype(jnp.int32),
         jnp.asarray(window, jnp.int32).reshape(()), jnp.asarray(kv_head_map, jnp.int32),
+        no_scales if sinks is None else sinks.astype(jnp.float32),
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
         isa=np.int32(library.isa_code("attention", isa)), block_q=np.int32(block_q),
         max_threads=np.int32(max_threads),

@@ -30,7 +30,7 @@ COLS = 64  # columns per tile (kW4Cols)
 GROUP = 32  # k per scale / min group
 # The paths, preferred first: W4A8 on VNNI (x rounded to int8 per group of 32), then the float
 # W4A16 paths (x as given).
-ISAS = ("avx512_vnni", "avx512", "avx2", "portable")
+ISAS = ("avx512_vnni", "avx_vnni", "avx512", "avx2", "portable")
 
 
 def available() -> bool:
@@ -46,7 +46,8 @@ def supports(isa: str) -> bool:
 
 def best_isa() -> str:
     """The path `isa="auto"` runs here: the first of ISAS that `cpu_info.flags()` allows (so
-    `cpu_info.hiding("avx512_vnni")` runs the float W4A16 path) and the library runs."""
+    `cpu_info.hiding("avx512_vnni", "avx_vnni")` runs the float W4A16 path) and the library
+    runs."""
     return next(isa for isa in ISAS if cpu_info.allows(isa) and supports(isa))
 
 
@@ -99,10 +100,10 @@ def w4_matmul(
     max_threads: int = 0,  # 0: all of XLA's intra-op threads
 ) -> jax.Array:  # [R, N] float32
     """`x @ w` by the native kernel: per group of 32 k the x * q sums, then s * sums + m *
-    sum(x over the group); each packed byte is read once for all R rows. On `avx512_vnni`
-    (what `auto` picks where the CPU has it) x is rounded to int8 per row and group first
-    (scale max |x| / 127) and the sums are exact int32 (W4A8); the other paths sum x * q in
-    f32 (W4A16)."""
+    sum(x over the group); each packed byte is read once for all R rows. On `avx512_vnni` or
+    `avx_vnni` (what `auto` picks where the CPU has one) x is rounded to int8 per row and group
+    first (scale max |x| / 127) and the sums are exact int32 (W4A8); the other paths sum x * q
+    in f32 (W4A16)."""
     library.require("the w4a16 native matmul", "the jnp reference (matmul_backend 'xla')")
     if (x.dtype != jnp.float32 or x.ndim != 2 or q.dtype != jnp.uint8 or q.ndim != 4
             or x.shape[1] != q.shape[1] * GROUP or s.shape != q.shape[:2] + (COLS,)

@@ -44,7 +44,8 @@ class KVCache:
     recurrent state per sequence slot N beside them: the last C-wide inputs of its causal conv
     and its [Dk, Dv] DeltaNet state per value head. Slot 0 is a scratch slot, as page 0 is;
     `AttentionMetadata.state_slots` names each row's slot. Pure-attention models keep both as
-    zero-byte leaves.
+    zero-byte leaves. Every state leaf keeps its slot axis at 2 (`copy_state_slots`, the prefix
+    cache's snapshots, relies on it and on nothing else of its shape).
     """
 
     k: jax.Array  # [L, K, P, O, D]
@@ -103,6 +104,20 @@ class KVCache:
         copies = 1 if cfg.latent_attention else 2  # latent rows only, else keys and values
         return copies * cfg.num_kv_layers * page_size * cfg.num_kv_heads * row
 
+    def copy_state_slots(self, pairs: jax.Array) -> KVCache:
+        """Each state leaf's slot `pairs[0, i]` copied to slot `pairs[1, i]` (axis 2, the slot
+        axis of every state leaf), skipped on the device when every pair is (0, 0): prefix
+        caching's snapshots on a hybrid model (`scheduling.state_snapshots`). `pairs`: [2, M]
+        int32 (source, destination), destinations distinct except the scratch 0."""
+        src, dst = pairs[0], pairs[1]
+
+        def copy(states):
+            return tuple(a.at[:, :, dst].set(jnp.take(a, src, axis=2)) for a in states)
+
+        conv, ssm = jax.lax.cond(jnp.any(dst > 0), copy, lambda states: states,
+                                 (self.conv, self.ssm))
+        return dataclasses.replace(self, conv=conv, ssm=ssm)
+
     @staticmethod
     def bytes_per_state_slot(cfg: ModelConfig) -> int:
         """Bytes of one sequence's recurrent state over all linear layers (0 without any)."""
@@ -139,6 +154,12 @@ class AttentionMetadata:
     # of the query tokens whose `embeds_at` [T] int32 names a row (-1: keep the token's own).
     embeds: jax.Array | None = None
     embeds_at: jax.Array | None = None
+    # Multimodal rope (Qwen2.5-VL only, else None): each token's (time, row, column) rope
+    # positions; `positions` stays its index in the sequence (KV slots, masks).
+    mrope_positions: jax.Array | None = None  # [3, T] int32
+    # Qwen3-VL's DeepStack rows (else None): added to the first K layers' outputs at the
+    # tokens `embeds_at` names, row by row as `embeds`.
+    deepstack: jax.Array | None = None  # [K, M, E]
 
 
 def attend(
@@ -155,8 +176,14 @@ def attend(
     kv_head_map: tuple[int, ...] | None = None,
     backend: str = "reference",  # reference | cpu | pallas_tpu | pallas_gpu (resolved)
     chunk: jax.Array | int | None = None,
+    platform: str | None = None,  # the kernels' target (`ModelConfig.platform`)
+    sinks: jax.Array | None = None,  # [H] gpt-oss's sink logits
 ) -> tuple[jax.Array, KVCache]:
     """Writes this layer's new K/V into the pages, then attends over the cache.
+
+    `sinks` (gpt-oss): a learned logit per q head joins each softmax's denominator; the
+    `reference` and `cpu` backends take it, the Pallas ones are refused at start
+    (`core.build.check_sinks`).
 
     `chunk` (Llama 4's chunked attention: a query sees the keys of its own `chunk`-token
     chunk only) runs on the reference backend; the engine drops it where the context fits in
@@ -175,7 +202,7 @@ def attend(
     with jax.named_scope("attention"):
         return _attention(q, kv, layer, md, sm_scale=sm_scale, sliding_window=sliding_window,
                           soft_cap=soft_cap, kv_head_map=kv_head_map, backend=backend,
-                          chunk=chunk), kv
+                          chunk=chunk, platform=platform, sinks=sinks), kv
 
 
 def attend_latent(
@@ -240,9 +267,14 @@ def _write(kv: KVCache, layer, slot_mapping, k, v, *, backend: str, kv_head_map)
 
 
 def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_map, backend,
-               chunk=None):
+               chunk=None, platform=None, sinks=None):
     args = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 kv_head_map=kv_head_map)
+    if sinks is not None:
+        if backend not in ("reference", "cpu"):
+            raise ValueError(f"attention sinks run on the 'reference' and 'cpu' attention "
+                             f"backends, not {backend!r}")
+        args["sinks"] = sinks
     if kv.quantized:
         args.update(k_scale=kv.k_scale, v_scale=kv.v_scale)
     if chunk is not None:
@@ -251,7 +283,7 @@ def _attention(q, kv, layer, md, *, sm_scale, sliding_window, soft_cap, kv_head_
                              f"not {backend!r}")
         args["attention_chunk"] = chunk
     if backend != "reference":
-        return shard_for_context_mesh(attention_fn(backend))(
+        return shard_for_context_mesh(attention_fn(backend, platform))(
             q, kv.k, kv.v, layer, md.token_seq, md.positions, md.page_table, **args)
     if md.block_tokens is not None:
         return blocked_paged_attention(

@@ -21,8 +21,10 @@ from typing import Any
 # so a cached key never needs turning again (`layers.rope_token_inv_freq`; docs/models.md says
 # where this equals HF).
 # "yarn": static YaRN (HF's `_compute_yarn_parameters`), attention factor included.
+# "mrope" (Qwen2-VL's older spelling of "default" with an `mrope_section`): three positions
+# per token, each turning its section of the frequencies (`layers.mrope_tables`).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "su", "yarn",
-                        "dynamic")
+                        "dynamic", "mrope")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +44,12 @@ class RopeConfig:
     beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated dims
     beta_slow: float = 1.0
     truncate: bool = True  # yarn: round the ramp's bounds outwards (HF's default)
+    # Multimodal rope (Qwen2.5-VL): how many of the D/2 frequencies the time, row and column
+    # positions each turn, in that order (cycled); None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: the row and column positions turn every third frequency (1, 4, ... and 2, 5,
+    # ...) within 3 x their section, the time position the rest; False: contiguous runs.
+    mrope_interleaved: bool = False
 
     @property
     def by_position(self) -> bool:
@@ -64,7 +72,12 @@ class RopeConfig:
             return cls._yarn(params, theta)
         if rope_type == "dynamic":  # HF grows the NTK base past max_position_embeddings
             params["original_max_position_embeddings"] = params["max_position_embeddings"]
+        section = params.get("mrope_section")
+        if rope_type == "mrope":
+            rope_type = "default"
         return cls(
+            mrope_section=tuple(int(s) for s in section) if section else None,
+            mrope_interleaved=bool(params.get("mrope_interleaved", False)),
             theta=float(params.get("rope_theta", theta if theta is not None else 10000.0)),
             rope_type=rope_type,
             factor=float(params.get("factor", 1.0)),
@@ -197,6 +210,14 @@ class ModelConfig:
     # `norm_topk_prob`). "softmax": DeepSeek-V2's. "llama4": the top k of the logits, each
     # expert's input scaled by sigmoid(its logit) (not its output).
     router_scoring: str = "softmax"
+    # gpt-oss: a learned sink logit per q head in every attention softmax's denominator
+    # (`attention_sinks`); its router ("gpt_oss": softmax over the top k of the biased logits)
+    # feeds experts with biases and the clamped SwiGLU (`swiglu_limit` > 0): gate clamped above
+    # at the limit, up within +-limit, (up + 1) * gate * sigmoid(`swiglu_alpha` * gate), from one
+    # fused gate/up weight whose columns interleave gate and up as the checkpoint stores them.
+    attention_sinks: bool = False
+    swiglu_limit: float = 0.0  # 0: Llama's SwiGLU experts
+    swiglu_alpha: float = 1.0
     # DeepSeek-V3's multi-token-prediction layers after the last layer: their weights skipped.
     mtp_layers: int = 0
     # Granite's scalars: embeddings x embedding_multiplier, each residual branch x
@@ -223,6 +244,19 @@ class ModelConfig:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     attn_output_gate: bool = False
+    # Mamba2 hybrids (Granite 4, Nemotron-H; `models/mamba2.py`): `linear_mixer` "mamba2" makes
+    # the linear layers Mamba2 mixers, whose widths the fields above hold as: linear_k_heads =
+    # n_groups, linear_k_dim = d_state (B and C), linear_v_heads / linear_v_dim = the SSM heads
+    # and their width (x), so the conv's channels and the [Dk, Dv] state per head keep their
+    # shapes. `mamba_conv_bias`: the conv adds a bias; `mamba_dt_limit`: the time step clamped
+    # to it (None: not clamped). `mlp_only_layers`: per layer, Nemotron-H's "mlp" or "moe" for
+    # a layer that is only an MLP (no token mixer: neither pages nor state), "" for the others;
+    # its experts' inputs go through a `moe_latent_size`-wide projection where that is > 0.
+    linear_mixer: str = "gated_deltanet"  # gated_deltanet | mamba2
+    mamba_conv_bias: bool = False
+    mamba_dt_limit: tuple[float, float] | None = None
+    mlp_only_layers: tuple[str, ...] = ()
+    moe_latent_size: int = 0
     # Set only under tensor parallelism with replicated kv heads (jengine.sharding): num_heads
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
@@ -233,6 +267,22 @@ class ModelConfig:
     # small-row kernel, one CPU device) | amx (native + bf16 projections on the AMX tiles);
     # jengine.models.matmul.resolve_matmul_backend.
     matmul_backend: str = "xla"
+    # The platform the step programs are built for: None is JAX's default backend (where the
+    # engine runs). Lowering for another one on this machine (`jax.export` to cuda or tpu from a
+    # CPU: tests/runtime/test_step_lowering.py, scripts/gpu_step_profile.py --dump) names it,
+    # so the Pallas kernels are built for it rather than interpreted, and `branches` is its own.
+    platform: str | None = None
+
+    @property
+    def branches(self) -> bool:
+        """Whether the step may branch on data (`lax.cond` / `lax.switch`): on XLA:CPU only,
+        where skipping unused work pays and a conditional costs nothing. On a GPU each one
+        copies its predicate to the host and waits, stalling the asynchronous dispatch, so the
+        accelerators' steps hold none: the host picks program variants (`step_io.Variant`)
+        and the rest is selects."""
+        import jax  # noqa: PLC0415 - the config module stays importable without a backend
+
+        return (self.platform or jax.default_backend()) == "cpu"
 
     @property
     def sm_scale(self) -> float:
@@ -248,8 +298,8 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """The layers that keep KV pages: all but the linear-attention ones."""
-        return self.num_layers - self.num_linear_layers
+        """The layers that keep KV pages: all but the linear-attention and MLP-only ones."""
+        return self.num_layers - self.num_linear_layers - sum(map(bool, self.mlp_only_layers))
 
     @property
     def linear_conv_dim(self) -> int:
@@ -275,13 +325,18 @@ class ModelConfig:
             shared = self.shared_expert_intermediate_size
             sparse = self.num_experts * (3 * e * self.moe_intermediate_size + e) + 3 * e * shared
             sparse += e if shared and self.shared_expert_gate else 0
+            if self.swiglu_limit:  # gpt-oss: the experts' biases and the router's
+                sparse += self.num_experts * (2 * self.moe_intermediate_size + e + 1)
             mlps = self.first_dense_layers * dense + (n - self.first_dense_layers) * sparse
         attn = e * (q + 2 * kv) + q * e + 2 * e
         attn += (q + 2 * kv if self.qkv_bias else 0) + (e if self.o_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += self.num_heads if self.attention_sinks else 0
         head = 0 if self.tie_word_embeddings else e * v
         if self.latent_attention:
             return v * e + _mla_layers_params(self) + e + head
+        if self.linear_mixer == "mamba2":
+            return v * e + _mamba2_layers_params(self) + e + head
         if self.num_linear_layers:
             return v * e + _hybrid_layers_params(self) + e + head
         return v * e + n * attn + mlps + e + head
@@ -302,6 +357,9 @@ class ModelConfig:
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["rope_layers"] = tuple(d.get("rope_layers", ()))
         d["linear_layers"] = tuple(d.get("linear_layers", ()))
+        d["mlp_only_layers"] = tuple(d.get("mlp_only_layers", ()))
+        if d.get("mamba_dt_limit") is not None:
+            d["mamba_dt_limit"] = tuple(d["mamba_dt_limit"])
         if d.get("attn_temperature") is not None:
             d["attn_temperature"] = tuple(d["attn_temperature"])
         if d.get("kv_head_map") is not None:
@@ -337,3 +395,28 @@ def _hybrid_layers_params(cfg: ModelConfig) -> int:
     every = 2 * e + 3 * e * cfg.intermediate_size
     n_lin = cfg.num_linear_layers
     return cfg.num_layers * every + n_lin * linear + (cfg.num_layers - n_lin) * attn
+
+
+def _mamba2_layers_params(cfg: ModelConfig) -> int:
+    """Weights of a Mamba2 hybrid's layers (Granite 4: a norm + mixer and a norm + MLP each;
+    Nemotron-H: a norm + one of Mamba2, attention, MLP or MoE each)."""
+    e, d, h = cfg.hidden_size, cfg.head_dim, cfg.linear_v_heads
+    inner, conv = h * cfg.linear_v_dim, cfg.linear_conv_dim
+    mamba = e * (inner + conv + h) + conv * cfg.linear_conv_kernel + 3 * h + inner + inner * e
+    mamba += conv if cfg.mamba_conv_bias else 0
+    attn = 2 * e * (cfg.num_heads + cfg.num_kv_heads) * d
+    n_lin, n_attn = cfg.num_linear_layers, cfg.num_kv_layers
+    mixers = n_lin * mamba + n_attn * attn
+    x, shared = cfg.num_experts, cfg.shared_expert_intermediate_size
+    if cfg.mlp_only_layers:  # Nemotron-H: ReLU² MLPs (up, down), latent experts
+        kinds = cfg.mlp_only_layers
+        lat = cfg.moe_latent_size or e
+        experts = x * (e + 2 * lat * cfg.moe_intermediate_size) + 2 * e * shared
+        experts += 2 * e * cfg.moe_latent_size
+        mlps = kinds.count("mlp") * 2 * e * cfg.intermediate_size + kinds.count("moe") * experts
+        return cfg.num_layers * e + mixers + mlps
+    if x:  # Granite 4: SwiGLU experts + the shared expert
+        mlp = x * (e + 3 * e * cfg.moe_intermediate_size) + 3 * e * shared
+    else:
+        mlp = 3 * e * cfg.intermediate_size
+    return cfg.num_layers * (2 * e + mlp) + mixers

@@ -63,6 +63,9 @@ class Network:
     # (params, cfg, hidden [N, E]) -> the final norm's output [N, E], what an embedding pools;
     # None: RMSNorm by `final_norm` (Llama's); Gemma scales by 1 + weight.
     final_norm: Callable[..., Any] | None = None
+    # Whether `forward` reads the fused `w_qkv` / `w_gate_up` (`jengine.models.fused`) where a
+    # layer holds them instead of the separate weights.
+    fused_projections: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +75,8 @@ class ModelType:
     name: str
     features: str
     # in tests/models/test_models_parity.py, test_deepseek.py, test_deepseek_v3.py,
-    # test_glm4_moe.py, test_idefics3.py or test_qwen3_5.py
+    # test_glm4_moe.py, test_gpt_oss.py, test_idefics3.py, test_qwen2_5_vl.py, test_qwen3_5.py,
+    # test_qwen3_vl.py, test_granite4.py or test_nemotron_h.py
     parity_test: str | None = None
     # How GGUF files reach this type when no architecture maps to it by name (Mixtral is
     # llama.cpp's `llama` with experts).
@@ -114,6 +118,9 @@ class Family:
     # llama.cpp block tensor names of this family's own, or named otherwise than the shared
     # table (`converters.gguf_file`): base name -> HF name.
     gguf_tensor_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # llama.cpp tensors an HF checkpoint holds as one, their rows interleaved (gpt-oss's expert
+    # gate and up): first base name -> (second base name, HF name of the joined tensor).
+    gguf_interleaved: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     gguf_permuted_qk: bool = False  # llama.cpp's LlamaModel converter permuted q/k rows
     gguf_norm_offset: float = 0.0  # norms stored as (offset + w) (Gemma's 1 + w)
 

@@ -99,7 +99,8 @@ def forward(
     big = np.iinfo(np.int32).max
     freq_rows, table_of_layer = layers.rope_rows(  # local and global: two rows at most
         np.where(sliding[:, None], local_freq, global_freq))
-    cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
+    cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows),
+                                                barrier=cfg.branches)
     per_layer = (
         jnp.asarray(np.where(sliding, window, big), jnp.int32),  # [L] window per layer
         jnp.asarray(table_of_layer),  # [L] the layer's row of the tables
@@ -126,7 +127,7 @@ def forward(
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
-            kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
+            kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend, platform=cfg.platform,
         )
         attn = lora.add_delta(layers.project_heads(attn, p["wo"], backend=mm), attn, adapters,
                               "wo", slots)

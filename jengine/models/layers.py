@@ -175,24 +175,65 @@ def rope_rows(inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows, index.reshape(-1).astype(np.int32)
 
 
-def rope_tables(positions: jax.Array, inv_freq_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, inv_freq_rows: jax.Array, *,
+                barrier: bool = True) -> tuple[jax.Array, jax.Array]:
     """cos and sin [U, T, R/2] of each row of frequencies [U, R/2] at the step's positions [T],
     for `rotate`: made once a step for all layers that share frequencies.
 
-    XLA fuses an elementwise producer into each of its consumers, so left to itself it computes
-    the same sines and cosines again inside every layer's rope (~0.9 ms a layer of a 512-token
-    chunk on CPU, a tenth of the step; an optimization barrier is gone before fusion runs). A
-    conditional's result is a buffer its consumers read; the predicate is always true but is
-    data, so the conditional is not folded away."""
+    XLA:CPU fuses an elementwise producer into each of its consumers, so left to itself it
+    computes the same sines and cosines again inside every layer's rope (~0.9 ms a layer of a
+    512-token chunk on CPU, a tenth of the step; an optimization barrier is gone before fusion
+    runs). With `barrier` (`ModelConfig.branches`: XLA:CPU) the tables come out of a
+    conditional, whose result is a buffer its consumers read; the predicate is always true but
+    is data, so the conditional is not folded away. Elsewhere the tables are plain values: on a
+    GPU a conditional waits on the host for its predicate, and XLA:GPU's fusion decides alone."""
     def tables():
         angles = positions.astype(jnp.float32)[None, :, None] * inv_freq_rows[:, None, :]
         return jnp.cos(angles), jnp.sin(angles)
 
     with jax.named_scope("rope"):
-        shape = jax.ShapeDtypeStruct((inv_freq_rows.shape[0], positions.shape[0],
-                                      inv_freq_rows.shape[1]), jnp.float32)
-        zeros = lambda: (jnp.zeros(shape.shape, shape.dtype),) * 2  # noqa: E731
+        if not barrier:
+            return tables()
+        shape = (inv_freq_rows.shape[0], positions.shape[0], inv_freq_rows.shape[1])
+        zeros = lambda: (jnp.zeros(shape, jnp.float32),) * 2  # noqa: E731
         return jax.lax.cond(positions[0] > jnp.iinfo(jnp.int32).min, tables, zeros)
+
+
+def mrope_axes(section: tuple[int, ...], interleaved: bool, half: int) -> np.ndarray:
+    """[R/2] which of a token's (time, row, column) positions turns each rope frequency: runs
+    of `section` cycling through the three (Qwen2.5-VL), or, `interleaved`, every third one
+    within 3 x its section for rows (from 1) and columns (from 2), time elsewhere (Qwen3-VL)."""
+    if interleaved:
+        axis = np.zeros(half, np.int64)
+        axis[1:section[1] * 3:3] = 1
+        axis[2:section[2] * 3:3] = 2
+    else:
+        axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(section)])
+    if len(axis) != half:
+        raise ValueError(f"mrope_section {section} gives {len(axis)} rope frequencies, not "
+                         f"{half}")
+    return axis
+
+
+def mrope_tables(positions: jax.Array, inv_freq_rows: jax.Array,
+                 axis: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """`rope_tables` for multimodal rope: positions [3, T] (time, row, column per token), and
+    frequency j turned by position `axis[j]` (`mrope_axes`) -> cos and sin [U, T, R/2]."""
+    with jax.named_scope("rope"):
+        chosen = positions.astype(jnp.float32)[axis].T  # [T, R/2]
+        angles = chosen[None] * inv_freq_rows[:, None, :]
+        return jnp.cos(angles), jnp.sin(angles)
+
+
+def add_deepstack(x: jax.Array, rows: jax.Array | None, at: jax.Array | None,
+                  layer: jax.Array | int) -> jax.Array:
+    """Qwen3-VL's DeepStack: after layer `layer` < K, the image placeholders' hidden states
+    [T, E] gain that layer's extra image rows (`rows` [K, M, E], row `at[t]` for token t)."""
+    if rows is None:
+        return x
+    picked = rows[jnp.minimum(layer, rows.shape[0] - 1)][jnp.clip(at, 0, rows.shape[1] - 1)]
+    hit = (at >= 0) & (layer < rows.shape[0])
+    return x + jnp.where(hit[:, None], picked.astype(x.dtype), 0)
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array,

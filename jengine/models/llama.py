@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import layers, lora, matmul, moe
+from jengine.models import fused, layers, lora, matmul, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.family import Network
@@ -65,6 +65,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs["bv"] = ParamSpec((n, k, d), ("layers", "kv_heads", "head_dim"), "zeros")
     if cfg.o_bias:
         specs["bo"] = ParamSpec((n, e), ("layers", "embed"), "zeros")
+    if cfg.attention_sinks:  # gpt-oss: one logit per q head in the softmax's denominator
+        specs["sinks"] = ParamSpec((n, h), ("layers", "q_heads"), "zeros")
     if cfg.mlp_bias:
         specs["b_gate"] = ParamSpec((n, f), ("layers", "mlp"), "zeros")
         specs["b_up"] = ParamSpec((n, f), ("layers", "mlp"), "zeros")
@@ -85,7 +87,7 @@ DENSE_KEYS = ("w_gate", "w_up", "w_down")
 LAYER_KEYS = (
     "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
     "bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down", "q_norm", "k_norm",
-    "post_attn_norm", "post_mlp_norm", *moe.LAYER_KEYS,
+    "post_attn_norm", "post_mlp_norm", "sinks", *moe.LAYER_KEYS,
     "lora",  # the step's adapter slots, when it has any (jengine.models.lora)
 )
 
@@ -150,8 +152,14 @@ def forward(
     if by_position:
         token_freq = layers.rope_token_inv_freq(cfg.rope, cfg.rotary_dim, md.positions)
         per_layer = per_layer + (jnp.asarray(_layer_uses_global_rope(cfg)),)
+    elif md.mrope_positions is not None:  # Qwen2.5-VL: three positions per token
+        axis = layers.mrope_axes(cfg.rope.mrope_section, cfg.rope.mrope_interleaved,
+                                 freq_rows.shape[1])
+        cos_tables, sin_tables = layers.mrope_tables(md.mrope_positions, jnp.asarray(freq_rows),
+                                                     axis)
     else:  # [U, T, R/2] each, for the U distinct rows of frequencies
-        cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows))
+        cos_tables, sin_tables = layers.rope_tables(md.positions, jnp.asarray(freq_rows),
+                                                    barrier=cfg.branches)
     # Llama 4: chunked attention on the rope layers, q/k norm there, q's temperature elsewhere.
     chunked = cfg.attention_chunk_size is not None
     if chunked:
@@ -184,9 +192,13 @@ def forward(
 
         h = x if cfg.post_norms else rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, backend=mm)
         adapters, slots = p.get("lora"), md.lora_slots  # LoRA slots (a step without: None)
-        q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
-        k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
-        v = project(h, p["wv"], "te,ehd->thd", p.get("bv"), backend=mm)
+        if "w_qkv" in p:  # one GEMM (jengine.models.fused)
+            q, k, v = fused.split_qkv(project(h, p["w_qkv"], "te,esgd->tsgd", backend=mm),
+                                      cfg.num_heads, cfg.num_kv_heads)
+        else:
+            q = project(h, p["wq"], "te,ehd->thd", p.get("bq"), backend=mm)
+            k = project(h, p["wk"], "te,ehd->thd", p.get("bk"), backend=mm)
+            v = project(h, p["wv"], "te,ehd->thd", p.get("bv"), backend=mm)
         if adapters is not None:
             q = lora.add_delta(q, h, adapters, "wq", slots)
             k = lora.add_delta(k, h, adapters, "wk", slots)
@@ -203,8 +215,8 @@ def forward(
         attn, kv = attend(
             q, k, v, kv, index, md, sm_scale=cfg.sm_scale,
             sliding_window=layer_window if window else None, soft_cap=cfg.attn_logit_softcapping,
-            kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend,
-            chunk=layer_chunk if chunked else None,
+            kv_head_map=cfg.kv_head_map, backend=cfg.attention_backend, platform=cfg.platform,
+            chunk=layer_chunk if chunked else None, sinks=p.get("sinks"),
         )
         attn = lora.add_delta(layers.project_heads(attn, p["wo"], p.get("bo"), backend=mm),
                               attn, adapters, "wo", slots)
@@ -216,6 +228,7 @@ def forward(
         if cfg.post_norms:
             out = rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps, backend=mm)
         x = x + scaled(out)
+        x = layers.add_deepstack(x, md.deepstack, md.embeds_at, index)  # Qwen3-VL's images
         return (x, kv), None
 
     x, kv = layers.run_layers(layer, (x, kv), params, LAYER_KEYS, per_layer, cfg.num_layers)
@@ -299,6 +312,9 @@ def _mlp(h: jax.Array, p: dict[str, jax.Array], mm: str,
         gate = lora.add_delta(gate, h, adapters, "w_gate", slots)
         up = lora.add_delta(up, h, adapters, "w_up", slots)
         act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
+    elif "w_gate_up" in p:  # one GEMM (jengine.models.fused), swiglu's rounding
+        gate, up = fused.split_gate_up(project(h, p["w_gate_up"], "te,esgf->tsgf", backend=mm))
+        act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
     else:  # the activation in f32 and rounded once, as torch does for a bf16 tensor
         with jax.named_scope("proj"):
             act = matmul.swiglu(h, p["w_gate"], p["w_up"], mm)
@@ -333,4 +349,4 @@ def layer_offsets(cfg: ModelConfig) -> dict[str, int]:
 
 NETWORK = Network(name="llama", param_specs=param_specs, forward=forward, logits=logits,
                   layer_keys=LAYER_KEYS, smoothing_folds=smoothing_folds,
-                  layer_offsets=layer_offsets)
+                  layer_offsets=layer_offsets, fused_projections=True)

@@ -156,7 +156,9 @@ def pack_projections(params: dict, specs: dict, *, amx: bool = True) -> dict:
         out = dict(layer)
         for name in AMX_PROJECTIONS:
             w, spec = layer.get(name), specs.get(name)
-            if spec is None or spec.contract != tuple(range(1, 1 + len(spec.contract))):
+            # A weight that declares no contracted axes is not a projection to pack.
+            if (spec is None or not spec.contract
+                    or spec.contract != tuple(range(1, 1 + len(spec.contract)))):
                 continue
             if _packable(w):
                 out[name] = _packed(w, len(spec.contract))

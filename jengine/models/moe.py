@@ -72,13 +72,18 @@ def param_specs(cfg: ModelConfig, *, gated_shared: bool = True) -> dict[str, Par
         })
         if gated_shared:
             specs["ws_router"] = ParamSpec((n, e), ("layers", "embed"))
-    if cfg.router_scoring == "sigmoid":
+    if cfg.router_scoring in ("sigmoid", "gpt_oss"):
         specs["router_bias"] = ParamSpec((n, x), ("layers", "experts"), "zeros")
+    if cfg.swiglu_limit:  # gpt-oss: gate and up in one weight, columns interleaved; biases
+        del specs["we_gate"], specs["we_up"]
+        specs["we_gate_up"] = ParamSpec((n, x, e, 2 * f), ("layers", "experts", "embed", "mlp"))
+        specs["be_gate_up"] = ParamSpec((n, x, 2 * f), ("layers", "experts", "mlp"), "zeros")
+        specs["be_down"] = ParamSpec((n, x, e), ("layers", "experts", "embed"), "zeros")
     return specs
 
 
 LAYER_KEYS = ("router", "router_bias", "we_gate", "we_up", "we_down", "ws_router", "ws_gate",
-              "ws_up", "ws_down")
+              "ws_up", "ws_down", "we_gate_up", "be_gate_up", "be_down")
 
 
 def layer_offsets(cfg: ModelConfig, dense_keys: tuple[str, ...]) -> dict[str, int]:
@@ -96,7 +101,16 @@ def layer_offsets(cfg: ModelConfig, dense_keys: tuple[str, ...]) -> dict[str, in
 def router_of(cfg: ModelConfig):
     """The routing function `moe_mlp` takes for `cfg`: DeepSeek's (and GLM-4.5's, which is
     DeepSeek-V3's) where the scores are sigmoid, Llama 4's, HF's softmax top-k otherwise."""
-    return {"sigmoid": route_deepseek, "llama4": route_llama4}.get(cfg.router_scoring, route)
+    return {"sigmoid": route_deepseek, "llama4": route_llama4,
+            "gpt_oss": route_gpt_oss}.get(cfg.router_scoring, route)
+
+
+def route_gpt_oss(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias: jax.Array):
+    """gpt-oss's router: the top k of the biased logits (in the model dtype, as HF's Linear),
+    their weights the softmax over those k alone."""
+    logits = (dot("te,ex->tx", h, router) + bias.astype(jnp.float32)).astype(h.dtype)
+    top, experts = jax.lax.top_k(logits, cfg.num_experts_per_tok)
+    return experts, jax.nn.softmax(top.astype(jnp.float32), axis=-1)
 
 
 def route_llama4(h: jax.Array, router: jax.Array, cfg: ModelConfig):
@@ -165,7 +179,9 @@ def moe_mlp(h: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig, *,
             experts, weights = router(h, p["router"], cfg)
         num_tokens, k = experts.shape
         gather = num_tokens * k <= cfg.num_experts
-        if cfg.router_scoring == "llama4":
+        if cfg.swiglu_limit:
+            out = _clamped_experts(h, p, experts, weights, cfg, gather)
+        elif cfg.router_scoring == "llama4":
             out = _experts_of_scaled_inputs(h, p, experts, weights, cfg.num_experts, gather)
         elif gather:
             out = _gather_experts(h, p, experts, weights)
@@ -224,3 +240,30 @@ def _dense_experts(h, p, experts, weights, num_experts: int) -> jax.Array:
                          jax.nn.one_hot(experts, num_experts, dtype=jnp.float32))
     act = act * combine[:, :, None].astype(h.dtype)  # unchosen experts contribute exact zeros
     return dot("txf,xfe->te", act, p["we_down"]).astype(h.dtype)
+
+
+def clamped_swiglu(gate_up: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """gpt-oss's activation of [..., 2F] interleaved (gate, up) columns -> [..., F]: the gate
+    clamped above at `swiglu_limit`, up to +-limit, (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate_up[..., 0::2], cfg.swiglu_limit)
+    up = jnp.clip(gate_up[..., 1::2], -cfg.swiglu_limit, cfg.swiglu_limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+
+
+def _clamped_experts(h, p, experts, weights, cfg: ModelConfig, gather: bool) -> jax.Array:
+    """gpt-oss's experts, with biases: each chosen expert's clamped-SwiGLU MLP, weighted by its
+    routing weight. The dense way weighs the activations before the down projection and adds
+    the down biases through the same combine matrix (sum_x w_x (a_x W_x + b_x))."""
+    if gather:
+        gate_up = dot("te,tkef->tkf", h, p["we_gate_up"][experts]).astype(h.dtype)
+        act = clamped_swiglu(gate_up + p["be_gate_up"][experts], cfg)  # [T, k, F]
+        out = dot("tkf,tkfe->tke", act, p["we_down"][experts]).astype(h.dtype)
+        out = out + p["be_down"][experts]  # [T, k, E]
+        return jnp.einsum("tke,tk->te", out, weights.astype(out.dtype)).astype(h.dtype)
+    combine = jnp.einsum("tk,tkx->tx", weights,
+                         jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32))
+    gate_up = dot("te,xef->txf", h, p["we_gate_up"]).astype(h.dtype)  # [T, X, 2F]
+    act = clamped_swiglu(gate_up + p["be_gate_up"][None], cfg)
+    act = act * combine[:, :, None].astype(h.dtype)
+    out = dot("txf,xfe->te", act, p["we_down"]).astype(h.dtype)
+    return out + jnp.einsum("tx,xe->te", combine.astype(h.dtype), p["be_down"])

@@ -156,7 +156,7 @@ VNNI_AMX_ROWS = 256
 
 def native_rows(dtype) -> int | None:
     """The most rows of `dtype` the native kernel takes here (None: any)."""
-    if cpu_w4.best_isa() == "avx512_vnni":
+    if cpu_w4.best_isa() in ("avx512_vnni", "avx_vnni"):
         return VNNI_AMX_ROWS if "amx_bf16" in cpu_info.flags() else None
     return NATIVE_ROWS.get(jnp.dtype(dtype), 0)
 

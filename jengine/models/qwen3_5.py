@@ -123,7 +123,8 @@ def forward(
     of the attention layers, recurrent states of the linear ones)."""
     x = layers.embed_tokens(params["embed"], md.token_ids, params["final_norm"].dtype)  # [T, E]
     inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim)[None]  # [1, R/2]
-    cos, sin = layers.rope_tables(md.positions, jnp.asarray(inv_freq))  # [1, T, R/2] each
+    cos, sin = layers.rope_tables(md.positions, jnp.asarray(inv_freq),  # [1, T, R/2] each
+                                  barrier=cfg.branches)
     rows = _RowStates.of(md, page_size=kv.k.shape[3], num_rows=md.page_table.shape[0])
     # Every linear layer's row states read once and written back once, after all layers: a
     # read and a write per layer made XLA copy the whole state array around each write.
@@ -190,7 +191,7 @@ def _gated_attention(h, p, cfg: ModelConfig, kv: KVCache, index: int, md: Attent
     q, k = layers.rotate(q, *rope), layers.rotate(k, *rope)
     attn, kv = attend(q, k, v, kv, jnp.int32(index), md, sm_scale=cfg.sm_scale,
                       sliding_window=None, soft_cap=None, kv_head_map=cfg.kv_head_map,
-                      backend=cfg.attention_backend)
+                      backend=cfg.attention_backend, platform=cfg.platform)
     attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
     return layers.project_heads(attn, p["wo"], backend=mm), kv
 

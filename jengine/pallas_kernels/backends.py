@@ -153,7 +153,7 @@ def shard_over_heads(fn: Callable, mesh: Mesh | AbstractMesh, axis: str = "tp") 
 
     def sharded(q, k_cache, v_cache, layer, token_seq, positions, page_table, *, sm_scale,
                 sliding_window=None, soft_cap=None, kv_head_map=None, k_scale=None,
-                v_scale=None):
+                v_scale=None, sinks=None):
         head_map = None if kv_head_map is None else jnp.asarray(kv_head_map, jnp.int32)
         window = jnp.asarray(
             jnp.iinfo(jnp.int32).max if sliding_window is None else sliding_window, jnp.int32
@@ -161,9 +161,12 @@ def shard_over_heads(fn: Callable, mesh: Mesh | AbstractMesh, axis: str = "tp") 
         cache_spec = PartitionSpec() if head_map is not None else PartitionSpec(None, axis)
         local_heads = q.shape[1] // size
         scales = () if k_scale is None else (k_scale, v_scale)  # split like the caches
+        sink = () if sinks is None else (sinks,)  # split like the q heads
 
         def local(q, k_cache, v_cache, layer, token_seq, positions, page_table, window, *rest):
             local_scales = dict(zip(("k_scale", "v_scale")[:len(scales)], rest, strict=False))
+            if sink:
+                local_scales["sinks"] = rest[len(scales)]
             local_map = None
             if head_map is not None:  # this shard's slice of the q -> kv head map
                 start = jax.lax.axis_index(axis) * local_heads
@@ -177,8 +180,9 @@ def shard_over_heads(fn: Callable, mesh: Mesh | AbstractMesh, axis: str = "tp") 
         return jax.shard_map(
             local, mesh=mesh,
             in_specs=(heads, cache_spec, cache_spec) + (rep,) * 5 + (cache_spec,) * len(scales)
-            + (rep,) * len(extra),
+            + (PartitionSpec(axis),) * len(sink) + (rep,) * len(extra),
             out_specs=heads, check_vma=False,
-        )(q, k_cache, v_cache, layer, token_seq, positions, page_table, window, *scales, *extra)
+        )(q, k_cache, v_cache, layer, token_seq, positions, page_table, window, *scales, *sink,
+          *extra)
 
     return sharded

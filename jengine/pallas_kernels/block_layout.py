@@ -63,7 +63,9 @@ def make_query_blocks(
     blocks_per_seq = (counts + block - 1) // block
     ends = jnp.cumsum(blocks_per_seq)  # [S]
     b = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)  # S past the last block
+    # Every block against every end ([NB, S] compares): the default method is a `while` loop,
+    # which on a GPU waits on the host each iteration.
+    seq = jnp.searchsorted(ends, b, side="right", method="compare_all").astype(jnp.int32)
     live = seq < num_seqs
     seq = jnp.where(live, seq, 0)
     within = (b - (ends[seq] - blocks_per_seq[seq]))[:, None] * block + jnp.arange(block)

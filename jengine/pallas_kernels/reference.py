@@ -80,10 +80,13 @@ def ragged_paged_attention(
     attention_chunk: jax.Array | int | None = None,  # [] int32; keys in the query's chunk
     k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
     v_scale: jax.Array | None = None,  # [L, K, P, O, 1]
+    sinks: jax.Array | None = None,  # [H] f32: gpt-oss's per-head sink logits
 ) -> jax.Array:  # [T, H, D]
     """Causal attention of each query token over its sequence's cached keys (GQA aware).
 
-    An int8 cache (with `k_scale`, `v_scale`) is dequantized to f32 after the gather."""
+    An int8 cache (with `k_scale`, `v_scale`) is dequantized to f32 after the gather. `sinks`
+    (gpt-oss's attention sinks): one more logit per head in the softmax's denominator that
+    weighs no value, so a head may attend to almost nothing."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size = k_cache.shape[1:4]
     pages = page_table[token_seq]  # [T, Pmax]
@@ -106,7 +109,14 @@ def ragged_paged_attention(
     if attention_chunk is not None:  # Llama 4: keys of the query's own chunk
         mask &= key_pos[None, :] >= positions[:, None] // attention_chunk * attention_chunk
     scores = jnp.where(mask[None, :, :, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype)  # [K, T, S, G]
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=2)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(num_kv_heads, 1, 1, -1)  # [K, 1, 1, G]
+        top = jnp.maximum(jnp.max(scores, axis=2, keepdims=True), sink)
+        e = jnp.exp(scores - top)
+        probs = e / (jnp.sum(e, axis=2, keepdims=True) + jnp.exp(sink - top))
+    probs = probs.astype(v.dtype)  # [K, T, S, G]
     out = jnp.einsum("ktsg,ktsd->tkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
@@ -130,6 +140,7 @@ def blocked_paged_attention(
     pages_per_chunk: int = PAGES_PER_CHUNK,
     k_scale: jax.Array | None = None,  # [L, K, P, O, 1] f32: an int8 cache's row scales
     v_scale: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # [H] f32
 ) -> jax.Array:  # [T, H, D]
     """Same result as `ragged_paged_attention`, computed per block of one sequence's queries.
 
@@ -203,7 +214,12 @@ def blocked_paged_attention(
 
         init = (jnp.full(state_shape, -jnp.inf, jnp.float32), jnp.zeros(state_shape, jnp.float32),
                 jnp.zeros((*state_shape, head_dim), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, group_chunks[g], chunk_body, init)
+        m, l, acc = jax.lax.fori_loop(0, group_chunks[g], chunk_body, init)
+        if sinks is not None:  # the sink's term joins the denominator at the end
+            sink = sinks.astype(jnp.float32).reshape(1, num_rows, per_kv, 1)
+            top = jnp.maximum(m, sink)
+            keep = jnp.exp(m - top)  # 0 for a row that saw no key (m = -inf)
+            l, acc = l * keep + jnp.exp(sink - top), acc * keep[..., None]
         out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # empty rows: 0
         out = out.transpose(0, 3, 1, 2, 4).reshape(group * block, num_heads, head_dim)
         return flat.at[tokens[g].reshape(-1)].set(out.astype(q.dtype))  # row T takes the empties

@@ -60,7 +60,9 @@ def default_store_dir() -> Path:
 # as the code that traced it). An edit elsewhere (server, scheduler) keeps the stored programs;
 # code that starts running inside a jitted step must be listed here.
 # Paths are relative to the `jengine` package.
-TRACED_SOURCES = ("runtime/runner.py", "runtime/sampler.py", "runtime/step_io.py", "models",
+TRACED_SOURCES = ("runtime/runner.py", "runtime/step_program.py", "runtime/sampler.py",
+                  "runtime/step_io.py", "runtime/step_tail.py", "runtime/pick.py",
+                  "runtime/packed_inputs.py", "runtime/lora_slots.py", "models",
                   "pallas_kernels", "cpu_kernels", "sharding",
                   "sampling_params.py")  # GREEDY_TEMPERATURE is traced into the sampler
 

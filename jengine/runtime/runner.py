@@ -25,10 +25,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import KVCache, ModelConfig, family_module
+from jengine.models import KVCache, ModelConfig
+from jengine.runtime import lowering
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import (
     ExecutableStore,
@@ -36,23 +36,22 @@ from jengine.runtime.executables import (
     compile_fresh,
     store_key,
 )
-from jengine.runtime.lora_slots import LoraSlots, batch_slots, pick_slots, with_slots
-from jengine.runtime.sampler import sample
+from jengine.runtime.lora_slots import LoraSlots, batch_slots
+from jengine.runtime.packed_inputs import PackedInputs
 from jengine.runtime.step_io import (
     EMBED_VARIANTS,
-    LORA_VARIANTS,
-    MAX_TOP_LOGPROBS,
+    GREEDY_VARIANT,
     VARIANTS,
-    PromptLogprobs,
     SamplingRows,
     StepInputs,
     StepOutputs,
     StepResult,
     Variant,
     dummy_step,
+    host_variant,
     step_inputs,
 )
-from jengine.runtime.step_tail import embed_tail, head_and_sample
+from jengine.runtime.step_program import step_function
 from jengine.scheduling.batch import ScheduledBatch
 from jengine.sharding import ShardingRules
 from jengine.sharding.distributed import StepChannel
@@ -79,6 +78,8 @@ class Runner:
         state_slots: int = 0,
         loras: LoraSlots | None = None,
         image_width: int | None = None,
+        mrope: bool = False,
+        deepstack: int = 0,
     ):
         """`rules` (tensor parallelism): `params` already sit on their shardings; the KV cache
         is created on its kv-head sharding and each step's inputs are replicated on the mesh.
@@ -88,10 +89,14 @@ class Runner:
         score): every step runs the embed variant, never a sampling one. `loras`
         (`enable_lora`): the adapter slots; a batch with adapters runs the lora variants.
         `image_width` (a vision model's hidden size): every step carries image rows
-        (`step_io.image_rows`). `state_slots`: a hybrid model's recurrent-state slots in the
+        (`image_inputs.image_rows`); `mrope` (Qwen2.5-VL's) three rope positions per token
+        (`image_inputs.mrope_rows`), `deepstack` (Qwen3-VL's) its K DeepStack rows.
+        `state_slots`: a hybrid model's recurrent-state slots in the
         cache (running sequences + scratch)."""
         self.cfg, self.params, self.embed = cfg, params, embed
+        self.branches = cfg.branches  # XLA:CPU's conditionals, or none (accelerators)
         self.loras, self.image_width, self.state_slots = loras, image_width, state_slots
+        self.mrope, self.deepstack = mrope, deepstack
         self.page_size, self.num_pages, self.buckets = page_size, num_pages, buckets
         self.kv_cache_dtype = kv_cache_dtype
         self._input_sharding = rules.replicated() if rules else None
@@ -112,44 +117,8 @@ class Runner:
                                   state_slots=state_slots),
             out_shardings=KVCache.of_each(kv_sharding, rules.replicated()) if rules else None,
         )()
-        family = family_module(cfg)
-        forward, head = family.forward, family.logits
-
         max_seqs = buckets.seqs[-1]
-
-        def step(params, kv, inputs: StepInputs, prev_tokens, lora, variant: Variant):
-            if variant.lora_width:  # a narrow lora step: only the slots its batch uses
-                lora = pick_slots(lora, inputs.lora_pick)
-            params = with_slots(params, lora) if variant.lora else params
-            md = inputs.attention_metadata()
-            # Token rows the host could not fill yet (async scheduling) take the token that the
-            # previous step sampled for their sequence: feed[t] is its row there, else -1.
-            feed = inputs.feed
-            fed = prev_tokens[jnp.maximum(feed, 0)]
-            md = dataclasses.replace(md, token_ids=jnp.where(feed >= 0, fed, md.token_ids))
-            (out, prompt), kv, hidden = _forward_and_sample(params, kv, md, inputs, variant)
-            # The sampled tokens, padded to one shape, stay on device for the next step's `feed`.
-            tokens = jnp.zeros((max_seqs,), jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
-            return StepOutputs(sampled=out, prompt=prompt, next_tokens=tokens, hidden=hidden), kv
-
-        def _forward_and_sample(params, kv, md, inputs: StepInputs, variant: Variant):
-            if variant.embed:
-                return embed_tail(family, params, cfg, kv, md, inputs.logits_indices.shape[0])
-            k = variant.num_top_logprobs
-            if not variant.prompt_logprobs:
-                hidden, kv = forward(params, cfg, kv, md, head=False)  # [S, E]
-                out = head_and_sample(lambda h: head(params, cfg, h), hidden, inputs.num_rows,
-                                      inputs.sampling, variant)
-                return (out, None), kv, None
-            all_logits, kv = forward(params, cfg, kv, md, all_logits=True)  # [T, V]
-            out = sample(all_logits[md.logits_indices], inputs.sampling, num_top_logprobs=k)
-            logprobs = jax.nn.log_softmax(all_logits, axis=-1)
-            targets = jnp.maximum(inputs.targets, 0)[:, None]
-            chosen = jnp.take_along_axis(logprobs, targets, axis=-1)[:, 0]
-            top_lp, top_ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
-            prompt = PromptLogprobs(chosen=chosen, top_ids=top_ids.astype(jnp.int32),
-                                    top_logprobs=top_lp)
-            return (out, prompt), kv, None
+        step = step_function(cfg, max_seqs)
 
         # Under a mesh the sampled tokens come back replicated, so every process can read them.
         out_shardings = None
@@ -188,8 +157,10 @@ class Runner:
             batch, rows, self.buckets, blocked_queries=self.cfg.attention_backend == "reference",
             vocab_size=self.cfg.vocab_size, history_width=self.buckets.pages[-1] * self.page_size,
             feed=feed, lora_slots=slots, lora_pick=pick, image_width=self.image_width,
-            state_slots=self.state_slots > 0)
-        return inputs, (EMBED_VARIANTS[0] if self.embed else variant)
+            state_slots=self.state_slots > 0, mrope=self.mrope, deepstack=self.deepstack)
+        if self.embed:
+            return inputs, EMBED_VARIANTS[0]
+        return inputs, host_variant(variant, rows.temperature, branches=self.branches)
 
     def _to_device(self, host):  # a pytree of NumPy arrays
         if self._input_sharding is None:
@@ -231,10 +202,16 @@ class Runner:
             steps += 1
         return steps
 
+    def _device_inputs(self, host: StepInputs) -> StepInputs | PackedInputs:
+        """What the step program takes: on accelerators the inputs packed into one buffer (one
+        host-to-device copy: `packed_inputs`), on XLA:CPU the arrays themselves."""
+        return host if self.branches else PackedInputs.of(host)
+
     def _run(self, host: StepInputs, variant: Variant,
              prev_tokens: jax.Array | None = None) -> StepOutputs:
         prev = self._no_tokens if prev_tokens is None else prev_tokens
-        args = (self._to_device(host), prev, self.loras.tree if variant.lora else None)
+        args = (self._to_device(self._device_inputs(host)), prev,
+                self.loras.tree if variant.lora else None)
         out, self.kv = self._program(host, variant, args)(self.params, self.kv, *args)
         return out
 
@@ -357,12 +334,22 @@ class Runner:
 
     def warmup_programs(self) -> list[tuple[tuple[int, int, int], Variant]]:
         """Every (bucket shape, variant) that `warmup` builds: all a step can need."""
-        variants = EMBED_VARIANTS if self.embed else VARIANTS
-        if self.loras is not None and not self.embed:
-            narrow = tuple(dataclasses.replace(LORA_VARIANTS[0], lora_width=w)
-                           for w in self.loras.widths if w < self.loras.max_loras)
-            variants = VARIANTS + LORA_VARIANTS + narrow
+        if self.embed:
+            variants = EMBED_VARIANTS
+        else:
+            plain = (Variant(),) + (() if self.branches else (GREEDY_VARIANT,))
+            variants = VARIANTS + plain[1:]
+            if self.loras is not None:
+                variants += tuple(dataclasses.replace(v, lora=True) for v in variants)
+                # plain-sampling steps that compute only the slots their batch uses
+                variants += tuple(dataclasses.replace(v, lora=True, lora_width=w) for v in plain
+                                  for w in self.loras.widths if w < self.loras.max_loras)
         return [(shape, variant) for shape in self.buckets.shapes() for variant in variants]
+
+    def _dummy(self, shape: tuple[int, int, int], variant: Variant):
+        """`dummy_step` whose rows pick `variant` here (drawn rows for an accelerator's plain,
+        not greedy, program)."""
+        return dummy_step(shape, variant, sampled=not self.branches and not variant.greedy)
 
     def warmup_keys(self) -> list[str | None]:
         """The store key of each program `warmup` builds, in `warmup_programs()` order: what
@@ -390,13 +377,26 @@ class Runner:
         builds, and what profiles read the HLO of."""
         host, variant = self.host_inputs(batch, rows)
         lora = self.loras.tree if variant.lora else None
-        return self._program(host, variant, (self._to_device(host), self._no_tokens, lora))
+        return self._program(host, variant, (self._to_device(self._device_inputs(host)),
+                                             self._no_tokens, lora))
+
+    def compiled_programs(self) -> list[jax.stages.Compiled]:
+        """Every step program built so far: what a profile maps device ops back to the named
+        scopes of (their HLO's op metadata)."""
+        with self._programs_lock:
+            return list(self._programs.values())
+
+    def for_platform(self, platform: str, attention_backend: str, params: dict) -> Runner:
+        return lowering.for_platform(self, platform, attention_backend, params)
+
+    def export(self, shape, variant: Variant, platforms: tuple[str, ...]) -> jax.export.Exported:
+        return lowering.export(self, shape, variant, platforms)
 
     def _dummy_inputs(self, shape: tuple[int, int, int],
                       variant: Variant) -> tuple[StepInputs, Variant]:
         """A warm-up step's inputs for (`shape`, `variant`); a narrow lora variant's slot
         pick is forced to its width (the dummy batch uses no adapter)."""
-        host, got = self.host_inputs(*dummy_step(shape, variant))
+        host, got = self.host_inputs(*self._dummy(shape, variant))
         if variant.lora_width:
             host = dataclasses.replace(host, lora_pick=np.zeros((variant.lora_width,), np.int32))
         elif variant.lora and self.loras.widths[0] < self.loras.max_loras:
@@ -407,7 +407,8 @@ class Runner:
     def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
         host, variant = self._dummy_inputs(shape, variant)
         lora = self.loras.tree if variant.lora else None
-        self._program(host, variant, (self._to_device(host), self._no_tokens, lora))
+        self._program(host, variant, (self._to_device(self._device_inputs(host)),
+                                      self._no_tokens, lora))
 
     def _run_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
         out = self._launch(*self._dummy_inputs(shape, variant))

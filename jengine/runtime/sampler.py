@@ -17,7 +17,7 @@ Processing order (vLLM's):
 Reported logprobs are those of the raw model distribution (log_softmax of the unprocessed
 logits), as vLLM reports them by default.
 
-Cost control (a full-vocabulary sort costs more than a decode step on CPU):
+Cost control on XLA:CPU (a full-vocabulary sort costs more than a decode step there):
   - penalties, min-p and top-k/top-p each run under `lax.cond` only when some row needs them;
   - an all-greedy batch skips temperature, filtering and drawing altogether;
   - top-k/top-p never sort the vocabulary unless they must: the filter works on the
@@ -26,6 +26,11 @@ Cost control (a full-vocabulary sort costs more than a decode step on CPU):
     `_filter_top_k_top_p`);
   - the argmax and the draw work in two levels over blocks of the vocabulary
     (`jengine.runtime.pick`), never one [S, V] scan or cumulative sum.
+On accelerators (`branches=False`: `ModelConfig.branches`) the sampler holds no conditional,
+each of which would copy its predicate to the host and wait: the host runs an all-greedy batch
+through a program without the draw (`step_io.Variant.greedy`), and a sampled one applies every
+filter with selects (neutral settings change nothing, exactly), top-k/top-p on the full
+vocabulary (the candidate widths' fallback is data-dependent).
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
 
 def sample(
     logits: jax.Array, arrays: SamplingArrays, *, num_top_logprobs: int,
-    with_logprobs: bool = True,
+    with_logprobs: bool = True, branches: bool = True,
 ) -> SamplerOutput:
     """Picks the next token of every row.
 
@@ -154,26 +159,29 @@ def sample(
       num_top_logprobs: static K, the number of top raw logprobs to return per row (0 for none).
       with_logprobs: static; False skips the raw log-normaliser and reports zero logprobs
         (with K = 0), for steps whose rows want none.
+      branches: static; False (accelerators) computes every stage with selects, no
+        conditional (module docstring).
 
     Returns:
       The tokens [S], their raw logprobs [S] and the raw top-K ids and logprobs [S, K].
     """
-    adjusted = _adjust_logits(logits, arrays)
+    adjusted = _adjust_logits(logits, arrays, branches)
     greedy_tokens = pick.first_argmax(adjusted)
     is_greedy = arrays.temperature < GREEDY_TEMPERATURE
 
     def draw() -> jax.Array:
-        filtered = _scale_and_filter(adjusted, arrays)
+        filtered = _scale_and_filter(adjusted, arrays, branches)
         return jnp.where(is_greedy, greedy_tokens, _draw(filtered, arrays.seeds, arrays.steps))
 
-    tokens = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, draw)
+    tokens = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, draw) if branches else draw()
     if not with_logprobs:
         assert num_top_logprobs == 0, "top logprobs need the log-normaliser"
         return SamplerOutput.of_tokens(tokens)
     return _raw_logprobs(logits, tokens, num_top_logprobs)
 
 
-def process_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+def process_logits(logits: jax.Array, arrays: SamplingArrays, *,
+                   branches: bool = True) -> jax.Array:
     """The logits each row's token is drawn from: `sample` without the draw (for tests).
 
     Args:
@@ -184,18 +192,23 @@ def process_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
       [S, V] f32: greedy rows after steps 1-2 of the module docstring (their argmax is the
       token); sampled rows after steps 1-4, with filtered-out tokens at -inf.
     """
-    adjusted = _adjust_logits(logits, arrays)
-    filtered = _scale_and_filter(adjusted, arrays)
+    adjusted = _adjust_logits(logits, arrays, branches)
+    filtered = _scale_and_filter(adjusted, arrays, branches)
     is_greedy = arrays.temperature < GREEDY_TEMPERATURE
     return jnp.where(is_greedy[:, None], adjusted, filtered)
 
 
-def _when(pred: jax.Array, fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-    """`fn(x)` if the scalar `pred` holds, else `x`, computing `fn` only when it is needed."""
+def _when(pred: jax.Array, fn: Callable[[jax.Array], jax.Array], x: jax.Array,
+          branches: bool = True) -> jax.Array:
+    """`fn(x)` if the scalar `pred` holds, else `x`, computing `fn` only when it is needed; without
+    `branches`, `fn(x)` always (each `fn` here leaves rows with neutral settings as they are)."""
+    if not branches:
+        return fn(x)
     return jax.lax.cond(pred, fn, lambda y: y, x)
 
 
-def _adjust_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+def _adjust_logits(logits: jax.Array, arrays: SamplingArrays,
+                   branches: bool = True) -> jax.Array:
     """Steps 1-2: bitmask, logit bias and penalties. [S, V] -> [S, V]."""
     if arrays.allowed_mask is not None:
         allowed = _unpack_bitmask(arrays.allowed_mask, logits.shape[-1])
@@ -208,7 +221,8 @@ def _adjust_logits(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
             | (arrays.frequency_penalty != 0.0)
             | (arrays.presence_penalty != 0.0)
         )
-        logits = _when(jnp.any(penalized), functools.partial(_penalize, arrays=arrays), logits)
+        logits = _when(jnp.any(penalized), functools.partial(_penalize, arrays=arrays), logits,
+                       branches)
     return logits
 
 
@@ -251,19 +265,21 @@ def _penalize(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     return logits - arrays.presence_penalty[:, None] * (output_counts > 0)
 
 
-def _scale_and_filter(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+def _scale_and_filter(logits: jax.Array, arrays: SamplingArrays,
+                      branches: bool = True) -> jax.Array:
     """Step 4: temperature, min-p, then top-k and top-p. [S, V] -> [S, V]."""
     is_greedy = arrays.temperature < GREEDY_TEMPERATURE
     temperature = jnp.where(is_greedy, 1.0, arrays.temperature)
     logits = logits / temperature[:, None]
     min_p = jnp.where(is_greedy, 0.0, arrays.min_p)
-    logits = _when(jnp.any(min_p > 0), functools.partial(_filter_min_p, min_p=min_p), logits)
+    logits = _when(jnp.any(min_p > 0), functools.partial(_filter_min_p, min_p=min_p), logits,
+                   branches)
     vocab = logits.shape[-1]
     top_k = jnp.where(is_greedy | (arrays.top_k <= 0) | (arrays.top_k >= vocab), 0, arrays.top_k)
     top_p = jnp.where(is_greedy, 1.0, arrays.top_p)
-    widths = tuple(w for w in CANDIDATE_WIDTHS if w < vocab) + (vocab,)
+    widths = (tuple(w for w in CANDIDATE_WIDTHS if w < vocab) if branches else ()) + (vocab,)
     filter_fn = functools.partial(_filter_top_k_top_p, top_k=top_k, top_p=top_p, widths=widths)
-    return _when(jnp.any(top_k > 0) | jnp.any(top_p < 1.0), filter_fn, logits)
+    return _when(jnp.any(top_k > 0) | jnp.any(top_p < 1.0), filter_fn, logits, branches)
 
 
 def _filter_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:

@@ -2,7 +2,8 @@
 
 host -> device: `SamplingRows` (the sampler's per-row settings, unpadded) and a
 `ScheduledBatch` become one `StepInputs` (NumPy, padded to a bucket; sent whole to multi-host
-followers), which `Runner` transfers in one `device_put`; its `Variant` (static) picks the step
+followers), which `Runner` transfers in one `device_put` (on accelerators packed into one
+buffer first: `packed_inputs`); its `Variant` (static) picks the step
 program. device -> host: the program returns `StepOutputs` (on device; its `next_tokens` feed
 the step dispatched after it); `Runner.fetch` brings back a `StepResult` with only per-row
 values, never logits.
@@ -18,9 +19,12 @@ import numpy as np
 from jengine.models import AttentionMetadata
 from jengine.pallas_kernels import query_blocks
 from jengine.runtime.buckets import QUERY_BLOCK, Buckets
+from jengine.runtime.image_inputs import image_rows, mrope_rows
 from jengine.runtime.sampler import SamplerOutput, SamplingArrays
+from jengine.sampling_params import GREEDY_TEMPERATURE
 from jengine.scheduling.batch import ScheduledBatch
 from jengine.scheduling.sequence import PENDING, Sequence
+from jengine.scheduling.state_snapshots import MAX_COPIES
 
 MAX_TOP_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit too)
 
@@ -47,6 +51,10 @@ class Variant:
     (plain sampling only): the step computes only W slots, gathered by
     `StepInputs.lora_pick` (a batch using few adapters pays for those, not for every slot);
     0: all slots, in place.
+
+    `greedy` (accelerators only: `ModelConfig.branches` False) is the plain variant for a batch
+    whose rows are all greedy: the argmax, no draw. XLA:CPU skips the draw with a conditional
+    inside the plain program instead, which on a GPU would wait on the host every step.
     """
 
     features: bool = False
@@ -54,6 +62,7 @@ class Variant:
     embed: bool = False
     lora: bool = False
     lora_width: int = 0
+    greedy: bool = False
 
     @property
     def num_top_logprobs(self) -> int:
@@ -61,8 +70,18 @@ class Variant:
 
 
 VARIANTS = (Variant(), Variant(features=True), Variant(features=True, prompt_logprobs=True))
-LORA_VARIANTS = tuple(dataclasses.replace(v, lora=True) for v in VARIANTS)
 EMBED_VARIANTS = (Variant(embed=True),)
+GREEDY_VARIANT = Variant(greedy=True)  # accelerators' plain steps whose rows are all greedy
+
+
+def host_variant(variant: Variant, temperature: np.ndarray, *, branches: bool) -> Variant:
+    """The program a batch runs: `variant`, or its greedy twin on an accelerator (no
+    `branches`) when it is the plain one and every row's `temperature` [n] is greedy."""
+    if branches or variant.features or variant.embed or variant.greedy:
+        return variant
+    if np.all(np.asarray(temperature) < GREEDY_TEMPERATURE):
+        return dataclasses.replace(variant, greedy=True)
+    return variant
 
 
 @dataclasses.dataclass
@@ -170,12 +189,21 @@ class StepInputs:
     targets: np.ndarray | None = None  # [T] int32 prompt_logprobs' next prompt token, or -1
     # Hybrid models: [S] int32 each row's recurrent-state slot (padding rows: the scratch 0).
     state_slots: np.ndarray | None = None
+    # Hybrid models: [2, 2, M] int32 state slot copies before / after the forward (source,
+    # destination), for prefix caching's snapshots; (0, 0) pairs do nothing.
+    state_copies: np.ndarray | None = None
     # lora only: [T] int32 each token's LoRA slot (its place in lora_pick, if given), -1: none
     lora_slots: np.ndarray | None = None
     lora_pick: np.ndarray | None = None  # [W] int32 the slots a narrow lora step gathers
     # Vision models only (every step, so one program per bucket serves text and images):
     # (rows [T, E] f32, at [T] int32): token t takes rows[t] where at[t] >= 0 (an image row).
     images: tuple[np.ndarray, np.ndarray] | None = None
+    # Multimodal-rope models with images only (Qwen2.5-VL; every step, as `images`): each
+    # token's (time, row, column) rope positions (`mrope_rows`).
+    mrope_positions: np.ndarray | None = None  # [3, T] int32
+    # Qwen3-VL only (every step, as `images`): the DeepStack rows of the tokens `images` names,
+    # added after the first K layers.
+    deepstack: np.ndarray | None = None  # [K, T, E] f32
 
     @property
     def feed(self):  # [T] the previous step's row whose sampled token this token is, or -1
@@ -191,6 +219,7 @@ class StepInputs:
             state_slots=self.state_slots,
             embeds=self.images[0] if self.images else None,
             embeds_at=self.images[1] if self.images else None,
+            mrope_positions=self.mrope_positions, deepstack=self.deepstack,
         )
 
 
@@ -200,7 +229,8 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                 lora_slots: np.ndarray | None = None,
                 lora_pick: np.ndarray | None = None,
                 image_width: int | None = None,
-                state_slots: bool = False) -> tuple[StepInputs, Variant]:
+                state_slots: bool = False,
+                mrope: bool = False, deepstack: int = 0) -> tuple[StepInputs, Variant]:
     """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
     whose sampled token it takes (-1: its own id). `lora_slots` [num_tokens]: each token's
     adapter slot (-1: none), given for a batch with adapters (the lora variant's input);
@@ -211,7 +241,8 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
     `state_slots` (a hybrid model's steps, warm-up included): pass each row's recurrent-state
     slot.
     `image_width` (a vision model's hidden size): carry the image rows of the prompt tokens
-    this step computes (`image_rows`).
+    this step computes (`image_rows`). `mrope` (Qwen2.5-VL): carry three rope positions per
+    token (`mrope_rows`). `deepstack` (Qwen3-VL): the K DeepStack rows per image token too.
 
     Raises:
       ValueError: the batch has more sampled rows than its bucket's S.
@@ -241,43 +272,31 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
         targets = np.full((t,), -1, np.int32)
         targets[:n_tok] = rows.prompt_targets
     slots = None
-    state = None
+    state = copies = None
     if state_slots:
         state = np.zeros((s,), np.int32)
         if batch.state_slots is not None:
             state[:n_seq] = batch.state_slots
+        copies = (batch.state_copies if batch.state_copies is not None
+                  else np.zeros((2, 2, MAX_COPIES), np.int32))
     if lora_slots is not None:
         slots = np.full((t,), -1, np.int32)
         slots[:n_tok] = lora_slots
     variant = Variant(features=features, prompt_logprobs=targets is not None,
                       lora=slots is not None,
                       lora_width=len(lora_pick) if lora_pick is not None else 0)
-    images = image_rows(batch, t, image_width) if image_width else None
+    images = deep = None
+    if image_width:
+        rows, at = image_rows(batch, t, image_width, 1 + deepstack)
+        images, deep = (rows[0], at), (rows[1:] if deepstack else None)
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
                         sampling=sampling, blocks=blocks, targets=targets, lora_slots=slots,
                         lora_pick=lora_pick,
-                        images=images, state_slots=state)
+                        images=images, state_slots=state, state_copies=copies,
+                        mrope_positions=mrope_rows(batch, t) if mrope else None,
+                        deepstack=deep)
     return inputs, variant
-
-
-def image_rows(batch: ScheduledBatch, t: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """([T, width] f32, [T] int32): the encoded image row of each prompt placeholder this step
-    computes (a prefill chunk may start or end inside an image), -1 / zeros elsewhere."""
-    rows = np.zeros((t, width), np.float32)
-    at = np.full((t,), -1, np.int32)
-    starts = batch.cu_q_lens[:-1]
-    for seq, start, q in zip(batch.seqs, starts.tolist(), batch.q_lens.tolist()):
-        images = seq.images
-        if images is None:
-            continue
-        pos = batch.positions[start:start + q]
-        prompt = pos < len(images.row_at)
-        which = np.where(prompt, images.row_at[np.minimum(pos, len(images.row_at) - 1)], -1)
-        hits = np.flatnonzero(which >= 0)
-        rows[start + hits] = images.rows[which[hits]]
-        at[start + hits] = start + hits
-    return rows, at
 
 
 def feed_rows(batch: ScheduledBatch,
@@ -368,11 +387,17 @@ def dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
     )
 
 
-def dummy_step(shape: tuple[int, int, int], variant: Variant) -> tuple[ScheduledBatch,
-                                                                       SamplingRows]:
-    """A batch of bucket `shape` (T, S, P) whose rows run `variant`'s program (warm-up)."""
+def dummy_step(shape: tuple[int, int, int], variant: Variant, *,
+               sampled: bool = False) -> tuple[ScheduledBatch, SamplingRows]:
+    """A batch of bucket `shape` (T, S, P) whose rows run `variant`'s program (warm-up). A
+    plain variant's rows are greedy (the branch XLA:CPU's first run then sets up); `sampled`
+    gives them temperature 1, which is what picks the accelerators' plain program over its
+    greedy twin (`host_variant`)."""
     t, s, p = shape
     batch = dummy_batch(t, s, p)
     if variant.lora:  # adapter id 0 on every row: the lora program, no adapter applied
         batch.lora_ids = np.zeros((s,), np.int64)
-    return batch, SamplingRows.for_variant(s, t, variant)
+    rows = SamplingRows.for_variant(s, t, variant)
+    if sampled:
+        rows.temperature = np.ones((s,), np.float32)
+    return batch, rows

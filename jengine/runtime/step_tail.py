@@ -13,6 +13,11 @@ S. On SmolLM2 at T = 64 with one live row that is 16 of a prefill step's ~60 ms 
 the argmax and the normaliser over [64, 49152]). The full sampler stays outside the branches: a
 copy of it per branch cost 70% more compile time for its last 8 ms.
 
+Both branchings are XLA:CPU's (`branches`, `ModelConfig.branches`). On accelerators, where a
+conditional copies its predicate to the host and waits, the head runs on all S rows and the
+host picks the program: the greedy variant (`Variant.greedy`: every row greedy) takes the
+argmax alone, the others run the sampler without branches.
+
 An embedding engine's steps end otherwise (`embed_tail`): no head and no sampler, every token's
 hidden state after the final norm goes back to the host, which pools each request's rows
 (`jengine.core.pooling`); [T, E] f32 is the step's whole output (1.2 MB for SmolLM2 at T = 512).
@@ -69,7 +74,7 @@ def embed_tail(network, params, cfg, kv, md, num_seqs: int):
 
 def head_and_sample(logits_of: Callable[[jax.Array], jax.Array], hidden: jax.Array,
                     num_rows: jax.Array, arrays: SamplingArrays,
-                    variant: Variant) -> SamplerOutput:
+                    variant: Variant, *, branches: bool = True) -> SamplerOutput:
     """[S, E] last hidden states -> the sampler's output for the first `num_rows` rows.
 
     Args:
@@ -77,14 +82,17 @@ def head_and_sample(logits_of: Callable[[jax.Array], jax.Array], hidden: jax.Arr
       hidden: [S, E] the hidden state of each sampled row.
       num_rows: scalar i32, the rows the host reads; rows after it are padding.
       arrays: the rows' sampling settings, padded to S.
-      variant: the step's static features; a plain one reports zero logprobs.
+      variant: the step's static features; a plain one reports zero logprobs, a greedy one
+        takes every row's argmax.
+      branches: static; False (accelerators): no conditional (module docstring).
     """
+    sizes = SAMPLED_ROWS if branches else ()
 
     def full() -> SamplerOutput:
-        logits = first_rows(logits_of, hidden, num_rows)
+        logits = first_rows(logits_of, hidden, num_rows, sizes)
         with jax.named_scope("sample"):
             return sample(logits, arrays, num_top_logprobs=variant.num_top_logprobs,
-                          with_logprobs=variant.features)
+                          with_logprobs=variant.features, branches=branches)
 
     if variant.features:
         return full()
@@ -94,7 +102,11 @@ def head_and_sample(logits_of: Callable[[jax.Array], jax.Array], hidden: jax.Arr
             logits = logits_of(h)
             with jax.named_scope("sample"):
                 return first_argmax(logits)
-        return SamplerOutput.of_tokens(first_rows(tokens_of, hidden, num_rows))
+        return SamplerOutput.of_tokens(first_rows(tokens_of, hidden, num_rows, sizes))
 
+    if variant.greedy:
+        return greedy()
+    if not branches:
+        return full()
     all_greedy = jnp.all(arrays.temperature < GREEDY_TEMPERATURE)  # padding rows are greedy
     return jax.lax.cond(all_greedy, greedy, full)

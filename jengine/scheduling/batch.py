@@ -53,6 +53,9 @@ class ScheduledBatch:
     spec_lens: np.ndarray | None = None
     # [S] int32 each sequence's recurrent-state slot (hybrid models), or None.
     state_slots: np.ndarray | None = None
+    # [2, 2, MAX_COPIES] int32 recurrent-state copies around the forward (`StateCopies`;
+    # hybrid models with prefix caching), or None.
+    state_copies: np.ndarray | None = None
     # [S] the LoRA adapter id of each sequence (0: the base model), or None when none uses one.
     lora_ids: np.ndarray | None = None
 
@@ -100,9 +103,11 @@ class ScheduledBatch:
         return np.repeat(np.arange(self.num_seqs, dtype=np.int32), self.rows_per_seq)
 
 
-def build_batch(chosen: list[tuple[Sequence, int]], page_size: int) -> ScheduledBatch:
+def build_batch(chosen: list[tuple[Sequence, int]], page_size: int,
+                state_copies: np.ndarray | None = None) -> ScheduledBatch:
     """The step's batch: `n` query tokens of each chosen (sequence, n), from its first
-    uncomputed token, a verifying sequence's proposals last."""
+    uncomputed token, a verifying sequence's proposals last. `state_copies`: a hybrid's
+    snapshot copies (`ScheduledBatch.state_copies`)."""
     tokens, positions, slots = [], [], []
     q_lens, kv_lens, sample = [], [], []
     width = max(len(seq.pages) for seq, _ in chosen)
@@ -135,5 +140,5 @@ def build_batch(chosen: list[tuple[Sequence, int]], page_size: int) -> Scheduled
         spec_lens=spec_lens if spec_lens.any() else None,
         state_slots=(np.asarray([seq.state_slot or 0 for seq, _ in chosen], np.int32)
                      if any(seq.state_slot is not None for seq, _ in chosen) else None),
-        lora_ids=lora_ids if lora_ids.any() else None,
+        lora_ids=lora_ids if lora_ids.any() else None, state_copies=state_copies,
     )

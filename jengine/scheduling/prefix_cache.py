@@ -23,6 +23,10 @@ speculative verification crossing the page's end read one copy where plain decod
 other, and greedy text parted on near ties (docs/engine.md, "Session 23"). So `insert` puts
 the caller's copy in the tree where the tree alone holds the other, and otherwise stops: the
 sequence's later pages stay its own, out of the tree, which keeps the root-path invariant.
+
+A hybrid model's cache also has `snapshots` (`state_snapshots.StateSnapshots`): the recurrent
+state after some of its pages. They belong to their pages, so the tree tells them when a page
+leaves it or another copy takes its place.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import itertools
 from collections.abc import Sequence
 
 from jengine.scheduling.page_allocator import PageAllocator
+from jengine.scheduling.state_snapshots import StateSnapshots
 
 PageKey = tuple[int, ...]  # the page_size token ids one page holds
 
@@ -73,8 +78,9 @@ class _Node:
 class PrefixCache:
     """Radix tree of cached full pages, with least-recently-used eviction of leaves."""
 
-    def __init__(self, allocator: PageAllocator):
+    def __init__(self, allocator: PageAllocator, snapshots: StateSnapshots | None = None):
         self.allocator = allocator
+        self.snapshots = snapshots
         self.page_size = allocator.page_size
         self.stats = PrefixCacheStats()
         self._root = _Node([], [], None)
@@ -168,6 +174,8 @@ class PrefixCache:
                 self.allocator.cache_hold([ours])
                 self.allocator.cache_drop([theirs])
                 child.pages[j] = ours
+                if self.snapshots is not None:
+                    self.snapshots.moved(theirs, ours)
             i += matched
             self._touch(child, now)
             node = child
@@ -239,6 +247,8 @@ class PrefixCache:
             dropped = node.pages[cut:]
             if dropped:
                 self.allocator.cache_drop(dropped)
+                if self.snapshots is not None:
+                    self.snapshots.dropped(dropped)
                 self._num_pages -= len(dropped)
                 self.stats.evicted_pages += len(dropped)
                 del node.keys[cut:], node.pages[cut:]

@@ -38,8 +38,10 @@ from jengine.scheduling.prefix_reuse import (
     cache_pages,
     chunk_limit,
     count_lookup,
+    plan_snapshots,
     prefix_in_flight,
     reuse_cached,
+    settle_snapshot,
 )
 from jengine.scheduling.sequence import PENDING, Sequence, SequenceStatus
 from jengine.scheduling.speculation import Speculator
@@ -49,6 +51,7 @@ from jengine.scheduling.speculative import (
     num_accepted,
 )
 from jengine.scheduling.state_slots import StateSlots
+from jengine.scheduling.state_snapshots import StateCopies
 
 
 class Scheduler:
@@ -128,6 +131,7 @@ class Scheduler:
         """Picks this step's work; None when nothing can run."""
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
+        copies = StateCopies()  # a hybrid's state copies to / from prefix-cache snapshots
         for seq in list(self.running):
             if seq.num_uncomputed != 1 or seq not in self.running:
                 continue
@@ -146,7 +150,7 @@ class Scheduler:
             if (seq.status is SequenceStatus.WAITING and seq.lora_id
                     and seq.lora_id not in adapters and len(adapters) >= (self.max_loras or 0)):
                 continue  # every adapter slot is taken by running sequences' adapters
-            hit = reuse_cached(self.prefix_cache, seq)
+            hit = reuse_cached(self.prefix_cache, seq, copies)
             if (hit is not None and deferred < self.max_num_seqs
                     and prefix_in_flight(seq, chosen, self.allocator.page_size)):
                 # Another sequence fills this one's next uncached page in this very step: it
@@ -174,6 +178,9 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 if self.state_slots is not None:
                     seq.state_slot = self.state_slots.allocate()
+                    if seq.resume_from is not None:  # its state after the cached pages
+                        copies.into.append((seq.resume_from, seq.state_slot))
+                        seq.resume_from = None
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -188,7 +195,9 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.extend(chosen, budget, self.max_num_seqs, self.allocator,
                                    self.max_model_len)
-        return build_batch(chosen, self.allocator.page_size)
+        plan_snapshots(self.prefix_cache, chosen, copies)
+        return build_batch(chosen, self.allocator.page_size,
+                           copies.array() if copies.into or copies.out else None)
 
     @property
     def spec_counters(self) -> SpecCounters:
@@ -230,6 +239,7 @@ class Scheduler:
 
     def _unreuse(self, seq: Sequence, hit: int | None) -> None:
         """Undoes `reuse_cached` for a sequence that is not admitted after all."""
+        seq.resume_from = None
         if hit:
             self._release(seq)
             seq.num_computed = 0
@@ -290,6 +300,7 @@ class Scheduler:
         spec_lens = batch.spec_lens if batch.spec_lens is not None else np.zeros(batch.num_seqs)
         for i, seq in enumerate(batch.seqs):
             if seq.is_finished:  # aborted while the step ran
+                settle_snapshot(self.prefix_cache, seq)
                 continue
             full_before = seq.num_computed // self.allocator.page_size
             seq.num_computed += int(batch.q_lens[i] - spec_lens[i])
@@ -298,6 +309,7 @@ class Scheduler:
                 # Pages this step fills are cached now: the next step, which may reuse them,
                 # runs after this one on the device.
                 cache_pages(self.prefix_cache, seq)
+            settle_snapshot(self.prefix_cache, seq)
             if not batch.sample[i]:
                 continue
             if seq.spec is not None:
@@ -375,7 +387,7 @@ class Scheduler:
         """Gives the leader's waiting siblings its full prompt pages by reference; each then
         prefills only the prompt's last partial page (at least the last prompt token)."""
         shared = leader.pages[: (len(leader.prompt_ids) - 1) // self.allocator.page_size]
-        if self.state_slots is not None:  # pages hold no recurrent state: each prefills it all
+        if self.state_slots is not None:  # pages hold no state: each resumes via the cache
             shared = []
         for seq in reversed(leader.pending_forks):
             self.allocator.share(shared)

@@ -24,9 +24,14 @@ class ImageRows:
     """A prompt's images as the text model takes them: the vision encoder's output rows and
     the prompt tokens they replace."""
 
-    rows: np.ndarray  # [M, E] float32, the placeholders' rows in prompt order
+    rows: np.ndarray  # [M, E] float32, the placeholders' rows in prompt order ([1 + K, M, E]
+    # with Qwen3-VL's DeepStack rows after them)
     row_at: np.ndarray  # [P] int32 per prompt token: its row of `rows`, -1 for text
     cache_ids: list[int]  # the prompt ids, placeholders keyed by image content (negative ids)
+    # Multimodal rope (Qwen2.5-VL): the prompt's [3, P] int32 (time, row, column) positions,
+    # and what a later token adds to its index (HF's rope_deltas); None: one position a token.
+    mrope: np.ndarray | None = None
+    rope_delta: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,6 +74,12 @@ class Sequence:
     spec: Any = None
     # A hybrid model's recurrent-state slot (`jengine.scheduling.state_slots`) while it runs.
     state_slot: int | None = None
+    # Prefix caching on a hybrid model (`state_snapshots`): the snapshot slot it resumes from
+    # when admitted, the one its current step's chunk snapshots into, and where the cached
+    # prefix it matched ended without a snapshot (its prefill stops there once, to take one).
+    resume_from: int | None = None
+    snapshot_to: int | None = None
+    snapshot_cut: int | None = None
     # The LoRA adapter it runs under (`LoRARequest.lora_int_id`); 0: the base model.
     lora_id: int = 0
     # The prompt's encoded images (vision models); kept until the sequence ends, as a preempted

@@ -42,6 +42,7 @@ from jengine.structured.after_reasoning import params_after_reasoning
 from jengine.text.reasoning import (
     ReasoningFormat,
     ReasoningStream,
+    keep_markers,
     split_reasoning,
     thinking_off,
 )
@@ -85,6 +86,7 @@ def reasoning_adapt(state: Any, body: ChatCompletionRequest, template: str | Non
 
     def adapt(engine: Any, p: SamplingParams) -> SamplingParams:
         fmt = reasoning(engine)
+        p = keep_markers(p, fmt)  # harmony's markers are special tokens
         if budget is None:
             return params_after_reasoning(p, fmt, engine.tokenizer)
         if fmt is None and not thinking_off(body.chat_template_kwargs):

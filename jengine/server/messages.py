@@ -39,19 +39,21 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from jengine.server.chat import reasoning_adapt
-from jengine.server.errors import APIError, renamed_params
+from jengine.server.errors import APIError, bad_request, renamed_params
 from jengine.server.messages_request import MessagesInput, MessagesRequest, messages_param
 from jengine.server.pipeline import EngineStream, Framing, Job, accept, reply, sse, start
 from jengine.text.reasoning import ReasoningStream
 from jengine.text.tool_parsers import tool_stream
 from jengine.text.tools import CallArguments, CallStart, ToolSetup
+from jengine.vision.chat import has_images
 
 
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     state = accept(request, body)
     request_id = request.state.request_id
-    with renamed_params(messages_param):
-        chat = body.chat()
+    chat = body.chat()  # its errors name this route's blocks (messages.i.content.j)
+    body.check_images(state.ready_engine().core.model.takes_images)
+    with renamed_params(messages_param):  # the chat path's errors: this route's field names
         messages = chat.template_messages()
         tools = dataclasses.replace(chat.tool_setup(),
                                     fmt=state.tool_parser(state.chat_template))
@@ -60,7 +62,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         reasoning, adapt = reasoning_adapt(state, chat, state.chat_template)
         stream = await start(state, request, Job(
             params, lambda tokenizer: [chat.render(tokenizer, messages, tools,
-                                                   state.chat_template)],
+                                                   state.chat_template, state.media)],
             1, request_id, "max_tokens", chat.constraint_param(),
             adapt=adapt if body.thinking_enabled else None))
     view = _MessageView(f"msg_{request_id}", state.reported_model(body.model), tools,
@@ -78,6 +80,8 @@ async def count_message_tokens(body: MessagesInput, request: Request) -> dict[st
         chat = body.chat_request()
         messages = chat.template_messages()
         tools = chat.tool_setup()
+        if has_images(messages):  # as /tokenize: the count would leave out the placeholders
+            raise bad_request("count_tokens does not count image blocks", "messages")
         tokens = await asyncio.to_thread(chat.render, engine.tokenizer, messages, tools,
                                          state.chat_template)
     return {"input_tokens": len(tokens)}

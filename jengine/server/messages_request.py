@@ -4,6 +4,9 @@ chat route's checks, template, tool prompt, tool grammar and sampling apply unch
 
     system (a string or text blocks)     a first system message
     user text blocks                     a user message (consecutive ones joined by newlines)
+    user image blocks                    chat `image_url` parts in the message, in order
+      (source base64 -> a data: URL;     (vision models; loaded as chat's image parts are:
+      source url -> that URL)             --allowed-local-media-path, --allow-remote-media)
     user tool_result blocks              `role: tool` messages (`tool_call_id` = `tool_use_id`)
     assistant text and tool_use blocks   an assistant message with `tool_calls` (input as JSON)
     a last assistant message             a prefill: the answer continues it
@@ -18,7 +21,8 @@ chat route's checks, template, tool prompt, tool grammar and sampling apply unch
                                          the reply's thinking goes to `thinking` blocks)
     thinking disabled                    chat_template_kwargs.enable_thinking false
 
-Image, document and server-tool blocks are a 400 naming the block; `thinking` and
+Document and server-tool blocks, file-id image sources and images inside tool results are a
+400 naming the block; `thinking` and
 `redacted_thinking` blocks of earlier assistant turns are dropped (chat templates leave out
 earlier turns' reasoning); `cache_control` is accepted anywhere and
 ignored (the prefix cache is automatic). Errors from the chat path name this API's fields.
@@ -82,6 +86,17 @@ class MessagesInput(BaseModel):
     inference_geo: StrictStr | None = None
     user_profile_id: StrictStr | None = None
     workspace_id: StrictStr | None = None
+
+    def check_images(self, takes_images: bool) -> None:
+        """Images for a model that reads none: a 400 naming the first image block."""
+        if takes_images:
+            return
+        for i, message in enumerate(self.messages):
+            for j, block in enumerate(message.content if isinstance(message.content, list)
+                                      else ()):
+                if isinstance(block, dict) and block.get("type") == "image":
+                    raise bad_request(f"messages.{i}.content.{j}: this model does not take "
+                                      "images", f"messages.{i}.content.{j}")
 
     def chat_request(self, **sampling: Any) -> ChatCompletionRequest:
         """The chat request this one means (with chat's `sampling` fields); a 400 in this
@@ -210,9 +225,21 @@ def _chat_messages(i: int, message: MessageParam) -> list[dict[str, Any]]:
         if kind == "text" and isinstance(block.get("text"), str):
             last = out[-1] if out else None
             if last is not None and last["role"] == message.role and "tool_calls" not in last:
-                last["content"] += "\n" + block["text"]
+                if isinstance(last["content"], list):
+                    last["content"].append({"type": "text", "text": block["text"]})
+                else:
+                    last["content"] += "\n" + block["text"]
             else:
                 out.append({"role": message.role, "content": block["text"]})
+        elif kind == "image" and message.role == "user":
+            part = {"type": "image_url", "image_url": {"url": _image_url(block, at)}}
+            last = out[-1] if out else None
+            if last is None or last["role"] != "user":
+                out.append({"role": "user", "content": [part]})
+            elif isinstance(last["content"], list):
+                last["content"].append(part)
+            else:
+                last["content"] = [{"type": "text", "text": last["content"]}, part]
         elif kind == "tool_use" and message.role == "assistant":
             call = {"id": _string(block, "id", at), "type": "function",
                     "function": {"name": _string(block, "name", at),
@@ -231,9 +258,32 @@ def _chat_messages(i: int, message: MessageParam) -> list[dict[str, Any]]:
             continue
         else:
             raise bad_request(f"{at}: {message.role} content blocks of type {kind!r} are not "
-                              "supported (user: text, tool_result; assistant: text, tool_use)",
+                              "supported (user: text, image, tool_result; assistant: text, "
+                              "tool_use)",
                               at)
     return out or [{"role": message.role, "content": ""}]
+
+
+_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's list
+
+
+def _image_url(block: dict[str, Any], at: str) -> str:
+    """An image block's source as the URL chat's image parts take (decoded when rendered)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in _IMAGE_TYPES:
+            raise bad_request(f"{at}.source.media_type: {media_type!r} is not one of "
+                              f"{', '.join(_IMAGE_TYPES)}", f"{at}.source.media_type")
+        if not isinstance(data, str) or not data:
+            raise bad_request(f"{at}.source.data must be a non-empty base64 string",
+                              f"{at}.source.data")
+        return f"data:{media_type};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str) and source["url"]:
+        return source["url"]
+    raise bad_request(f"{at}.source: image sources of type {kind!r} are not supported (base64, "
+                      "url)", f"{at}.source")
 
 
 def _text(value: Any, where: str) -> str:

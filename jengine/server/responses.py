@@ -59,7 +59,7 @@ from jengine.server.pipeline import (
 )
 from jengine.server.responses_request import ResponsesRequest, renamed_param
 from jengine.structured.after_reasoning import params_after_reasoning
-from jengine.text.reasoning import ReasoningFormat, ReasoningStream
+from jengine.text.reasoning import ReasoningFormat, ReasoningStream, keep_markers
 from jengine.text.tool_parsers import tool_stream
 from jengine.text.tools import CallArguments, CallStart, ToolSetup
 
@@ -83,8 +83,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                                                    state.chat_template, state.media)],
             1, request_id, chat.max_tokens_field, chat.constraint_param(),
             lambda engine: body.check_images(engine.core.model.takes_images),
-            adapt=lambda engine, p: params_after_reasoning(p, reasoning(engine),
-                                                           engine.tokenizer)))
+            adapt=lambda engine, p: params_after_reasoning(
+                keep_markers(p, reasoning(engine)), reasoning(engine), engine.tokenizer)))
     view = _ResponseView(body, f"resp_{request_id}", state.reported_model(body.model), tools,
                          reasoning(stream.engine), state.tool_parser(state.chat_template))
     return await reply(stream, view, bool(body.stream))

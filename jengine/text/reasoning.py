@@ -12,9 +12,17 @@ class reads every format, as vLLM's parsers of the same names do:
                  writes none; the output is then all content)
     granite      Granite 3.x: "Here is my thought process:" ... "Here is my response:" answer
                  ("Here's" too)
+    openai_gptoss  gpt-oss's harmony messages after the generation prompt's
+                 `<|start|>assistant`: each `<|channel|>analysis<|message|>` ... `<|end|>` is
+                 reasoning (several join with a newline), and the `final` channel's message is
+                 the answer, its header `<|start|>assistant<|channel|>final<|message|>` dropped
+                 (an output that opens with it has no reasoning). The markers are special tokens:
+                 `keep_markers` keeps them in the text the parser reads. The `commentary`
+                 channel (harmony's tool calls) is not read: it stays in the answer as written.
     auto         chosen from the chat template (`detect_format`): a template that mentions
                  `<think>` is deepseek_r1 when its generation prompt ends in `<think>`, else qwen3;
-                 one that mentions "my thought process" is granite; any other has none
+                 one that mentions "my thought process" is granite, `<|channel|>` openai_gptoss;
+                 any other has none
 
 The reasoning text is stripped of the whitespace around it and the answer of the whitespace
 that follows the closing marker (the newlines models put there); an output without reasoning is
@@ -26,7 +34,10 @@ whole answer agree.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from jengine.sampling_params import SamplingParams
 
 Kind = Literal["reasoning", "content"]
 
@@ -39,14 +50,30 @@ class ReasoningFormat:
     starts: tuple[str, ...]  # markers that open the reasoning (any of them)
     ends: tuple[str, ...]  # markers that close it; the answer follows
     implicit_start: bool = False  # reasoning from the first token, start marker or not
+    # Headers dropped where the answer begins (harmony's final channel), and whether a start
+    # marker after the reasoning opens more of it (harmony's several analysis messages).
+    answer_starts: tuple[str, ...] = ()
+    repeats: bool = False
+    # The special tokens the markers are made of, which the text must keep (`keep_markers`).
+    special_tokens: tuple[str, ...] = ()
 
 
+_HARMONY = ReasoningFormat(
+    "openai_gptoss",
+    ("<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>analysis<|message|>"),
+    ("<|end|>",),
+    answer_starts=("<|start|>assistant<|channel|>final<|message|>",
+                   "<|channel|>final<|message|>"),
+    repeats=True,
+    special_tokens=("<|start|>", "<|channel|>", "<|message|>", "<|end|>"),
+)
 FORMATS = {
     "deepseek_r1": ReasoningFormat("deepseek_r1", ("<think>",), ("</think>",), True),
     "qwen3": ReasoningFormat("qwen3", ("<think>",), ("</think>",)),
     "granite": ReasoningFormat("granite", ("Here is my thought process:",
                                            "Here's my thought process:"),
                                ("Here is my response:", "Here's my response:")),
+    "openai_gptoss": _HARMONY,
 }
 REASONING_PARSERS = ("auto", *FORMATS)
 
@@ -66,7 +93,18 @@ def detect_format(template: str | None, generation_prompt: str) -> ReasoningForm
         return FORMATS["deepseek_r1" if opened else "qwen3"]
     if "my thought process" in template:
         return FORMATS["granite"]
+    if "<|channel|>" in template:
+        return FORMATS["openai_gptoss"]
     return None
+
+
+def keep_markers(params: SamplingParams, fmt: ReasoningFormat | None) -> SamplingParams:
+    """`params` whose text keeps the special tokens `fmt`'s markers are made of (harmony's),
+    which `skip_special_tokens` would otherwise drop before the parser sees them."""
+    if fmt is None or not fmt.special_tokens or not params.skip_special_tokens:
+        return params
+    kept = (*(params.keep_special_tokens or ()), *fmt.special_tokens)
+    return dataclasses.replace(params, keep_special_tokens=kept)
 
 
 def thinking_off(template_kwargs: dict[str, Any] | None) -> bool:
@@ -128,7 +166,7 @@ class ReasoningStream:
                 out.append(("content", self._buf))
         elif self.state == "reasoning":
             self._reasoning(self._buf, out)
-        elif self.state == "content" and self._buf:
+        elif self.state in ("content", "after") and self._buf:  # "after": a partial header
             out.append(("content", self._buf))
         self._buf, self._space = "", ""
         return _merged(out)
@@ -142,8 +180,12 @@ class ReasoningStream:
                 if head.startswith(marker):
                     self._enter_reasoning(head[len(marker):])
                     return True
+            if self._answer_begins(head):
+                return True
             if not head or any(m.startswith(head) for m in self.fmt.starts):
                 return False  # whitespace or a partial start marker so far
+            if any(m.startswith(head) for m in self.fmt.answer_starts):
+                return False
             if self.fmt.implicit_start:
                 self._enter_reasoning(head)
             else:
@@ -165,14 +207,31 @@ class ReasoningStream:
             self._buf = buf[len(buf) - keep:]
             return False
         if self.state == "after":
-            self._buf = buf.lstrip()
-            if not self._buf:
+            buf = self._buf = buf.lstrip()
+            if self._answer_begins(buf):
+                return True
+            markers = self.fmt.answer_starts + (self.fmt.starts if self.fmt.repeats else ())
+            if self.fmt.repeats:
+                for marker in self.fmt.starts:
+                    if buf.startswith(marker):
+                        self._space = "\n"  # the next message's reasoning on a line of its own
+                        self._enter_reasoning(buf[len(marker):])
+                        return True
+            if not buf or any(m.startswith(buf) for m in markers):
                 return False
             self.state = "content"
             return True
         if buf:
             out.append(("content", buf))
             self._buf = ""
+        return False
+
+    def _answer_begins(self, head: str) -> bool:
+        """At an answer header (harmony's final channel): dropped, and the answer follows."""
+        for marker in self.fmt.answer_starts:
+            if head.startswith(marker):
+                self.state, self._buf = "content", head[len(marker):]
+                return True
         return False
 
     def _enter_reasoning(self, rest: str) -> None:

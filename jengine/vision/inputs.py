@@ -72,6 +72,11 @@ class PreparedImages:
     tiles: np.ndarray  # [N, C, S, S] float32, every image's tiles in prompt order
     row_at: np.ndarray  # [P] int32: each prompt token's row of the encoded tiles, or -1
     cache_ids: list[int]  # token_ids with each placeholder replaced by a content key (< -1)
+    # Qwen2.5-VL (`qwen_inputs`): `tiles` are patches [N, i] of images with these (t, h, w)
+    # patch grids, and the prompt's multimodal rope positions [3, P] with the decode offset.
+    grids: tuple[tuple[int, int, int], ...] = ()
+    mrope: np.ndarray | None = None
+    rope_delta: int = 0
 
 
 class ImagePrompter:
@@ -112,12 +117,12 @@ class ImagePrompter:
         for image, count in zip(images, counts):
             digest = image_digest(image)
             for j in range(count):
-                cache_ids[next(slots)] = _content_key(digest, j)
+                cache_ids[next(slots)] = content_key(digest, j)
         return PreparedImages(ids, np.concatenate(tiles) if tiles else np.zeros((0,)),
                               row_at, cache_ids)
 
 
-def _content_key(digest: bytes, index: int) -> int:
+def content_key(digest: bytes, index: int) -> int:
     """A negative id for placeholder `index` of the image with `digest` (never a token id,
     never PENDING's -1)."""
     h = hashlib.blake2b(digest + index.to_bytes(4, "little"), digest_size=8).digest()

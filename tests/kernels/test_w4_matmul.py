@@ -25,6 +25,10 @@ SHAPES = [(1, 32, 1), (1, 64, 70), (2, 96, 64), (3, 128, 130), (5, 32, 200), (8,
           (17, 160, 77)]
 VNNI = pytest.mark.skipif(not (w4.available() and w4.supports("avx512_vnni")),
                           reason="no AVX-512 VNNI on this CPU")
+# The W4A8 paths: VPDPBUSD on 512-bit (AVX-512 VNNI) and 256-bit (AVX-VNNI) vectors.
+W4A8 = [pytest.param(isa, marks=pytest.mark.skipif(
+    not (w4.available() and w4.supports(isa)), reason=f"no {isa} on this CPU"))
+    for isa in ("avx512_vnni", "avx_vnni")]
 
 
 def _weight(rng, k: int, n: int):
@@ -70,10 +74,10 @@ def _w4a8_oracle(x: np.ndarray, q, s, m) -> np.ndarray:
     return np.einsum("rgn,gn,rg->rn", dots, s.astype(np.float64), d) + sums @ m.astype(np.float64)
 
 
-@VNNI
-def test_vnni_path_matches_its_scheme_and_the_float_product():
+@pytest.mark.parametrize("isa", W4A8)
+def test_vnni_path_matches_its_scheme_and_the_float_product(isa):
     rng = np.random.default_rng(11)
-    shapes = SHAPES + [(9, 64, 64), (24, 96, 130)]  # past the 8-row register block
+    shapes = SHAPES + [(9, 64, 64), (24, 96, 130)]  # past the 8-row (4 on AVX-VNNI) blocks
     cases = []
     for r, k, n in shapes:
         parts, dense = _weight(rng, k, n)
@@ -82,7 +86,7 @@ def test_vnni_path_matches_its_scheme_and_the_float_product():
         cases.append((x, w4.pack(*parts), n, _w4a8_oracle(x, *parts), x.astype(np.float64) @ dense))
 
     def products(xs, packs):
-        return [w4.w4_matmul(x, *p, c[2], isa="avx512_vnni") for x, p, c in zip(xs, packs, cases)]
+        return [w4.w4_matmul(x, *p, c[2], isa=isa) for x, p, c in zip(xs, packs, cases)]
 
     got = jax.jit(products)([c[0] for c in cases], [c[1] for c in cases])
     for (x, _, n, scheme, exact), y in zip(cases, got):
@@ -93,7 +97,7 @@ def test_vnni_path_matches_its_scheme_and_the_float_product():
         assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("isa", ["avx512", pytest.param("avx512_vnni", marks=VNNI)])
+@pytest.mark.parametrize("isa", ["avx512", *W4A8])
 def test_threads_do_not_change_the_sums(isa):
     if not w4.supports(isa):
         pytest.skip(f"no {isa} on this CPU")
@@ -111,9 +115,13 @@ def test_threads_do_not_change_the_sums(isa):
 def test_auto_takes_vnni_unless_hidden():
     assert w4.best_isa() == "avx512_vnni"
     with cpu_info.hiding("avx512_vnni"):
+        assert w4.best_isa() == ("avx_vnni" if w4.supports("avx_vnni") else "avx512")
+    with cpu_info.hiding("avx512_vnni", "avx_vnni"):
         assert w4.best_isa() == "avx512"
-    with cpu_info.hiding("avx512f"):
-        assert w4.best_isa() in ("avx2", "portable")
+    with cpu_info.hiding("avx512f"):  # an AVX2 CPU: its 256-bit VNNI where it has one
+        assert w4.best_isa() == ("avx_vnni" if w4.supports("avx_vnni") else "avx2")
+    with cpu_info.hiding("avx512f", "avx_vnni"):
+        assert w4.best_isa() == "avx2"
 
 
 def test_dequantize_undoes_pack():

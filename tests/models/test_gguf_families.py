@@ -496,3 +496,81 @@ def test_gemma_27b_query_scale_follows_llama_cpp(tmp_path, arch, layers, scalar)
     w.add_sliding_window(4096)
     write_gguf(w)
     assert GGUFModel(path).hf_config()["query_pre_attn_scalar"] == scalar
+
+
+def _gpt_oss_tensors(hf: dict, state: Tensors) -> Tensors:
+    """What llama.cpp's GptOssModel writes of an HF gpt-oss checkpoint: experts out-first with
+    the interleaved gate/up columns split into `ffn_gate_exps` and `ffn_up_exps` (their biases
+    too), the sinks as `attn_sinks.weight`, the router as `ffn_gate_inp`."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, hf["num_hidden_layers"])
+    out: Tensors = {}
+    for key, value in state.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)
+        blk = f"blk.{m[1]}" if m else ""
+        rest = m[2] if m else ""
+        if rest == "self_attn.sinks":
+            out[f"{blk}.attn_sinks.weight"] = value
+        elif rest.startswith("mlp.router."):
+            out[f"{blk}.ffn_gate_inp.{rest.split('.')[-1]}"] = value
+        elif rest == "mlp.experts.gate_up_proj":  # [X, E, 2F] -> 2 x [X, F, E]
+            rows = np.swapaxes(value, 1, 2)
+            out[f"{blk}.ffn_gate_exps.weight"], out[f"{blk}.ffn_up_exps.weight"] = (
+                rows[:, 0::2], rows[:, 1::2])
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            out[f"{blk}.ffn_gate_exps.bias"], out[f"{blk}.ffn_up_exps.bias"] = (
+                value[:, 0::2], value[:, 1::2])
+        elif rest == "mlp.experts.down_proj":  # [X, F, E] -> [X, E, F]
+            out[f"{blk}.ffn_down_exps.weight"] = np.swapaxes(value, 1, 2)
+        elif rest == "mlp.experts.down_proj_bias":
+            out[f"{blk}.ffn_down_exps.bias"] = value
+        else:
+            name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+            assert name is not None, key
+            out[name] = value
+    return out
+
+
+def test_gpt_oss_mxfp4_experts(tmp_path):
+    """llama.cpp's `gpt-oss` file with its experts in MXFP4 (gguf-py's quantizer) against HF
+    holding the same dequantized experts; sliding layers and YaRN from the header."""
+    import torch
+    from test_gpt_oss import big_sinks, gpt_oss_config
+
+    models: list = []
+    config = gpt_oss_config(swiglu_limit=7.0, swiglu_alpha=1.702)
+    _, ids, _ = _build(tmp_path, config, transformers.GptOssForCausalLM,
+                       edit=lambda m: (big_sinks(m), models.append(m)), greedy=False)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    path = tmp_path / "model.gguf"
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS])
+    _base_meta(w, hf)
+    w.add_sliding_window(hf["sliding_window"])
+    w.add_expert_feed_forward_length(hf["intermediate_size"])
+    add_tiny_vocab(w, VOCAB)
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    stored: Tensors = {}
+    for name, value in _gpt_oss_tensors(hf, load_file(str(tmp_path / "model.safetensors"))).items():
+        value = np.ascontiguousarray(value, np.float32)
+        if re.search(r"ffn_(gate|up|down)_exps\.weight", name):
+            packed = gguf.quants.quantize(value, mxfp4)
+            w.add_tensor(name, packed, raw_dtype=mxfp4)
+            value = gguf.quants.dequantize(packed, mxfp4)
+        else:
+            w.add_tensor(name, value)
+        stored[name] = value
+    write_gguf(w)
+    model = models[0]
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            gate, up = (stored[f"blk.{i}.ffn_{kind}_exps.weight"] for kind in ("gate", "up"))
+            rows = np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, gate.shape[2])
+            layer.mlp.experts.gate_up_proj.copy_(torch.from_numpy(np.swapaxes(rows, 1, 2)))
+            layer.mlp.experts.down_proj.copy_(
+                torch.from_numpy(np.swapaxes(stored[f"blk.{i}.ffn_down_exps.weight"], 1, 2)))
+        expected = model(torch.tensor([ids])).logits[0].float().numpy()
+    loaded = load_source(str(path), dtype="float32", progress=False)
+    cfg = loaded.config
+    assert loaded.kind == "gguf" and cfg.model_type == "gpt_oss"
+    assert cfg.sliding_layers == (True, False) and cfg.sliding_window == WINDOW
+    assert cfg.rope.rope_type == "yarn" and not cfg.rope.truncate
+    assert _max_diff(loaded, ids, expected, decode_steps=0) < TOL  # decodes: test_gpt_oss.py

@@ -133,7 +133,7 @@ def qwen3_5_engine(qwen3_5):
 def test_qwen3_5_engine_greedy_matches_hf(qwen3_5_engine):
     engine, prompts, expected = qwen3_5_engine
     core = engine.core
-    assert core.prefix_cache is None  # off for a hybrid model
+    assert core.prefix_cache.snapshots.count == 16  # one per sequence that may run
     before = core.compiles_since_ready
     outs = engine.generate(prompts, SamplingParams(max_tokens=GREEDY, temperature=0,
                                                    ignore_eos=True))
@@ -146,12 +146,65 @@ def test_qwen3_5_preemption_recomputes_the_state(qwen3_5_engine):
     engine, prompts, expected = qwen3_5_engine
     core = engine.core
     before = core.scheduler.num_preemptions
-    with small_kv_pool(core, 12):  # 11 pages of 16 tokens: the four sequences need 14
+    with small_kv_pool(core, 10):  # 9 pages of 16 tokens: the four sequences need 14
         outs = engine.generate(prompts, SamplingParams(max_tokens=GREEDY, temperature=0,
                                                        ignore_eos=True))
         assert core.scheduler.num_preemptions > before
+        # The preempted sequence resumed from a snapshot of its own state, not from zeros.
+        assert core.prefix_cache.stats.hit_tokens > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert core.scheduler.state_slots.num_free == 16
+    core.reset_prefix_cache()
+    assert _all_snapshots_free(core)
+
+
+def _greedy(engine, prompts, n=1):
+    return engine.generate(prompts, SamplingParams(n=n, max_tokens=GREEDY, temperature=0,
+                                                   ignore_eos=True))
+
+
+def _all_snapshots_free(core) -> bool:
+    snapshots = core.prefix_cache.snapshots
+    return snapshots.num_free == snapshots.count and not snapshots.num_held
+
+
+def test_qwen3_5_prefix_hit_resumes_from_a_state_snapshot(qwen3_5, qwen3_5_engine):
+    """A prompt sharing 50 tokens (3 full pages and 2) with an earlier one resumes from the
+    state snapshot taken after their third page: 48 cached tokens, HF's greedy tokens. A
+    prompt that differs in its first token hits nothing."""
+    engine, _, _ = qwen3_5_engine
+    core = engine.core
+    core.reset_prefix_cache()
+    rng = np.random.default_rng(7)
+    first = rng.integers(3, VOCAB, 60).tolist()
+    second = first[:50] + rng.integers(3, VOCAB, 12).tolist()
+    other = [(first[0] + 1) % VOCAB or 3] + first[1:50]
+    model = transformers.Qwen3_5ForCausalLM.from_pretrained(qwen3_5[0].source).eval()
+    with torch.no_grad():  # HF's own cache: its recurrent decode (full forwards take 20 s)
+        expected = model.generate(torch.tensor([second]), do_sample=False,
+                                  max_new_tokens=GREEDY, min_new_tokens=GREEDY)[0, 62:]
+    before = core.compiles_since_ready
+    _greedy(engine, [first])
+    [hit] = _greedy(engine, [second])
+    [miss] = _greedy(engine, [other])
+    assert (hit.num_cached_tokens, miss.num_cached_tokens) == (48, 0)
+    assert hit.outputs[0].token_ids == expected.tolist()
+    assert core.compiles_since_ready == before
+    assert core.prefix_cache.snapshots.num_held >= 4  # first's 3 pages, second's 1 more
+    core.reset_prefix_cache()
+    assert _all_snapshots_free(core) and core.scheduler.state_slots.num_free == 16
+
+
+def test_qwen3_5_forked_samples_resume_from_the_leaders_snapshot(qwen3_5_engine):
+    engine, prompts, expected = qwen3_5_engine
+    core = engine.core
+    core.reset_prefix_cache()
+    hits = core.prefix_cache.stats.hit_tokens
+    [out] = _greedy(engine, [prompts[1]], n=3)  # 70 tokens: 4 full pages
+    assert [o.token_ids for o in out.outputs] == [expected[1]] * 3
+    assert core.prefix_cache.stats.hit_tokens - hits == 2 * 64
+    core.reset_prefix_cache()
+    assert _all_snapshots_free(core)
 
 
 def test_qwen3_5_refuses_speculative_decoding(qwen3_5):
@@ -176,9 +229,11 @@ def test_qwen3_5_info_reports_the_recurrent_state(qwen3_5, capsys):
     from jengine.cli.info import cmd_info
 
     assert cmd_info(argparse.Namespace(model=str(qwen3_5[0].source))) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("linear_layers"))
+    capsys_out = capsys.readouterr().out
+    line = next(x for x in capsys_out.splitlines() if x.startswith("linear_layers"))
     # 3 layers x (conv 3 taps x 80 channels + 4 heads x 8 x 12) x 4 bytes = 7488 bytes
     assert "3 of 4 Gated DeltaNet" in line and "7.3 KiB" in line
+    assert "state_snapshots  64 prefix-cache snapshots" in capsys_out
 
 
 def test_qwen3_5_multimodal_checkpoint_reads_its_text_model(tmp_path):

@@ -10,10 +10,15 @@ from pathlib import Path
 import test_deepseek
 import test_deepseek_v3
 import test_glm4_moe
+import test_gpt_oss
+import test_granite4
 import test_idefics3
 import test_llama4
 import test_models_parity
+import test_nemotron_h
+import test_qwen2_5_vl
 import test_qwen3_5
+import test_qwen3_vl
 
 from jengine.models.registry import BY_MODEL_TYPE, FAMILIES
 
@@ -38,6 +43,7 @@ def test_table_is_generated_and_complete():
     tested = [t.parity_test for f in FAMILIES for t in f.model_types if t.parity_test]
     for name in tested:
         homes = (test_models_parity, test_deepseek, test_deepseek_v3, test_glm4_moe,
-                 test_idefics3, test_llama4, test_qwen3_5)
+                 test_idefics3, test_llama4, test_qwen2_5_vl, test_qwen3_5,
+                 test_qwen3_vl, test_granite4, test_nemotron_h, test_gpt_oss)
         assert any(callable(getattr(home, name, None)) for home in homes), name
     assert len(tested) >= 15

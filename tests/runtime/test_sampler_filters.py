@@ -3,6 +3,8 @@ penalties and logit bias, against the NumPy reference of tests/sampler_reference
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,3 +145,36 @@ def test_logit_bias_matches_reference():
     tokens = tokens_of(logits, arrays)
     assert tokens[0] == 17
     np.testing.assert_array_equal(tokens, np.argmax(logits + bias, -1))
+
+
+# ----------------------------------------------------------------------------- no branches
+
+
+_sample_no_branches = jax.jit(functools.partial(sampler.sample, num_top_logprobs=0,
+                                                branches=False))
+
+
+def test_accelerator_sampler_without_branches_agrees():
+    """The accelerators' sampler (selects, no conditional) filters and draws as the CPU's: a
+    batch mixing greedy rows, every filter and penalties, and one with no penalised row."""
+    history, is_output = penalty_history()
+    settings = dict(temperature=np.float32([0.0, 0.8, 1.0, 1.3]),
+                    top_k=np.int32([0, 50, 0, 7]), top_p=np.float32([1.0, 0.6, 0.95, 1.0]),
+                    min_p=np.float32([0.0, 0.05, 0.0, 0.2]),
+                    repetition_penalty=np.float32([1.3, 1.0, 2.0, 1.0]),
+                    seeds=np.arange(S, dtype=np.uint32), steps=np.arange(S, dtype=np.int32))
+    logits = random_logits(S, scale=2.0, seed=11)
+    for penalised in (True, False):
+        fields = dict(settings, history=history, history_is_output=is_output)
+        if not penalised:
+            fields["repetition_penalty"] = np.ones(S, np.float32)
+        arrays = sampling_arrays(S, **fields)
+        expected = processed_logits(logits, arrays)
+        assert_same_logits(np.asarray(_process_no_branches(jnp.asarray(logits), arrays)),
+                           expected)
+        np.testing.assert_array_equal(
+            np.asarray(_sample_no_branches(jnp.asarray(logits), arrays).tokens),
+            tokens_of(logits, arrays))
+
+
+_process_no_branches = jax.jit(functools.partial(sampler.process_logits, branches=False))

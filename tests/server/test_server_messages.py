@@ -250,6 +250,34 @@ def test_bad_requests_are_400_in_anthropics_shape(server, body):
     _anthropic_error(r, 400, "invalid_request_error")
 
 
+def _png_base64() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(out, "PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.mark.parametrize("source, words", [
+    ({"type": "base64", "media_type": "image/png"}, "messages.0.content.1: this model does not "
+                                                    "take images"),
+    ({"type": "base64", "media_type": "image/bmp"}, "messages.0.content.1.source.media_type"),
+    ({"type": "file", "file_id": "file_1"}, "sources of type 'file' are not supported"),
+])
+def test_image_blocks_name_the_block_and_a_text_model_refuses_them(server, source, words):
+    """(Images on a vision model: tests/server/test_server_vision.py.)"""
+    if source["type"] == "base64":
+        source = {**source, "data": _png_base64()}
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image", "source": source}]
+    r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                   json={"model": MODEL, "max_tokens": 4,
+                         "messages": [{"role": "user", "content": content}]})
+    assert words in _anthropic_error(r, 400, "invalid_request_error")
+
+
 def test_sdk_raises_its_typed_errors(server):
     client = _client(server)
     with pytest.raises(anthropic.BadRequestError) as bad:

@@ -192,6 +192,24 @@ def test_too_many_images_is_a_400(vlm):
         _chat(url, [{"role": "user", "content": [part] * 5}])
 
 
+def test_anthropic_image_blocks_equal_chats_image_parts(vlm):
+    """`/v1/messages` through the `anthropic` SDK: a base64 image block gives chat's greedy
+    text for the same image; count_tokens refuses images as /tokenize does."""
+    import anthropic
+
+    model, engine, url, *_ = vlm
+    image = _encode(_image(4))
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    content = [{"type": "text", "text": "t7"}, {"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}}]
+    reply = client.messages.create(model="vlm", max_tokens=MAX_TOKENS, extra_body={
+        "temperature": 0}, messages=[{"role": "user", "content": content}])
+    assert reply.content[0].text == _hf_text(model, engine, _messages(_data_url(_image(4))))
+    with pytest.raises(anthropic.BadRequestError, match="count_tokens does not count image"):
+        client.messages.count_tokens(model="vlm", messages=[{"role": "user",
+                                                             "content": content}])
+
+
 def test_tokenize_refuses_images(vlm):
     import httpx
 
@@ -218,3 +236,38 @@ def test_async_engine_takes_vllms_prompt_dict(vlm):
 
     want = _hf_greedy(model, engine, ImagePrompt("t1 t4 <image> t7", (image,)))
     assert asyncio.run(tokens()) == want
+
+
+def test_text_streams_while_an_image_encodes(vlm):
+    """The tower runs on its own thread, never the engine thread's: with it held busy, a text
+    request streams to its end while an image request waits for its encoding; once the tower
+    is free, the image request gets HF's tokens."""
+    import asyncio
+
+    from jengine import SamplingParams
+
+    model, engine, *_ = vlm
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompt = ImagePrompt("t2 <image> t3", (_image(7),))
+
+    async def tokens(request, out: list[int]) -> list[int]:
+        async for delta in engine.generate(request, params):
+            out += delta.outputs[0].token_ids
+        return out
+
+    async def both() -> tuple[list[int], list[int], list[int]]:
+        image_tokens: list[int] = []
+        image = asyncio.create_task(tokens(prompt, image_tokens))
+        text = await tokens("t4 t5 t6", [])
+        before = list(image_tokens)  # what the image request had when the text one ended
+        gate.set()
+        return text, await image, before
+
+    gate = threading.Event()
+    engine._tower.submit(gate.wait, 60)  # the tower's one thread is busy until the gate opens
+    try:
+        text, image, before = asyncio.run(both())
+    finally:
+        gate.set()
+    assert len(text) == MAX_TOKENS and before == []
+    assert image == _hf_greedy(model, engine, prompt)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from jengine import SamplingParams
 from jengine.text.reasoning import (
     FORMATS,
     ReasoningStream,
     detect_format,
+    keep_markers,
     resolve_format,
     split_reasoning,
 )
@@ -34,6 +36,19 @@ CASES = [
      "1. look\n2. see", "Done."),
     ("granite", "Here's my thought process: short. Here's my response: ok", "short.", "ok"),
     ("granite", "Here is a plain answer.", None, "Here is a plain answer."),
+    # harmony's documented example output (its `<|return|>` is the stop token, not text)
+    ("openai_gptoss", '<|channel|>analysis<|message|>User asks: "What is 2 + 2?" Simple '
+     'arithmetic. Provide answer.<|end|><|start|>assistant<|channel|>final<|message|>2 + 2 = 4.',
+     'User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.', "2 + 2 = 4."),
+    # several analysis messages; an answer with no reasoning; cut off while thinking
+    ("openai_gptoss", "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>"
+     "analysis<|message|>b<|end|><|start|>assistant<|channel|>final<|message|> c", "a\nb", " c"),
+    ("openai_gptoss", "<|channel|>final<|message|>Only <|end|> an answer.", None,
+     "Only <|end|> an answer."),
+    ("openai_gptoss", "<|channel|>analysis<|message|>cut off", "cut off", ""),
+    ("openai_gptoss", "<|channel|>analysis<|message|>x<|end|><|start|>assis", "x",
+     "<|start|>assis"),
+    ("openai_gptoss", "no header at all", None, "no header at all"),
 ]
 
 
@@ -80,6 +95,11 @@ QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content
 GRANITE_TEMPLATE = ("{% if thinking %}You are Granite. Think: respond with 'Here is my thought "
                     "process:' then 'Here is my response:'{% endif %}"
                     "{% for m in messages %}{{ m.content }}{% endfor %}")
+# Harmony's layout (docs/format.md of openai/harmony): an assistant turn names its channel.
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}"
+                    "{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+                    "<|message|>{{ m.content }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 
 
 class _Tokenizer:
@@ -96,7 +116,8 @@ class _Tokenizer:
 
 @pytest.mark.parametrize(("template", "expected"), [
     (DEEPSEEK_TEMPLATE, "deepseek_r1"), (QWEN3_TEMPLATE, "qwen3"),
-    (GRANITE_TEMPLATE, "granite"), ("{% for m in messages %}{{ m.content }}{% endfor %}", None)])
+    (GRANITE_TEMPLATE, "granite"), (HARMONY_TEMPLATE, "openai_gptoss"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", None)])
 def test_auto_reads_the_template(template, expected):
     fmt = resolve_format("auto", _Tokenizer(template))
     assert (fmt.name if fmt else None) == expected
@@ -112,3 +133,13 @@ def test_thinking_off_and_unknown_names():
     assert resolve_format(None, None) is None
     with pytest.raises(ValueError, match="unknown reasoning parser 'r1'"):
         resolve_format("r1", None)
+
+
+def test_harmony_keeps_its_special_tokens_in_the_text():
+    """Harmony's markers are special tokens: the parser's params keep them (and the tool
+    parser's), other formats' params are left alone."""
+    params = SamplingParams(keep_special_tokens=["<tool_call>"])
+    kept = keep_markers(params, FORMATS["openai_gptoss"]).keep_special_tokens
+    assert list(kept) == ["<tool_call>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>"]
+    assert keep_markers(params, FORMATS["qwen3"]) is params
+    assert keep_markers(params, None) is params

@@ -91,6 +91,7 @@ struct Problem {
   int64_t T, H, D, K, P, O, max_pages;
   int64_t layer, window;
   float sm_scale, soft_cap;
+  const float* sinks = nullptr;  // [H] gpt-oss's sink logits, or none
   std::vector<std::vector<int>> groups;  // [K] q heads of each kv head
   std::vector<Block> blocks;
   bool amx = false;  // prefill blocks on the AMX tiles (bf16 cache and queries)
@@ -149,6 +150,17 @@ struct Scratch {  // one worker's buffers
   }
 };
 
+// The factor that turns a row's accumulated values into its output: 1 / l, or with a sink
+// logit s for the head (gpt-oss), exp(m - t) / (l exp(m - t) + exp(s - t)) for t = max(m, s):
+// the sink joins the softmax's denominator and weighs no value. 0 for a row that saw no key.
+inline float OutputScale(const Problem& pb, int head, float m, float l) {
+  if (pb.sinks == nullptr) return l > 0.0f ? 1.0f / l : 0.0f;
+  if (!(l > 0.0f)) return 0.0f;
+  const float s = pb.sinks[head], top = std::max(m, s);
+  const float keep = std::exp(m - top);
+  return keep / (l * keep + std::exp(s - top));
+}
+
 // Normalises a task's rows into the output, or stores its partial state for the merge.
 void FinishTask(const Problem& pb, const Task& task, const Scratch& ws) {
   const Block& b = pb.blocks[task.block];
@@ -164,7 +176,7 @@ void FinishTask(const Problem& pb, const Task& task, const Scratch& ws) {
   for (int64_t r = 0; r < b.num_rows; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = r * G + g;
-      const float inv = ws.l[i] > 0.0f ? 1.0f / ws.l[i] : 0.0f;
+      const float inv = OutputScale(pb, heads[g], ws.m[i], ws.l[i]);
       float* dst = pb.out + ((b.first_token + r) * pb.H + heads[g]) * D;
       for (int64_t c = 0; c < D; ++c) dst[c] = ws.acc[i * D + c] * inv;
     }
@@ -226,8 +238,8 @@ void MergePartials(const Problem& pb, const std::vector<Task>& tasks) {
           for (int64_t c = 0; c < D; ++c) acc[c] += w * a[c];
         }
       }
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       const int64_t r = i / G, g = i % G;
+      const float inv = OutputScale(pb, heads[g], m, l);
       float* dst = pb.out + ((b.first_token + r) * pb.H + heads[g]) * D;
       for (int64_t c = 0; c < D; ++c) dst[c] = acc[c] * inv;
     }
@@ -330,7 +342,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
                           ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> window,
-                          ffi::Buffer<ffi::S32> kv_head_map, float sm_scale, float soft_cap,
+                          ffi::Buffer<ffi::S32> kv_head_map, ffi::Buffer<ffi::F32> sinks,
+                          float sm_scale, float soft_cap,
                           int32_t isa, int32_t block_q, int32_t max_threads,
                           ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
@@ -352,7 +365,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (cd[4] != qd[2] || kv_head_map.element_count() != qd[1]) {
     return ffi::Error::InvalidArgument("paged attention: head_dim or kv_head_map mismatch");
   }
+  if (sinks.element_count() != 0 && sinks.element_count() != qd[1]) {
+    return ffi::Error::InvalidArgument("paged attention: sinks must be empty or one per q head");
+  }
   Problem pb;
+  pb.sinks = sinks.element_count() ? sinks.typed_data() : nullptr;
   pb.q = q.typed_data();
   pb.k = k_cache.untyped_data();
   pb.v = v_cache.untyped_data();
@@ -518,6 +535,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JenginePagedAttention, jengine::PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()   // window
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_head_map
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks [H] (or empty)
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("isa")

@@ -14,9 +14,10 @@
 // tiles are one contiguous run of memory.
 //
 // Two schemes: W4A16 (float activations, f32 FMA over the widened nibbles; AVX-512F, AVX2+FMA
-// or portable C++, one body per ISA) and W4A8 (`avx512_vnni`: activations rounded to int8 per
-// group of 32, VPDPBUSD; w4_vnni.h). `auto` picks W4A8 where the CPU has AVX-512 VNNI, else the
-// best float path; the `isa` attribute forces one.
+// or portable C++, one body per ISA) and W4A8 (`avx512_vnni`, or `avx_vnni` on CPUs with the
+// 256-bit form only: activations rounded to int8 per group of 32, VPDPBUSD; w4_vnni.h). `auto`
+// picks W4A8 where the CPU has either VNNI, else the best float path; the `isa` attribute
+// forces one.
 
 #include <algorithm>
 #include <cmath>
@@ -43,6 +44,7 @@ constexpr int64_t kW4Cols = 64;  // columns per tile: 64-byte rows of packed nib
 #include "w4_vnni.h"
 
 constexpr int32_t kW4Vnni = 5;  // W4A8 on AVX-512 VNNI (beside isa.h's codes)
+constexpr int32_t kW4AvxVnni = 6;  // W4A8 on AVX-VNNI (256-bit)
 
 bool VnniSupported() {
 #if JE_X86
@@ -53,20 +55,34 @@ bool VnniSupported() {
 #endif
 }
 
-int32_t W4BestIsa() { return VnniSupported() ? kW4Vnni : BestIsa(); }
+bool AvxVnniSupported() {
+#if JE_X86
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("avxvnni");
+#else
+  return false;
+#endif
+}
+
+int32_t W4BestIsa() {
+  return VnniSupported() ? kW4Vnni : AvxVnniSupported() ? kW4AvxVnni : BestIsa();
+}
 
 using TilesFn = void (*)(const float*, const float*, const uint8_t*, const float*, const float*,
                          float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 int W4Isa(int isa) {
   if (isa == kAuto) return W4BestIsa();
-  return isa == kW4Vnni ? VnniSupported() : isa <= kAvx512 && Supports(isa) ? 1 : 0;
+  if (isa == kW4Vnni) return VnniSupported();
+  if (isa == kW4AvxVnni) return AvxVnniSupported();
+  return isa <= kAvx512 && Supports(isa) ? 1 : 0;
 }
 
-// The W4A8 product: x quantized per group (rows split over the threads), then the tiles.
-void VnniMatmul(ffi::ThreadPool& pool, int32_t max_threads, const float* xp, const uint8_t* qp,
-                const float* sp, const float* mp, float* out, int64_t R, int64_t K, int64_t N,
-                int64_t tiles) {
+// The W4A8 product: x quantized per group (rows split over the threads), then the tiles (by
+// the AVX-512 or the 256-bit body, as `isa` says).
+void VnniMatmul(ffi::ThreadPool& pool, int32_t max_threads, int32_t isa, const float* xp,
+                const uint8_t* qp, const float* sp, const float* mp, float* out, int64_t R,
+                int64_t K, int64_t N, int64_t tiles) {
 #if JE_X86
   const int64_t G = K / 32;
   std::vector<int8_t> xq(R * K);
@@ -79,7 +95,12 @@ void VnniMatmul(ffi::ThreadPool& pool, int32_t max_threads, const float* xp, con
   const VnniActs acts{xq.data(), d.data(), xs.data()};
   const int64_t parts = std::min(threads, tiles);
   ParallelFor(pool, parts, parts, [&](int64_t i, int64_t) {
-    VnniTiles(acts, qp, sp, mp, out, R, K, N, i * tiles / parts, (i + 1) * tiles / parts);
+    const int64_t t0 = i * tiles / parts, t1 = (i + 1) * tiles / parts;
+    if (isa == kW4Vnni) {
+      VnniTiles(acts, qp, sp, mp, out, R, K, N, t0, t1);
+    } else {
+      AvxVnniTiles(acts, qp, sp, mp, out, R, K, N, t0, t1);
+    }
   });
 #endif
 }
@@ -99,10 +120,7 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
         "uint8 and s, m [ceil(N / 64), K / 32, 64] float32");
   }
   if (isa == kAuto) isa = W4BestIsa();
-  if (isa != kW4Vnni && (isa < kPortable || isa > kAvx512 || !Supports(isa))) {
-    return ffi::Error::InvalidArgument("w4 matmul: the forced instruction set is unsupported");
-  }
-  if (isa == kW4Vnni && !VnniSupported()) {
+  if (!W4Isa(isa)) {
     return ffi::Error::InvalidArgument("w4 matmul: the forced instruction set is unsupported");
   }
   const int64_t R = xd[0], K = xd[1], G = K / 32, N = n;
@@ -114,9 +132,9 @@ ffi::Error W4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   }
   const float* xp = x.typed_data();
   const int64_t tiles = qd[0];
-  if (isa == kW4Vnni) {
-    VnniMatmul(pool, max_threads, xp, q.typed_data(), s.typed_data(), m.typed_data(), out, R, K,
-               N, tiles);
+  if (isa == kW4Vnni || isa == kW4AvxVnni) {
+    VnniMatmul(pool, max_threads, isa, xp, q.typed_data(), s.typed_data(), m.typed_data(), out,
+               R, K, N, tiles);
     return ffi::Error::Success();
   }
   std::vector<float> xs(R * G);  // each row's sum over each group, for the min term
@@ -155,11 +173,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JengineW4Matmul, jengine::W4Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // s [Nt, K / 32, 64]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // m [Nt, K / 32, 64]
                                   .Attr<int64_t>("n")
-                                  .Attr<int32_t>("isa")  // 0 auto, 1 portable, 2 AVX2, 3 AVX-512, 5 VNNI
+                                  .Attr<int32_t>("isa")  // 0 auto, 1 portable, 2 AVX2, 3 AVX-512, 5 VNNI, 6 AVX-VNNI
                                   .Attr<int32_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
 
 JE_FFI_TARGET("jengine_w4_matmul", JengineW4Matmul);
 JE_ISAS("w4_matmul", jengine::W4Isa,
         {{"auto", jengine::kAuto}, {"portable", jengine::kPortable}, {"avx2", jengine::kAvx2},
-         {"avx512", jengine::kAvx512}, {"avx512_vnni", jengine::kW4Vnni}});
+         {"avx512", jengine::kAvx512}, {"avx512_vnni", jengine::kW4Vnni},
+         {"avx_vnni", jengine::kW4AvxVnni}});

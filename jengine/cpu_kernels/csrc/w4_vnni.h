@@ -99,6 +99,91 @@ JE_W4_VNNI void VnniTiles(const VnniActs& a, const uint8_t* q, const float* s, c
     }
   }
 }
+// The same scheme on AVX-VNNI (the 256-bit VPDPBUSD of CPUs with AVX2 but no AVX-512: Intel's
+// Alder Lake and later clients, Sierra Forest): 8 columns at a time, the first or second half
+// of each 64-byte run, kAvxVnniRows rows at once, one int32 sum per row (16 ymm registers).
+#define JE_W4_AVX_VNNI __attribute__((target("avx2,fma,avxvnni")))
+
+constexpr int kAvxVnniRows = 4;
+
+// Rows [0, RB) against columns 8 c .. 8 c + 7 of one tile; `width` (1..8) of them stored.
+template <int RB>
+JE_W4_AVX_VNNI void AvxVnniRows(const int8_t* xq, const float* d, const float* xs,
+                                const uint8_t* q, const float* s, const float* m, int64_t K,
+                                int64_t G, int c, float* y, int64_t ldy, int64_t width) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const uint8_t* qc = q + (c / 2) * 256 + (c % 2) * 32;  // vector c / 2, half c % 2
+  __m256 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* qg = qc + g * 16 * kW4Cols;
+    __m256i lo[4], hi[4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + p * 64));
+      lo[p] = _mm256_and_si256(raw, low);
+      hi[p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    const __m256 sv = _mm256_loadu_ps(s + g * kW4Cols + c * 8);
+    const __m256 mv = _mm256_loadu_ps(m + g * kW4Cols + c * 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const int32_t* xr = reinterpret_cast<const int32_t*>(xq + r * K + g * 32);
+      __m256i sum = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        sum = _mm256_dpbusd_avx_epi32(sum, lo[p], _mm256_set1_epi32(xr[p]));
+        sum = _mm256_dpbusd_avx_epi32(sum, hi[p], _mm256_set1_epi32(xr[4 + p]));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(sum);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_set1_ps(d[r * G + g])), dot, acc[r]);
+      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    if (width == 8) {
+      _mm256_storeu_ps(y + r * ldy + c * 8, acc[r]);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc[r]);
+      std::copy(lanes, lanes + width, y + r * ldy + c * 8);
+    }
+  }
+}
+
+template <int RB>
+JE_W4_AVX_VNNI void AvxVnniBlock(const VnniActs& a, int64_t r0, const uint8_t* q,
+                                 const float* s, const float* m, int64_t K, int64_t G,
+                                 int64_t width, float* y, int64_t ldy) {
+  for (int c = 0; c < 8 && 8 * c < width; ++c) {
+    AvxVnniRows<RB>(a.xq + r0 * K, a.d + r0 * G, a.xs + r0 * G, q, s, m, K, G, c, y + r0 * ldy,
+                    ldy, std::min<int64_t>(8, width - 8 * c));
+  }
+}
+
+// Tiles [t0, t1) of y[R, N], every row.
+JE_W4_AVX_VNNI void AvxVnniTiles(const VnniActs& a, const uint8_t* q, const float* s,
+                                 const float* m, float* y, int64_t R, int64_t K, int64_t N,
+                                 int64_t t0, int64_t t1) {
+  const int64_t G = K / 32;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* qt = q + t * G * 16 * kW4Cols;
+    const float* st = s + t * G * kW4Cols;
+    const float* mt = m + t * G * kW4Cols;
+    const int64_t width = std::min<int64_t>(kW4Cols, N - t * kW4Cols);
+    float* yt = y + t * kW4Cols;
+    int64_t r0 = 0;
+    for (; r0 + kAvxVnniRows <= R; r0 += kAvxVnniRows) {
+      AvxVnniBlock<kAvxVnniRows>(a, r0, qt, st, mt, K, G, width, yt, N);
+    }
+    switch (R - r0) {
+      case 3: AvxVnniBlock<3>(a, r0, qt, st, mt, K, G, width, yt, N); break;
+      case 2: AvxVnniBlock<2>(a, r0, qt, st, mt, K, G, width, yt, N); break;
+      case 1: AvxVnniBlock<1>(a, r0, qt, st, mt, K, G, width, yt, N); break;
+      default: break;
+    }
+  }
+}
 #endif  // JE_X86
 
 // Rows [r0, r1) of x [R, K] f32 -> int8 per group of 32 (round to nearest even of x / d,
