@@ -80,6 +80,8 @@ serve() {  # $1 name, $2 "lora" or "base", then the command
 }
 
 cat >"$out/buckets.yaml" <<'YAML'
+model:
+  max_model_len: 256  # 16 pages: the prompts' 46 tokens + 128
 scheduler:
   max_num_seqs: 32
   max_num_batched_tokens: 512
