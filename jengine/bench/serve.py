@@ -2,7 +2,9 @@
 streaming chat requests at fixed concurrency, and report aggregate output tok/s, TTFT and TPOT.
 
 Every request asks for exactly `--output-len` tokens (`ignore_eos` and `min_tokens` are sent as
-vLLM-style extras, which jengine and vLLM both honour), so servers do the same work.
+vLLM-style extras, which jengine and vLLM both honour), so servers do the same work. Several
+`--served-model` names spread the prompts round-robin over them (LoRA adapters served as models:
+a multi-adapter batch).
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key or "none",
                          timeout=3600)
-    model = args.served_model or (await client.models.list()).data[0].id
-    prompts = [bench_prompt(i) for i in range(args.num_prompts)]
+    names = args.served_model or [(await client.models.list()).data[0].id]
+    if isinstance(names, str):
+        names = [names]
+    prompts = [(names[i % len(names)], bench_prompt(i)) for i in range(args.num_prompts)]
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -58,15 +62,17 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     async def worker() -> None:
         while not queue.empty():
-            results.append(await timed_request(client, model, queue.get_nowait(), args.output_len,
-                                      args.temperature))
+            model, prompt = queue.get_nowait()
+            results.append(await timed_request(client, model, prompt, args.output_len,
+                                               args.temperature))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     elapsed = time.perf_counter() - start
     total = sum(r["tokens"] for r in results)
     return {
-        "url": args.url, "model": model, "concurrency": args.concurrency,
+        "url": args.url, "model": names[0] if len(names) == 1 else names,
+        "concurrency": args.concurrency,
         "temperature": args.temperature,
         "requests": len(results), "output_tokens": total, "seconds": elapsed,
         "output_tok_per_s": total / elapsed,

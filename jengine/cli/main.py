@@ -192,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv = bsub.add_parser("serve", help="load an OpenAI-compatible server (ours or a peer's)")
     sv.add_argument("--url", default="http://127.0.0.1:8000")
     sv.add_argument("--api-key")
-    sv.add_argument("--served-model", help="model name to request (default: the first listed)")
+    sv.add_argument("--served-model", nargs="+", metavar="NAME",
+                    help="model name(s) to request, prompt i the (i mod n)th (default: the "
+                         "first listed); several spread a run over LoRA adapters")
     sv.add_argument("--concurrency", type=int, default=8)
     sv.add_argument("--num-prompts", type=int, default=32)
     sv.add_argument("--output-len", type=int, default=128)

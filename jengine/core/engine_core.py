@@ -84,6 +84,8 @@ class EngineCore:
         self.allocator, self.prefix_cache = parts.allocator, parts.prefix_cache
         self.scheduler, self.runner = parts.scheduler, parts.runner
         self.loras = parts.loras  # enable_lora: adapters on the host (runner.loras: on device)
+        if self.loras is not None:
+            self.loras.in_use = self._loras_in_use
         # Verification is weighed against measured step times (no costs: speculation off).
         costs = None
         if self.scheduler.speculator is not None:
@@ -202,6 +204,12 @@ class EngineCore:
         refill it reads the directory again."""
         if self.loras is not None:
             self.loras.remove(lora_id)
+
+    def _loras_in_use(self) -> set[int]:
+        """The adapter ids of queued and running requests (their host copies are kept). Any
+        thread: the snapshot of `requests` is taken in one C call, under the GIL."""
+        return {s.seq.lora_id for state in tuple(self.requests.values())
+                for s in state.samples if s.seq.lora_id}
 
     def encode_images(self, prompt: ImagePrompt) -> EncodedImagePrompt:
         """An image prompt's token ids and its images through the tower (ValueError for a bad

@@ -2,8 +2,9 @@
 
 An adapter is read and checked the first time a request names it (or when the server loads
 it), so a bad adapter is a ValueError before anything is queued. At most `max_cpu_loras`
-stay read, least recently used dropped first; a dropped adapter that a request still uses is
-read again from its directory when its slot must be filled (vLLM's `--max-cpu-loras`).
+stay read, least recently used dropped first (vLLM's `--max-cpu-loras`), but never one that
+a queued or running request uses (`in_use`): refilling its slot must not need its directory,
+which may be gone by then. A dropped adapter is read again when a new request names it.
 Thread-safe: the server's load route reads an adapter on its own thread while the engine
 thread fills slots.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 
 from converters.lora_adapter import Adapter, load_adapter
 from jengine.lora_request import LoRARequest
@@ -29,6 +31,8 @@ class HostLoras:
         self._read: collections.OrderedDict[int, Adapter] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.reads = 0  # adapters read from disk (a dropped one read again counts again)
+        # The adapter ids that queued or running requests use (EngineCore sets it): kept.
+        self.in_use: Callable[[], set[int]] = set
 
     def add(self, request: LoRARequest) -> Adapter:
         """Reads (or finds) `request`'s adapter. Raises ValueError for a bad adapter, or for
@@ -50,11 +54,13 @@ class HostLoras:
         return self._get(lora_id, path).layers
 
     def remove(self, lora_id: int) -> None:
-        """Drops an adapter's host copy. Its directory stays known under its id, so requests
-        still running under it can have their slot refilled (an id never names another
-        directory: the server gives each load a new one)."""
+        """Drops an adapter's host copy, unless requests still use it: those keep it until
+        they finish (then it goes least recently used first). Its directory stays known under
+        its id (an id never names another directory: the server gives each load a new one)."""
+        in_use = self.in_use()
         with self._lock:
-            self._read.pop(lora_id, None)
+            if lora_id not in in_use:
+                self._read.pop(lora_id, None)
 
     def _get(self, lora_id: int, path: str) -> Adapter:
         with self._lock:
@@ -63,9 +69,11 @@ class HostLoras:
                 self._read.move_to_end(lora_id)
                 return adapter
         adapter = load_adapter(path, self.cfg, self.max_rank)  # outside the lock: disk
+        in_use = self.in_use() | {lora_id}
         with self._lock:
             self.reads += 1
             self._read[lora_id] = adapter
-            while len(self._read) > self.max_cpu_loras:
-                self._read.popitem(last=False)
+            spare = [i for i in self._read if i not in in_use]  # least recently used first
+            for i in spare[: max(0, len(self._read) - self.max_cpu_loras)]:
+                del self._read[i]
         return adapter

@@ -1,7 +1,8 @@
 """LoRA adapters inside the step: which projections take one, and the batched low-rank update.
 
 Adapters sit in fixed device slots: per layer and projection, `a` [I, N, R] and `b` [N, R, O]
-(I, O: the projection's input and output, flattened; N = max_loras slots, R = max_lora_rank; a
+(I, O: the projection's input and output, flattened; N = max_loras slots, or the W a narrow step
+gathers (`jengine.runtime.lora_slots`); R = max_lora_rank; a
 smaller rank is zero-padded, and b holds the adapter's scale, alpha / r or rsLoRA's
 alpha / sqrt(r), folded in on the host). Each token carries its slot
 (`AttentionMetadata.lora_slots`, -1: no adapter). The update is two plain 2-D dots over all

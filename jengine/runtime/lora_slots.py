@@ -9,6 +9,15 @@ are made, with the slot index as data: filling or swapping a slot never compiles
 already in flight keeps reading the arrays it was launched with (JAX arrays are immutable; a
 fill makes new ones). Slots are reused least recently used first, never one the batch being
 launched needs.
+
+A plain-sampling step computes only the slots its batch uses, rounded up to a width (`widths`:
+powers of two below `max_loras`, and `max_loras`): each width is its own program variant,
+built at warm-up, and a step narrower than all slots gathers the ones it uses (`pick_slots`)
+and numbers its tokens by their place among them. Steps with sampling features or prompt
+logprobs (rarer under adapters) compute every slot, which keeps warm-up at 3 + 3 +
+(widths - 1) programs per bucket instead of 3 x (widths + 1). The update's cost follows the
+distinct adapters in the batch, not the slots configured, and still nothing compiles after
+ready.
 """
 
 from __future__ import annotations
@@ -71,17 +80,33 @@ class LoraSlots:
         # Compiled now, before any step: a fill while serving runs it with new data only.
         self._fill = jax.jit(fill, out_shardings=shardings).lower(self.tree, index,
                                                                    one).compile()
+        # The slot counts a step program computes (Variant.lora_width): 1, 2, 4, ... N.
+        self.widths = tuple(sorted({min(2 ** i, n) for i in range(n.bit_length() + 1)}))
         self.ids: list[int | None] = [None] * max_loras  # adapter id in each slot
         self._last_use = [0] * max_loras
         self._clock = itertools.count(1)
 
-    def token_slots(self, lora_ids: np.ndarray, q_lens: np.ndarray) -> np.ndarray:
-        """[num_tokens] the slot of each token's adapter (`NO_SLOT` for id 0); every nonzero
-        id must be resident (`ensure` first)."""
+    def token_slots(self, lora_ids: np.ndarray, q_lens: np.ndarray,
+                    narrow: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each token's slot for the step, and the slots the step computes (every slot when
+        not `narrow`: the features and prompt-logprobs programs have no narrow variants).
+
+        Returns:
+          ([num_tokens] int32 each token's place among the computed slots, `NO_SLOT` for id 0;
+          [W] int32 the slots to gather, W the narrowest of `widths` that holds the batch's
+          adapters, or None when W is `max_loras`: every slot, in place). Every nonzero id
+          must be resident (`ensure` first).
+        """
         slot_of = {i: s for s, i in enumerate(self.ids) if i is not None}
-        per_seq = np.asarray([slot_of[i] if i else NO_SLOT for i in lora_ids.tolist()],
-                             np.int32)
-        return np.repeat(per_seq, q_lens)
+        per_seq = [slot_of[i] if i else NO_SLOT for i in lora_ids.tolist()]
+        used = sorted({s for s in per_seq if s != NO_SLOT})
+        width = next(w for w in self.widths if w >= len(used)) if narrow else self.max_loras
+        pick = None
+        if width < self.max_loras:
+            place = {s: k for k, s in enumerate(used)}
+            per_seq = [place.get(s, NO_SLOT) for s in per_seq]
+            pick = np.asarray(used + [0] * (width - len(used)), np.int32)  # padding: unread
+        return np.repeat(np.asarray(per_seq, np.int32), q_lens), pick
 
     def ensure(self, lora_ids: set[int], host: Callable[[int], list[dict]]) -> int:
         """Puts every adapter of `lora_ids` (nonzero) in a slot, copying in from `host(id)`
@@ -145,8 +170,18 @@ def with_slots(params: dict, tree: Tree) -> dict:
     return {**params, "lora": jax.tree.map(lambda *xs: jnp.stack(xs), *tree)}
 
 
-def batch_slots(loras: LoraSlots | None, batch: ScheduledBatch) -> np.ndarray | None:
-    """[num_tokens] each token's slot for a batch with adapters (theirs resident), else None.
+def pick_slots(tree: Tree, pick: jax.Array) -> Tree:
+    """The slots `pick` [W] names, gathered (traced in a step narrower than all slots):
+    per target `a` [I, W, R] and `b` [W, R, O]."""
+    return [{t: {"a": jnp.take(s["a"], pick, axis=1, mode="clip"),
+                 "b": jnp.take(s["b"], pick, axis=0, mode="clip")} for t, s in layer.items()}
+            for layer in tree]
+
+
+def batch_slots(loras: LoraSlots | None, batch: ScheduledBatch,
+                narrow: bool = True) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """For a batch with adapters (theirs resident), `LoraSlots.token_slots`: each token's
+    slot and the slots the step gathers; else None.
 
     Raises:
       ValueError: the batch has adapters and the engine no slots (`enable_lora` off).
@@ -155,4 +190,4 @@ def batch_slots(loras: LoraSlots | None, batch: ScheduledBatch) -> np.ndarray | 
         return None
     if loras is None:
         raise ValueError("a batch with LoRA adapters on an engine without enable_lora")
-    return loras.token_slots(batch.lora_ids, batch.q_lens)
+    return loras.token_slots(batch.lora_ids, batch.q_lens, narrow)

@@ -151,10 +151,12 @@ class Runner:
     def host_inputs(self, batch: ScheduledBatch, rows: SamplingRows,
                     feed: np.ndarray | None = None) -> tuple[StepInputs, Variant]:
         """`batch`'s padded inputs as NumPy (what a multi-host leader broadcasts)."""
+        plain = not rows.has_features and rows.prompt_targets is None  # narrow lora variants
+        slots, pick = batch_slots(self.loras, batch, plain) or (None, None)
         inputs, variant = step_inputs(
             batch, rows, self.buckets, blocked_queries=self.cfg.attention_backend == "reference",
             vocab_size=self.cfg.vocab_size, history_width=self.buckets.pages[-1] * self.page_size,
-            feed=feed, lora_slots=batch_slots(self.loras, batch), image_width=self.image_width,
+            feed=feed, lora_slots=slots, lora_pick=pick, image_width=self.image_width,
             state_slots=self.state_slots > 0, mrope=self.mrope, deepstack=self.deepstack)
         if self.embed:
             return inputs, EMBED_VARIANTS[0]
@@ -335,9 +337,13 @@ class Runner:
         if self.embed:
             variants = EMBED_VARIANTS
         else:
-            variants = VARIANTS + (() if self.branches else (GREEDY_VARIANT,))
+            plain = (Variant(),) + (() if self.branches else (GREEDY_VARIANT,))
+            variants = VARIANTS + plain[1:]
             if self.loras is not None:
                 variants += tuple(dataclasses.replace(v, lora=True) for v in variants)
+                # plain-sampling steps that compute only the slots their batch uses
+                variants += tuple(dataclasses.replace(v, lora=True, lora_width=w) for v in plain
+                                  for w in self.loras.widths if w < self.loras.max_loras)
         return [(shape, variant) for shape in self.buckets.shapes() for variant in variants]
 
     def _dummy(self, shape: tuple[int, int, int], variant: Variant):
@@ -348,7 +354,9 @@ class Runner:
     def warmup_keys(self) -> list[str | None]:
         """The store key of each program `warmup` builds, in `warmup_programs()` order: what
         `jengine compile` stores and `serve --require-warm` needs (None without a store)."""
-        return [self.program_key(*self._dummy(shape, variant))
+        if self.store is None:
+            return [None] * len(self.warmup_programs())
+        return [self._key(self._signature(*self._dummy_inputs(shape, variant)))
                 for shape, variant in self.warmup_programs()]
 
     def _check_stored(self, programs: list[tuple[tuple[int, int, int], Variant]]) -> None:
@@ -384,11 +392,26 @@ class Runner:
     def export(self, shape, variant: Variant, platforms: tuple[str, ...]) -> jax.export.Exported:
         return lowering.export(self, shape, variant, platforms)
 
+    def _dummy_inputs(self, shape: tuple[int, int, int],
+                      variant: Variant) -> tuple[StepInputs, Variant]:
+        """A warm-up step's inputs for (`shape`, `variant`); a narrow lora variant's slot
+        pick is forced to its width (the dummy batch uses no adapter)."""
+        host, got = self.host_inputs(*self._dummy(shape, variant))
+        if variant.lora_width:
+            host = dataclasses.replace(host, lora_pick=np.zeros((variant.lora_width,), np.int32))
+        elif variant.lora and self.loras.widths[0] < self.loras.max_loras:
+            # every slot in place (the dummy batch, using none, would gather the narrowest)
+            host = dataclasses.replace(host, lora_pick=None)
+        return host, variant if variant.lora else got
+
     def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        self.program(*self._dummy(shape, variant))
+        host, variant = self._dummy_inputs(shape, variant)
+        lora = self.loras.tree if variant.lora else None
+        self._program(host, variant, (self._to_device(self._device_inputs(host)),
+                                      self._no_tokens, lora))
 
     def _run_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        out = self._launch(*self.host_inputs(*self._dummy(shape, variant)))
+        out = self._launch(*self._dummy_inputs(shape, variant))
         jax.block_until_ready(out.sampled.tokens)
 
 

@@ -47,7 +47,10 @@ class Variant:
 
     `lora` (an engine with `enable_lora`) adds every projection's low-rank update from the
     adapter slots (`jengine.models.lora`); a step whose sequences use no adapter runs the
-    program without it, so the base model pays nothing for the slots.
+    program without it, so the base model pays nothing for the slots. `lora_width` W > 0
+    (plain sampling only): the step computes only W slots, gathered by
+    `StepInputs.lora_pick` (a batch using few adapters pays for those, not for every slot);
+    0: all slots, in place.
 
     `greedy` (accelerators only: `ModelConfig.branches` False) is the plain variant for a batch
     whose rows are all greedy: the argmax, no draw. XLA:CPU skips the draw with a conditional
@@ -58,6 +61,7 @@ class Variant:
     prompt_logprobs: bool = False
     embed: bool = False
     lora: bool = False
+    lora_width: int = 0
     greedy: bool = False
 
     @property
@@ -188,7 +192,9 @@ class StepInputs:
     # Hybrid models: [2, 2, M] int32 state slot copies before / after the forward (source,
     # destination), for prefix caching's snapshots; (0, 0) pairs do nothing.
     state_copies: np.ndarray | None = None
-    lora_slots: np.ndarray | None = None  # [T] int32 LoRA slot per token, -1: none (lora only)
+    # lora only: [T] int32 each token's LoRA slot (its place in lora_pick, if given), -1: none
+    lora_slots: np.ndarray | None = None
+    lora_pick: np.ndarray | None = None  # [W] int32 the slots a narrow lora step gathers
     # Vision models only (every step, so one program per bucket serves text and images):
     # (rows [T, E] f32, at [T] int32): token t takes rows[t] where at[t] >= 0 (an image row).
     images: tuple[np.ndarray, np.ndarray] | None = None
@@ -221,12 +227,14 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
                 blocked_queries: bool, vocab_size: int, history_width: int,
                 feed: np.ndarray | None = None,
                 lora_slots: np.ndarray | None = None,
+                lora_pick: np.ndarray | None = None,
                 image_width: int | None = None,
                 state_slots: bool = False,
                 mrope: bool = False, deepstack: int = 0) -> tuple[StepInputs, Variant]:
     """`batch` padded to its bucket. `feed` [num_tokens]: per token, the previous step's row
     whose sampled token it takes (-1: its own id). `lora_slots` [num_tokens]: each token's
-    adapter slot (-1: none), given for a batch with adapters (the lora variant's input).
+    adapter slot (-1: none), given for a batch with adapters (the lora variant's input);
+    `lora_pick` [W]: the slots the step gathers (`LoraSlots.token_slots`), None: all.
     `blocked_queries`: build the query blocks that the reference attention reads in
     prefill-heavy buckets. `vocab_size` and
     `history_width` size the features program's inputs (`SamplingRows.padded`).
@@ -275,7 +283,8 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
         slots = np.full((t,), -1, np.int32)
         slots[:n_tok] = lora_slots
     variant = Variant(features=features, prompt_logprobs=targets is not None,
-                      lora=slots is not None)
+                      lora=slots is not None,
+                      lora_width=len(lora_pick) if lora_pick is not None else 0)
     images = deep = None
     if image_width:
         rows, at = image_rows(batch, t, image_width, 1 + deepstack)
@@ -283,6 +292,7 @@ def step_inputs(batch: ScheduledBatch, rows: SamplingRows, buckets: Buckets, *,
     inputs = StepInputs(token_rows=token_rows, page_table=page_table,
                         logits_indices=logits_indices, num_rows=np.asarray(n_row, np.int32),
                         sampling=sampling, blocks=blocks, targets=targets, lora_slots=slots,
+                        lora_pick=lora_pick,
                         images=images, state_slots=state, state_copies=copies,
                         mrope_positions=mrope_rows(batch, t) if mrope else None,
                         deepstack=deep)

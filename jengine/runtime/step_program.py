@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jengine.models import ModelConfig, family_module
-from jengine.runtime.lora_slots import with_slots
+from jengine.runtime.lora_slots import pick_slots, with_slots
 from jengine.runtime.packed_inputs import PackedInputs
 from jengine.runtime.sampler import sample
 from jengine.runtime.step_io import (
@@ -38,6 +38,8 @@ def step_function(cfg: ModelConfig, max_seqs: int) -> Callable:
              variant: Variant):
         if isinstance(inputs, PackedInputs):  # accelerators: one transfer a step
             inputs = inputs.unpack()
+        if variant.lora_width:  # a narrow lora step: only the slots its batch uses
+            lora = pick_slots(lora, inputs.lora_pick)
         params = with_slots(params, lora) if variant.lora else params
         md = inputs.attention_metadata()
         # Token rows the host could not fill yet (async scheduling) take the token that the

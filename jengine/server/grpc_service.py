@@ -56,7 +56,8 @@ class JengineService(pb_grpc.JengineServicer):
             self._authorize(context)
             self.state.check_model(request.model or None)
             prompt = self._prompt(request)
-            job = Job(sampling_params(request.sampling), lambda _: [prompt], 1, rid)
+            job = Job(sampling_params(request.sampling), lambda _: [prompt], 1, rid,
+                      lora=self.state.loras.get(request.model))  # `model` names an adapter
             stream = await start(self.state, None, job)
         except ValueError as e:
             await _abort(context, invalid_value(e))

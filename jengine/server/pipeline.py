@@ -74,6 +74,8 @@ class Job:
     # An embedding job (embeddings.py): what the engine requests carry instead of `params`,
     # which then only bound the request (one "token" per prompt).
     pooling: PoolingParams | None = None
+    # The adapter of a job without an HTTP request (gRPC); HTTP routes' comes from `accept`.
+    lora: LoRARequest | None = None
 
 
 def accept(request: Request, body: Any) -> ServerState:
@@ -111,7 +113,7 @@ async def start(state: ServerState, request: Request | None, job: Job) -> Engine
                               state.new_request_id(job.request_id),
                               request.is_disconnected if request is not None else None,
                               state.metrics_for(request),
-                              getattr(request.state, "lora", None) if request else None)
+                              getattr(request.state, "lora", None) if request else job.lora)
     try:
         await stream.first()
     except BaseException:

@@ -83,7 +83,8 @@ def test_a_batch_mixing_the_base_and_four_adapters_gives_each_its_solo_tokens(fo
 
 def test_more_adapters_than_slots_swap_without_a_compile(four_adapters):
     """Two slots, four adapters in one call: requests wait for a slot, adapters are copied in
-    between steps, every request still gets its own tokens, and nothing compiles after ready."""
+    between steps (narrow and full-width steps), every request still gets its own tokens, and
+    nothing compiles after ready."""
     root, prompts, cases = four_adapters
     engine = Engine(str(root / "base"), config=ONE_BUCKET, enable_lora=True, max_loras=2,
                     max_lora_rank=8, max_cpu_loras=2, warmup=True, progress=False)
@@ -91,7 +92,8 @@ def test_more_adapters_than_slots_swap_without_a_compile(four_adapters):
     outs = engine.generate([prompts[2]] * len(names), GREEDY,
                            lora_request=[cases[n][0] for n in names])
     assert _tokens(outs) == [cases[n][1][2] for n in names]
-    assert engine.core.loras.reads > 4  # two host copies: some adapters read twice
+    # Two host copies, but queued requests keep theirs: each adapter read once, no disk reread.
+    assert engine.core.loras.reads == 4
     assert engine.core.compiles_since_ready == 0
 
 
@@ -113,10 +115,18 @@ def test_prefix_cache_keys_pages_by_adapter(four_adapters):
     assert run(a2)[0] == 32
 
 
-def test_bad_adapters_are_value_errors_and_the_engine_keeps_serving(four_adapters, tmp_path):
+@pytest.fixture(scope="module")
+def one_slot(four_adapters):
+    """One slot of rank 4 and one host copy (max_cpu_loras defaults to max_loras)."""
+    root = four_adapters[0]
+    return Engine(str(root / "base"), config=ONE_BUCKET, enable_lora=True, max_loras=1,
+                  max_lora_rank=4, progress=False)
+
+
+def test_bad_adapters_are_value_errors_and_the_engine_keeps_serving(four_adapters, one_slot,
+                                                                    tmp_path):
     root, prompts, cases = four_adapters
-    engine = Engine(str(root / "base"), config=ONE_BUCKET, enable_lora=True, max_loras=1,
-                    max_lora_rank=4, progress=False)
+    engine = one_slot
     with pytest.raises(ValueError, match="rank 8, over max_lora_rank 4"):
         engine.generate(prompts, GREEDY, lora_request=cases["a1"][0])
     with pytest.raises(ValueError, match="does not exist"):
@@ -154,3 +164,26 @@ def test_tensor_parallel_equals_one_device(tmp_path):
             assert tuple(slots["wq"]["b"].sharding.spec)[2] == "tp"  # [N, R, H*D]: by heads
             assert tuple(slots["w_down"]["a"].sharding.spec)[0] == "tp"  # [F, N, R]: mlp
         del engine
+
+
+def test_an_adapter_directory_deleted_after_load_fails_no_step(four_adapters, one_slot,
+                                                               tmp_path):
+    """One slot and one host copy, two adapters queued, then their directories deleted: the
+    host copies of adapters that queued requests use are kept past max_cpu_loras, so the
+    second adapter's slot fill needs no disk, and both requests get their solo tokens."""
+    import shutil
+
+    root, prompts, cases = four_adapters
+    core = one_slot.core
+    reads = core.loras.reads
+    for name in ("a2", "a3"):  # ranks 2 and 4
+        shutil.copytree(root / name, tmp_path / name)
+        core.add_request(name, prompts[2], GREEDY, lora_request=LoRARequest(
+            name, 100 + cases[name][0].lora_int_id, str(tmp_path / name)))
+        shutil.rmtree(tmp_path / name)
+    tokens = {"a2": [], "a3": []}
+    while core.has_unfinished:
+        for out in core.step():  # each output: the step's new tokens
+            tokens[out.request_id] += out.outputs[0].token_ids
+    assert tokens == {"a2": cases["a2"][1][2], "a3": cases["a3"][1][2]}
+    assert core.loras.reads == reads + 2

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from local_server import serving  # tests/local_server.py
+from local_server import free_port, serving  # tests/local_server.py
 from lora_adapters import ATTENTION, base_model, hf_greedy, random_adapter
 
 from jengine.async_engine import AsyncEngine
@@ -41,10 +41,10 @@ def served(tmp_path_factory):
     engine = AsyncEngine(str(root / "base"), config=ONE_BUCKET, enable_lora=True, max_loras=2,
                          max_lora_rank=8, progress=False)
     config = ServerConfig(lora_modules=(f"a1={root / 'a1'}",), allow_runtime_lora_updating=True,
-                          chat_template=TEMPLATE)
+                          chat_template=TEMPLATE, grpc_port=free_port())
     try:
         with serving(create_app(engine, config, model_name="base")) as url:
-            yield url, engine, root, oracles
+            yield url, engine, root, oracles, f"127.0.0.1:{config.grpc_port}"
     finally:
         engine.shutdown()
 
@@ -68,7 +68,7 @@ def _complete(client, model: str, **kw):
 
 
 def test_adapters_are_models_with_a_parent(served, client):
-    _, _, root, _ = served
+    _, _, root, _, _ = served
     cards = {m.id: m for m in client.models.list().data}
     assert "base" in cards and "a1" in cards
     assert cards["a1"].parent == "base" and cards["a1"].root == str(root / "a1")
@@ -102,7 +102,7 @@ def _post(client, path: str, body: dict) -> str:
 
 
 def test_runtime_load_serve_and_unload(served, client):
-    url, _, root, _ = served
+    url, _, root, _, _ = served
     assert "Success" in _post(client, "/load_lora_adapter",
                               {"lora_name": "a2", "lora_path": str(root / "a2")})
     assert "a2" in {m.id for m in client.models.list().data}
@@ -116,7 +116,7 @@ def test_runtime_load_serve_and_unload(served, client):
 
 
 def test_unloading_an_adapter_in_use_lets_its_requests_finish(served, client):
-    url, _, root, _ = served
+    url, _, root, _, _ = served
     _post(client, "/load_lora_adapter", {"lora_name": "a3", "lora_path": str(root / "a2")})
     pieces, unloaded = [], threading.Event()
     stream = _complete(client, "a3", stream=True)
@@ -141,7 +141,7 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(served, client):
 ])
 def test_bad_adapters_are_400s_and_the_server_keeps_serving(served, client, tmp_path,
                                                             case, message):
-    _, _, root, _ = served
+    _, _, root, _, _ = served
     path, name = tmp_path / case, f"bad-{case}"
     if case == "rank":
         random_adapter(root / "base", path, "llama", r=16, alpha=16)
@@ -169,9 +169,40 @@ def test_bad_adapters_are_400s_and_the_server_keeps_serving(served, client, tmp_
 
 
 def test_runtime_updating_is_off_by_default(served):
-    _, engine, root, _ = served
+    _, engine, root, _, _ = served
     with serving(create_app(engine, ServerConfig(), model_name="base")) as url:
         r = httpx.post(url + "/v1/load_lora_adapter",
                        json={"lora_name": "x", "lora_path": str(root / "a1")})
         assert r.status_code == 404
         assert "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+
+
+def test_bench_serve_spreads_prompts_over_adapters(served):
+    """`jengine bench serve --served-model base a1` sends prompt i to name i mod 2 (the
+    multi-adapter served benchmark, docs/lora.md); an unknown name among them is the server's
+    404, so every name is really requested."""
+    import argparse
+
+    from jengine.bench.serve import run_serve_bench
+
+    def bench(names):
+        return run_serve_bench(argparse.Namespace(
+            url=served[0], api_key="x", served_model=names, concurrency=2, num_prompts=4,
+            output_len=3, temperature=0.0))
+
+    result = bench(["base", "a1"])
+    assert result["model"] == ["base", "a1"]
+    assert result["requests"] == 4 and result["output_tokens"] == 12
+    with pytest.raises(openai.NotFoundError):
+        bench(["base", "no-such-adapter"])
+
+
+def test_grpc_model_picks_the_adapter(served):
+    """gRPC's `model` names an adapter as HTTP's does: the same greedy tokens as PEFT's."""
+    pytest.importorskip("grpc")
+    from jengine.server.grpc_client import generate_stream
+
+    for name in ("base", "a1"):
+        msgs = list(generate_stream(served[4], PROMPT, model=name, max_tokens=STEPS,
+                                    temperature=0, ignore_eos=True, skip_special_tokens=False))
+        assert "".join(m.text for m in msgs).split() == _expected(served, name), name
