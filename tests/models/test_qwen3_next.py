@@ -1,0 +1,147 @@
+"""Qwen3-Next (`qwen3_next`): Qwen3.5's hybrid with a sparse MoE + gated shared expert in every
+layer, against HF transformers on a tiny random model (tests/models/test_models_parity.py's
+recipe: chunked prefill over shuffled pages, then 8 decode steps, float32 logits within `TOL`;
+`_build` also checks 16 greedy tokens of a mixed batch over the paged cache).
+
+The long prompt (80 tokens) passes HF's DeltaNet chunk (64). Two key heads with two value
+heads each make the per-key-head grouping of `in_proj_qkvz` / `in_proj_ba` matter: read as
+plain projections (the negative control `ungrouped`) they move the logits past `TOL`, as do
+the shared expert's gate and the routing's renormalisation. The config tests read the
+spellings of the published Qwen3-Next-80B-A3B config (no `layer_types`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from paged import run_paged
+from safetensors.numpy import load_file
+from test_deepseek import ONE_BUCKET, _greedy_hf
+from test_models_parity import TOL, VOCAB, _build, _max_diff
+from test_qwen3_5 import _gated_norms_near_one
+
+from jengine import Engine, SamplingParams
+from jengine.models import model_config_from_hf
+
+GREEDY = 16
+LONG = 80  # prompt + decode tokens, past HF's DeltaNet chunk of 64
+
+
+def _config(**kw):
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention",
+                     "linear_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=256,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=True,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+    )
+    return transformers.Qwen3NextConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next")
+    loaded, ids, expected = _build(path, _config(), transformers.Qwen3NextForCausalLM,
+                                   norm_offset=0.0, edit=_gated_norms_near_one)
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(path).eval()
+    long_ids = np.random.default_rng(4).integers(3, VOCAB, LONG).tolist()
+    with torch.no_grad():
+        long_expected = model(torch.tensor([long_ids])).logits[0].float().numpy()
+    return loaded, (ids, expected), (long_ids, long_expected)
+
+
+def test_qwen3_next_logits_match_hf(qwen3_next):
+    loaded, (ids, expected), _ = qwen3_next
+    cfg = loaded.config
+    assert cfg.linear_layers == (True, False, True, True)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (8, 2, True)
+    assert loaded.params["lin_qkvz"].shape[0] == 3 and "w_gate" not in loaded.params
+    assert _max_diff(loaded, ids, expected) < TOL
+
+
+def test_qwen3_next_prompt_past_the_deltanet_chunk(qwen3_next):
+    loaded, _, (ids, expected) = qwen3_next
+    got = run_paged(loaded, ids, prefill_chunk=16, decode_steps=8, page_size=4,
+                    layer_layout="as_given")
+    assert np.abs(got - expected).max() < TOL
+
+
+def _ungrouped(loaded) -> np.ndarray:
+    """`lin_qkvz` as a plain projection of HF's rows (no regrouping by kind)."""
+    weights = load_file(f"{loaded.source}/model.safetensors")
+    return np.stack([weights[f"model.layers.{i}.linear_attn.in_proj_qkvz.weight"].T
+                     for i in (0, 2, 3)])
+
+
+@pytest.mark.parametrize("wrong", ["ungrouped", "shared_gate", "unnormalised"])
+def test_qwen3_next_negative_controls(qwen3_next, wrong):
+    loaded, (ids, expected), _ = qwen3_next
+    cfg, params = loaded.config, dict(loaded.params)
+    if wrong == "ungrouped":
+        params["lin_qkvz"] = _ungrouped(loaded)
+    elif wrong == "shared_gate":
+        params["ws_router"] = np.zeros_like(params["ws_router"])  # sigmoid(0) = 1/2
+    else:
+        cfg = dataclasses.replace(cfg, norm_topk_prob=False)
+    diff = _max_diff((cfg, params), ids, expected, decode_steps=0, layer_layout="as_given")
+    assert diff > TOL, wrong
+
+
+def _published(**kw) -> dict:
+    """Qwen3-Next-80B-A3B-Instruct's config.json spellings, at a tiny size: no `layer_types`
+    (`full_attention_interval`), rope keys at the top level, `decoder_sparse_step` and an
+    empty `mlp_only_layers`."""
+    return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+            "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48, "norm_topk_prob": True,
+            "rope_theta": 10000000, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 262144, "tie_word_embeddings": False, **kw}
+
+
+def test_qwen3_next_reads_the_published_config():
+    cfg = model_config_from_hf(_published())
+    assert cfg.linear_layers == (True, True, True, False) * 2
+    assert (cfg.rotary_dim, cfg.rope.theta) == (4, 10000000)
+    assert (cfg.num_experts, cfg.shared_expert_intermediate_size) == (8, 48)
+    assert cfg.shared_expert_gate and cfg.norm_topk_prob
+    without = {k: v for k, v in _published().items() if k != "norm_topk_prob"}
+    assert model_config_from_hf(without).norm_topk_prob  # Qwen3NextConfig's default
+
+
+@pytest.mark.parametrize("dense", [{"mlp_only_layers": [2]}, {"decoder_sparse_step": 2},
+                                   {"num_experts": 0}])
+def test_qwen3_next_refuses_dense_mlp_layers(dense):
+    with pytest.raises(ValueError, match="dense MLP"):
+        model_config_from_hf(_published(**dense))
+
+
+@pytest.mark.slow  # ~20 s of engine builds and runs; CI: the paged greedy batch in `_build`
+def test_qwen3_next_engine_greedy_matches_hf(qwen3_next):
+    """16 greedy tokens of a mixed batch through `Engine.generate` (one step shape, T=16: the
+    70-token prompt prefills in chunks while the others decode), equal HF's."""
+    loaded = qwen3_next[0]
+    engine = Engine(str(loaded.source), config=ONE_BUCKET, dtype="float32",
+                    kv_cache_memory="4MiB", max_model_len=128, warmup=True)
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(loaded.source).eval()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 70, 11, 23)]
+    expected = _greedy_hf(model, prompts, GREEDY)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=GREEDY, temperature=0,
+                                                   ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine.core.scheduler.state_slots.num_free == 16  # every state slot back
