@@ -24,6 +24,9 @@ Norms scale by (1 + weight) (the checkpoint stores the offset from one), except 
 of the linear layers. Weights stack over the layers of their kind: attention ones over the
 attention layers, linear ones over the linear layers (`layer_ordinals`), norms and MLPs over
 all of them; split per layer (the CPU default) every layer's dict holds its own.
+
+Qwen3-Next (`qwen3_next.py`) runs this forward: its layers hold a router (the MLP is then the
+sparse MoE of `moe.py`) and fused DeltaNet input projections (`_delta_net_inputs`).
 """
 
 from __future__ import annotations
