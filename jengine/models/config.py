@@ -322,9 +322,7 @@ class ModelConfig:
         n, dense = self.num_layers, 3 * e * f
         mlps = n * dense
         if self.num_experts:
-            shared = self.shared_expert_intermediate_size
-            sparse = self.num_experts * (3 * e * self.moe_intermediate_size + e) + 3 * e * shared
-            sparse += e if shared and self.shared_expert_gate else 0
+            sparse = _sparse_mlp_params(self)
             if self.swiglu_limit:  # gpt-oss: the experts' biases and the router's
                 sparse += self.num_experts * (2 * self.moe_intermediate_size + e + 1)
             mlps = self.first_dense_layers * dense + (n - self.first_dense_layers) * sparse
@@ -382,6 +380,13 @@ def _mla_layers_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * attn + cfg.first_dense_layers * dense + moe_layers * sparse
 
 
+def _sparse_mlp_params(cfg: ModelConfig) -> int:
+    """One MoE layer's weights: router and experts, the shared expert and its gate."""
+    e, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    sparse = cfg.num_experts * (3 * e * cfg.moe_intermediate_size + e) + 3 * e * shared
+    return sparse + (e if shared and cfg.shared_expert_gate else 0)
+
+
 def _hybrid_layers_params(cfg: ModelConfig) -> int:
     """Weights of a Gated DeltaNet hybrid's layers (Qwen3.5): norms and MLP on every layer, the
     gated attention on the others, the linear-attention mixer on the linear ones."""
@@ -392,7 +397,8 @@ def _hybrid_layers_params(cfg: ModelConfig) -> int:
     conv = cfg.linear_conv_dim
     linear = e * (conv + vd + 2 * hv) + conv * cfg.linear_conv_kernel + 2 * hv
     linear += cfg.linear_v_dim + vd * e
-    every = 2 * e + 3 * e * cfg.intermediate_size
+    every = 2 * e + (_sparse_mlp_params(cfg) if cfg.num_experts  # Qwen3-Next's MoE
+                     else 3 * e * cfg.intermediate_size)
     n_lin = cfg.num_linear_layers
     return cfg.num_layers * every + n_lin * linear + (cfg.num_layers - n_lin) * attn
 

@@ -59,7 +59,7 @@ def qwen3_next(tmp_path_factory):
     ids = np.random.default_rng(4).integers(3, VOCAB, LONG).tolist()
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].float().numpy()
-    return loaded, ids, expected
+    return loaded, ids, expected, sum(p.numel() for p in model.parameters())
 
 
 def _paged_diff(model, ids, expected) -> float:
@@ -72,8 +72,9 @@ def _paged_diff(model, ids, expected) -> float:
 
 
 def test_qwen3_next_logits_match_hf(qwen3_next):
-    loaded, ids, expected = qwen3_next
+    loaded, ids, expected, num_params = qwen3_next
     cfg = loaded.config
+    assert cfg.num_params == num_params  # the MoE counted in every layer
     assert cfg.linear_layers == (True, False, True, True)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (8, 2, True)
     assert loaded.params["lin_qkvz"].shape[0] == 3 and "w_gate" not in loaded.params
@@ -90,7 +91,7 @@ def _ungrouped(loaded) -> np.ndarray:
 @pytest.mark.parametrize("wrong", ["ungrouped", "shared_gate"])
 def test_qwen3_next_negative_controls(qwen3_next, wrong):
     """Weights only change: the parity run's compiled programs serve these too."""
-    loaded, ids, expected = qwen3_next
+    loaded, ids, expected, _ = qwen3_next
     params = dict(loaded.params)
     if wrong == "ungrouped":
         params["lin_qkvz"] = _ungrouped(loaded)
