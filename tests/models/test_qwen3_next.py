@@ -133,17 +133,26 @@ def test_qwen3_next_refuses_dense_mlp_layers(dense):
         model_config_from_hf(_published(**dense))
 
 
-@pytest.mark.slow  # ~20 s of engine builds and runs; CI: the paged greedy batch in `_build`
-def test_qwen3_next_engine_greedy_matches_hf(qwen3_next):
-    """16 greedy tokens of a mixed batch through `Engine.generate` (one step shape, T=16: the
-    70-token prompt prefills in chunks while the others decode), equal HF's."""
-    loaded = qwen3_next[0]
-    engine = Engine(str(loaded.source), config=ONE_BUCKET, dtype="float32",
-                    kv_cache_memory="4MiB", max_model_len=128, warmup=True)
-    model = transformers.Qwen3NextForCausalLM.from_pretrained(loaded.source).eval()
+@pytest.fixture(scope="module")
+def greedy_batch(qwen3_next):
+    """Four prompts (one of 70 tokens: it prefills in chunks while the others decode) and HF's
+    16 greedy tokens for each."""
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(qwen3_next[0].source).eval()
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 70, 11, 23)]
-    expected = _greedy_hf(model, prompts, GREEDY)
+    return prompts, _greedy_hf(model, prompts, GREEDY)
+
+
+@pytest.mark.slow  # ~20 s of engine build and run; CI: the paged logits parity above
+@pytest.mark.parametrize("mesh", ["tp=1", "tp=2"])
+def test_qwen3_next_engine_greedy_matches_hf(qwen3_next, greedy_batch, mesh):
+    """16 greedy tokens of a mixed batch through `Engine.generate` (one step shape, T=16)
+    equal HF's. Under tp=2 the attention heads, the MLP axis of every expert and the shared
+    expert split; the linear layers and their states stay replicated."""
+    prompts, expected = greedy_batch
+    engine = Engine(str(qwen3_next[0].source), config=ONE_BUCKET, dtype="float32",
+                    kv_cache_memory="4MiB", max_model_len=128, mesh=mesh,
+                    attention_backend="cpu", warmup=True)
     outs = engine.generate(prompts, SamplingParams(max_tokens=GREEDY, temperature=0,
                                                    ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
