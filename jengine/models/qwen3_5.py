@@ -56,8 +56,8 @@ from jengine.models.weight_rules import (
     transposed,
 )
 
-# A family's layers hold the keys its specs declare: Qwen3-Next (`qwen3_next.py`) has the MoE
-# keys for the dense MLP's and its fused `lin_qkvz` / `lin_ba` for the four input projections.
+# A family's layers hold the keys its specs declare: Qwen3-Next (`qwen3_next.py`) has the MoE's
+# keys instead of the dense MLP's, and its fused `lin_qkvz` / `lin_ba` instead of lin_qkv..a.
 EVERY_LAYER_KEYS = ("attn_norm", "mlp_norm", "w_gate", "w_up", "w_down", *moe.LAYER_KEYS)
 ATTENTION_KEYS = ("wqg", "wk", "wv", "wo", "q_norm", "k_norm")
 LINEAR_KEYS = ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_qkvz", "lin_ba", "lin_conv",
@@ -249,7 +249,7 @@ def _delta_net(h, p, cfg: ModelConfig, states: tuple[jax.Array, jax.Array],
     return layers.project_heads(out.reshape(-1, hv, dv), p["lin_out"], backend=mm), states
 
 
-def _delta_net_inputs(h, p, cfg: ModelConfig):
+def _delta_net_inputs(h, p, cfg: ModelConfig) -> tuple[jax.Array, ...]:
     """[T, E] -> the conv's channels (q, k, v) [T, C], z [T, Hv, Dv], b and a [T, Hv]: four
     projections (Qwen3.5), or two (Qwen3-Next's `lin_qkvz`, `lin_ba`, whose columns the
     converter put in this order)."""
