@@ -58,7 +58,8 @@ from jengine.models.weight_rules import (
 
 # A family's layers hold the keys its specs declare: Qwen3-Next (`qwen3_next.py`) has the MoE's
 # keys instead of the dense MLP's, and its fused `lin_qkvz` / `lin_ba` instead of lin_qkv..a.
-EVERY_LAYER_KEYS = ("attn_norm", "mlp_norm", "w_gate", "w_up", "w_down", *moe.LAYER_KEYS)
+_DENSE_MLP_KEYS = ("w_gate", "w_up", "w_down")
+EVERY_LAYER_KEYS = ("attn_norm", "mlp_norm", *_DENSE_MLP_KEYS, *moe.LAYER_KEYS)
 ATTENTION_KEYS = ("wqg", "wk", "wv", "wo", "q_norm", "k_norm")
 LINEAR_KEYS = ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_qkvz", "lin_ba", "lin_conv",
                "lin_dt_bias", "lin_a_log", "lin_norm", "lin_out")
@@ -111,7 +112,13 @@ def layer_ordinals(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     keys over the linear ones."""
     linear = tuple(i for i, lin in enumerate(cfg.linear_layers) if lin)
     full = tuple(i for i, lin in enumerate(cfg.linear_layers) if not lin)
-    return {**dict.fromkeys(ATTENTION_KEYS, full), **dict.fromkeys(LINEAR_KEYS, linear)}
+    ordinals = {**dict.fromkeys(ATTENTION_KEYS, full), **dict.fromkeys(LINEAR_KEYS, linear)}
+    if any(cfg.dense_mlp_layers):  # Qwen3-Next with dense layers: MLP keys over those only
+        dense = tuple(i for i, d in enumerate(cfg.dense_mlp_layers) if d)
+        sparse = tuple(i for i, d in enumerate(cfg.dense_mlp_layers) if not d)
+        ordinals.update({**dict.fromkeys(_DENSE_MLP_KEYS, dense),
+                         **dict.fromkeys(moe.LAYER_KEYS, sparse)})
+    return ordinals
 
 
 def forward(
@@ -143,7 +150,7 @@ def forward(
         kind = "linear" if linear else "full"
         j = ordinal[kind]  # the layer's place among those of its kind
         ordinal[kind] += 1
-        p = params["layers"][i] if "layers" in params else _layer_slices(params, i, j, linear)
+        p = params["layers"][i] if "layers" in params else _layer_slices(params, cfg, i)
         h = rms_norm(x, p["attn_norm"], eps, offset=1.0, backend=mm)
         if linear:
             out, (conv, ssm) = _delta_net(h, p, cfg, (conv_rows[j], ssm_rows[j]), md, rows)
@@ -163,12 +170,16 @@ def forward(
     return (logits(params, cfg, x) if head else x), kv
 
 
-def _layer_slices(params: dict, layer: int, ordinal: int, linear: bool) -> dict:
-    """Layer `layer`'s weights cut from the stacks (the stacked layout): its mixer's at
-    `ordinal`, the `ordinal`-th of its kind."""
-    mixer = LINEAR_KEYS if linear else ATTENTION_KEYS
-    return {**{key: params[key][layer] for key in EVERY_LAYER_KEYS if key in params},
-            **{key: params[key][ordinal] for key in mixer if key in params}}
+def _layer_slices(params: dict, cfg: ModelConfig, layer: int) -> dict:
+    """Layer `layer`'s weights cut from the stacks (the stacked layout): a weight that stacks
+    only some layers (`layer_ordinals`) at the layer's place among them."""
+    ordinals = layer_ordinals(cfg)
+    out = {}
+    for key in EVERY_LAYER_KEYS + ATTENTION_KEYS + LINEAR_KEYS:
+        held = ordinals.get(key)
+        if key in params and (held is None or layer in held):
+            out[key] = params[key][layer if held is None else held.index(layer)]
+    return out
 
 
 def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:

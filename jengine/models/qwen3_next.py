@@ -11,12 +11,14 @@ all z; all b, all a) into `lin_qkvz` [E, C + Hv * Dv] and `lin_ba` [E, 2 Hv], so
 each yields Qwen3.5's conv channels, z, b and a (`qwen3_5._delta_net_inputs`).
 
 HF places the MoE on layer i when i is not in `mlp_only_layers` and (i + 1) is a multiple of
-`decoder_sparse_step`; the published checkpoints make every layer sparse, and so must a config
-here (a dense layer among sparse ones is refused when the config is read).
+`decoder_sparse_step`, and Qwen3.5's dense MLP (`intermediate_size` wide) on the others
+(`ModelConfig.dense_mlp_layers`); the published checkpoints make every layer sparse. Each kind's
+weights stack over its own layers (`qwen3_5.layer_ordinals`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -28,17 +30,27 @@ from jengine.models.layers import ParamSpec
 from jengine.models.llama_variants import QWEN_MOE_RULES
 from jengine.models.weight_rules import LAYER, Rule, Transform
 
-_DENSE_INPUTS = ("w_gate", "w_up", "w_down", "lin_qkv", "lin_z", "lin_b", "lin_a")
+_DENSE_MLP = ("w_gate", "w_up", "w_down")
+_DENSE_INPUTS = (*_DENSE_MLP, "lin_qkv", "lin_z", "lin_b", "lin_a")
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Qwen3.5's weights with the MoE for the MLP and the two fused input projections."""
+    """Qwen3.5's weights with the two fused input projections, and the MoE's on the sparse
+    layers (the dense MLP's stack only the others, `qwen3_5.layer_ordinals`)."""
     specs = {k: v for k, v in qwen3_5.param_specs(cfg).items() if k not in _DENSE_INPUTS}
     nl, e, hv = cfg.num_linear_layers, cfg.hidden_size, cfg.linear_v_heads
     width = cfg.linear_conv_dim + hv * cfg.linear_v_dim
     specs["lin_qkvz"] = ParamSpec((nl, e, width), ("layers", "embed", "linear_conv"))
     specs["lin_ba"] = ParamSpec((nl, e, 2 * hv), ("layers", "embed", "linear_heads"))
-    specs.update(moe.param_specs(cfg, gated_shared=True))
+    num_dense = sum(cfg.dense_mlp_layers) if cfg.num_experts else cfg.num_layers
+    if num_dense:
+        mlp = qwen3_5.param_specs(cfg)
+        specs.update({k: dataclasses.replace(mlp[k], shape=(num_dense, *mlp[k].shape[1:]))
+                      for k in _DENSE_MLP})
+    if cfg.num_experts:
+        specs.update({k: dataclasses.replace(v, shape=(cfg.num_layers - num_dense,
+                                                       *v.shape[1:]))
+                      for k, v in moe.param_specs(cfg, gated_shared=True).items()})
     return specs
 
 
@@ -84,22 +96,19 @@ def _weight_rules(cfg: ModelConfig) -> tuple[Rule, ...]:
 
 def _fields(hf: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5's layer kinds and widths (`layer_types`, or `full_attention_interval` as the
-    published configs spell it) and Qwen2-MoE's experts.
-
-    Raises:
-      ValueError: a dense MLP layer (`mlp_only_layers`, `decoder_sparse_step` > 1, or no
-        experts): every layer here is sparse.
-    """
+    published configs spell it), Qwen2-MoE's experts, and which layers HF gives a dense MLP
+    instead: those in `mlp_only_layers` or whose (index + 1) is no multiple of
+    `decoder_sparse_step` (every layer when there are no experts)."""
     n = fields["num_layers"]
     step = int(hf.get("decoder_sparse_step") or 1)
-    dense = [i for i in range(n) if i in (hf.get("mlp_only_layers") or [])
-             or (i + 1) % step or not hf.get("num_experts")]
-    if dense:
-        raise ValueError(f"qwen3_next layers {dense} have a dense MLP; jengine runs qwen3_next "
-                         "only with every layer sparse (num_experts > 0, decoder_sparse_step 1, "
-                         "no mlp_only_layers)")
+    only = set(hf.get("mlp_only_layers") or ())
+    dense = tuple(i in only or (i + 1) % step != 0 for i in range(n))
+    out = {**qwen3_5._fields(hf, fields),
+           "dense_mlp_layers": dense if any(dense) and not all(dense) else ()}
+    if not hf.get("num_experts") or all(dense):
+        return out  # Qwen3.5's dense MLP on every layer
     return {
-        **qwen3_5._fields(hf, fields),
+        **out,
         "num_experts": int(hf["num_experts"]),
         "num_experts_per_tok": int(hf["num_experts_per_tok"]),
         "moe_intermediate_size": int(hf["moe_intermediate_size"]),
@@ -115,7 +124,7 @@ QWEN3_NEXT = Family(
         name="qwen3_next",
         features="Qwen3.5's hybrid (Gated DeltaNet + gated full attention, recurrent state "
                  "per sequence) with a sparse MoE (softmax top-k, shared expert with a sigmoid "
-                 "gate) in every layer",
+                 "gate) as its MLP",
         parity_test="test_qwen3_next_logits_match_hf"),),
     hf_fields=_fields,
     hf_weights_for=_weight_rules,

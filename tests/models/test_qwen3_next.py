@@ -7,8 +7,9 @@ Two key heads with two value heads each make the per-key-head grouping of `in_pr
 matter: read as a plain projection (the negative control `ungrouped`) it moves the logits past
 `TOL`, as does halving the shared expert's gate. The config tests read the spellings of the
 published Qwen3-Next-80B-A3B config (no `layer_types`; `full_attention_interval`, top-level rope
-keys, `decoder_sparse_step`, `mlp_only_layers`). The engine's greedy batch (slow tier) is the
-16-token check through `Engine.generate`.
+keys, `decoder_sparse_step`, `mlp_only_layers`); a model with dense MLP layers among the
+sparse ones matches HF too. The engine's greedy batch (slow tier) is the 16-token check through
+`Engine.generate`.
 """
 
 from __future__ import annotations
@@ -126,11 +127,34 @@ def test_qwen3_next_reads_the_published_config():
     assert model_config_from_hf(without).norm_topk_prob  # Qwen3NextConfig's default
 
 
-@pytest.mark.parametrize("dense", [{"mlp_only_layers": [2]}, {"decoder_sparse_step": 2},
-                                   {"num_experts": 0}])
-def test_qwen3_next_refuses_dense_mlp_layers(dense):
-    with pytest.raises(ValueError, match="dense MLP"):
-        model_config_from_hf(_published(**dense))
+@pytest.mark.parametrize(("spelling", "dense"), [
+    ({"mlp_only_layers": [2]}, tuple(i == 2 for i in range(8))),
+    ({"decoder_sparse_step": 2}, (True, False) * 4),
+    ({"num_experts": 0}, ()),  # no experts: Qwen3.5's dense MLP on every layer
+])
+def test_qwen3_next_reads_the_dense_mlp_layers(spelling, dense):
+    cfg = model_config_from_hf(_published(**spelling))
+    assert cfg.dense_mlp_layers == dense
+    assert cfg.num_experts == (8 if dense else 0)
+
+
+def test_qwen3_next_dense_layers_among_sparse_match_hf(tmp_path):
+    """`mlp_only_layers` [1, 2]: an attention and a linear layer with a dense MLP, the MoE on
+    the two others; each kind's weights stack over its own layers (the stacked layout, whose
+    per-layer slicing follows `layer_ordinals`). Prefill only: one compiled program."""
+    loaded, _, _ = _build(tmp_path, _config(mlp_only_layers=[1, 2]),
+                          transformers.Qwen3NextForCausalLM, norm_offset=0.0,
+                          edit=_gated_norms_near_one, greedy=False)
+    model = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.dense_mlp_layers == (False, True, True, False)
+    assert loaded.config.num_params == sum(p.numel() for p in model.parameters())
+    assert loaded.params["w_gate"].shape[0] == 2 and loaded.params["router"].shape[0] == 2
+    ids = np.random.default_rng(4).integers(3, VOCAB, LONG).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].float().numpy()
+    got = run_paged(loaded, ids, prefill_chunk=16, decode_steps=0, page_size=4,
+                    layer_layout="as_given")
+    assert np.abs(got - expected).max() < TOL
 
 
 @pytest.fixture(scope="module")
