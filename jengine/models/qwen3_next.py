@@ -1,7 +1,7 @@
 """Qwen3-Next (`qwen3_next`): Qwen3.5's hybrid network (`qwen3_5.py`: Gated DeltaNet linear
 layers, gated full-attention layers, per-sequence recurrent state) with Qwen2-MoE's sparse MLP
 (`moe.py`: softmax top-k routing, renormalised with `norm_topk_prob`, plus a shared expert
-scaled by sigmoid(h . gate)) in place of the dense one in every layer.
+scaled by sigmoid(h . gate)) in place of the dense one.
 
 What differs from Qwen3.5 besides the MLP is only the checkpoint layout of a linear layer's
 input projections: two fused tensors, `in_proj_qkvz` and `in_proj_ba`, whose rows are grouped
@@ -60,9 +60,9 @@ NETWORK = Network(name="qwen3_next", param_specs=param_specs, forward=qwen3_5.fo
 
 
 def _grouped_by_kind(widths: tuple[str, ...]) -> Transform:
-    """A projection [Hk * sum(widths), E] whose rows are grouped per key head -> [E, sum]
-    with the rows grouped by kind: every head's first part, then every head's second, ...
-    `widths` name the parts' widths as `_part_widths` keys. The whole tensor is read (the
+    """A projection [Hk * W, E] whose rows are grouped per key head (each head's parts, W rows
+    in all) -> [E, Hk * W] with the rows grouped by kind: every head's first part, then every
+    head's second, ... `widths` names the parts (`_part_widths` keys). The whole tensor is read (the
     linear layers are replicated under tp)."""
 
     def apply(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
