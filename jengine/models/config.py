@@ -189,6 +189,9 @@ class ModelConfig:
     # GLM-4.5's and DeepSeek's run it un-gated (`shared_expert_gate` False).
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = True
+    # Qwen3-Next (`models/qwen3_next.py`): per layer, True where the MLP is dense among sparse
+    # ones (HF's `mlp_only_layers` / `decoder_sparse_step`); () when every layer is sparse.
+    dense_mlp_layers: tuple[bool, ...] = ()
     # DeepSeek-V2's multi-head latent attention (`kv_lora_rank` > 0; models/deepseek.py): the
     # cache holds one row per token, the latent (kv_lora_rank) and the shared rope key
     # (qk_rope_head_dim), as one kv head of width `head_dim` = their sum. q_lora_rank 0: no
@@ -322,9 +325,7 @@ class ModelConfig:
         n, dense = self.num_layers, 3 * e * f
         mlps = n * dense
         if self.num_experts:
-            shared = self.shared_expert_intermediate_size
-            sparse = self.num_experts * (3 * e * self.moe_intermediate_size + e) + 3 * e * shared
-            sparse += e if shared and self.shared_expert_gate else 0
+            sparse = _sparse_mlp_params(self)
             if self.swiglu_limit:  # gpt-oss: the experts' biases and the router's
                 sparse += self.num_experts * (2 * self.moe_intermediate_size + e + 1)
             mlps = self.first_dense_layers * dense + (n - self.first_dense_layers) * sparse
@@ -357,6 +358,7 @@ class ModelConfig:
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         d["rope_layers"] = tuple(d.get("rope_layers", ()))
         d["linear_layers"] = tuple(d.get("linear_layers", ()))
+        d["dense_mlp_layers"] = tuple(d.get("dense_mlp_layers", ()))
         d["mlp_only_layers"] = tuple(d.get("mlp_only_layers", ()))
         if d.get("mamba_dt_limit") is not None:
             d["mamba_dt_limit"] = tuple(d["mamba_dt_limit"])
@@ -382,9 +384,17 @@ def _mla_layers_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * attn + cfg.first_dense_layers * dense + moe_layers * sparse
 
 
+def _sparse_mlp_params(cfg: ModelConfig) -> int:
+    """One MoE layer's weights: router and experts, the shared expert and its gate."""
+    e, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    sparse = cfg.num_experts * (3 * e * cfg.moe_intermediate_size + e) + 3 * e * shared
+    return sparse + (e if shared and cfg.shared_expert_gate else 0)
+
+
 def _hybrid_layers_params(cfg: ModelConfig) -> int:
-    """Weights of a Gated DeltaNet hybrid's layers (Qwen3.5): norms and MLP on every layer, the
-    gated attention on the others, the linear-attention mixer on the linear ones."""
+    """Weights of a Gated DeltaNet hybrid's layers (Qwen3.5, Qwen3-Next): norms and an MLP or
+    MoE on every layer, the gated attention on the others, the linear-attention mixer on the
+    linear ones."""
     e, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     attn = e * (2 * q + 2 * kv) + q * e + 2 * d
@@ -392,9 +402,13 @@ def _hybrid_layers_params(cfg: ModelConfig) -> int:
     conv = cfg.linear_conv_dim
     linear = e * (conv + vd + 2 * hv) + conv * cfg.linear_conv_kernel + 2 * hv
     linear += cfg.linear_v_dim + vd * e
-    every = 2 * e + 3 * e * cfg.intermediate_size
+    sparse = cfg.num_layers - sum(cfg.dense_mlp_layers) if cfg.num_experts else 0
+    mlps = (cfg.num_layers - sparse) * 3 * e * cfg.intermediate_size  # the dense MLPs
+    if sparse:  # Qwen3-Next's MoE layers
+        mlps += sparse * _sparse_mlp_params(cfg)
     n_lin = cfg.num_linear_layers
-    return cfg.num_layers * every + n_lin * linear + (cfg.num_layers - n_lin) * attn
+    return (cfg.num_layers * 2 * e + mlps + n_lin * linear
+            + (cfg.num_layers - n_lin) * attn)
 
 
 def _mamba2_layers_params(cfg: ModelConfig) -> int:

@@ -27,6 +27,18 @@ from jengine.models.weight_rules import (
     transposed,
 )
 
+# Qwen2-MoE's and Qwen3-MoE's experts, Qwen2-MoE's shared expert and its gate (Qwen3-Next's too).
+QWEN_MOE_RULES: tuple[Rule, ...] = (
+    (LAYER + r"mlp\.gate\.weight", "router", transposed),
+    (LAYER + r"mlp" + EXPERT + r"gate_proj\.weight", "we_gate", transposed),
+    (LAYER + r"mlp" + EXPERT + r"up_proj\.weight", "we_up", transposed),
+    (LAYER + r"mlp" + EXPERT + r"down_proj\.weight", "we_down", transposed),
+    (LAYER + r"mlp\.shared_expert\.gate_proj\.weight", "ws_gate", transposed),
+    (LAYER + r"mlp\.shared_expert\.up_proj\.weight", "ws_up", transposed),
+    (LAYER + r"mlp\.shared_expert\.down_proj\.weight", "ws_down", transposed),
+    (LAYER + r"mlp\.shared_expert_gate\.weight", "ws_router", single_row),
+)
+
 # Every weight name a Llama-shaped HF or GGUF checkpoint uses for the switches llama.py has.
 LLAMA_RULES: tuple[Rule, ...] = COMMON + (
     (r"lm_head\.weight", "lm_head", transposed),
@@ -50,11 +62,6 @@ LLAMA_RULES: tuple[Rule, ...] = COMMON + (
     (LAYER + r"block_sparse_moe" + EXPERT + r"w1\.weight", "we_gate", transposed),
     (LAYER + r"block_sparse_moe" + EXPERT + r"w3\.weight", "we_up", transposed),
     (LAYER + r"block_sparse_moe" + EXPERT + r"w2\.weight", "we_down", transposed),
-    # Qwen2-MoE's and Qwen3-MoE's.
-    (LAYER + r"mlp\.gate\.weight", "router", transposed),
-    (LAYER + r"mlp" + EXPERT + r"gate_proj\.weight", "we_gate", transposed),
-    (LAYER + r"mlp" + EXPERT + r"up_proj\.weight", "we_up", transposed),
-    (LAYER + r"mlp" + EXPERT + r"down_proj\.weight", "we_down", transposed),
     # GGUF's (llama.cpp's) MoE layout: each weight of all a layer's experts in one tensor.
     (LAYER + r"mlp\.experts\.gate_proj\.weight", "we_gate", experts_t),
     (LAYER + r"mlp\.experts\.up_proj\.weight", "we_up", experts_t),
@@ -63,12 +70,7 @@ LLAMA_RULES: tuple[Rule, ...] = COMMON + (
     (LAYER + r"block_sparse_moe\.router\.layer\.weight", "router", transposed),
     (LAYER + r"block_sparse_moe\.input_linear\.weight", ("we_gate", "we_up"), experts_fused_t),
     (LAYER + r"block_sparse_moe\.output_linear\.weight", "we_down", experts_t),
-    # Qwen2-MoE's shared expert and its gate.
-    (LAYER + r"mlp\.shared_expert\.gate_proj\.weight", "ws_gate", transposed),
-    (LAYER + r"mlp\.shared_expert\.up_proj\.weight", "ws_up", transposed),
-    (LAYER + r"mlp\.shared_expert\.down_proj\.weight", "ws_down", transposed),
-    (LAYER + r"mlp\.shared_expert_gate\.weight", "ws_router", single_row),
-)
+) + QWEN_MOE_RULES
 
 # With post-norms the post_attention_layernorm normalises the attention output.
 _POST_NORM_RULES: tuple[Rule, ...] = (

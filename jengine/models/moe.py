@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts MLP of Mixtral, Qwen2-MoE, Qwen3-MoE and Granite-MoE.
+"""The sparse mixture-of-experts MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next and Granite-MoE.
 
 Routing is HF's, step for step: router logits [T, X] -> softmax in float32 -> the top
 `num_experts_per_tok` probabilities (`lax.top_k`: exactly k, ties broken towards the lower

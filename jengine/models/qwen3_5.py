@@ -24,6 +24,9 @@ Norms scale by (1 + weight) (the checkpoint stores the offset from one), except 
 of the linear layers. Weights stack over the layers of their kind: attention ones over the
 attention layers, linear ones over the linear layers (`layer_ordinals`), norms and MLPs over
 all of them; split per layer (the CPU default) every layer's dict holds its own.
+
+Qwen3-Next (`qwen3_next.py`) runs this forward: its layers hold a router (the MLP is then the
+sparse MoE of `moe.py`) and fused DeltaNet input projections (`_delta_net_inputs`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jengine.models import layers
+from jengine.models import layers, moe
 from jengine.models.attention import AttentionMetadata, KVCache, attend
 from jengine.models.config import ModelConfig
 from jengine.models.family import Family, ModelType, Network
@@ -53,10 +56,13 @@ from jengine.models.weight_rules import (
     transposed,
 )
 
-EVERY_LAYER_KEYS = ("attn_norm", "mlp_norm", "w_gate", "w_up", "w_down")
+# A family's layers hold the keys its specs declare: Qwen3-Next (`qwen3_next.py`) has the MoE's
+# keys instead of the dense MLP's, and its fused `lin_qkvz` / `lin_ba` instead of lin_qkv..a.
+_DENSE_MLP_KEYS = ("w_gate", "w_up", "w_down")
+EVERY_LAYER_KEYS = ("attn_norm", "mlp_norm", *_DENSE_MLP_KEYS, *moe.LAYER_KEYS)
 ATTENTION_KEYS = ("wqg", "wk", "wv", "wo", "q_norm", "k_norm")
-LINEAR_KEYS = ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt_bias", "lin_a_log",
-               "lin_norm", "lin_out")
+LINEAR_KEYS = ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_qkvz", "lin_ba", "lin_conv",
+               "lin_dt_bias", "lin_a_log", "lin_norm", "lin_out")
 _NOT_STARTED = np.iinfo(np.int32).max
 
 
@@ -106,7 +112,13 @@ def layer_ordinals(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     keys over the linear ones."""
     linear = tuple(i for i, lin in enumerate(cfg.linear_layers) if lin)
     full = tuple(i for i, lin in enumerate(cfg.linear_layers) if not lin)
-    return {**dict.fromkeys(ATTENTION_KEYS, full), **dict.fromkeys(LINEAR_KEYS, linear)}
+    ordinals = {**dict.fromkeys(ATTENTION_KEYS, full), **dict.fromkeys(LINEAR_KEYS, linear)}
+    if any(cfg.dense_mlp_layers):  # Qwen3-Next with dense layers: MLP keys over those only
+        dense = tuple(i for i, d in enumerate(cfg.dense_mlp_layers) if d)
+        sparse = tuple(i for i, d in enumerate(cfg.dense_mlp_layers) if not d)
+        ordinals.update({**dict.fromkeys(_DENSE_MLP_KEYS, dense),
+                         **dict.fromkeys(moe.LAYER_KEYS, sparse)})
+    return ordinals
 
 
 def forward(
@@ -138,7 +150,7 @@ def forward(
         kind = "linear" if linear else "full"
         j = ordinal[kind]  # the layer's place among those of its kind
         ordinal[kind] += 1
-        p = params["layers"][i] if "layers" in params else _layer_slices(params, i, j, linear)
+        p = params["layers"][i] if "layers" in params else _layer_slices(params, cfg, i)
         h = rms_norm(x, p["attn_norm"], eps, offset=1.0, backend=mm)
         if linear:
             out, (conv, ssm) = _delta_net(h, p, cfg, (conv_rows[j], ssm_rows[j]), md, rows)
@@ -148,7 +160,7 @@ def forward(
             out, kv = _gated_attention(h, p, cfg, kv, j, md, (cos[0], sin[0]))
         x = x + out
         h = rms_norm(x, p["mlp_norm"], eps, offset=1.0, backend=mm)
-        x = x + _mlp(h, p, mm)
+        x = x + (moe.moe_mlp(h, p, cfg) if "router" in p else _mlp(h, p, mm))
     if conv_out:
         kv = dataclasses.replace(
             kv, conv=kv.conv.at[:, 0, rows.slots].set(jnp.stack(conv_out)),  # [Ll, S, K-1, C]
@@ -158,12 +170,16 @@ def forward(
     return (logits(params, cfg, x) if head else x), kv
 
 
-def _layer_slices(params: dict, layer: int, ordinal: int, linear: bool) -> dict:
-    """Layer `layer`'s weights cut from the stacks (the stacked layout): its mixer's at
-    `ordinal`, the `ordinal`-th of its kind."""
-    mixer = LINEAR_KEYS if linear else ATTENTION_KEYS
-    return {**{key: params[key][layer] for key in EVERY_LAYER_KEYS},
-            **{key: params[key][ordinal] for key in mixer}}
+def _layer_slices(params: dict, cfg: ModelConfig, layer: int) -> dict:
+    """Layer `layer`'s weights cut from the stacks (the stacked layout): a weight that stacks
+    only some layers (`layer_ordinals`) at the layer's place among them."""
+    ordinals = layer_ordinals(cfg)
+    out = {}
+    for key in EVERY_LAYER_KEYS + ATTENTION_KEYS + LINEAR_KEYS:
+        held = ordinals.get(key)
+        if key in params and (held is None or layer in held):
+            out[key] = params[key][layer if held is None else held.index(layer)]
+    return out
 
 
 def logits(params: dict[str, jax.Array], cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -232,10 +248,9 @@ def _delta_net(h, p, cfg: ModelConfig, states: tuple[jax.Array, jax.Array],
     [S, Hv, Dk, Dv] DeltaNet) carried from `states` through the step's tokens."""
     mm = cfg.matmul_backend
     hv, dv = cfg.linear_v_heads, cfg.linear_v_dim
-    qkv = project(h, p["lin_qkv"], "te,ec->tc", backend=mm).astype(jnp.float32)  # [T, C]
-    z = project(h, p["lin_z"], "te,ehd->thd", backend=mm)  # [T, Hv, Dv]
-    beta = jax.nn.sigmoid(project(h, p["lin_b"], "te,eh->th", backend=mm).astype(jnp.float32))
-    a = project(h, p["lin_a"], "te,eh->th", backend=mm).astype(jnp.float32)
+    qkv, z, b, a = _delta_net_inputs(h, p, cfg)
+    qkv, a = qkv.astype(jnp.float32), a.astype(jnp.float32)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(p["lin_a_log"].astype(jnp.float32)) * jax.nn.softplus(
         a + p["lin_dt_bias"].astype(jnp.float32))  # [T, Hv] log decay
     states, out = jax.lax.scan(
@@ -243,6 +258,22 @@ def _delta_net(h, p, cfg: ModelConfig, states: tuple[jax.Array, jax.Array],
         (qkv, g, beta, md.token_seq, rows.valid))  # out [T, Hv, Dv]
     out = _gated_rms_norm(out, z, p["lin_norm"], cfg.rms_norm_eps).astype(h.dtype)
     return layers.project_heads(out.reshape(-1, hv, dv), p["lin_out"], backend=mm), states
+
+
+def _delta_net_inputs(h, p, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    """[T, E] -> the conv's channels (q, k, v) [T, C], z [T, Hv, Dv], b and a [T, Hv]: four
+    projections (Qwen3.5), or two (Qwen3-Next's `lin_qkvz`, `lin_ba`, whose columns the
+    converter put in this order)."""
+    mm, hv, dv = cfg.matmul_backend, cfg.linear_v_heads, cfg.linear_v_dim
+    if "lin_qkvz" in p:
+        c = cfg.linear_conv_dim
+        qkvz = project(h, p["lin_qkvz"], "te,ec->tc", backend=mm)  # [T, C + Hv * Dv]
+        ba = project(h, p["lin_ba"], "te,eh->th", backend=mm)  # [T, 2 Hv]
+        return qkvz[:, :c], qkvz[:, c:].reshape(-1, hv, dv), ba[:, :hv], ba[:, hv:]
+    return (project(h, p["lin_qkv"], "te,ec->tc", backend=mm),  # [T, C]
+            project(h, p["lin_z"], "te,ehd->thd", backend=mm),  # [T, Hv, Dv]
+            project(h, p["lin_b"], "te,eh->th", backend=mm),
+            project(h, p["lin_a"], "te,eh->th", backend=mm))
 
 
 def _token_step(cfg: ModelConfig, conv_w: jax.Array):

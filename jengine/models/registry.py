@@ -24,13 +24,15 @@ from jengine.models.llama4 import LLAMA4
 from jengine.models.nemotron_h import NEMOTRON_H
 from jengine.models.qwen2_5_vl import QWEN2_5_VL
 from jengine.models.qwen3_5 import QWEN3_5
+from jengine.models.qwen3_next import QWEN3_NEXT
 from jengine.models.qwen3_vl import QWEN3_VL
 
 FAMILIES: tuple[Family, ...] = (
     lv.LLAMA, lv.MISTRAL, lv.MIXTRAL, lv.QWEN2, lv.QWEN3, lv.QWEN2_MOE, lv.QWEN3_MOE,
     lv.GRANITE, lv.GRANITEMOE, lv.PHI3, lv.OLMO2, lv.EXAONE4, lv.SMOLLM3, lv.SEED_OSS,
     GEMMA3, GEMMA2, IDEFICS3, QWEN2_5_VL, QWEN3_VL,
-    DEEPSEEK_V2, GLM4_MOE, LLAMA4, QWEN3_5, GRANITE4, NEMOTRON_H, GPT_OSS,
+    DEEPSEEK_V2, GLM4_MOE, LLAMA4, QWEN3_5, QWEN3_NEXT, GRANITE4, NEMOTRON_H,
+    GPT_OSS,
 )
 
 

@@ -18,6 +18,7 @@ import test_models_parity
 import test_nemotron_h
 import test_qwen2_5_vl
 import test_qwen3_5
+import test_qwen3_next
 import test_qwen3_vl
 
 from jengine.models.registry import BY_MODEL_TYPE, FAMILIES
@@ -44,6 +45,7 @@ def test_table_is_generated_and_complete():
     for name in tested:
         homes = (test_models_parity, test_deepseek, test_deepseek_v3, test_glm4_moe,
                  test_idefics3, test_llama4, test_qwen2_5_vl, test_qwen3_5,
-                 test_qwen3_vl, test_granite4, test_nemotron_h, test_gpt_oss)
+                 test_qwen3_vl, test_granite4, test_nemotron_h, test_gpt_oss,
+                 test_qwen3_next)
         assert any(callable(getattr(home, name, None)) for home in homes), name
     assert len(tested) >= 15
