@@ -319,6 +319,6 @@ GEMMA4 = Family(
     model_types=(ModelType(
         name="gemma4_text", features="unit-weight value norms, proportional global rope, "
         "layer scalars, MoE block beside the dense MLP; no per-layer embeddings or shared KV",
-        parity_test="test_gemma4_text"),),
+        parity_test="test_gemma4_text_moe"),),
     network=NETWORK, unwrap_hf=_unwrap, hf_fields=_hf_fields, hf_weights=_RULES,
     default_sliding=_sliding_but_last, tied_by_default=True)
