@@ -62,6 +62,7 @@ def _checked(tmp_path, config, *, controls: bool):
     assert cfg.partial_rotary_factor == 0.25 and cfg.local_rope.theta == 10.0
     assert _max_diff(loaded, ids, expected) < TOL
     if controls:
+        assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL  # stacked + scan
         for wrong in (dict(sliding_window=None), dict(partial_rotary_factor=1.0),
                       dict(local_rope=cfg.rope)):
             assert _control(dataclasses.replace(cfg, **wrong), params, ids, expected) > TOL, wrong
@@ -82,8 +83,8 @@ def test_gemma4_text_moe(tmp_path):
 @pytest.mark.slow
 def test_gemma4_text(tmp_path):
     """Slow tier (CI: the MoE variant's parity, whose layers hold the same dense path): the
-    dense variant's parity and the negative controls of the window, the two ropes and the
-    layer scalars."""
+    dense variant's parity, per layer and stacked under `lax.scan`, and the negative controls
+    of the window, the two ropes and the layer scalars."""
     _checked(tmp_path, _config(), controls=True)
 
 
