@@ -250,12 +250,21 @@ _RULES: tuple[Rule, ...] = (
 
 def _refuse_unbuilt(hf: dict[str, Any]) -> None:
     """One line for each Gemma 4 feature this network does not run (module docstring)."""
-    layer_types = hf.get("layer_types") or []
+    num_layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types") or ["full_attention" if full else "sliding_attention"
+                                            for full in _global_layers(num_layers)]
     head_dim = hf.get("head_dim", 256)
     kv_heads = hf.get("num_key_value_heads", 4)
-    full = next((str(i) for i, t in enumerate(layer_types) if t == "full_attention"), None)
-    overrides = (hf.get("per_layer_config") or {}).get(full, {}) if "per_layer_config" in hf \
-        else {"head_dim": hf.get("global_head_dim", 512)}
+    # HF makes the last layer global, so there always is one.
+    full = next((str(i) for i, t in enumerate(layer_types[:-1]) if t == "full_attention"),
+                str(num_layers - 1))
+    if "per_layer_config" in hf:  # HF's own reading: present (even empty), it decides alone
+        per_layer = hf["per_layer_config"] or {}
+        overrides = per_layer.get(full) or per_layer.get(int(full)) or {}
+    else:
+        overrides = {"head_dim": hf.get("global_head_dim", 512)}
+        if hf.get("attention_k_eq_v") and hf.get("num_global_key_value_heads") is not None:
+            overrides["num_key_value_heads"] = hf["num_global_key_value_heads"]
     unbuilt = {
         "per-layer input embeddings (hidden_size_per_layer_input)":
             hf.get("hidden_size_per_layer_input", 256),
@@ -265,9 +274,9 @@ def _refuse_unbuilt(hf: dict[str, Any]) -> None:
             hf.get("use_bidirectional_attention"),
         "attention biases (attention_bias)": hf.get("attention_bias", False),
         "global layers with their own head width (global_head_dim)":
-            full is not None and overrides.get("head_dim", head_dim) != head_dim,
+            overrides.get("head_dim", head_dim) != head_dim,
         "global layers with their own KV heads (num_global_key_value_heads)":
-            full is not None and overrides.get("num_key_value_heads", kv_heads) != kv_heads,
+            overrides.get("num_key_value_heads", kv_heads) != kv_heads,
         "an activation other than gelu_pytorch_tanh":
             hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
     }
@@ -309,9 +318,13 @@ def _hf_fields(hf: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _sliding_but_last(hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+def _global_layers(num_layers: int) -> list[bool]:
     """HF's default `layer_types`: five sliding layers per global one, the last one global."""
-    return tuple((i + 1) % 6 != 0 and i != num_layers - 1 for i in range(num_layers))
+    return [(i + 1) % 6 == 0 or i == num_layers - 1 for i in range(num_layers)]
+
+
+def _sliding_but_last(hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    return tuple(not full for full in _global_layers(num_layers))
 
 
 GEMMA4 = Family(

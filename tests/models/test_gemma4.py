@@ -120,13 +120,14 @@ def _hf_dict(**kw) -> dict:
     (dict(num_kv_shared_layers=1), "KV shared across layers"),
     (dict(attention_k_eq_v=True), "keys reused as values"),
     (dict(per_layer_config=None, global_head_dim=32), "their own head width"),
+    (dict(per_layer_config=None, layer_types=None), "their own head width"),  # HF's 512
     (dict(per_layer_config={"2": {"num_key_value_heads": 1}}), "their own KV heads"),
     (dict(use_bidirectional_attention="all"), "bidirectional"),
 ])
 def test_gemma4_refuses_what_is_not_built(change, message):
-    hf = _hf_dict(**change)
-    if hf.get("per_layer_config") is None:
-        hf.pop("per_layer_config")
+    """A config.json without `per_layer_config` (the published ones) gives the global layers
+    `global_head_dim` (HF's default 512) and, with `attention_k_eq_v`, their own KV heads."""
+    hf = {k: v for k, v in _hf_dict(**change).items() if v is not None or k not in change}
     with pytest.raises(ValueError, match=message):
         model_config_from_hf(hf)
 
