@@ -12,13 +12,17 @@ scales and zeroed experts. Slow tier: 16 greedy tokens of a mixed batch through
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
+import torch
 import transformers
 from test_deepseek import ONE_BUCKET, _greedy_hf
-from test_models_parity import TOL, VOCAB, WINDOW, _build, _max_diff
+from test_models_parity import SEQ_LEN, TOL, VOCAB, WINDOW, _build, _max_diff
+from tiny_models import randomize, save_tokenizer
 
+from converters import load_source
 from jengine import Engine, SamplingParams
 from jengine.models import gemma4, model_config_from_hf
 
@@ -80,6 +84,58 @@ def test_gemma4_text_moe(tmp_path):
     assert _control(cfg, flat, ids, expected) > TOL
 
 
+TWO_KINDS = dict(head_dim=8, global_head_dim=16, attention_k_eq_v=True,
+                 num_global_key_value_heads=1)
+
+
+def _build_two_kinds(tmp_path, config):
+    """`_build` for a config whose global layers have their own shape: HF's `to_dict` writes
+    an empty `per_layer_config` and drops `global_head_dim`, so the saved config.json is made
+    what the published ones are (no `per_layer_config`, the global shape as keys)."""
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    model = transformers.Gemma4ForCausalLM(config).eval()
+    randomize(model, norm_offset=1.0)
+    with torch.no_grad():
+        _scalars(model)
+    model.save_pretrained(tmp_path)
+    save_tokenizer(tmp_path, VOCAB)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved.pop("per_layer_config", None)
+    saved.update(global_head_dim=16, num_global_key_value_heads=1)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    ids = np.random.default_rng(2).integers(3, VOCAB, SEQ_LEN).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].float().numpy()
+    return model, load_source(str(tmp_path), dtype="float32", progress=False), ids, expected
+
+
+def test_gemma4_text_global_layers_of_their_own_shape(tmp_path):
+    """26B-A4B's and 31B's layout, small: global heads twice as wide as the sliding ones (the
+    cache takes the wider; the sliding layers' heads are zero-padded into it), one global KV
+    head against two sliding ones (repeated into the cache), the global values their keys, and
+    the MoE block. Per-layer weights, and the stacks sliced by layer (the stacked layout)."""
+    _, loaded, ids, expected = _build_two_kinds(tmp_path, _config(**TWO_KINDS, **MOE))
+    cfg, params = loaded.config, loaded.params
+    assert (cfg.head_dim, cfg.sliding_head_dim, cfg.num_kv_heads, cfg.global_kv_heads) == (
+        16, 8, 2, 1)
+    assert params["wk_g"].shape == (1, 64, 1, 16) and "wv_g" not in params
+    assert params["wq"].shape == (2, 64, 4, 8)
+    assert _max_diff(loaded, ids, expected) < TOL
+    assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL
+    wide = dataclasses.replace(cfg, partial_rotary_factor=1.0)  # the global layers matter
+    assert _control(wide, params, ids, expected) > TOL
+
+
+@pytest.mark.slow
+def test_gemma4_two_kinds_engine_greedy_matches_hf(tmp_path):
+    """The layout above through `Engine.generate`: 16 greedy tokens of a mixed batch equal
+    HF's on the reference and `cpu` attention and under tp=2 (the sliding KV heads split, the
+    one global KV head repeated into both shards)."""
+    model, *_ = _build_two_kinds(tmp_path, _config(**TWO_KINDS, **MOE))
+    _engine_runs_match(tmp_path, model)
+
+
 @pytest.mark.slow
 def test_gemma4_text(tmp_path):
     """Slow tier (CI: the MoE variant's parity, whose layers hold the same dense path): the
@@ -101,9 +157,13 @@ def test_gemma4_engine_greedy_matches_hf(tmp_path, kw):
     models: list = []
     _build(tmp_path, _config(**kw), transformers.Gemma4ForCausalLM,
            edit=lambda m: (_scalars(m), models.append(m)), greedy=False)
+    _engine_runs_match(tmp_path, models[0])
+
+
+def _engine_runs_match(tmp_path, model) -> None:
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 19, 11)]
-    expected = _greedy_hf(models[0], prompts, 16)
+    expected = _greedy_hf(model, prompts, 16)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     for run in RUNS:
         engine = Engine(str(tmp_path), config=ONE_BUCKET, dtype="float32",
@@ -118,18 +178,29 @@ def _hf_dict(**kw) -> dict:
 @pytest.mark.parametrize("change, message", [
     (dict(hidden_size_per_layer_input=256), "per-layer input embeddings"),
     (dict(num_kv_shared_layers=1), "KV shared across layers"),
-    (dict(attention_k_eq_v=True), "keys reused as values"),
-    (dict(per_layer_config=None, global_head_dim=32), "their own head width"),
-    (dict(per_layer_config=None, layer_types=None), "their own head width"),  # HF's 512
-    (dict(per_layer_config={"2": {"num_key_value_heads": 1}}), "their own KV heads"),
+    (dict(per_layer_config=None, global_head_dim=8), "narrower heads"),
+    (dict(per_layer_config={"2": {"num_key_value_heads": 4}}), "more KV heads"),
     (dict(use_bidirectional_attention="all"), "bidirectional"),
 ])
 def test_gemma4_refuses_what_is_not_built(change, message):
-    """A config.json without `per_layer_config` (the published ones) gives the global layers
-    `global_head_dim` (HF's default 512) and, with `attention_k_eq_v`, their own KV heads."""
     hf = {k: v for k, v in _hf_dict(**change).items() if v is not None or k not in change}
     with pytest.raises(ValueError, match=message):
         model_config_from_hf(hf)
+
+
+def test_gemma4_reads_the_global_shape_as_hf_does():
+    """A config.json without `per_layer_config` (the published ones) gives the global layers
+    `global_head_dim` (HF's default 512, also where `layer_types` is left out) and, with
+    `attention_k_eq_v`, `num_global_key_value_heads`; the cache takes the wider heads."""
+    base = {k: v for k, v in _hf_dict().items() if k != "per_layer_config"}
+    cfg = model_config_from_hf({**base, "global_head_dim": 32})
+    assert (cfg.head_dim, cfg.sliding_head_dim, cfg.global_kv_heads) == (32, 16, 0)
+    cfg = model_config_from_hf({k: v for k, v in base.items() if k != "layer_types"})
+    assert (cfg.head_dim, cfg.sliding_head_dim) == (512, 16)
+    cfg = model_config_from_hf({**base, "global_head_dim": 16, "attention_k_eq_v": True,
+                                "num_global_key_value_heads": 1})
+    assert (cfg.head_dim, cfg.sliding_head_dim, cfg.global_kv_heads) == (16, 0, 1)
+    assert cfg.global_values_are_keys and gemma4.two_kinds(cfg)
 
 
 def test_gemma4_global_rope_turns_its_first_quarter():
