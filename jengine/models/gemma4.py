@@ -14,12 +14,19 @@ with these differences, each HF's `Gemma4Text*` step for step:
   by its expert's learned `per_expert_scale`; the two branches are normed apart and summed
   before the post-MLP norm.
 
+Global layers of their own shape (26B-A4B, 31B: heads twice as wide, fewer KV heads, values
+that are the raw keys, `attention_k_eq_v`) stack their own attention weights (`two_kinds`,
+`layer_ordinals`); the paged cache, one [K, D] for every layer, takes the wider heads and the
+more KV heads: narrower heads are zero-padded into it and fewer KV heads repeated
+(`_cache_shaped`), exact at a memory cost (31B's sliding layers fill half of each row, its
+global layers a quarter).
+
 Not built (refused at config time with a one-line ValueError): per-layer input embeddings
-(`hidden_size_per_layer_input` > 0, the E2B / E4B models), KV shared across layers
-(`num_kv_shared_layers`), keys reused as values (`attention_k_eq_v`), global layers whose head
-width or KV head count differs from the sliding layers' (`global_head_dim`,
-`num_global_key_value_heads`: the paged cache has one [K, D] per layer), bidirectional
-attention, attention biases, and activations other than tanh-approximated GELU.
+(`hidden_size_per_layer_input` > 0) and KV shared across layers (`num_kv_shared_layers`), which
+the E2B / E4B models use; global heads narrower, or global KV heads more than (or not dividing)
+the sliding layers'; bidirectional attention, attention biases, and activations other than
+tanh-approximated GELU. A multimodal `gemma4` checkpoint serves its text model (the vision and
+audio towers are skipped).
 """
 
 from __future__ import annotations
@@ -333,6 +340,8 @@ _scalar = Transform(  # HF's per-layer `layer_scalar` [1] -> one value per layer
     source_shape=lambda shape, d: (1,),
 )
 _RULES: tuple[Rule, ...] = (
+    # A multimodal checkpoint's audio tower and the towers' projections into the text model.
+    (r"model\.(?:audio_tower|embed_vision|embed_audio)\..*", (), same),
     (r"lm_head\.weight", "lm_head", transposed),
     (LAYER + r"self_attn\.q_norm\.weight", "q_norm", same),
     (LAYER + r"self_attn\.k_norm\.weight", "k_norm", same),
@@ -432,9 +441,11 @@ def _refuse_unbuilt(hf: dict[str, Any], global_dim: int, global_kv: int) -> None
 
 
 def _unwrap(hf: dict[str, Any]) -> dict[str, Any]:
-    """Refuses what is not built; rewrites the global layers' proportional rope as the plain
-    (or linearly scaled) rope it starts from, keeping its turning fraction apart, and makes the
-    last layer global as HF's config does."""
+    """Takes a multimodal checkpoint's text model; refuses what is not built; rewrites the
+    global layers' proportional rope as the plain (or linearly scaled) rope it starts from,
+    keeping its turning fraction apart; makes the last layer global as HF's config does."""
+    if "text_config" in hf:  # a multimodal `gemma4` checkpoint: its text model
+        hf = {**hf["text_config"], "model_type": "gemma4_text"}
     global_dim, global_kv = _global_shape(hf)
     _refuse_unbuilt(hf, global_dim, global_kv)
     hf = {"sliding_window": 512, "max_position_embeddings": 131_072, "head_dim": 256,
@@ -486,7 +497,12 @@ GEMMA4 = Family(
     name="gemma4",
     model_types=(ModelType(
         name="gemma4_text", features="unit-weight value norms, proportional global rope, "
-        "layer scalars, MoE block beside the dense MLP; no per-layer embeddings or shared KV",
-        parity_test="test_gemma4_text_moe"),),
+        "layer scalars, MoE block beside the dense MLP, global layers with wider heads, fewer "
+        "KV heads and k = v (padded into the cache); no per-layer embeddings or shared KV",
+        parity_test="test_gemma4_text_moe"),
+        ModelType(name="gemma4", features="the text model of a multimodal Gemma 4 checkpoint "
+                  "(as `gemma4_text`; vision and audio towers skipped)",
+                  parity_test="test_gemma4_multimodal_checkpoint_serves_its_text_model"),
+    ),
     network=NETWORK, unwrap_hf=_unwrap, hf_fields=_hf_fields, hf_weights_for=_weight_rules,
     default_sliding=_sliding_but_last, tied_by_default=True)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.numpy import load_file, save_file
 from test_deepseek import ONE_BUCKET, _greedy_hf
 from test_models_parity import SEQ_LEN, TOL, VOCAB, WINDOW, _build, _max_diff
 from tiny_models import randomize, save_tokenizer
@@ -125,6 +126,25 @@ def test_gemma4_text_global_layers_of_their_own_shape(tmp_path):
     assert _max_diff(loaded, ids, expected, layer_layout="as_given") < TOL
     wide = dataclasses.replace(cfg, partial_rotary_factor=1.0)  # the global layers matter
     assert _control(wide, params, ids, expected) > TOL
+
+
+def test_gemma4_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """A `Gemma4ForConditionalGeneration` checkpoint's layout (config under `text_config`,
+    text weights under `model.language_model.`, towers beside them): the text model's logits."""
+    _, _, ids, expected = _build_two_kinds(tmp_path, _config(**TWO_KINDS, **MOE))
+    text = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+         "text_config": text, "vision_config": {"hidden_size": 8}}))
+    [shard] = tmp_path.glob("*.safetensors")
+    weights = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(shard).items()}
+    for tower in ("model.vision_tower.x", "model.audio_tower.x", "model.embed_vision.x"):
+        weights[tower] = np.zeros(2, np.float32)
+    save_file(weights, shard)
+    loaded = load_source(str(tmp_path), dtype="float32", progress=False)
+    assert loaded.config.model_type == "gemma4_text"
+    assert _max_diff(loaded, ids, expected, decode_steps=0) < TOL
 
 
 @pytest.mark.slow
