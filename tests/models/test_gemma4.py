@@ -5,8 +5,11 @@ the last layer global), a window of 5 tokens that the 30-token sequence passes, 
 scalars, a global rope that turns a quarter of its frequency pairs and a final soft cap.
 Negative controls, each pushing the logits past `TOL`: no window, the global rope turning every
 pair, the sliding layers' rope on the global ones, unit layer scalars; for MoE unit expert
-scales and zeroed experts. Slow tier: 16 greedy tokens of a mixed batch through
-`Engine.generate` equal HF's. Configurations with what is not built are refused, one line each.
+scales. The 26B-A4B / 31B layout small (global heads twice as wide, one global KV head against
+two, values that are the keys) per layer and stacked, and as a multimodal checkpoint's text
+model. Slow tier: the dense controls, and 16 greedy tokens of a mixed batch through
+`Engine.generate` equal HF's for every variant on `reference`, `cpu` and tp=2. Configurations
+with what is not built are refused, one line each.
 """
 
 from __future__ import annotations
