@@ -264,6 +264,12 @@ class ModelConfig:
     # is then padded to a multiple of tp and this names the kv head of every q head.
     kv_head_map: tuple[int, ...] | None = None
     padded_heads: int = 0  # how many of num_heads are those zero heads (OLMo 2's norm skips them)
+    # Gemma 4's global layers: `head_dim` and `num_kv_heads` are the cache's, the widest; the
+    # sliding layers' narrower heads (0: head_dim) and the global layers' fewer KV heads (0:
+    # num_kv_heads) are zero-padded / repeated into it; `global_values_are_keys`: no v_proj.
+    sliding_head_dim: int = 0
+    global_kv_heads: int = 0
+    global_values_are_keys: bool = False
     # The attention implementation the forward pass calls (resolved by the engine, never auto).
     attention_backend: str = "reference"  # reference | cpu | pallas_tpu | pallas_gpu
     # The projections' implementation (resolved by the engine, never auto): xla | native (the

@@ -75,8 +75,9 @@ class ModelType:
     name: str
     features: str
     # in tests/models/test_models_parity.py, test_deepseek.py, test_deepseek_v3.py,
-    # test_glm4_moe.py, test_gpt_oss.py, test_idefics3.py, test_qwen2_5_vl.py, test_qwen3_5.py,
-    # test_qwen3_vl.py, test_granite4.py, test_nemotron_h.py or test_qwen3_next.py
+    # test_gemma4.py, test_glm4_moe.py, test_gpt_oss.py, test_idefics3.py, test_qwen2_5_vl.py,
+    # test_qwen3_5.py, test_qwen3_vl.py, test_granite4.py, test_nemotron_h.py or
+    # test_qwen3_next.py
     parity_test: str | None = None
     # How GGUF files reach this type when no architecture maps to it by name (Mixtral is
     # llama.cpp's `llama` with experts).

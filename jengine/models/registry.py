@@ -15,6 +15,7 @@ from jengine.models.config import ModelConfig
 from jengine.models.deepseek import DEEPSEEK_V2
 from jengine.models.family import Family, Network
 from jengine.models.gemma3 import GEMMA2, GEMMA3
+from jengine.models.gemma4 import GEMMA4
 from jengine.models.glm4_moe import GLM4_MOE
 from jengine.models.gpt_oss import GPT_OSS
 from jengine.models.granite4 import GRANITE4
@@ -30,7 +31,7 @@ from jengine.models.qwen3_vl import QWEN3_VL
 FAMILIES: tuple[Family, ...] = (
     lv.LLAMA, lv.MISTRAL, lv.MIXTRAL, lv.QWEN2, lv.QWEN3, lv.QWEN2_MOE, lv.QWEN3_MOE,
     lv.GRANITE, lv.GRANITEMOE, lv.PHI3, lv.OLMO2, lv.EXAONE4, lv.SMOLLM3, lv.SEED_OSS,
-    GEMMA3, GEMMA2, IDEFICS3, QWEN2_5_VL, QWEN3_VL,
+    GEMMA3, GEMMA2, GEMMA4, IDEFICS3, QWEN2_5_VL, QWEN3_VL,
     DEEPSEEK_V2, GLM4_MOE, LLAMA4, QWEN3_5, QWEN3_NEXT, GRANITE4, NEMOTRON_H,
     GPT_OSS,
 )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import test_deepseek
 import test_deepseek_v3
+import test_gemma4
 import test_glm4_moe
 import test_gpt_oss
 import test_granite4
@@ -44,7 +45,7 @@ def test_table_is_generated_and_complete():
     tested = [t.parity_test for f in FAMILIES for t in f.model_types if t.parity_test]
     for name in tested:
         homes = (test_models_parity, test_deepseek, test_deepseek_v3, test_glm4_moe,
-                 test_idefics3, test_llama4, test_qwen2_5_vl, test_qwen3_5,
+                 test_gemma4, test_idefics3, test_llama4, test_qwen2_5_vl, test_qwen3_5,
                  test_qwen3_vl, test_granite4, test_nemotron_h, test_gpt_oss,
                  test_qwen3_next)
         assert any(callable(getattr(home, name, None)) for home in homes), name
