@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 
+from jengine.runtime import warmup_plan
 from jengine.runtime.step_io import Variant
 
 
@@ -31,7 +32,7 @@ def export(runner, shape: tuple[int, int, int], variant: Variant,
     `jax.export` and not compiled. The runner's model config must name the target platform,
     so the kernels are built for it (Triton's custom call has no compatibility promise: that
     one check is off)."""
-    host, picked = runner.host_inputs(*runner._dummy(shape, variant))
+    host, picked = warmup_plan.dummy_inputs(runner, shape, variant)
     lora = runner.loras.tree if picked.lora else None
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                             (runner.params, runner.kv, runner._device_inputs(host),

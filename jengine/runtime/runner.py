@@ -16,7 +16,6 @@ program a previous process compiled without tracing it again.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -28,7 +27,7 @@ import jax
 import numpy as np
 
 from jengine.models import KVCache, ModelConfig
-from jengine.runtime import lowering
+from jengine.runtime import lowering, warmup_plan
 from jengine.runtime.buckets import Buckets
 from jengine.runtime.executables import (
     ExecutableStore,
@@ -40,14 +39,11 @@ from jengine.runtime.lora_slots import LoraSlots, batch_slots
 from jengine.runtime.packed_inputs import PackedInputs
 from jengine.runtime.step_io import (
     EMBED_VARIANTS,
-    GREEDY_VARIANT,
-    VARIANTS,
     SamplingRows,
     StepInputs,
     StepOutputs,
     StepResult,
     Variant,
-    dummy_step,
     host_variant,
     step_inputs,
 )
@@ -334,29 +330,14 @@ class Runner:
 
     def warmup_programs(self) -> list[tuple[tuple[int, int, int], Variant]]:
         """Every (bucket shape, variant) that `warmup` builds: all a step can need."""
-        if self.embed:
-            variants = EMBED_VARIANTS
-        else:
-            plain = (Variant(),) + (() if self.branches else (GREEDY_VARIANT,))
-            variants = VARIANTS + plain[1:]
-            if self.loras is not None:
-                variants += tuple(dataclasses.replace(v, lora=True) for v in variants)
-                # plain-sampling steps that compute only the slots their batch uses
-                variants += tuple(dataclasses.replace(v, lora=True, lora_width=w) for v in plain
-                                  for w in self.loras.widths if w < self.loras.max_loras)
-        return [(shape, variant) for shape in self.buckets.shapes() for variant in variants]
-
-    def _dummy(self, shape: tuple[int, int, int], variant: Variant):
-        """`dummy_step` whose rows pick `variant` here (drawn rows for an accelerator's plain,
-        not greedy, program)."""
-        return dummy_step(shape, variant, sampled=not self.branches and not variant.greedy)
+        return warmup_plan.programs(self)
 
     def warmup_keys(self) -> list[str | None]:
         """The store key of each program `warmup` builds, in `warmup_programs()` order: what
         `jengine compile` stores and `serve --require-warm` needs (None without a store)."""
         if self.store is None:
             return [None] * len(self.warmup_programs())
-        return [self._key(self._signature(*self._dummy_inputs(shape, variant)))
+        return [self._key(self._signature(*warmup_plan.dummy_inputs(self, shape, variant)))
                 for shape, variant in self.warmup_programs()]
 
     def _check_stored(self, programs: list[tuple[tuple[int, int, int], Variant]]) -> None:
@@ -392,26 +373,14 @@ class Runner:
     def export(self, shape, variant: Variant, platforms: tuple[str, ...]) -> jax.export.Exported:
         return lowering.export(self, shape, variant, platforms)
 
-    def _dummy_inputs(self, shape: tuple[int, int, int],
-                      variant: Variant) -> tuple[StepInputs, Variant]:
-        """A warm-up step's inputs for (`shape`, `variant`); a narrow lora variant's slot
-        pick is forced to its width (the dummy batch uses no adapter)."""
-        host, got = self.host_inputs(*self._dummy(shape, variant))
-        if variant.lora_width:
-            host = dataclasses.replace(host, lora_pick=np.zeros((variant.lora_width,), np.int32))
-        elif variant.lora and self.loras.widths[0] < self.loras.max_loras:
-            # every slot in place (the dummy batch, using none, would gather the narrowest)
-            host = dataclasses.replace(host, lora_pick=None)
-        return host, variant if variant.lora else got
-
     def _build_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        host, variant = self._dummy_inputs(shape, variant)
+        host, variant = warmup_plan.dummy_inputs(self, shape, variant)
         lora = self.loras.tree if variant.lora else None
         self._program(host, variant, (self._to_device(self._device_inputs(host)),
                                       self._no_tokens, lora))
 
     def _run_dummy(self, shape: tuple[int, int, int], variant: Variant) -> None:
-        out = self._launch(*self._dummy_inputs(shape, variant))
+        out = self._launch(*warmup_plan.dummy_inputs(self, shape, variant))
         jax.block_until_ready(out.sampled.tokens)
 
 

@@ -369,35 +369,3 @@ class StepResult:
             result.prompt_top_ids = prompt.top_ids[:num_tokens]
             result.prompt_top_logprobs = prompt.top_logprobs[:num_tokens]
         return result
-
-
-def dummy_batch(t: int, s: int, p: int) -> ScheduledBatch:
-    """A batch of exactly bucket shape whose tokens all write the scratch page 0."""
-    q_lens = np.full((s,), t // s, np.int32)
-    q_lens[-1] += t - q_lens.sum()
-    return ScheduledBatch(
-        seq_ids=list(range(s)),
-        token_ids=np.zeros((t,), np.int32),
-        positions=np.zeros((t,), np.int32),
-        slot_mapping=np.zeros((t,), np.int32),
-        q_lens=q_lens,
-        kv_lens=q_lens.copy(),
-        page_table=np.zeros((s, p), np.int32),
-        sample=np.ones((s,), bool),
-    )
-
-
-def dummy_step(shape: tuple[int, int, int], variant: Variant, *,
-               sampled: bool = False) -> tuple[ScheduledBatch, SamplingRows]:
-    """A batch of bucket `shape` (T, S, P) whose rows run `variant`'s program (warm-up). A
-    plain variant's rows are greedy (the branch XLA:CPU's first run then sets up); `sampled`
-    gives them temperature 1, which is what picks the accelerators' plain program over its
-    greedy twin (`host_variant`)."""
-    t, s, p = shape
-    batch = dummy_batch(t, s, p)
-    if variant.lora:  # adapter id 0 on every row: the lora program, no adapter applied
-        batch.lora_ids = np.zeros((s,), np.int64)
-    rows = SamplingRows.for_variant(s, t, variant)
-    if sampled:
-        rows.temperature = np.ones((s,), np.float32)
-    return batch, rows

@@ -26,7 +26,8 @@ from jengine.core import build
 from jengine.cpu_kernels import int8_matmul as cpu_int8
 from jengine.cpu_kernels import matmul as cpu_matmul
 from jengine.models import matmul
-from jengine.runtime.step_io import SamplingRows, dummy_batch
+from jengine.runtime.step_io import SamplingRows
+from jengine.runtime.warmup_plan import dummy_batch
 
 pytestmark = pytest.mark.skipif(
     not (cpu_matmul.available() and cpu_matmul.amx_available()),

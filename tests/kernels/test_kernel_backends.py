@@ -14,7 +14,8 @@ import yaml
 from jengine import Engine, SamplingParams
 from jengine.cpu_kernels import attention as cpu
 from jengine.runtime.buckets import QUERY_BLOCK
-from jengine.runtime.step_io import SamplingRows, dummy_batch
+from jengine.runtime.step_io import SamplingRows
+from jengine.runtime.warmup_plan import dummy_batch
 
 ONE_BUCKET = str(Path(__file__).parents[1] / "one_bucket.yaml")
 TEST_PRESET = Path(__file__).parents[2] / "configs" / "test.yaml"

@@ -36,7 +36,8 @@ from jengine.runtime.executables import (
     store_key,
     traced_files,
 )
-from jengine.runtime.step_io import VARIANTS, SamplingRows, Variant, dummy_batch
+from jengine.runtime.step_io import VARIANTS, SamplingRows, Variant
+from jengine.runtime.warmup_plan import dummy_batch
 
 REPO = Path(__file__).resolve().parents[2]
 ONE_BUCKET = str(Path(__file__).parents[1] / "one_bucket.yaml")

@@ -28,6 +28,7 @@ from jengine.runtime.lowering import export
 from jengine.runtime.packed_inputs import PACK_MAX_BYTES, PackedInputs
 from jengine.runtime.runner import Runner
 from jengine.runtime.step_io import SamplingRows
+from jengine.runtime.warmup_plan import dummy_inputs
 from jengine.scheduling.batch import ScheduledBatch
 
 CONTROL_FLOW = re.compile(r"stablehlo\.(case|if|while)\b")
@@ -138,7 +139,7 @@ def test_packed_inputs_round_trip():
     went in; the logit bias past PACK_MAX_BYTES travels apart."""
     runner = tiny_runner("gpu", "reference")
     variant = next(v for _, v in runner.warmup_programs() if v.features)
-    host, _ = runner.host_inputs(*runner._dummy(SHAPE, variant))
+    host, _ = dummy_inputs(runner, SHAPE, variant)
     host.sampling = dataclasses.replace(
         host.sampling, history_is_output=np.eye(*host.sampling.history.shape, dtype=bool),
         temperature=np.linspace(0, 2, SHAPE[1], dtype=np.float32))

@@ -8,7 +8,7 @@ projection, written as PEFT directories), each case `--rounds` times after one w
 own speed. Offline `Engine.generate`, not a served run: the server adds the same per-token
 cost to every case.
 
-    python scripts/lora_bench.py [--model M] [--streams 32] [--output-len 64] [--rank 16]
+    PYTHONPATH=. python -P experiments/lora_bench.py [--model M] [--streams 32] [--output-len 64] [--rank 16]
                                  [--adapters 0 1 4 8] [--rounds 3]
 """
 
