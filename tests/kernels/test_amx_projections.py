@@ -87,6 +87,8 @@ def _equal_up_to_near_ties(got: Engine, want: Engine, prompts: list[str], max_to
     return compared
 
 
+# ~15 s; CI: the kernels against XLA here, and every engine test on an AMX CPU runs them
+@pytest.mark.slow
 def test_greedy_tokens_equal_xla(engines):
     amx = engines["amx"]
     assert amx.core.model_config.matmul_backend == "amx"

@@ -35,6 +35,9 @@ def _engine(tmp_path, quantization: str, backend: str) -> Engine:
     return Engine(config=str(config), quantization=quantization, progress=False)
 
 
+# ~33 s: two SmolLM2 engines; CI: the W4A16 and W4A8 kernels against float64
+# (test_w4_matmul.py), the file's blocks loaded in place (below)
+@pytest.mark.slow
 @pytest.mark.skipif(not cpu_w4.available(), reason="native w4 matmul not built")
 def test_kernel_greedy_tokens_equal_the_reference(tmp_path, caplog):
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)

@@ -27,6 +27,7 @@ PATHS = [pytest.param((), id="this-cpu"),
 # AVX2 kernels' engine tokens in tests/kernels/test_packed_bf16.py and test_cpu_matmul.py.
 
 
+@pytest.mark.slow  # ~22 s; CI: test_speculative's engine greedy unchanged by speculation
 @pytest.mark.parametrize("hide", PATHS)
 def test_bf16_greedy_tokens_and_logprobs_are_a_plain_decodes(hide):
     """In bf16 (the AMX CPUs' default) a verification's rows give a plain decode's tokens and

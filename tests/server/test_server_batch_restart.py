@@ -10,12 +10,16 @@ import signal
 import sqlite3
 import time
 
+import pytest
 from serve_process import MODEL, running_server  # tests/serve_process.py
 
 CHAT = "/v1/chat/completions"
 LINES = 12
 
 
+# ~37 s: two `jengine serve` processes; CI: test_batch_store's resume (a line answered
+# once, the store reopened)
+@pytest.mark.slow
 def test_a_batch_stopped_by_sigterm_is_resumed_by_the_next_server(tmp_path):
     batch_dir = tmp_path / "batches"
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": CHAT,

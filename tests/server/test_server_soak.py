@@ -8,12 +8,16 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
 from serve_process import KEY  # tests/serve_process.py
 
 from jengine.bench.soak_requests import KINDS
 from jengine.cli.main import main
 
 
+# ~17 s of load on the shared server; CI: the hardening and abort tests' end state (pages
+# back, nothing running)
+@pytest.mark.slow
 def test_short_soak_reports_samples_and_returns_to_idle(server, capsys, tmp_path):
     """12 s of `jengine bench soak` (every request kind, hang-ups, bad input) on the session
     server: no client error, every abort counted, memory sampled, and the server idle with no KV
