@@ -551,7 +551,9 @@ def test_schema_fuzzing_finds_no_server_error(local):
             nonlocal ran
             ran += 1
             try:
-                case.call_and_validate(base_url=local.url, checks=[
+                # 60 s, not the client's default 10: a valid body may ask for many tokens, and
+                # a loaded 2-core CI host took over 10 s on one (a hang still fails)
+                case.call_and_validate(base_url=local.url, timeout=60, checks=[
                     not_a_server_error, status_code_conformance, content_type_conformance])
             except Exception as e:  # noqa: BLE001 - collect, report all at the end
                 failures.append(f"{operation.label}: {type(e).__name__}: {str(e)[:300]}")
